@@ -1,0 +1,130 @@
+"""Neighbour maps for submanifold convolution: for every site and kernel offset, the row of the neighbour."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jsparse import dispatch
+from jsparse.sparse_tensor import SparseTensor, linear_keys
+
+
+def as_triple(value, name: str) -> tuple[int, int, int]:
+  if isinstance(value, int):
+    value = (value,) * 3
+  try:
+    triple = tuple(int(v) for v in value)
+  except TypeError:
+    raise TypeError(f"{name} must be an int or 3 ints, got {value!r}") from None
+  if len(triple) != 3:
+    raise ValueError(f"{name} must be an int or 3 ints, got {value!r}")
+  return triple
+
+
+def check_kernel_size(kernel_size) -> tuple[int, int, int]:
+  ks = as_triple(kernel_size, "kernel_size")
+  if any(k < 1 or k % 2 == 0 for k in ks):
+    raise ValueError(f"submanifold kernel sizes must be odd and >= 1, got {ks}")
+  return ks
+
+
+def check_dilation(dilation) -> tuple[int, int, int]:
+  d = as_triple(dilation, "dilation")
+  if any(v < 1 for v in d):
+    raise ValueError(f"dilation must be >= 1, got {d}")
+  return d
+
+
+def kernel_offsets(kernel_size, dilation=1) -> tuple[tuple[int, int, int], ...]:
+  """The V = Kx*Ky*Kz site offsets, in the C order of a (Kx, Ky, Kz, Cin, Cout) weight.
+
+  Offset v and offset V-1-v are opposite (kernel sizes are odd), which the backward pass relies on.
+  """
+  ks = check_kernel_size(kernel_size)
+  d = check_dilation(dilation)
+  return tuple(
+      tuple((i - k // 2) * s for i, k, s in zip(idx, ks, d))
+      for idx in itertools.product(*(range(k) for k in ks)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NeighborCache:
+  """The neighbour map of one set of coordinates, shared by every layer that convolves on them.
+
+  nbr: int32 [capacity, V]; nbr[i, v] = row of the site at coords[i] + offset v, or -1 (no site there,
+    outside the grid, or i is a padding row).
+  overflow: bool scalar; True if the GPU hash table ran out of probes (then nbr is unreliable). It is
+    checkable under jit; outside jit `neighbor_map` raises instead.
+  """
+
+  nbr: jax.Array
+  overflow: jax.Array
+  kernel_size: tuple[int, int, int] = dataclasses.field(metadata=dict(static=True))
+  dilation: tuple[int, int, int] = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def num_offsets(self) -> int:
+    return self.nbr.shape[1]
+
+  @property
+  def capacity(self) -> int:
+    return self.nbr.shape[0]
+
+  def num_pairs(self) -> jax.Array:
+    """Number of (site, neighbour) pairs, i.e. the useful multiply-adds per channel pair."""
+    return jnp.sum(self.nbr >= 0)
+
+  def check(self) -> "NeighborCache":
+    """Raises if the hash table overflowed (call outside jit)."""
+    if bool(self.overflow):
+      raise RuntimeError("neighbour map hash table overflowed: a probe ran past its bound; the map is invalid")
+    return self
+
+
+def neighbor_map(x: SparseTensor, kernel_size=3, dilation=1, implementation: str | None = None) -> NeighborCache:
+  """The submanifold neighbour map of `x`'s coordinates for a kernel of `kernel_size` and `dilation`.
+
+  implementation: None (GPU hash table on a GPU, XLA elsewhere), "pallas" or "xla".
+  """
+  ks = check_kernel_size(kernel_size)
+  dil = check_dilation(dilation)
+  offsets = kernel_offsets(ks, dil)
+  impl = dispatch.resolve(implementation)
+  if impl.is_pallas:
+    from pallas_kernels.hash_table import neighbor_map_hashed
+
+    nbr, overflow = neighbor_map_hashed(
+        x.coords, x.num, spatial_shape=x.spatial_shape, offsets=offsets, interpret=impl.interpret)
+  else:
+    nbr = _neighbor_map_sorted(x, offsets)
+    overflow = jnp.zeros((), bool)
+  cache = NeighborCache(nbr, overflow, ks, dil)
+  if not isinstance(overflow, jax.core.Tracer):
+    cache.check()
+  return cache
+
+
+def _neighbor_map_sorted(x: SparseTensor, offsets: Sequence[tuple[int, int, int]]) -> jax.Array:
+  """XLA neighbour search: sort the site keys once, then binary-search every shifted site."""
+  if x.capacity == 0:
+    return jnp.zeros((0, len(offsets)), jnp.int32)
+  valid = x.valid_mask()
+  big = jnp.iinfo(jnp.int32).max
+  keys = jnp.where(valid, linear_keys(x.coords, x.spatial_shape), big)
+  order = jnp.argsort(keys).astype(jnp.int32)
+  sorted_keys = keys[order]
+  off = jnp.asarray(offsets, jnp.int32)  # [V, 3]
+  shifted = x.coords[:, None, 1:] + off[None]  # [cap, V, 3]
+  inside = jnp.all((shifted >= 0) & (shifted < jnp.asarray(x.spatial_shape, jnp.int32)), axis=-1)
+  query = jnp.concatenate(
+      [jnp.broadcast_to(x.coords[:, None, :1], shifted.shape[:2] + (1,)), shifted], axis=-1)
+  qkeys = linear_keys(query.reshape(-1, 4), x.spatial_shape).reshape(shifted.shape[:2])
+  ok = inside & valid[:, None]
+  qkeys = jnp.where(ok, qkeys, big)
+  pos = jnp.clip(jnp.searchsorted(sorted_keys, qkeys), 0, x.capacity - 1)
+  found = ok & (sorted_keys[pos] == qkeys)
+  return jnp.where(found, order[pos], -1).astype(jnp.int32)

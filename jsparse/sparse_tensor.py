@@ -1,0 +1,253 @@
+"""SparseTensor: coordinates and features of the active sites of a batch of voxel grids, as a pytree."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Linear site keys are int32 (JAX runs without x64 by default), so the grid must fit in 2**31 keys.
+MAX_KEYS = 2**31 - 1
+_REDUCTIONS = ("sum", "mean", "max", "first")
+
+
+def round_capacity(n: int, steps_per_octave: int = 4, minimum: int = 128) -> int:
+  """Rounds a site count up to a bucket (4 per power of two, multiples of 128).
+
+  Jitted code compiles once per capacity, so bucketing keeps the number of compilations small while the
+  padding stays under ~19%.
+  """
+  n = max(int(n), minimum)
+  octave = 2 ** math.floor(math.log2(n))
+  step = max(octave // steps_per_octave, minimum)
+  return int(-(-n // step) * step)
+
+
+def _as_spatial_shape(spatial_shape) -> tuple[int, int, int]:
+  try:
+    shape = tuple(int(s) for s in spatial_shape)
+  except TypeError:
+    raise TypeError(f"spatial_shape must be a sequence of 3 ints, got {spatial_shape!r}") from None
+  if len(shape) != 3 or min(shape) <= 0:
+    raise ValueError(f"spatial_shape must be 3 positive ints (X, Y, Z), got {spatial_shape!r}")
+  return shape
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SparseTensor:
+  """The active sites of `batch_size` voxel grids of shape `spatial_shape`, with a feature vector each.
+
+  coords: int32 [capacity, 4], rows (batch, x, y, z).
+  feats: [capacity, C].
+  num: int32 scalar, the number of valid rows. Rows at index >= num are padding: their coords are -1,
+    their feats are zero, they are nobody's neighbour, and every op writes zeros there.
+  spatial_shape, batch_size: static metadata (part of the pytree structure, not traced).
+
+  The capacity (the number of rows) is static so that jitted code sees fixed shapes while the number
+  of sites varies; round it up with `round_capacity` to limit recompilations.
+  """
+
+  coords: jax.Array
+  feats: jax.Array
+  num: jax.Array
+  spatial_shape: tuple[int, int, int] = dataclasses.field(metadata=dict(static=True))
+  batch_size: int = dataclasses.field(metadata=dict(static=True))
+
+  # ---- construction -------------------------------------------------------------------------------
+
+  @classmethod
+  def from_coords(
+      cls,
+      coords,
+      feats,
+      spatial_shape: Sequence[int],
+      batch_size: int | None = None,
+      capacity: int | None = None,
+      *,
+      reduce: str | None = None,
+  ) -> "SparseTensor":
+    """Builds a SparseTensor from host data, validating it.
+
+    coords: integer [N, 4] (batch, x, y, z), or [N, 3] (x, y, z) for a batch of one.
+    feats: [N, C] (or [N] for one channel).
+    batch_size: defaults to max(batch) + 1.
+    capacity: number of rows (>= N); defaults to N. Extra rows are padding.
+    reduce: what to do with duplicate coordinates: None (raise ValueError), or merge their feats with
+      "sum", "mean", "max" or "first".
+
+    Runs on the host (numpy): call it outside `jax.jit`.
+    """
+    if isinstance(coords, jax.core.Tracer) or isinstance(feats, jax.core.Tracer):
+      raise TypeError("SparseTensor.from_coords validates on the host; call it outside jax.jit "
+                      "(inside jit, build the pytree directly with SparseTensor(coords, feats, num, ...)).")
+    spatial_shape = _as_spatial_shape(spatial_shape)
+    coords = np.asarray(coords)
+    feats_arr = jnp.asarray(feats)
+    if not (np.issubdtype(coords.dtype, np.integer)):
+      raise TypeError(f"coords must be integers, got dtype {coords.dtype}")
+    if coords.ndim != 2 or coords.shape[1] not in (3, 4):
+      raise ValueError(f"coords must be [N, 4] (batch, x, y, z) or [N, 3], got shape {coords.shape}")
+    if coords.shape[1] == 3:
+      coords = np.concatenate([np.zeros((coords.shape[0], 1), coords.dtype), coords], axis=1)
+    if feats_arr.ndim == 1:
+      feats_arr = feats_arr[:, None]
+    if feats_arr.ndim != 2:
+      raise ValueError(f"feats must be [N, C], got shape {feats_arr.shape}")
+    if not jnp.issubdtype(feats_arr.dtype, jnp.inexact):
+      raise TypeError(f"feats must be floating point, got dtype {feats_arr.dtype}")
+    n = coords.shape[0]
+    if feats_arr.shape[0] != n:
+      raise ValueError(f"feats has {feats_arr.shape[0]} rows but coords has {n}: they must match")
+    coords = coords.astype(np.int64)
+    if n and coords.min() < 0:
+      bad = np.argwhere(coords < 0)[0]
+      raise ValueError(f"negative coordinate in row {bad[0]}: {coords[bad[0]].tolist()}")
+    if batch_size is None:
+      batch_size = int(coords[:, 0].max()) + 1 if n else 1
+    batch_size = int(batch_size)
+    if batch_size <= 0:
+      raise ValueError(f"batch_size must be positive, got {batch_size}")
+    limits = np.array((batch_size,) + spatial_shape)
+    outside = (coords >= limits).any(axis=1)
+    if outside.any():
+      row = int(np.argmax(outside))
+      raise ValueError(
+          f"coordinate {coords[row].tolist()} in row {row} is outside batch_size={batch_size}, "
+          f"spatial_shape={spatial_shape}")
+    if batch_size * math.prod(spatial_shape) > MAX_KEYS:
+      raise ValueError(
+          f"batch_size * X * Y * Z = {batch_size * math.prod(spatial_shape)} exceeds 2**31 - 1: "
+          "jsparse keys sites by int32 linear index")
+    keys = _linear_keys_np(coords, spatial_shape)
+    uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    if len(uniq) != n:
+      if reduce is None:
+        counts = np.bincount(inverse)
+        dup = int(np.argmax(counts > 1))
+        raise ValueError(
+            f"duplicate coordinates: {coords[first[dup]].tolist()} appears {counts[dup]} times "
+            f"({n - len(uniq)} duplicate rows in all); pass reduce='sum'|'mean'|'max'|'first' to merge them")
+      if reduce not in _REDUCTIONS:
+        raise ValueError(f"reduce must be one of {_REDUCTIONS} or None, got {reduce!r}")
+      inv = jnp.asarray(inverse.reshape(-1))
+      m = len(uniq)
+      if reduce == "first":
+        feats_arr = feats_arr[jnp.asarray(first)]
+      elif reduce == "max":
+        feats_arr = jax.ops.segment_max(feats_arr, inv, num_segments=m)
+      else:
+        summed = jax.ops.segment_sum(feats_arr, inv, num_segments=m)
+        if reduce == "mean":
+          counts = jnp.asarray(np.bincount(inverse.reshape(-1), minlength=m), summed.dtype)
+          summed = summed / counts[:, None]
+        feats_arr = summed
+      coords = coords[first]
+      n = m
+    elif reduce is not None and reduce not in _REDUCTIONS:
+      raise ValueError(f"reduce must be one of {_REDUCTIONS} or None, got {reduce!r}")
+    if capacity is None:
+      capacity = n
+    capacity = int(capacity)
+    if capacity < n:
+      raise ValueError(f"capacity {capacity} is smaller than the number of sites {n}")
+    pad = capacity - n
+    coords_p = np.concatenate([coords.astype(np.int32), np.full((pad, 4), -1, np.int32)])
+    feats_p = jnp.concatenate([feats_arr, jnp.zeros((pad, feats_arr.shape[1]), feats_arr.dtype)])
+    return cls(jnp.asarray(coords_p), feats_p, jnp.asarray(n, jnp.int32), spatial_shape, batch_size)
+
+  @classmethod
+  def from_dense(cls, dense, capacity: int | None = None, *, with_overflow: bool = False):
+    """The nonzero sites of a dense [B, X, Y, Z, C] array (a site is active if any channel is nonzero).
+
+    capacity: rows of the result. None counts the sites (needs a concrete array: outside jit).
+    Under jit with a capacity, sites past the capacity cannot be stored: pass with_overflow=True to get
+    `(tensor, overflow)` where overflow is a bool scalar that is True when sites were dropped. Outside jit
+    an overflow raises ValueError.
+    """
+    dense = jnp.asarray(dense)
+    if dense.ndim != 5:
+      raise ValueError(f"dense must be [B, X, Y, Z, C], got shape {dense.shape}")
+    b, x, y, z, _ = dense.shape
+    active = jnp.any(dense != 0, axis=-1).reshape(-1)
+    count = jnp.sum(active, dtype=jnp.int32)
+    if capacity is None:
+      if isinstance(count, jax.core.Tracer):
+        raise TypeError("from_dense needs a static capacity under jax.jit")
+      capacity = int(count)
+    (flat,) = jnp.nonzero(active, size=capacity, fill_value=-1)
+    valid = flat >= 0
+    idx = jnp.stack(jnp.unravel_index(jnp.maximum(flat, 0), (b, x, y, z)), axis=-1).astype(jnp.int32)
+    coords = jnp.where(valid[:, None], idx, -1)
+    feats = jnp.where(valid[:, None], dense.reshape(-1, dense.shape[-1])[jnp.maximum(flat, 0)], 0)
+    overflow = count > capacity
+    out = cls(coords, feats, jnp.minimum(count, capacity), (x, y, z), b)
+    if with_overflow:
+      return out, overflow
+    if not isinstance(overflow, jax.core.Tracer) and bool(overflow):
+      raise ValueError(f"from_dense: {int(count)} active sites do not fit in capacity {capacity}")
+    return out
+
+  # ---- views ---------------------------------------------------------------------------------------
+
+  @property
+  def capacity(self) -> int:
+    return self.coords.shape[0]
+
+  @property
+  def num_channels(self) -> int:
+    return self.feats.shape[-1]
+
+  @property
+  def dtype(self):
+    return self.feats.dtype
+
+  def valid_mask(self) -> jax.Array:
+    """bool [capacity]: True for the valid rows."""
+    return jnp.arange(self.capacity) < self.num
+
+  def replace(self, **changes) -> "SparseTensor":
+    """A copy with some fields replaced, e.g. `x.replace(feats=jax.nn.relu(x.feats))`.
+
+    New feats keep the padding convention only if they are zero at padding rows; elementwise functions
+    with f(0) != 0 need `x.replace(feats=jnp.where(x.valid_mask()[:, None], f(x.feats), 0))`.
+    """
+    if "feats" in changes:
+      f = changes["feats"]
+      if f.ndim != 2 or f.shape[0] != self.capacity:
+        raise ValueError(f"feats must be [capacity={self.capacity}, C], got shape {f.shape}")
+    return dataclasses.replace(self, **changes)
+
+  def todense(self) -> jax.Array:
+    """The dense [B, X, Y, Z, C] array (zeros at inactive sites)."""
+    x, y, z = self.spatial_shape
+    valid = self.valid_mask()
+    # Out-of-range indices make the scatter drop padding rows.
+    b_idx = jnp.where(valid, self.coords[:, 0], self.batch_size)
+    dense = jnp.zeros((self.batch_size, x, y, z, self.num_channels), self.feats.dtype)
+    return dense.at[b_idx, self.coords[:, 1], self.coords[:, 2], self.coords[:, 3]].set(
+        self.feats, mode="drop")
+
+  def linear_keys(self) -> jax.Array:
+    """int32 [capacity]: ((b*X + x)*Y + y)*Z + z for valid rows, -1 for padding."""
+    keys = linear_keys(self.coords, self.spatial_shape)
+    return jnp.where(self.valid_mask(), keys, -1)
+
+  def __repr__(self) -> str:
+    num = self.num if isinstance(self.num, jax.core.Tracer) else int(self.num)
+    return (f"SparseTensor(num={num}, capacity={self.capacity}, channels={self.num_channels}, "
+            f"dtype={self.dtype}, spatial_shape={self.spatial_shape}, batch_size={self.batch_size})")
+
+
+def linear_keys(coords: jax.Array, spatial_shape: tuple[int, int, int]) -> jax.Array:
+  x, y, z = spatial_shape
+  return ((coords[:, 0] * x + coords[:, 1]) * y + coords[:, 2]) * z + coords[:, 3]
+
+
+def _linear_keys_np(coords: np.ndarray, spatial_shape) -> np.ndarray:
+  x, y, z = spatial_shape
+  c = coords.astype(np.int64)
+  return ((c[:, 0] * x + c[:, 1]) * y + c[:, 2]) * z + c[:, 3]

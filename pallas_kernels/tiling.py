@@ -1,0 +1,74 @@
+"""Tile configurations shared by the GEMM kernels, and the precision argument they take."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Block sizes and launch parameters of one GEMM kernel launch.
+
+  block_m: output rows per program; block_n: output columns per program; block_k: reduction chunk.
+  split: how many programs share the reduction (partial sums are added afterwards); 1 = no split.
+  """
+
+  block_m: int = 64
+  block_n: int = 64
+  block_k: int = 32
+  num_warps: int = 4
+  num_stages: int = 2
+  split: int = 1
+
+  def __post_init__(self):
+    for name in ("block_m", "block_n", "block_k"):
+      v = getattr(self, name)
+      if v < 16 or v & (v - 1):
+        raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+    if self.split < 1:
+      raise ValueError(f"split must be >= 1, got {self.split}")
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def clamp_pow2(n: int, lo: int, hi: int) -> int:
+  return max(lo, min(hi, next_pow2(n)))
+
+
+def dot_precision(precision, dtype) -> lax.Precision:
+  """The `jnp.dot` precision for the kernels' matmuls.
+
+  For float32 inputs DEFAULT lowers to TF32 on the GPU and HIGHEST to full-precision fp32; half-precision
+  inputs ignore it. Accepts None, a lax.Precision, or "tf32" / "default" / "highest" / "float32".
+  """
+  if precision is None:
+    return lax.Precision.DEFAULT
+  if isinstance(precision, str):
+    table = {"default": lax.Precision.DEFAULT, "tf32": lax.Precision.DEFAULT, "high": lax.Precision.HIGH,
+             "highest": lax.Precision.HIGHEST, "float32": lax.Precision.HIGHEST, "fp32": lax.Precision.HIGHEST}
+    if precision.lower() not in table:
+      raise ValueError(f"unknown precision {precision!r}; use one of {sorted(table)} or a lax.Precision")
+    return table[precision.lower()]
+  if isinstance(precision, tuple):
+    precision = precision[0]
+  if isinstance(precision, lax.Precision):
+    return precision
+  raise TypeError(f"precision must be None, a string or a lax.Precision, got {precision!r}")
+
+
+def is_half(dtype) -> bool:
+  return jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def gpu_num_sms(default: int = 132) -> int:
+  """Streaming multiprocessors on the default GPU (132 on an H100/H200 SXM), for split heuristics."""
+  try:
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", default) or default)
+  except Exception:  # no device info: fall back to the H100/H200 count
+    return default

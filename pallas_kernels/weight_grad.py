@@ -1,0 +1,91 @@
+"""Weight gradient of a submanifold convolution: a gather-gather GEMM over sites.
+
+dW[v] = sum_i x[nbr[i, v]]^T dy[i] over the sites i that have a neighbour at offset v.
+
+Programs tile (offset, Cin block, Cout block) and, with `split > 1`, also cut the site range into
+`split` pieces whose float32 partial sums are added afterwards: with small channel counts the
+(offset, Cin, Cout) tiles alone are too few to fill the GPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax import lax
+
+from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, gpu_num_sms, is_half
+
+
+def default_config(num_rows: int, cin: int, cout: int, num_offsets: int, dtype) -> TileConfig:
+  half = is_half(dtype)
+  block_m = clamp_pow2(cin, 16, 64)
+  block_n = clamp_pow2(cout, 16, 64)
+  block_k = 64 if half else 32
+  tiles = num_offsets * -(-cin // block_m) * -(-cout // block_n)
+  # Aim for a few waves of programs, but keep at least ~8 row chunks per program.
+  want = max(1, -(-4 * gpu_num_sms() // tiles))
+  split = max(1, min(want, num_rows // (8 * block_k)))
+  return TileConfig(block_m, block_n, block_k, num_warps=4, num_stages=3 if half else 2, split=split)
+
+
+def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, o_ref, *, rows_per_split, cin, cout, block_m, block_n, block_k,
+                        precision):
+  num_rows = nbr_ref.shape[0]
+  v = pl.program_id(0)
+  ci = pl.program_id(1) * block_m + jnp.arange(block_m)
+  co = pl.program_id(2) * block_n + jnp.arange(block_n)
+  s = pl.program_id(3)
+  ci_ok = ci < cin
+  co_ok = co < cout
+  start = s * rows_per_split
+  stop = jnp.minimum(start + rows_per_split, num_rows)
+  steps = pl.cdiv(jnp.maximum(stop - start, 0), block_k)
+  rk = jnp.arange(block_k)
+
+  def step(t, acc):
+    rows = start + t * block_k + rk
+    nb = plgpu.load(nbr_ref.at[rows, v], mask=rows < stop, other=-1)
+    has = nb >= 0
+
+    def matmul(acc):
+      a = plgpu.load(x_ref.at[jnp.where(has, nb, 0)[:, None], ci[None, :]], mask=has[:, None] & ci_ok[None, :],
+                     other=0)
+      b = plgpu.load(dy_ref.at[rows[:, None], co[None, :]], mask=has[:, None] & co_ok[None, :], other=0)
+      return acc + jnp.dot(a.T, b, precision=precision, preferred_element_type=jnp.float32)
+
+    return lax.cond(jnp.max(has.astype(jnp.int32)) > 0, matmul, lambda acc: acc, acc)
+
+  acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+  plgpu.store(o_ref.at[s, v, ci[:, None], co[None, :]], acc, mask=ci_ok[:, None] & co_ok[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "precision", "interpret", "out_dtype"))
+def weight_grad(x, dy, nbr, *, config: TileConfig | None = None, precision=None, interpret: bool = False,
+                out_dtype=None):
+  """dW [V, Cin, Cout] = per offset v, sum over sites i with nbr[i, v] >= 0 of outer(x[nbr[i, v]], dy[i]).
+
+  x: [R, Cin] (gathered through nbr), dy: [M, Cout] (rows >= num must have nbr == -1), nbr: int32 [M, V].
+  Accumulates in float32; returns out_dtype (default x.dtype).
+  """
+  m, num_offsets = nbr.shape
+  cin, cout = x.shape[1], dy.shape[1]
+  if dy.shape[0] != m:
+    raise ValueError(f"weight_grad: dy has {dy.shape[0]} rows, nbr has {m}")
+  cfg = config or default_config(m, cin, cout, num_offsets, x.dtype)
+  rows_per_split = -(-m // cfg.split)
+  rows_per_split = -(-rows_per_split // cfg.block_k) * cfg.block_k
+  kernel = functools.partial(
+      _weight_grad_kernel, rows_per_split=rows_per_split, cin=cin, cout=cout, block_m=cfg.block_m,
+      block_n=cfg.block_n, block_k=cfg.block_k, precision=dot_precision(precision, x.dtype))
+  partial = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((cfg.split, num_offsets, cin, cout), jnp.float32),
+      grid=(num_offsets, pl.cdiv(cin, cfg.block_m), pl.cdiv(cout, cfg.block_n), cfg.split),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="weight_grad",
+  )(x, dy.astype(x.dtype), nbr)
+  return jnp.sum(partial, axis=0).astype(out_dtype or x.dtype)

@@ -1,0 +1,32 @@
+# Set-up and everyday commands. `make demo` and `make test` work on a fresh machine: each creates the
+# virtual environment it needs (Python >= 3.12, found by scripts/find_python.sh).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: venv demo test test-fast gpu-test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	@PYTHON_BIN=$$(scripts/find_python.sh) && echo "using $$PYTHON_BIN" && "$$PYTHON_BIN" -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) examples/demo.py
+
+test: venv
+	$(PY) -m pytest -q
+
+# On a GPU machine (jax with CUDA already installed there): the real Triton kernels against the XLA path.
+gpu-test:
+	python3 -m pip install -e . --no-deps -q
+	python3 -m pytest -m gpu tests -q
+
+# On a GPU machine: the benchmark suite side by side with FlexGEMM (see BENCHMARKS.md).
+bench:
+	bash scripts/gpu_session.sh suite kernels
+
+clean:
+	rm -rf $(VENV) .pytest_cache *.egg-info

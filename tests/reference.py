@@ -1,0 +1,57 @@
+"""Independent references for the tests: random sparse inputs and the dense convolution."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jsparse
+
+
+def random_sparse(rng: np.random.Generator, spatial_shape, channels, *, batch_size=1, density=0.3, pad=5,
+                  dtype=np.float32, min_sites=1) -> jsparse.SparseTensor:
+  """A random SparseTensor with shuffled rows and `pad` padding rows."""
+  while True:
+    mask = rng.random((batch_size,) + tuple(spatial_shape)) < density
+    coords = np.argwhere(mask).astype(np.int32)
+    if len(coords) >= min_sites:
+      break
+  coords = coords[rng.permutation(len(coords))]
+  feats = rng.standard_normal((len(coords), channels)).astype(dtype)
+  return jsparse.SparseTensor.from_coords(coords, feats, spatial_shape, batch_size, capacity=len(coords) + pad)
+
+
+def dense_submconv_at_sites(x: jsparse.SparseTensor, feats, weight, bias=None, dilation=1):
+  """lax.conv_general_dilated on the dense tensor, read at x's valid sites (zeros at padding rows)."""
+  dil = (dilation,) * 3 if isinstance(dilation, int) else tuple(dilation)
+  dense = x.replace(feats=feats).todense()
+  out = lax.conv_general_dilated(
+      dense, weight.astype(dense.dtype), (1, 1, 1), "SAME", rhs_dilation=dil,
+      dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision=lax.Precision.HIGHEST,
+      preferred_element_type=jnp.float32)
+  if bias is not None:
+    out = out + bias.astype(jnp.float32)
+  valid = x.valid_mask()
+  c = jnp.where(valid[:, None], x.coords, 0)
+  at_sites = out[c[:, 0], c[:, 1], c[:, 2], c[:, 3]]
+  return jnp.where(valid[:, None], at_sites, 0)
+
+
+def numpy_neighbor_map(coords: np.ndarray, num: int, spatial_shape, offsets) -> np.ndarray:
+  """nbr[i, v] by dictionary lookup (slow; small inputs only)."""
+  table = {tuple(c): i for i, c in enumerate(coords[:num].tolist())}
+  nbr = np.full((coords.shape[0], len(offsets)), -1, np.int32)
+  for i in range(num):
+    b, x, y, z = coords[i].tolist()
+    for v, (dx, dy, dz) in enumerate(offsets):
+      q = (x + dx, y + dy, z + dz)
+      if all(0 <= q[a] < spatial_shape[a] for a in range(3)):
+        nbr[i, v] = table.get((b,) + q, -1)
+  return nbr
+
+
+def rel_err(a, b) -> float:
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

@@ -1,0 +1,104 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from reference import random_sparse
+
+
+def test_roundtrip_dense_and_padding():
+  rng = np.random.default_rng(0)
+  x = random_sparse(rng, (4, 6, 5), 3, batch_size=2, pad=7)
+  assert x.capacity == int(x.num) + 7
+  assert np.all(np.asarray(x.coords[int(x.num):]) == -1)
+  assert np.all(np.asarray(x.feats[int(x.num):]) == 0)
+  dense = x.todense()
+  assert dense.shape == (2, 4, 6, 5, 3)
+  c = np.asarray(x.coords[: int(x.num)])
+  np.testing.assert_array_equal(np.asarray(dense)[c[:, 0], c[:, 1], c[:, 2], c[:, 3]], np.asarray(x.feats[: int(x.num)]))
+  assert int((np.abs(np.asarray(dense)).sum(-1) > 0).sum()) == int(x.num)
+  y = jsparse.SparseTensor.from_dense(dense, capacity=int(x.num) + 3)
+  assert int(y.num) == int(x.num) and y.spatial_shape == (4, 6, 5) and y.batch_size == 2
+  np.testing.assert_array_equal(np.asarray(y.todense()), np.asarray(dense))
+
+
+def test_pytree_jit_and_grad():
+  rng = np.random.default_rng(1)
+  x = random_sparse(rng, (5, 5, 5), 2)
+  leaves, treedef = jax.tree_util.tree_flatten(x)
+  assert len(leaves) == 3
+  y = jax.tree_util.tree_unflatten(treedef, leaves)
+  assert y.spatial_shape == x.spatial_shape and y.batch_size == x.batch_size
+
+  @jax.jit
+  def f(t):
+    return jnp.sum(t.todense() ** 2)
+
+  np.testing.assert_allclose(f(x), jnp.sum(x.feats**2), rtol=1e-5)
+  # Integer leaves (coords, num) need allow_int; their cotangents are float0.
+  g = jax.grad(f, allow_int=True)(x)
+  np.testing.assert_allclose(g.feats, 2 * x.feats, rtol=1e-5)
+  gf = jax.grad(lambda feats: f(x.replace(feats=feats)))(x.feats)
+  np.testing.assert_allclose(gf, 2 * x.feats, rtol=1e-5)
+
+
+def test_from_dense_under_jit_reports_overflow():
+  dense = jnp.zeros((1, 3, 3, 3, 1)).at[0, :, 0, 0, 0].set(1.0)
+
+  @jax.jit
+  def f(d):
+    return jsparse.SparseTensor.from_dense(d, capacity=2, with_overflow=True)
+
+  t, overflow = f(dense)
+  assert bool(overflow) and int(t.num) == 2
+  _, ok = jax.jit(lambda d: jsparse.SparseTensor.from_dense(d, capacity=4, with_overflow=True))(dense)
+  assert not bool(ok)
+  with pytest.raises(ValueError, match="do not fit"):
+    jsparse.SparseTensor.from_dense(dense, capacity=2)
+
+
+def test_duplicates_error_and_reductions():
+  coords = np.array([[0, 1, 1, 1], [0, 2, 2, 2], [0, 1, 1, 1], [0, 1, 1, 1]])
+  feats = np.array([[1.0], [5.0], [2.0], [6.0]], np.float32)
+  with pytest.raises(ValueError, match="duplicate coordinates"):
+    jsparse.SparseTensor.from_coords(coords, feats, (4, 4, 4))
+  expect = {"sum": 9.0, "mean": 3.0, "max": 6.0, "first": 1.0}
+  for reduce, value in expect.items():
+    t = jsparse.SparseTensor.from_coords(coords, feats, (4, 4, 4), reduce=reduce)
+    assert int(t.num) == 2
+    d = np.asarray(t.todense())
+    assert d[0, 1, 1, 1, 0] == value and d[0, 2, 2, 2, 0] == 5.0
+  with pytest.raises(ValueError, match="reduce must be"):
+    jsparse.SparseTensor.from_coords(coords, feats, (4, 4, 4), reduce="median")
+
+
+@pytest.mark.parametrize(
+    "coords, feats, kwargs, err, match",
+    [
+        ([[0, 1, 2, 3]], [[1.0]], dict(spatial_shape=(3, 3, 3)), ValueError, "outside"),
+        ([[0, -1, 2, 2]], [[1.0]], dict(spatial_shape=(3, 3, 3)), ValueError, "negative"),
+        ([[2, 1, 1, 1]], [[1.0]], dict(spatial_shape=(3, 3, 3), batch_size=2), ValueError, "outside"),
+        ([[0.0, 1, 1, 1]], [[1.0]], dict(spatial_shape=(3, 3, 3)), TypeError, "integers"),
+        ([[0, 1, 1, 1], [0, 2, 2, 2]], [[1.0]], dict(spatial_shape=(3, 3, 3)), ValueError, "rows"),
+        ([[0, 1, 1, 1], [0, 2, 2, 2]], [[1.0], [2.0]], dict(spatial_shape=(3, 3, 3), capacity=1), ValueError,
+         "capacity"),
+        ([[0, 1, 1]], [[1.0]], dict(spatial_shape=(3, 3)), ValueError, "spatial_shape"),
+        ([[0, 1, 1, 1, 1]], [[1.0]], dict(spatial_shape=(3, 3, 3)), ValueError, r"\[N, 4\]"),
+        ([[0, 1, 1, 1]], [[1]], dict(spatial_shape=(3, 3, 3)), TypeError, "floating"),
+        ([[0, 1, 1, 1]], [[1.0]], dict(spatial_shape=(2048, 2048, 2048)), ValueError, "2\\*\\*31"),
+    ],
+)
+def test_bad_input(coords, feats, kwargs, err, match):
+  with pytest.raises(err, match=match):
+    jsparse.SparseTensor.from_coords(np.asarray(coords), np.asarray(feats), **kwargs)
+
+
+def test_three_column_coords_and_round_capacity():
+  t = jsparse.SparseTensor.from_coords(np.array([[1, 2, 3]]), np.ones((1, 2), np.float32), (4, 4, 4))
+  assert t.batch_size == 1 and t.coords.tolist() == [[0, 1, 2, 3]]
+  caps = [jsparse.round_capacity(n) for n in range(1, 100_000, 997)]
+  assert all(c >= n for c, n in zip(caps, range(1, 100_000, 997)))
+  assert all(c % 128 == 0 for c in caps)
+  assert all(c <= max(1.25 * n, 128) for c, n in zip(caps, range(1, 100_000, 997)))
+  assert len(set(caps)) < 30

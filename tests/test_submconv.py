@@ -1,0 +1,182 @@
+"""submconv3d against the dense convolution (XLA path) and the Pallas kernels against the XLA path."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse.neighbors import kernel_offsets
+from reference import dense_submconv_at_sites, numpy_neighbor_map, random_sparse, rel_err
+
+# (spatial_shape, batch, kernel_size, dilation, cin, cout, bias)
+CASES = [
+    ((6, 5, 7), 2, (3, 3, 3), 1, 5, 6, True),
+    ((9, 4, 6), 1, (3, 3, 3), 2, 4, 3, False),
+    ((5, 7, 4), 3, (1, 1, 1), 1, 3, 8, True),
+    ((8, 6, 5), 2, (5, 5, 5), 1, 2, 3, True),
+    ((7, 7, 3), 2, (3, 3, 1), 1, 6, 4, False),
+    ((10, 6, 7), 1, (5, 3, 1), (1, 2, 1), 3, 5, True),
+    ((6, 6, 6), 2, (3, 5, 3), (2, 1, 1), 4, 4, True),
+]
+
+
+def _weights(rng, kernel_size, cin, cout, bias, dtype=np.float32):
+  w = rng.standard_normal(tuple(kernel_size) + (cin, cout)).astype(dtype) / np.sqrt(np.prod(kernel_size) * cin)
+  b = rng.standard_normal(cout).astype(dtype) if bias else None
+  return jnp.asarray(w), (None if b is None else jnp.asarray(b))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_xla_matches_dense_values_and_grads(case):
+  shape, batch, ks, dil, cin, cout, use_bias = case
+  rng = np.random.default_rng(hash(case) % 2**32)
+  x = random_sparse(rng, shape, cin, batch_size=batch, density=0.35, pad=6)
+  w, b = _weights(rng, ks, cin, cout, use_bias)
+  cot = jnp.asarray(rng.standard_normal((x.capacity, cout)).astype(np.float32))
+
+  def sparse_loss(feats, w, b):
+    y = jsparse.submconv3d(x.replace(feats=feats), w, b, dilation=dil, implementation="xla", precision="highest")
+    return jnp.sum(y.feats * cot), y.feats
+
+  def dense_loss(feats, w, b):
+    y = dense_submconv_at_sites(x, feats, w, b, dil)
+    return jnp.sum(y * cot), y
+
+  argnums = (0, 1, 2) if use_bias else (0, 1)
+  (_, ys), gs = jax.value_and_grad(sparse_loss, argnums=argnums, has_aux=True)(x.feats, w, b)
+  (_, yd), gd = jax.value_and_grad(dense_loss, argnums=argnums, has_aux=True)(x.feats, w, b)
+  assert rel_err(ys, yd) < 1e-5
+  assert np.all(np.asarray(ys[int(x.num):]) == 0)
+  for a, r in zip(gs, gd):
+    assert rel_err(a, r) < 1e-5
+  # The input gradient is zero at padding rows.
+  assert np.all(np.asarray(gs[0][int(x.num):]) == 0)
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=[str(i) for i in range(4)])
+def test_neighbor_map_xla_matches_numpy(case):
+  shape, batch, ks, dil, *_ = case
+  rng = np.random.default_rng(7)
+  x = random_sparse(rng, shape, 1, batch_size=batch, pad=4)
+  offsets = kernel_offsets(ks, dil)
+  cache = jsparse.neighbor_map(x, ks, dil, implementation="xla")
+  ref = numpy_neighbor_map(np.asarray(x.coords), int(x.num), shape, offsets)
+  np.testing.assert_array_equal(np.asarray(cache.nbr), ref)
+  assert not bool(cache.overflow)
+  # Offsets v and V-1-v are opposite, so the map is symmetric: nbr[i, v] = j <=> nbr[j, V-1-v] = i.
+  nbr = np.asarray(cache.nbr)
+  i, v = np.nonzero(nbr >= 0)
+  np.testing.assert_array_equal(nbr[nbr[i, v], len(offsets) - 1 - v], i)
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float16, 2e-2), (jnp.bfloat16, 3e-2)])
+def test_xla_half_precision(dtype, tol):
+  rng = np.random.default_rng(3)
+  x = random_sparse(rng, (6, 6, 6), 8, batch_size=2, dtype=np.float32)
+  w, b = _weights(rng, (3, 3, 3), 8, 8, True)
+  xh = x.replace(feats=x.feats.astype(dtype))
+  y = jsparse.submconv3d(xh, w.astype(dtype), b.astype(dtype), implementation="xla")
+  assert y.feats.dtype == jnp.dtype(dtype)
+  ref = dense_submconv_at_sites(x, x.feats, w, b)
+  assert rel_err(y.feats.astype(np.float32), ref) < tol
+
+
+# Pallas kernels in interpret mode against the XLA path (small inputs: interpret mode is slow).
+PALLAS_CASES = [CASES[0], CASES[1], CASES[4], CASES[5]]
+
+
+@pytest.mark.parametrize("case", PALLAS_CASES, ids=[str(i) for i in range(len(PALLAS_CASES))])
+def test_pallas_interpret_matches_xla(case):
+  shape, batch, ks, dil, cin, cout, use_bias = case
+  rng = np.random.default_rng(11 + len(shape) + cin)
+  x = random_sparse(rng, shape, cin, batch_size=batch, density=0.3, pad=9)
+  w, b = _weights(rng, ks, cin, cout, use_bias)
+  cache = jsparse.neighbor_map(x, ks, dil, implementation="xla")
+  cot = jnp.asarray(rng.standard_normal((x.capacity, cout)).astype(np.float32))
+
+  def loss(feats, w, b, impl):
+    y = jsparse.submconv3d(x.replace(feats=feats), w, b, dilation=dil, cache=cache, implementation=impl,
+                           precision="highest")
+    return jnp.sum(y.feats * cot), y.feats
+
+  argnums = (0, 1, 2) if use_bias else (0, 1)
+  (_, yp), gp = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(x.feats, w, b, "pallas")
+  (_, yx), gx = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(x.feats, w, b, "xla")
+  assert rel_err(yp, yx) < 1e-5
+  assert np.all(np.asarray(yp[int(x.num):]) == 0)
+  for a, r in zip(gp, gx):
+    assert rel_err(a, r) < 1e-5
+
+
+def test_pallas_kernels_direct_edge_shapes():
+  """Channel counts that are not multiples of the tiles, more rows than one block, and num < rows."""
+  from pallas_kernels.gather_gemm import gather_gemm
+  from pallas_kernels.tiling import TileConfig
+  from pallas_kernels.weight_grad import weight_grad
+
+  rng = np.random.default_rng(5)
+  m, v, k, n, num = 150, 5, 19, 37, 131
+  x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+  w = jnp.asarray(rng.standard_normal((v, k, n)).astype(np.float32))
+  b = jnp.asarray(rng.standard_normal(n).astype(np.float32))
+  nbr = rng.integers(-1, num, size=(m, v)).astype(np.int32)
+  nbr[num:] = -1
+  nbr = jnp.asarray(nbr)
+  cfg = TileConfig(block_m=64, block_n=16, block_k=16, split=3)
+  out = gather_gemm(x, w, nbr, num, b, config=cfg, precision="highest", interpret=True)
+  gathered = jnp.where(nbr[..., None] >= 0, x[jnp.maximum(nbr, 0)], 0)
+  ref = jnp.einsum("mvk,vkn->mn", gathered, w, precision="highest") + b
+  ref = jnp.where((jnp.arange(m) < num)[:, None], ref, 0)
+  assert rel_err(out, ref) < 1e-6
+  # transposed weight read: W_v = weight[V-1-v]^T with weight [V, N, K]
+  wt = jnp.asarray(rng.standard_normal((v, n, k)).astype(np.float32))
+  out_t = gather_gemm(x, wt, nbr, num, transpose_weight=True, config=cfg, precision="highest", interpret=True)
+  ref_t = jnp.einsum("mvk,vnk->mn", gathered, wt[::-1], precision="highest")
+  ref_t = jnp.where((jnp.arange(m) < num)[:, None], ref_t, 0)
+  assert rel_err(out_t, ref_t) < 1e-6
+  dy = jnp.asarray(rng.standard_normal((m, n)).astype(np.float32))
+  dw = weight_grad(x, dy, nbr, config=cfg, precision="highest", interpret=True)
+  ref_dw = jnp.einsum("mvk,mn->vkn", gathered, dy, precision="highest")
+  assert rel_err(dw, ref_dw) < 1e-6
+
+
+def test_jit_with_shared_cache_and_capacity():
+  rng = np.random.default_rng(2)
+  x = random_sparse(rng, (6, 6, 6), 4, batch_size=2, pad=20)
+  w1, b1 = _weights(rng, (3, 3, 3), 4, 8, True)
+  w2, b2 = _weights(rng, (3, 3, 3), 8, 4, True)
+
+  @jax.jit
+  def net(x, w1, b1, w2, b2):
+    cache = jsparse.neighbor_map(x, 3)
+    h = jsparse.submconv3d(x, w1, b1, cache=cache)
+    h = h.replace(feats=jax.nn.relu(h.feats))
+    return jsparse.submconv3d(h, w2, b2, cache=cache)
+
+  y = net(x, w1, b1, w2, b2)
+  h = dense_submconv_at_sites(x, x.feats, w1, b1)
+  ref = dense_submconv_at_sites(x, jax.nn.relu(h), w2, b2)
+  assert rel_err(y.feats, ref) < 1e-4
+
+
+def test_bad_input_errors():
+  rng = np.random.default_rng(4)
+  x = random_sparse(rng, (5, 5, 5), 3)
+  w, _ = _weights(rng, (3, 3, 3), 3, 4, False)
+  with pytest.raises(ValueError, match="input channels"):
+    jsparse.submconv3d(x, jnp.zeros((3, 3, 3, 2, 4)))
+  with pytest.raises(ValueError, match="odd"):
+    jsparse.submconv3d(x, jnp.zeros((2, 3, 3, 3, 4)))
+  with pytest.raises(ValueError, match=r"\(Kx, Ky, Kz, Cin, Cout\)"):
+    jsparse.submconv3d(x, jnp.zeros((3, 3, 3, 4)))
+  with pytest.raises(ValueError, match="bias"):
+    jsparse.submconv3d(x, w, jnp.zeros(5))
+  with pytest.raises(ValueError, match="dilation"):
+    jsparse.submconv3d(x, w, dilation=0)
+  with pytest.raises(ValueError, match="implementation"):
+    jsparse.submconv3d(x, w, implementation="cuda")
+  cache = jsparse.neighbor_map(x, 5, implementation="xla")
+  with pytest.raises(ValueError, match="cache was built"):
+    jsparse.submconv3d(x, w, cache=cache)
+  with pytest.raises(ValueError, match="precision"):
+    jsparse.submconv3d(x, w, precision="fp8", implementation="xla")

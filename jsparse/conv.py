@@ -7,16 +7,18 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jsparse import dispatch
+from typing import Any, NamedTuple
+
+from jsparse import dispatch, tuning
 from jsparse.neighbors import NeighborCache, check_dilation, check_kernel_size, neighbor_map
 from jsparse.sparse_tensor import SparseTensor
 from pallas_kernels import gather_gemm as gather_gemm_lib
 from pallas_kernels import weight_grad as weight_grad_lib
-from pallas_kernels.tiling import TileConfig, dot_precision
+from pallas_kernels.tiling import dot_precision
 
 
 def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: NeighborCache | None = None,
-               implementation: str | None = None, precision=None) -> SparseTensor:
+               implementation: str | None = None, precision=None, algorithm: str = "auto") -> SparseTensor:
   """Submanifold 3D convolution: a SparseTensor on the same coordinates as `x`.
 
   At every valid site u: y[u] = sum_i weight[i]^T x[u + (i - centre) * dilation] + bias, summing over the
@@ -29,6 +31,9 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
     None. Share one cache across the layers that run on the same coordinates.
   implementation: None (Pallas kernels on a GPU, XLA elsewhere), "pallas" or "xla".
   precision: for float32 inputs, None/"tf32" (TF32 matmuls on the GPU) or "highest" (full fp32).
+  algorithm (Pallas only): "auto" (chosen per pass), "explicit" (gather, then one matmul), "implicit"
+    (gather fused into the GEMM), "masked" (rows sorted so blocks skip unused offsets), or their
+    "_splitk" variants (the reduction split across programs). All give the same result.
   The output has x's dtype; the weight is cast to it; products accumulate in float32.
   """
   weight = jnp.asarray(weight)
@@ -36,6 +41,7 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
     raise ValueError(f"weight must be (Kx, Ky, Kz, Cin, Cout), got shape {weight.shape}")
   kernel_size = check_kernel_size(weight.shape[:3])
   dil = check_dilation(dilation)
+  tuning.check_algorithm(algorithm)
   cin, cout = weight.shape[3], weight.shape[4]
   if cin != x.num_channels:
     raise ValueError(f"weight expects {cin} input channels but the features have {x.num_channels}")
@@ -50,13 +56,20 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
         f"cache was built for kernel_size={cache.kernel_size}, dilation={cache.dilation}, capacity={cache.capacity}"
         f" but this conv has kernel_size={kernel_size}, dilation={dil}, capacity={x.capacity}")
   impl = dispatch.resolve(implementation)
-  w = weight.reshape(math.prod(kernel_size), cin, cout).astype(x.dtype)
+  num_offsets = math.prod(kernel_size)
+  w = weight.reshape(num_offsets, cin, cout).astype(x.dtype)
   b = None if bias is None else bias.astype(x.dtype)
-  if impl.is_pallas:
-    feats = _submconv_pallas(x.feats, w, b, cache.nbr, x.num, _PallasOptions(precision, impl.interpret))
-  else:
-    feats = submconv_xla(x.feats, w, b, cache.nbr, x.num, precision=precision)
-  return x.replace(feats=feats)
+  if not impl.is_pallas:
+    return x.replace(feats=submconv_xla(x.feats, w, b, cache.nbr, x.num, precision=precision))
+  configs = [tuning.choose(p, x.capacity, cin, cout, num_offsets, x.dtype, algorithm) for p in tuning.PASSES]
+  opts = _PallasOptions(precision, impl.interpret, *configs)
+  maps = _MapArrays(cache.nbr, x.num, _plan_for(cache, configs[0]), _plan_for(cache, configs[1]),
+                    cache.pair_lists() if configs[2].masked else None)
+  return x.replace(feats=_submconv_pallas(x.feats, w, b, maps, opts))
+
+
+def _plan_for(cache: NeighborCache, config: tuning.PassConfig):
+  return cache.plan(config.tiles.block_m) if config.masked else None
 
 
 def submconv_xla(feats, w, bias, nbr, num, *, precision=None):
@@ -72,43 +85,64 @@ def submconv_xla(feats, w, bias, nbr, num, *, precision=None):
   return jnp.where(valid[:, None], out, 0).astype(feats.dtype)
 
 
-class _PallasOptions(tuple):
+class _MapArrays(NamedTuple):
+  """The integer arrays a Pallas convolution reads (no gradients flow into them)."""
+
+  nbr: jax.Array
+  num: jax.Array
+  forward_plan: Any
+  input_grad_plan: Any
+  pairs: Any
+
+
+class _PallasOptions(NamedTuple):
   """Static options of the Pallas path (hashable, for custom_vjp's nondiff_argnums)."""
 
-  def __new__(cls, precision=None, interpret=False, forward: TileConfig | None = None,
-              input_grad: TileConfig | None = None, weight_grad: TileConfig | None = None):
-    return super().__new__(cls, (precision, interpret, forward, input_grad, weight_grad))
-
-  precision = property(lambda self: self[0])
-  interpret = property(lambda self: self[1])
-  forward = property(lambda self: self[2])
-  input_grad = property(lambda self: self[3])
-  weight_grad = property(lambda self: self[4])
+  precision: Any
+  interpret: bool
+  forward: tuning.PassConfig
+  input_grad: tuning.PassConfig
+  weight_grad: tuning.PassConfig
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _submconv_pallas(feats, w, bias, nbr, num, opts: _PallasOptions):
-  return gather_gemm_lib.gather_gemm(feats, w, nbr, num, bias, config=opts.forward, precision=opts.precision,
-                                     interpret=opts.interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _submconv_pallas(feats, w, bias, maps: _MapArrays, opts: _PallasOptions):
+  cfg = opts.forward
+  if cfg.algorithm == "explicit":
+    return submconv_xla(feats, w, bias, maps.nbr, maps.num, precision=opts.precision)
+  return gather_gemm_lib.gather_gemm(feats, w, maps.nbr, maps.num, bias, plan=maps.forward_plan, config=cfg.tiles,
+                                     precision=opts.precision, interpret=opts.interpret)
 
 
-def _submconv_pallas_fwd(feats, w, bias, nbr, num, opts):
-  out = _submconv_pallas(feats, w, bias, nbr, num, opts)
-  return out, (feats, w, bias, nbr, num)
+def _submconv_pallas_fwd(feats, w, bias, maps, opts):
+  return _submconv_pallas(feats, w, bias, maps, opts), (feats, w, bias, maps)
 
 
 def _submconv_pallas_bwd(opts, residuals, g):
-  feats, w, bias, nbr, num = residuals
-  # Input gradient: the same gather-GEMM over the same map, reading weight[V-1-v]^T.
-  d_feats = gather_gemm_lib.gather_gemm(g, w, nbr, num, transpose_weight=True, config=opts.input_grad,
-                                        precision=opts.precision, interpret=opts.interpret)
-  d_w = weight_grad_lib.weight_grad(feats, g, nbr, config=opts.weight_grad, precision=opts.precision,
-                                    interpret=opts.interpret, out_dtype=w.dtype)
+  feats, w, bias, maps = residuals
+  # Outputs at padding rows are constant zeros, so g there must not count: the maps never point at
+  # padding rows and never list them, and the bias gradient masks them.
+  if "explicit" in (opts.input_grad.algorithm, opts.weight_grad.algorithm):
+    _, xla_vjp = jax.vjp(lambda f, w: submconv_xla(f, w, None, maps.nbr, maps.num, precision=opts.precision),
+                         feats, w)
+    xla_d_feats, xla_d_w = xla_vjp(g)
+  if opts.input_grad.algorithm == "explicit":
+    d_feats = xla_d_feats
+  else:
+    # The same gather-GEMM over the same map, reading weight[V-1-v]^T.
+    d_feats = gather_gemm_lib.gather_gemm(g, w, maps.nbr, maps.num, plan=maps.input_grad_plan,
+                                          transpose_weight=True, config=opts.input_grad.tiles,
+                                          precision=opts.precision, interpret=opts.interpret)
+  if opts.weight_grad.algorithm == "explicit":
+    d_w = xla_d_w
+  else:
+    d_w = weight_grad_lib.weight_grad(feats, g, maps.nbr, pairs=maps.pairs, config=opts.weight_grad.tiles,
+                                      precision=opts.precision, interpret=opts.interpret, out_dtype=w.dtype)
   d_bias = None
   if bias is not None:
-    valid = jnp.arange(g.shape[0]) < num
+    valid = jnp.arange(g.shape[0]) < maps.num
     d_bias = jnp.sum(jnp.where(valid[:, None], g, 0), axis=0, dtype=jnp.float32).astype(bias.dtype)
-  return d_feats, d_w, d_bias, None, None
+  return d_feats, d_w, d_bias, None
 
 
 _submconv_pallas.defvjp(_submconv_pallas_fwd, _submconv_pallas_bwd)

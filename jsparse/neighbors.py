@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jsparse import dispatch
+from pallas_kernels import gemm_plan
 from jsparse.sparse_tensor import SparseTensor, linear_keys
 
 
@@ -65,6 +66,20 @@ class NeighborCache:
   overflow: jax.Array
   kernel_size: tuple[int, int, int] = dataclasses.field(metadata=dict(static=True))
   dilation: tuple[int, int, int] = dataclasses.field(metadata=dict(static=True))
+  # Work plans for the Pallas GEMMs (see pallas_kernels/gemm_plan.py), built with the map when the Pallas
+  # implementation is selected. Under jit, plans a computation does not use are dropped by XLA.
+  plans: dict = dataclasses.field(default_factory=dict)  # block_m -> MaskedPlan
+  pairs: Any = None  # PairLists for the weight gradient, or None
+  num: Any = None  # int32 scalar: valid rows of the coordinates the map was built on
+
+  def plan(self, block_m: int):
+    """The masked-GEMM plan for blocks of `block_m` rows (built now if the cache has none for it)."""
+    if block_m in self.plans:
+      return self.plans[block_m]
+    return gemm_plan.masked_plan(self.nbr, self.num, block_m)
+
+  def pair_lists(self):
+    return self.pairs if self.pairs is not None else gemm_plan.pair_lists(self.nbr)
 
   @property
   def num_offsets(self) -> int:
@@ -85,10 +100,13 @@ class NeighborCache:
     return self
 
 
-def neighbor_map(x: SparseTensor, kernel_size=3, dilation=1, implementation: str | None = None) -> NeighborCache:
+def neighbor_map(x: SparseTensor, kernel_size=3, dilation=1, implementation: str | None = None, *,
+                 plan_block_sizes: Sequence[int] | None = None) -> NeighborCache:
   """The submanifold neighbour map of `x`'s coordinates for a kernel of `kernel_size` and `dilation`.
 
   implementation: None (GPU hash table on a GPU, XLA elsewhere), "pallas" or "xla".
+  plan_block_sizes: block sizes to build masked-GEMM plans for (Pallas only); None = the block size the
+    convolutions will pick for this capacity.
   """
   ks = check_kernel_size(kernel_size)
   dil = check_dilation(dilation)
@@ -102,7 +120,12 @@ def neighbor_map(x: SparseTensor, kernel_size=3, dilation=1, implementation: str
   else:
     nbr = _neighbor_map_sorted(x, offsets)
     overflow = jnp.zeros((), bool)
-  cache = NeighborCache(nbr, overflow, ks, dil)
+  plans, pairs = {}, None
+  if impl.is_pallas:
+    sizes = plan_block_sizes if plan_block_sizes is not None else (gemm_plan.default_block_m(x.capacity),)
+    plans = {int(bm): gemm_plan.masked_plan(nbr, x.num, int(bm)) for bm in sizes}
+    pairs = gemm_plan.pair_lists(nbr)
+  cache = NeighborCache(nbr, overflow, ks, dil, plans, pairs, x.num)
   if not isinstance(overflow, jax.core.Tracer):
     cache.check()
   return cache

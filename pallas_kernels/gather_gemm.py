@@ -6,8 +6,10 @@ One kernel serves two passes of a submanifold convolution:
   if j is i's neighbour at offset v then i is j's at V-1-v, so the same map serves both passes.
 
 The reduction runs over (offset, channel chunk) pairs flattened into one loop so that Triton pipelines
-the loads across offsets. A program whose rows have no neighbour at an offset skips that offset's
-matmuls (`skip_empty=True`), which is where sparse inputs save most of the work.
+the loads across offsets. Sparse inputs save work by skipping offsets: with a masked plan
+(`gemm_plan.masked_plan`) a block loops only over the offsets its rows use; without one, a block whose rows
+have no neighbour at an offset skips that offset's matmuls at run time (`skip_empty=True`). With
+`config.split > 1` the reduction is also split across programs (split-K), for few rows or few channels.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.gemm_plan import MaskedPlan, default_block_m
 from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, is_half
 
 
@@ -27,28 +30,45 @@ def default_config(num_rows: int, k: int, n: int, dtype) -> TileConfig:
   half = is_half(dtype)
   block_n = clamp_pow2(n, 16, 128)
   block_k = clamp_pow2(k, 16, 64 if half else 32)
-  block_m = 128 if (num_rows >= 32768 and block_n >= 64) else 64
+  block_m = default_block_m(num_rows)
   warps = 8 if block_m * block_n >= 128 * 128 else 4
   return TileConfig(block_m, block_n, block_k, num_warps=warps, num_stages=3 if half else 2)
 
 
-def _gather_gemm_kernel(num_ref, x_ref, w_ref, nbr_ref, *rest, num_offsets, k_dim, n_dim, block_m, block_n,
-                        block_k, transpose_weight, skip_empty, has_bias, precision):
-  if has_bias:
-    bias_ref, o_ref = rest
+def _gather_gemm_kernel(num_ref, x_ref, w_ref, nbr_ref, *refs, num_offsets, k_dim, n_dim, block_m, block_n,
+                        block_k, split, transpose_weight, masked, skip_empty, has_bias, precision):
+  refs = list(refs)
+  o_ref = refs.pop()
+  order_ref, offsets_ref, counts_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if masked else (None,) * 3
+  bias_ref = refs.pop(0) if has_bias else None
+  num_rows = nbr_ref.shape[0]
+  block = pl.program_id(0)
+  lanes = block * block_m + jnp.arange(block_m)
+  lane_ok = lanes < num_rows
+  if masked:
+    rows = plgpu.load(order_ref.at[lanes], mask=lane_ok, other=0)
+    num_used = plgpu.load(counts_ref.at[block])
   else:
-    (o_ref,) = rest
-  num_rows = o_ref.shape[0]
-  rows = pl.program_id(0) * block_m + jnp.arange(block_m)
-  row_ok = rows < num_ref[0]
+    rows = lanes
+    num_used = num_offsets
+  row_ok = lane_ok & (rows < num_ref[0])
   cols = pl.program_id(1) * block_n + jnp.arange(block_n)
   col_ok = cols < n_dim
   k_steps = pl.cdiv(k_dim, block_k)
   ks = jnp.arange(block_k)
+  # This program's share of the (offset, channel chunk) steps.
+  total = num_used * k_steps
+  if split > 1:
+    per = pl.cdiv(total, split)
+    t_start = pl.program_id(2) * per
+    t_stop = jnp.minimum(t_start + per, total)
+  else:
+    t_start, t_stop = 0, total
 
   def step(t, acc):
-    v = lax.div(t, k_steps)
+    j = lax.div(t, k_steps)
     k0 = lax.rem(t, k_steps) * block_k
+    v = plgpu.load(offsets_ref.at[block, j]) if masked else j
     nb = plgpu.load(nbr_ref.at[rows, v], mask=row_ok, other=-1)
     has = nb >= 0
 
@@ -68,22 +88,30 @@ def _gather_gemm_kernel(num_ref, x_ref, w_ref, nbr_ref, *rest, num_offsets, k_di
       return lax.cond(jnp.max(has.astype(jnp.int32)) > 0, matmul, lambda acc: acc, acc)
     return matmul(acc)
 
-  acc = lax.fori_loop(0, num_offsets * k_steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+  acc = lax.fori_loop(t_start, t_stop, step, jnp.zeros((block_m, block_n), jnp.float32))
+  out_ok = lane_ok[:, None] & col_ok[None, :]
+  if split > 1:  # float32 partial sums; the wrapper adds them up
+    plgpu.store(o_ref.at[pl.program_id(2), rows[:, None], cols[None, :]], acc, mask=out_ok)
+    return
   if has_bias:
     bias = plgpu.load(bias_ref.at[cols], mask=col_ok, other=0).astype(jnp.float32)
     acc = jnp.where(row_ok[:, None], acc + bias[None, :], 0.0)
-  out_ok = (rows < num_rows)[:, None] & col_ok[None, :]
   plgpu.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=out_ok)
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_weight", "skip_empty", "config", "precision", "interpret"))
-def gather_gemm(x, weight, nbr, num, bias=None, *, transpose_weight: bool = False, skip_empty: bool = True,
-                config: TileConfig | None = None, precision=None, interpret: bool = False):
+def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = None, transpose_weight: bool = False,
+                skip_empty: bool = True, config: TileConfig | None = None, precision=None, interpret: bool = False):
   """out[i] = sum_v x[nbr[i, v]] @ W_v (+ bias) for i < num, zero rows for i >= num.
 
   x: [R, K] rows to gather (nbr entries index them; -1 = none).
   weight: [V, K, N] (W_v = weight[v]), or with transpose_weight [V, N, K] (W_v = weight[V-1-v]^T).
   nbr: int32 [M, V]; num: int32 scalar (rows >= num are written as zeros); bias: [N] or None.
+  plan: a `gemm_plan.masked_plan(nbr, num, config.block_m)`: process rows in its order and, per block,
+    only the offsets its rows use ("masked" implicit GEMM). None: every block loops over every offset
+    ("implicit"), skipping offsets no row of the block uses when skip_empty.
+  config.split > 1 splits each block's (offset, channel) reduction over that many programs ("split-K");
+    their float32 partial sums are added here.
   Returns [M, N] in x's dtype, accumulated in float32.
   """
   m, num_offsets = nbr.shape
@@ -95,18 +123,34 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, transpose_weight: bool = Fals
   if v_w != num_offsets or k_w != k_dim:
     raise ValueError(f"gather_gemm: weight {weight.shape} does not match x {x.shape} and nbr {nbr.shape}")
   cfg = config or default_config(m, k_dim, n_dim, x.dtype)
+  num_blocks = pl.cdiv(m, cfg.block_m)
+  if plan is not None and plan.block_counts.shape[0] != num_blocks:
+    raise ValueError(f"gather_gemm: the plan was built for another block_m than config.block_m={cfg.block_m}")
+  split = cfg.split
   kernel = functools.partial(
       _gather_gemm_kernel, num_offsets=num_offsets, k_dim=k_dim, n_dim=n_dim, block_m=cfg.block_m,
-      block_n=cfg.block_n, block_k=cfg.block_k, transpose_weight=transpose_weight, skip_empty=skip_empty,
-      has_bias=bias is not None, precision=dot_precision(precision, x.dtype))
-  args = [jnp.reshape(num, (1,)).astype(jnp.int32), x, weight.astype(x.dtype), nbr]
-  if bias is not None:
+      block_n=cfg.block_n, block_k=cfg.block_k, split=split, transpose_weight=transpose_weight,
+      masked=plan is not None, skip_empty=skip_empty and plan is None, has_bias=bias is not None and split == 1,
+      precision=dot_precision(precision, x.dtype))
+  num = jnp.reshape(num, (1,)).astype(jnp.int32)
+  args = [num, x, weight.astype(x.dtype), nbr]
+  if plan is not None:
+    args += [plan.order, plan.block_offsets, plan.block_counts]
+  if bias is not None and split == 1:
     args.append(bias)
-  return pl.pallas_call(
+  out_shape = (jax.ShapeDtypeStruct((m, n_dim), x.dtype) if split == 1 else
+               jax.ShapeDtypeStruct((split, m, n_dim), jnp.float32))
+  out = pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((m, n_dim), x.dtype),
-      grid=(pl.cdiv(m, cfg.block_m), pl.cdiv(n_dim, cfg.block_n)),
+      out_shape=out_shape,
+      grid=(num_blocks, pl.cdiv(n_dim, cfg.block_n), split),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="gather_gemm_t" if transpose_weight else "gather_gemm",
   )(*args)
+  if split == 1:
+    return out
+  out = jnp.sum(out, axis=0)
+  if bias is not None:
+    out = out + bias.astype(jnp.float32)
+  return jnp.where((jnp.arange(m) < num[0])[:, None], out, 0).astype(x.dtype)

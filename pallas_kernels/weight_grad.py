@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax import lax
 
+from pallas_kernels.gemm_plan import PairLists
 from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, gpu_num_sms, is_half
 
 
@@ -31,8 +32,11 @@ def default_config(num_rows: int, cin: int, cout: int, num_offsets: int, dtype) 
   return TileConfig(block_m, block_n, block_k, num_warps=4, num_stages=3 if half else 2, split=split)
 
 
-def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, o_ref, *, rows_per_split, cin, cout, block_m, block_n, block_k,
+def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, split, cin, cout, block_m, block_n, block_k,
                         precision):
+  refs = list(refs)
+  o_ref = refs.pop()
+  pair_rows_ref, pair_counts_ref = refs if use_pairs else (None, None)
   num_rows = nbr_ref.shape[0]
   v = pl.program_id(0)
   ci = pl.program_id(1) * block_m + jnp.arange(block_m)
@@ -40,14 +44,22 @@ def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, o_ref, *, rows_per_split, cin, c
   s = pl.program_id(3)
   ci_ok = ci < cin
   co_ok = co < cout
-  start = s * rows_per_split
-  stop = jnp.minimum(start + rows_per_split, num_rows)
+  # Rows (or, with pair lists, list entries) [start, stop) belong to this program.
+  length = plgpu.load(pair_counts_ref.at[v]) if use_pairs else num_rows
+  per = pl.cdiv(pl.cdiv(length, split), block_k) * block_k
+  start = s * per
+  stop = jnp.minimum(start + per, length)
   steps = pl.cdiv(jnp.maximum(stop - start, 0), block_k)
   rk = jnp.arange(block_k)
 
   def step(t, acc):
-    rows = start + t * block_k + rk
-    nb = plgpu.load(nbr_ref.at[rows, v], mask=rows < stop, other=-1)
+    idx = start + t * block_k + rk
+    if use_pairs:
+      rows = plgpu.load(pair_rows_ref.at[v, idx], mask=idx < stop, other=0)
+      nb = plgpu.load(nbr_ref.at[rows, v], mask=idx < stop, other=-1)
+    else:
+      rows = idx
+      nb = plgpu.load(nbr_ref.at[rows, v], mask=rows < stop, other=-1)
     has = nb >= 0
 
     def matmul(acc):
@@ -56,6 +68,8 @@ def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, o_ref, *, rows_per_split, cin, c
       b = plgpu.load(dy_ref.at[rows[:, None], co[None, :]], mask=has[:, None] & co_ok[None, :], other=0)
       return acc + jnp.dot(a.T, b, precision=precision, preferred_element_type=jnp.float32)
 
+    if use_pairs:  # every listed row has a neighbour at v
+      return matmul(acc)
     return lax.cond(jnp.max(has.astype(jnp.int32)) > 0, matmul, lambda acc: acc, acc)
 
   acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
@@ -63,11 +77,13 @@ def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, o_ref, *, rows_per_split, cin, c
 
 
 @functools.partial(jax.jit, static_argnames=("config", "precision", "interpret", "out_dtype"))
-def weight_grad(x, dy, nbr, *, config: TileConfig | None = None, precision=None, interpret: bool = False,
-                out_dtype=None):
+def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfig | None = None, precision=None,
+                interpret: bool = False, out_dtype=None):
   """dW [V, Cin, Cout] = per offset v, sum over sites i with nbr[i, v] >= 0 of outer(x[nbr[i, v]], dy[i]).
 
   x: [R, Cin] (gathered through nbr), dy: [M, Cout] (rows >= num must have nbr == -1), nbr: int32 [M, V].
+  pairs: `gemm_plan.pair_lists(nbr)`: walk only the rows that have a neighbour at each offset (else all
+    rows, skipping chunks with none at run time).
   Accumulates in float32; returns out_dtype (default x.dtype).
   """
   m, num_offsets = nbr.shape
@@ -75,11 +91,12 @@ def weight_grad(x, dy, nbr, *, config: TileConfig | None = None, precision=None,
   if dy.shape[0] != m:
     raise ValueError(f"weight_grad: dy has {dy.shape[0]} rows, nbr has {m}")
   cfg = config or default_config(m, cin, cout, num_offsets, x.dtype)
-  rows_per_split = -(-m // cfg.split)
-  rows_per_split = -(-rows_per_split // cfg.block_k) * cfg.block_k
   kernel = functools.partial(
-      _weight_grad_kernel, rows_per_split=rows_per_split, cin=cin, cout=cout, block_m=cfg.block_m,
-      block_n=cfg.block_n, block_k=cfg.block_k, precision=dot_precision(precision, x.dtype))
+      _weight_grad_kernel, use_pairs=pairs is not None, split=cfg.split, cin=cin, cout=cout,
+      block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, precision=dot_precision(precision, x.dtype))
+  args = [x, dy.astype(x.dtype), nbr]
+  if pairs is not None:
+    args += [pairs.rows, pairs.counts]
   partial = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((cfg.split, num_offsets, cin, cout), jnp.float32),
@@ -87,5 +104,5 @@ def weight_grad(x, dy, nbr, *, config: TileConfig | None = None, precision=None,
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="weight_grad",
-  )(x, dy.astype(x.dtype), nbr)
+  )(*args)
   return jnp.sum(partial, axis=0).astype(out_dtype or x.dtype)

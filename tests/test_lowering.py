@@ -36,3 +36,24 @@ def test_explicit_tile_configs_lower():
   for cfg in (TileConfig(128, 128, 64, num_warps=8, num_stages=3), TileConfig(32, 32, 32, num_warps=2, num_stages=4)):
     lower_for_cuda(lambda x, w, nbr, num: gather_gemm(x, w, nbr, num, config=cfg, skip_empty=False), x, w, nbr, num)
     lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, nbr, config=cfg), x, g, nbr)
+
+
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_masked_and_splitk_variants_lower(split, dtype):
+  from pallas_kernels.gemm_plan import masked_plan, pair_lists
+
+  m, v, cin, cout = 3000, 27, 64, 32
+  cfg = TileConfig(64, 32, 32, split=split)
+  x, nbr, num = _spec((m, cin), dtype), _spec((m, v), jnp.int32), _spec((), jnp.int32)
+  w, b, g = _spec((v, cin, cout), dtype), _spec((cout,), dtype), _spec((m, cout), dtype)
+
+  def fwd_and_dgrad(x, w, nbr, num, b, g):
+    plan = masked_plan(nbr, num, cfg.block_m)
+    y = gather_gemm(x, w, nbr, num, b, plan=plan, config=cfg)
+    dx = gather_gemm(g, w, nbr, num, plan=plan, transpose_weight=True, config=cfg)
+    return y, dx
+
+  lower_for_cuda(fwd_and_dgrad, x, w, nbr, num, b, g)
+  lower_for_cuda(lambda x, w, nbr, num, b: gather_gemm(x, w, nbr, num, b, config=cfg), x, w, nbr, num, b)
+  lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, nbr, pairs=pair_lists(nbr), config=cfg), x, g, nbr)

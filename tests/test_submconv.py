@@ -108,6 +108,53 @@ def test_pallas_interpret_matches_xla(case):
     assert rel_err(a, r) < 1e-5
 
 
+@pytest.mark.parametrize("algorithm", ["explicit", "implicit", "implicit_splitk", "masked", "masked_splitk"])
+def test_pallas_algorithms_interpret_match_xla(algorithm):
+  rng = np.random.default_rng(21)
+  x = random_sparse(rng, (6, 5, 7), 5, batch_size=2, density=0.3, pad=9)
+  w, b = _weights(rng, (3, 3, 3), 5, 6, True)
+  cache = jsparse.neighbor_map(x, 3, implementation="pallas")
+  assert cache.plans and cache.pairs is not None
+  cot = jnp.asarray(rng.standard_normal((x.capacity, 6)).astype(np.float32))
+
+  def loss(feats, w, b, impl):
+    y = jsparse.submconv3d(x.replace(feats=feats), w, b, cache=cache, implementation=impl, precision="highest",
+                           algorithm=algorithm)
+    return jnp.sum(y.feats * cot), y.feats
+
+  (_, yp), gp = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x.feats, w, b, "pallas")
+  (_, yx), gx = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x.feats, w, b, "xla")
+  assert rel_err(yp, yx) < 1e-5
+  for a, r in zip(gp, gx):
+    assert rel_err(a, r) < 1e-5
+
+
+def test_masked_plan_and_pair_lists():
+  from pallas_kernels.gemm_plan import gray_rank, masked_plan, pair_lists
+
+  # Gray-code ranks: consecutive ranks' masks differ in one bit.
+  n = jnp.arange(1 << 12, dtype=jnp.int32)
+  gray = n ^ (n >> 1)
+  np.testing.assert_array_equal(np.asarray(gray_rank(gray)), np.asarray(n))
+  rng = np.random.default_rng(8)
+  x = random_sparse(rng, (8, 7, 6), 1, batch_size=2, density=0.25, pad=11)
+  nbr = jsparse.neighbor_map(x, 3, implementation="xla").nbr
+  num = int(x.num)
+  plan = masked_plan(nbr, x.num, 16)
+  order = np.asarray(plan.order)
+  assert sorted(order.tolist()) == list(range(x.capacity)) and np.all(order[:num] < num)
+  has = np.asarray(nbr) >= 0
+  for blk in range(len(plan.block_counts)):
+    rows = order[blk * 16:(blk + 1) * 16]
+    used = set(np.nonzero(has[rows].any(0))[0].tolist())
+    count = int(plan.block_counts[blk])
+    assert set(np.asarray(plan.block_offsets[blk, :count]).tolist()) == used
+  pairs = pair_lists(nbr)
+  for v in range(nbr.shape[1]):
+    count = int(pairs.counts[v])
+    np.testing.assert_array_equal(np.asarray(pairs.rows[v, :count]), np.nonzero(has[:, v])[0])
+
+
 def test_pallas_kernels_direct_edge_shapes():
   """Channel counts that are not multiples of the tiles, more rows than one block, and num < rows."""
   from pallas_kernels.gather_gemm import gather_gemm

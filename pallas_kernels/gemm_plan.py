@@ -1,0 +1,71 @@
+"""Work plans for the sparse GEMMs, built from a neighbour map with plain XLA ops (jit-friendly, static shapes).
+
+- `masked_plan`: rows sorted by the Gray-code rank of their neighbour bitmask, so that a block of
+  consecutive sorted rows uses few kernel offsets, and for each block the list of offsets at least one of
+  its rows uses. The gather-GEMM then loops over those offsets only. Submanifold maps are symmetric
+  (offset v of row i <-> offset V-1-v of its neighbour), so the input gradient, which reads the same map,
+  reuses the same plan.
+- `pair_lists`: for every offset, the rows that have a neighbour there, packed to the front. The weight
+  gradient walks these instead of all rows.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# Bitmask keys are int32: sort by the first 31 offsets' bits when V is larger (the per-block offset lists
+# stay exact; only the grouping is coarser).
+_MASK_BITS = 31
+
+
+class MaskedPlan(NamedTuple):
+  order: jax.Array  # int32 [capacity]: rows in processing order (valid rows first)
+  block_offsets: jax.Array  # int32 [num_blocks, V]: per block, the offsets used, then the unused ones
+  block_counts: jax.Array  # int32 [num_blocks]: how many of block_offsets[b] are used
+
+
+class PairLists(NamedTuple):
+  rows: jax.Array  # int32 [V, capacity]: rows[v, :counts[v]] are the rows i with nbr[i, v] >= 0
+  counts: jax.Array  # int32 [V]
+
+
+def default_block_m(num_rows: int) -> int:
+  """Rows per block that the GEMMs use unless configured otherwise (plans are built for it)."""
+  return 128 if num_rows >= 32768 else 64
+
+
+def gray_rank(mask: jax.Array) -> jax.Array:
+  """The n with gray(n) = n ^ (n >> 1) == mask: sorting by it walks masks in Gray-code order."""
+  n = mask
+  for shift in (1, 2, 4, 8, 16):
+    n = n ^ jax.lax.shift_right_logical(n, jnp.asarray(shift, n.dtype))
+  return n
+
+
+def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int) -> MaskedPlan:
+  cap, v = nbr.shape
+  has = nbr >= 0
+  bits = min(v, _MASK_BITS)
+  weights = jnp.left_shift(jnp.int32(1), jnp.arange(bits, dtype=jnp.int32))
+  mask = jnp.sum(jnp.where(has[:, :bits], weights[None, :], 0), axis=1, dtype=jnp.int32)
+  valid = jnp.arange(cap) < num
+  key = jnp.where(valid, gray_rank(mask), jnp.iinfo(jnp.int32).max)
+  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  num_blocks = -(-cap // block_m)
+  sorted_has = jnp.zeros((num_blocks * block_m, v), bool).at[:cap].set(has[order])
+  used = jnp.any(sorted_has.reshape(num_blocks, block_m, v), axis=1)
+  counts = jnp.sum(used, axis=1, dtype=jnp.int32)
+  offsets = jnp.argsort(jnp.logical_not(used), axis=1, stable=True).astype(jnp.int32)
+  return MaskedPlan(order, offsets, counts)
+
+
+def pair_lists(nbr: jax.Array) -> PairLists:
+  cap, v = nbr.shape
+  has = nbr >= 0
+  pos = jnp.cumsum(has, axis=0, dtype=jnp.int32) - 1  # [cap, V]: slot of row i in offset v's list
+  slot = jnp.where(has, pos, cap)  # rows without a neighbour go out of range and are dropped
+  rows = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[:, None], (cap, v))
+  lists = jnp.full((v, cap), -1, jnp.int32).at[jnp.arange(v)[None, :], slot].set(rows, mode="drop")
+  return PairLists(lists, jnp.sum(has, axis=0, dtype=jnp.int32))

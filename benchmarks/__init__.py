@@ -1,0 +1,1 @@
+"""Benchmarks of jsparse against FlexGEMM (suite.py), per-kernel microbenchmarks (kernels.py)."""

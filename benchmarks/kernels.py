@@ -1,0 +1,390 @@
+"""Per-kernel microbenchmark: jsparse's neighbour map, forward, input-gradient and weight-gradient kernels.
+
+    python -m benchmarks.kernels [--res 64,128,256,512] [--shapes 64x256,128x128,256x64,256x256]
+                                 [--dtypes fp16,tf32] [--repeats 20] [--inner 8] [--out DIR] [--smoke]
+
+- matmul peak: jnp.dot of two random 8192x8192 matrices (fp16, bf16, and float32 at default precision =
+  TF32), the ceiling each kernel's useful rate is compared with (fp16 kernels with fp16, tf32 with TF32).
+- neighbour map: jsparse.neighbor_map (jitted) on the sphere shells of RES in --res; FlexGEMM's
+  SubMConv3dFunction._compute_neighbor_cache (masked-GEMM plan, no backward data) beside it.
+- GEMM kernels on (RES, C) in --shapes, C -> C, 3x3x3, fp16 and tf32:
+  forward      pallas_kernels.gather_gemm.gather_gemm(x, w[V, Cin, Cout], nbr, num, bias)
+  input grad   gather_gemm(g, w, nbr, num, transpose_weight=True)
+  weight grad  pallas_kernels.weight_grad.weight_grad(x, g, nbr)
+  and FlexGEMM's forward layer (sparse_submanifold_conv3d with a prebuilt neighbour cache) beside them.
+  Useful TFLOP/s = 2 * pairs * Cin * Cout / time.
+
+Timing: one jitted function applies the op to `inner` distinct input sets (distinct buffers: no CSE, and
+each set is read from device memory, not from L2), timed with perf_counter + block_until_ready; the
+median over `repeats` divided by `inner` is the per-call time, so launch and synchronisation overhead
+is amortised. FlexGEMM: the same, `inner` eager calls then torch.cuda.synchronize.
+Outputs: kernels.json in --out (default $OUT or /tmp/jsparse_bench); the tables are printed last.
+--smoke: tiny shapes on a CPU (Pallas kernels in interpret mode).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # see suite.py: leave GPU memory to torch
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jsparse  # noqa: E402
+from benchmarks import workloads  # noqa: E402
+from benchmarks.suite import (Interrupted, import_flexgemm, install_sigterm_handler, metadata, rel_err,  # noqa: E402
+                              short_error, time_calls)
+from jsparse import tuning  # noqa: E402
+from jsparse.conv import submconv_xla  # noqa: E402
+from pallas_kernels.gather_gemm import gather_gemm  # noqa: E402
+from pallas_kernels.weight_grad import weight_grad  # noqa: E402
+
+DTYPES = {"fp16": jnp.float16, "tf32": jnp.float32}
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def bench_jax(fn, arg_sets, warmup, repeats) -> dict:
+  """Per-call time of fn over len(arg_sets) distinct argument tuples inside one jitted function."""
+  batched = jax.jit(lambda sets: [fn(*s) for s in sets])
+  t0 = time.perf_counter()
+  compiled = batched.lower(arg_sets).compile()
+  compile_s = time.perf_counter() - t0
+  t = time_calls(lambda: compiled(arg_sets), jax.block_until_ready, warmup, repeats)
+  n = len(arg_sets)
+  return {"ms": t["median_ms"] / n, "min_ms": t["min_ms"] / n, "compile_s": compile_s, "inner": n}
+
+
+def bench_torch(torch, fn, arg_sets, warmup, repeats) -> dict:
+  sync = lambda _: torch.cuda.synchronize()  # noqa: E731
+  t = time_calls(lambda: [fn(*s) for s in arg_sets], sync, warmup, repeats)
+  n = len(arg_sets)
+  return {"ms": t["median_ms"] / n, "min_ms": t["min_ms"] / n, "inner": n}
+
+
+def guarded(label, fn, *a, **kw):
+  try:
+    return fn(*a, **kw)
+  except Exception as e:  # noqa: BLE001 (OOM, compile failure: record and go on)
+    msg = short_error(e)
+    print(f"  {label}: FAILED {msg}", flush=True)
+    return {"error": msg}
+  finally:
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+      sys.modules["torch"].cuda.empty_cache()  # FlexGEMM's tensors are gone: return torch's cached blocks
+
+
+def matmul_peaks(args) -> dict:
+  """TFLOP/s of a dense n x n x n product per dtype (median), on random normal data."""
+  n = args.matmul_n
+  out = {}
+  key = jax.random.key(1)
+  for name, dt in (("fp16", jnp.float16), ("bf16", jnp.bfloat16), ("tf32", jnp.float32)):
+    sets = []
+    for i in range(2):  # two pairs of operands, alternated
+      ka, kb = jax.random.split(jax.random.fold_in(key, i))
+      sets.append((jax.random.normal(ka, (n, n), dt), jax.random.normal(kb, (n, n), dt)))
+    r = guarded(f"matmul {name}", bench_jax, lambda a, b: jnp.dot(a, b), sets, args.warmup, args.repeats)
+    if "ms" in r:
+      r["tflops"] = 2 * n**3 / (r["ms"] * 1e-3) / 1e12
+      print(f"  matmul {name} {n}^3: {r['ms']:.3f} ms, {r['tflops']:.3g} TFLOP/s", flush=True)
+    out[name] = r
+    del sets
+  return out
+
+
+def sparse_tensor(res, coords, feats):
+  return jsparse.SparseTensor.from_coords(coords, feats, spatial_shape=(res,) * 3, batch_size=1)
+
+
+def bench_neighbor_maps(args, fg) -> list[dict]:
+  rows = []
+  for res in args.res:
+    coords = workloads.sphere_shell_coords(res)
+    n = len(coords)
+    rec = {"res": res, "voxels": n}
+    xs = [sparse_tensor(res, coords, np.zeros((n, 1), np.float32)) for _ in range(args.inner)]
+    # "map": the neighbour map alone; "map+plans": the whole NeighborCache a convolution uses (with the Pallas
+    # implementation also the masked-GEMM plan and the weight-gradient pair lists).
+    rec["jsparse_map"] = guarded(f"neighbor_map RES {res}", bench_jax,
+                                 lambda x: jsparse.neighbor_map(x, 3, 1, implementation=args.impl).nbr,
+                                 [(x,) for x in xs], args.warmup, args.repeats)
+    rec["jsparse"] = guarded(f"neighbor_map+plans RES {res}", bench_jax,
+                             lambda x: jsparse.neighbor_map(x, 3, 1, implementation=args.impl),
+                             [(x,) for x in xs], args.warmup, args.repeats)
+    try:
+      rec["pairs"] = int(jsparse.neighbor_map(xs[0], 3, 1, implementation=args.impl).num_pairs())
+    except Exception as e:  # noqa: BLE001
+      rec["pairs_error"] = short_error(e)
+    del xs
+    if fg:
+      rec["flexgemm"] = guarded(f"FlexGEMM neighbour cache RES {res}", flexgemm_neighbor_map, fg, res, coords, args)
+    rows.append(rec)
+    print(f"  neighbor map RES {res}: N {n:,}, jsparse map {fmt(rec['jsparse_map'])} ms, map+plans "
+          f"{fmt(rec['jsparse'])} ms"
+          + (f", FlexGEMM {fmt(rec['flexgemm'])} ms" if fg else ""), flush=True)
+  return rows
+
+
+def flexgemm_setup(fg):
+  torch, flex_gemm = fg
+  flex_gemm.ops.spconv.set_algorithm(flex_gemm.ops.spconv.Algorithm.MASKED_IMPLICIT_GEMM_SPLITK)
+  flex_gemm.kernels.triton.spconv.config.allow_tf32 = True  # as its benchmark; only matters for float32
+  from flex_gemm.ops.spconv import SubMConv3dFunction, sparse_submanifold_conv3d
+  return torch, SubMConv3dFunction, sparse_submanifold_conv3d
+
+
+def flexgemm_neighbor_map(fg, res, coords, args) -> dict:
+  torch, fn_cls, _ = flexgemm_setup(fg)
+  shape = torch.Size([1, 1, res, res, res])
+  sets = [(torch.from_numpy(coords).cuda().contiguous(),) for _ in range(args.inner)]
+  r = bench_torch(torch, lambda c: fn_cls._compute_neighbor_cache(c, shape, (3, 3, 3), (1, 1, 1), False), sets,
+                  args.warmup, args.repeats)
+  return r
+
+
+def pass_fn(pass_name, cfg, interpret):
+  """The op one pass of jsparse.submconv3d runs for config `cfg` (tuning.PassConfig), as f(x, g, w, b, maps)."""
+  tiles, prec = cfg.tiles, None
+  if cfg.algorithm == "explicit":  # gather + one XLA matmul; its gradients through JAX
+    if pass_name == "forward":
+      return lambda x, g, w, b, m: submconv_xla(x, w, b, m["nbr"], m["num"], precision=prec)
+    if pass_name == "input_grad":
+      return lambda x, g, w, b, m: jax.vjp(lambda f: submconv_xla(f, w, None, m["nbr"], m["num"]), x)[1](g)[0]
+    return lambda x, g, w, b, m: jax.vjp(lambda w_: submconv_xla(x, w_, None, m["nbr"], m["num"]), w)[1](g)[0]
+  if pass_name == "forward":
+    return lambda x, g, w, b, m: gather_gemm(x, w, m["nbr"], m["num"], b, plan=m["plan_forward"], config=tiles,
+                                             precision=prec, interpret=interpret)
+  if pass_name == "input_grad":
+    return lambda x, g, w, b, m: gather_gemm(g, w, m["nbr"], m["num"], plan=m["plan_input_grad"],
+                                             transpose_weight=True, config=tiles, precision=prec,
+                                             interpret=interpret)
+  return lambda x, g, w, b, m: weight_grad(x, g, m["nbr"], pairs=m["pairs"], config=tiles, precision=prec,
+                                           interpret=interpret)
+
+
+def bench_gemms(args, fg, peaks) -> list[dict]:
+  """Each pass as jsparse.submconv3d runs it (tuning.choose picks algorithm and tiles) for --algorithms."""
+  rows = []
+  interpret = not ON_GPU
+  for res, c in args.shapes:
+    coords = workloads.sphere_shell_coords(res)
+    n = len(coords)
+    rng = np.random.default_rng([res, c])
+    for dname in args.dtypes:
+      dt = DTYPES[dname]
+      base = {"res": res, "channels": c, "dtype": dname, "voxels": n}
+      try:
+        x0 = sparse_tensor(res, coords, np.zeros((n, 1), np.float32))
+        cache = jsparse.neighbor_map(x0, 3, 1, implementation=args.impl)
+        pairs = int(cache.num_pairs())
+        std = 1.0 / np.sqrt(27 * c)
+        data = []
+        for _ in range(args.inner):  # distinct x, g, w, bias per set
+          data.append(tuple(jnp.asarray(a, dt) for a in (
+              rng.standard_normal((n, c), np.float32), rng.standard_normal((n, c), np.float32),
+              rng.standard_normal((27, c, c), np.float32) * std, rng.standard_normal((c,), np.float32) * 0.1)))
+      except Exception as e:  # noqa: BLE001
+        rows.append(dict(base, kernel="setup", jsparse={"error": short_error(e)}))
+        print(f"  RES {res} C {c} {dname}: setup FAILED {short_error(e)}", flush=True)
+        continue
+      flops = 2.0 * pairs * c * c
+      peak = (peaks.get(dname) or {}).get("tflops")
+      fr = None
+      if fg:  # FlexGEMM's forward layer once per shape; compared with every algorithm's forward
+        fr = guarded(f"FlexGEMM forward RES {res} C {c} {dname}", flexgemm_forward, fg, res, coords, data, dname,
+                     args)
+        if "ms" in fr:
+          fr["tflops"] = flops / (fr["ms"] * 1e-3) / 1e12
+      for algorithm in args.algorithms:
+        for pass_name in tuning.PASSES:
+          rec = dict(base, kernel=pass_name, algorithm=algorithm, pairs=pairs)
+          try:
+            cfg = tuning.choose(pass_name, x0.capacity, c, c, 27, dt, algorithm)
+            rec["config"] = f"{cfg.algorithm} {cfg.tiles}" if cfg.tiles else cfg.algorithm
+            masked = cfg.masked and cfg.algorithm != "explicit"
+            # The map and its plans are arguments (not jit constants), shared by all sets, built outside timing.
+            maps = {"nbr": cache.nbr, "num": x0.num,
+                    "plan_forward": cache.plan(cfg.tiles.block_m) if masked and pass_name == "forward" else None,
+                    "plan_input_grad": cache.plan(cfg.tiles.block_m) if masked and pass_name == "input_grad" else None,
+                    "pairs": cache.pair_lists() if masked and pass_name == "weight_grad" else None}
+            fn = pass_fn(pass_name, cfg, interpret)
+          except Exception as e:  # noqa: BLE001
+            rec["jsparse"] = {"error": short_error(e)}
+            rows.append(rec)
+            continue
+          sets = [d + (maps,) for d in data]
+          r = guarded(f"{pass_name} {algorithm} RES {res} C {c} {dname}", bench_jax, fn, sets, args.warmup,
+                      args.repeats)
+          if "ms" in r:
+            r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
+            r["pct_peak"] = 100 * r["tflops"] / peak if peak else None
+          rec["jsparse"] = r
+          if pass_name == "forward" and fr is not None:
+            rec["flexgemm"] = {k: v for k, v in fr.items() if k != "out"}
+            if "ms" in fr and "ms" in r:
+              rec["ratio"] = fr["ms"] / r["ms"]
+            if fr.get("out") is not None:
+              try:
+                rec["cross_check_rel_err"] = rel_err(np.asarray(fn(*sets[0]), np.float32), fr["out"])
+              except Exception as e:  # noqa: BLE001
+                rec["cross_check_error"] = short_error(e)
+          rows.append(rec)
+          print(f"  {pass_name:11s} {algorithm:13s} RES {res:3d} C {c:3d} {dname}: {rec.get('config')}: "
+                f"jsparse {fmt(r)} ms" + (f" ({r['tflops']:.3g} TFLOP/s)" if "tflops" in r else "")
+                + (f", FlexGEMM {fmt(rec['flexgemm'])} ms" if "flexgemm" in rec else ""), flush=True)
+      del data, x0, cache, fr
+  return rows
+
+
+def flexgemm_forward(fg, res, coords, jax_sets, dname, args) -> dict:
+  """FlexGEMM's forward layer on the same inputs (weights transposed to its (Cout, 3, 3, 3, Cin) layout)."""
+  torch, fn_cls, conv = flexgemm_setup(fg)
+  tdt = torch.float16 if dname == "fp16" else torch.float32
+  c = jax_sets[0][0].shape[1]
+  dev = torch.device("cuda")
+  coords_t = torch.from_numpy(coords).to(dev).contiguous()
+  shape = torch.Size([1, c, res, res, res])
+  sets = []
+  for x, _, w, b in jax_sets:
+    xt = torch.from_numpy(np.array(x, np.float32)).to(dev, tdt).contiguous()
+    wt = torch.from_numpy(np.array(w, np.float32).reshape(3, 3, 3, c, c)).to(dev).permute(4, 0, 1, 2, 3)
+    sets.append((xt, wt.to(tdt).contiguous(), torch.from_numpy(np.array(b, np.float32)).to(dev, tdt)))
+  with torch.no_grad():
+    cache = fn_cls._compute_neighbor_cache(coords_t, shape, (3, 3, 3), (1, 1, 1), False)
+    f = lambda xt, wt, bt: conv(xt, coords_t, shape, wt, bt, cache)[0]  # noqa: E731
+    r = bench_torch(torch, f, sets, args.warmup, args.repeats)
+    r["out"] = f(*sets[0]).float().cpu().numpy()
+  return r
+
+
+def fmt(r) -> str:
+  if not r:
+    return "-"
+  return f"{r['ms']:.4f}" if "ms" in r else ("OOM" if "RESOURCE_EXHAUSTED" in r.get("error", "") else "FAILED")
+
+
+def render(data) -> str:
+  meta = data["meta"]
+  lines = ["# jsparse kernel microbenchmark", "",
+           f"- device: {meta.get('device_kind')}; jax {meta.get('jax')}; commit {meta.get('commit')}; "
+           f"FlexGEMM: {meta.get('flexgemm')}",
+           f"- per-call ms = median over {data['settings']['repeats']} timed runs of {data['settings']['inner']} "
+           "calls on distinct inputs, divided by the count", ""]
+  if meta.get("interrupted"):
+    lines += [f"- INTERRUPTED: {meta['interrupted']}", ""]
+  lines += ["## Dense matmul peak", "", "| dtype | ms | TFLOP/s |", "|---|---|---|"]
+  for name, r in data.get("matmul", {}).items():
+    lines.append(f"| {name} | {fmt(r)} | {r['tflops']:.1f} |" if "tflops" in r else f"| {name} | {fmt(r)} | - |")
+  lines += ["", "## Neighbour map (FlexGEMM: _compute_neighbor_cache, masked plan, no backward data; ratio = "
+            "FlexGEMM / jsparse map+plans)", "",
+            "| RES | N | pairs | jsparse map ms | jsparse map+plans ms | FlexGEMM ms | ratio |",
+            "|---|---|---|---|---|---|---|"]
+  for rec in data.get("neighbor_map", []):
+    js, fgr = rec.get("jsparse", {}), rec.get("flexgemm")
+    ratio = f"{fgr['ms'] / js['ms']:.2f}" if fgr and "ms" in fgr and "ms" in js else "-"
+    lines.append(f"| {rec['res']} | {rec['voxels']:,} | {rec.get('pairs', 0):,} | {fmt(rec.get('jsparse_map'))} | "
+                 f"{fmt(js)} | {fmt(fgr)} | {ratio} |")
+  lines += ["", "## GEMM kernels (ratio = FlexGEMM forward time / jsparse forward time)", "",
+            "| kernel | RES | C | dtype | algorithm | pairs | jsparse ms | TFLOP/s | % matmul peak | FlexGEMM ms | "
+            "FlexGEMM TFLOP/s | ratio | rel. err |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for rec in data.get("gemm", []):
+    js, fgr = rec.get("jsparse", {}), rec.get("flexgemm")
+    tf = f"{js['tflops']:.1f}" if "tflops" in js else "-"
+    pct = f"{js['pct_peak']:.0f}%" if js.get("pct_peak") is not None else "-"
+    ftf = f"{fgr['tflops']:.1f}" if fgr and "tflops" in fgr else "-"
+    ratio = f"{rec['ratio']:.2f}" if "ratio" in rec else "-"
+    err = f"{rec['cross_check_rel_err']:.1e}" if "cross_check_rel_err" in rec else "-"
+    algo = rec.get("algorithm", "-")
+    chosen = rec.get("config", "").split(" ")[0]
+    if chosen and chosen != algo:
+      algo = f"{algo}: {chosen}"
+    lines.append(f"| {rec['kernel']} | {rec['res']} | {rec['channels']} | {rec['dtype']} | {algo} | "
+                 f"{rec.get('pairs', 0):,} | {fmt(js)} | {tf} | {pct} | {fmt(fgr)} | {ftf} | {ratio} | {err} |")
+  errors = [f"{k}: {r['error']}" for k, r in data.get("matmul", {}).items() if "error" in r]
+  for sec in ("neighbor_map", "gemm"):
+    for rec in data.get(sec, []):
+      for side in ("jsparse_map", "jsparse", "flexgemm"):
+        if isinstance(rec.get(side), dict) and "error" in rec[side]:
+          errors.append(f"{sec} {rec.get('kernel', '')} RES {rec['res']} {rec.get('dtype', '')} {side}: "
+                        f"{rec[side]['error']}")
+  errors += [f"section {k}: {v}" for k, v in data.get("section_errors", {}).items()]
+  if errors:
+    lines += ["", "## Errors", ""] + [f"- {e}" for e in errors]
+  return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description="jsparse per-kernel microbenchmark",
+                               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+  ap.add_argument("--res", default="64,128,256,512", help="neighbour-map resolutions")
+  ap.add_argument("--shapes", default="64x256,128x128,256x64,256x256", help="GEMM workloads RESxC")
+  ap.add_argument("--dtypes", default="fp16,tf32")
+  ap.add_argument("--sections", default="matmul,neighbor_map,gemm")
+  ap.add_argument("--repeats", type=int, default=20)
+  ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--inner", type=int, default=8, help="distinct input sets per timed run")
+  ap.add_argument("--matmul-n", type=int, default=8192)
+  ap.add_argument("--impl", default=None, choices=("xla", "pallas"), help="neighbour-map implementation")
+  ap.add_argument("--algorithms", default="auto",
+                  help=f"GEMM algorithms to time, of {list(tuning.ALGORITHMS)} (auto = what submconv3d picks)")
+  ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/jsparse_bench")
+  ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 repeats: tests the harness on a CPU")
+  args = ap.parse_args(argv)
+  if args.smoke:
+    args.res, args.shapes, args.repeats, args.warmup, args.inner, args.matmul_n = "8", "8x16", 2, 1, 2, 256
+  args.res = [int(r) for r in str(args.res).split(",") if r.strip()]
+  args.shapes = [tuple(int(v) for v in s.split("x")) for s in str(args.shapes).split(",") if s.strip()]
+  args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+  args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+  args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+  for a in args.algorithms:
+    if a not in tuning.ALGORITHMS:
+      ap.error(f"unknown algorithm {a!r}; choose from {list(tuning.ALGORITHMS)}")
+  for s in args.sections:
+    if s not in ("matmul", "neighbor_map", "gemm"):
+      ap.error(f"unknown section {s!r}; choose from matmul, neighbor_map, gemm")
+  for d in args.dtypes:
+    if d not in DTYPES:
+      ap.error(f"unknown dtype {d!r}; choose from {list(DTYPES)}")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  install_sigterm_handler()
+  data = {"meta": metadata(), "settings": {k: getattr(args, k) for k in (
+      "res", "shapes", "dtypes", "sections", "algorithms", "repeats", "warmup", "inner", "matmul_n", "impl",
+      "smoke")}}
+  fg, why = import_flexgemm()
+  data["meta"]["flexgemm"] = "available" if fg else f"not run: {why}"
+  print(f"device: {data['meta']['device_kind']}; Pallas {'on the GPU' if ON_GPU else 'in interpret mode'}; "
+        f"FlexGEMM: {data['meta']['flexgemm']}", flush=True)
+  t0 = time.perf_counter()
+  sections = {"matmul": lambda: matmul_peaks(args), "neighbor_map": lambda: bench_neighbor_maps(args, fg),
+              "gemm": lambda: bench_gemms(args, fg, data.get("matmul", {}))}
+  try:
+    for name in args.sections:
+      try:
+        data[name] = sections[name]()
+      except Exception as e:  # noqa: BLE001 (a broken section must not lose the others)
+        data.setdefault("section_errors", {})[name] = short_error(e)
+        print(f"section {name} FAILED: {short_error(e)}", flush=True)
+  except (Interrupted, KeyboardInterrupt) as e:
+    data["meta"]["interrupted"] = f"{type(e).__name__} {e} after {time.perf_counter() - t0:.0f} s"
+  data["meta"]["wall_s"] = time.perf_counter() - t0
+  with open(os.path.join(args.out, "kernels.json"), "w") as f:
+    json.dump(data, f, indent=1, default=str)
+  print(f"wrote {args.out}/kernels.json\n")
+  print(render(data), end="", flush=True)
+  return 2 if data["meta"].get("interrupted") else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

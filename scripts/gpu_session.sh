@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The one script a GPU call runs, from the repo root:
+#   bash scripts/gpu_session.sh [smoke] [tests] [suite] [kernels]      (no argument: tests suite kernels)
+# Steps run in the order given, each under its own `timeout`, all within SESSION_BUDGET seconds (default 560,
+# under the device call's 600 s limit). Environment knobs:
+#   SUITE_ARGS="--rows 0,1,2 --dtypes fp16"   extra arguments of python -m benchmarks.suite
+#   KERNELS_ARGS="--sections gemm"            extra arguments of python -m benchmarks.kernels
+#   TESTS_ARGS="-k hash"                      extra pytest arguments
+#   TESTS_TIMEOUT / SMOKE_TIMEOUT / SUITE_TIMEOUT / KERNELS_TIMEOUT   per-step limits in seconds
+#   JSPARSE_COMMIT                            commit id recorded in the results (the device gets no .git)
+# FlexGEMM is built first if .anchors/install_flexgemm.sh exists (carry .anchors; see shared/anchors/README.md).
+# Files land directly in $OUT, at most 8: session.log (environment, installs, smoke, step status),
+# gpu_tests.log, suite.log, suite.json, suite.md, suite.png, kernels.log, kernels.json.
+set -o pipefail
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout is importable even if the install fails
+OUT="${OUT:-/tmp/jsparse_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+LOG="$OUT/session.log"
+START=$SECONDS
+BUDGET="${SESSION_BUDGET:-560}"
+STATUS=()
+
+log() { echo "[gpu_session +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
+remaining() { echo $((BUDGET - (SECONDS - START))); }
+# limit WANTED: the step's time limit, cut to what is left of the budget (minus a margin for the summary).
+limit() { local r; r=$(( $(remaining) - 15 )); [ "$1" -lt "$r" ] && r=$1; echo "$r"; }
+
+# run_step NAME LOGFILE SECONDS CMD...: runs CMD under timeout, output to LOGFILE and stdout.
+run_step() {
+  local name=$1 logfile=$2 secs=$3; shift 3
+  if [ "$secs" -lt 20 ]; then
+    log "$name: SKIPPED (only ${secs}s left)"; STATUS+=("$name: skipped (no time left)"); return
+  fi
+  log "$name: start, limit ${secs}s: $*"
+  local t0=$SECONDS
+  timeout -k 15 "$secs" "$@" 2>&1 | tee -a "$logfile"
+  local rc=$?
+  local msg="rc=$rc after $((SECONDS - t0))s"
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && msg="$msg (TIMED OUT)"
+  log "$name: $msg"; STATUS+=("$name: $msg")
+}
+
+[ $# -eq 0 ] && set -- tests suite kernels
+log "steps: $*; budget ${BUDGET}s; OUT=$OUT"
+{
+  echo "== date: $(date -u)"; echo "== uname: $(uname -a)"
+  echo "== nvidia-smi"; nvidia-smi 2>&1
+  echo "== python: $(command -v "$PY")"
+  "$PY" -c 'import sys, jax, jaxlib; print(sys.version); print("jax", jax.__version__, "jaxlib", jaxlib.__version__); print(jax.devices())' 2>&1
+  "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), "triton", triton.__version__)' 2>&1
+} >>"$LOG" 2>&1
+
+# The device machine is offline: without --no-build-isolation pip would try to download setuptools (the
+# image has it), and --no-index stops any other index look-up.
+log "pip install -e ."
+"$PY" -m pip install -e . --no-deps --no-build-isolation --no-index -q >>"$LOG" 2>&1 \
+  || log "pip install -e . failed (continuing with PYTHONPATH=$PWD)"
+
+if [ -f .anchors/install_flexgemm.sh ]; then
+  if "$PY" -c 'import flex_gemm' >/dev/null 2>&1; then
+    log "flex_gemm already installed"
+  else
+    log "building FlexGEMM"
+    timeout -k 10 "$(limit 300)" bash .anchors/install_flexgemm.sh >>"$LOG" 2>&1 \
+      && log "FlexGEMM installed" || log "FlexGEMM install FAILED (benchmarks run without it)"
+  fi
+else
+  log "no .anchors/install_flexgemm.sh: FlexGEMM not installed (benchmarks run without it)"
+fi
+
+steps=("$@")
+for i in "${!steps[@]}"; do
+  step=${steps[$i]}
+  later=" ${steps[*]:$((i + 1))} "
+  case "$step" in
+    smoke)
+      # Harness check on this machine (real Pallas kernels, FlexGEMM if built): tiny sizes, outputs in /tmp.
+      run_step smoke-suite "$LOG" "$(limit "${SMOKE_TIMEOUT:-240}")" \
+        "$PY" -m benchmarks.suite --smoke --out /tmp/jsparse_smoke
+      run_step smoke-kernels "$LOG" "$(limit "${SMOKE_TIMEOUT:-240}")" \
+        "$PY" -m benchmarks.kernels --smoke --out /tmp/jsparse_smoke ;;
+    tests)
+      # shellcheck disable=SC2086
+      run_step tests "$OUT/gpu_tests.log" "$(limit "${TESTS_TIMEOUT:-180}")" \
+        "$PY" -m pytest -m gpu tests -x -q $TESTS_ARGS ;;
+    suite)
+      # Without SUITE_TIMEOUT the suite gets what is left, less KERNELS_TIMEOUT (default 240 s) if kernels follows.
+      reserve=0; [[ "$later" == *" kernels "* ]] && reserve=${KERNELS_TIMEOUT:-240}
+      secs=$(limit "${SUITE_TIMEOUT:-$(( $(remaining) - reserve - 15 ))}")
+      # The suite starts no new workload after secs-90 s, so it normally ends with a full report.
+      # shellcheck disable=SC2086
+      run_step suite "$OUT/suite.log" "$secs" \
+        "$PY" -m benchmarks.suite --out "$OUT" --time-budget $((secs > 120 ? secs - 90 : secs / 2)) $SUITE_ARGS ;;
+    kernels)
+      # shellcheck disable=SC2086
+      run_step kernels "$OUT/kernels.log" "$(limit "${KERNELS_TIMEOUT:-100000}")" \
+        "$PY" -m benchmarks.kernels --out "$OUT" $KERNELS_ARGS ;;
+    *)
+      log "unknown step '$step' (choose from smoke tests suite kernels)"; STATUS+=("$step: unknown") ;;
+  esac
+done
+
+rm -f "$OUT"/*.tmp  # a half-written suite.json.tmp (step killed mid-write) would be a 9th file
+# Summary last: the device call returns only the end of the output.
+{
+  echo; echo "== files in $OUT:"; ls -la "$OUT"
+  echo "== step status (total $((SECONDS - START))s):"; printf '  %s\n' "${STATUS[@]}"
+} | tee -a "$LOG"
+if [ -f "$OUT/suite.md" ]; then
+  echo; sed -n '/^## Geometric-mean/,$p' "$OUT/suite.md"
+fi

@@ -22,9 +22,10 @@ def shell_tensor(res, channels, dtype, seed=0, batch_size=1, pad=0):
   return x
 
 
-def _grads(x, w, b, cache, impl, precision, cot):
+def _grads(x, w, b, cache, impl, precision, cot, algorithm="auto"):
   def loss(feats, w, b):
-    y = jsparse.submconv3d(x.replace(feats=feats), w, b, cache=cache, implementation=impl, precision=precision)
+    y = jsparse.submconv3d(x.replace(feats=feats), w, b, dilation=cache.dilation, cache=cache, implementation=impl,
+                           precision=precision, algorithm=algorithm)
     return jnp.sum(y.feats.astype(jnp.float32) * cot), y.feats
 
   (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x.feats, w, b)
@@ -81,3 +82,17 @@ def test_gpu_sphere_shells_match_xla(res, c, dtype, precision, tol):
   yp2, gp2 = _grads(x, w, b, cache_p, "pallas", precision, cot)
   np.testing.assert_array_equal(np.asarray(yp2), np.asarray(yp))
   np.testing.assert_array_equal(np.asarray(gp2[0]), np.asarray(gp[0]))
+
+
+@pytest.mark.parametrize("algorithm", ["implicit", "implicit_splitk", "masked", "masked_splitk", "explicit"])
+def test_gpu_every_algorithm_matches_xla(algorithm):
+  x = shell_tensor(48, 48, jnp.float32, pad=300)
+  rng = np.random.default_rng(9)
+  w, b = _weights(rng, (3, 3, 3), 48, 40, True)
+  cache_p = jsparse.neighbor_map(x, 3, implementation="pallas")
+  cot = jnp.asarray(rng.standard_normal((x.capacity, 40)).astype(np.float32))
+  yr, gr = _grads(x, w, b, cache_p, "xla", "highest", cot)
+  yp, gp = _grads(x, w, b, cache_p, "pallas", "highest", cot, algorithm)
+  assert rel_err(yp, yr) < 1e-5
+  for a, r in zip(gp, gr):
+    assert rel_err(a, r) < 1e-5

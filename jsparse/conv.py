@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from typing import Any, NamedTuple
 
-from jsparse import dispatch, tuning
+from jsparse import autotuning, dispatch, tuning
 from jsparse.neighbors import NeighborCache, check_dilation, check_kernel_size, neighbor_map
 from jsparse.sparse_tensor import SparseTensor
 from pallas_kernels import gather_gemm as gather_gemm_lib
@@ -61,6 +61,8 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
   b = None if bias is None else bias.astype(x.dtype)
   if not impl.is_pallas:
     return x.replace(feats=submconv_xla(x.feats, w, b, cache.nbr, x.num, precision=precision))
+  autotuning.record_call(autotuning.ConvCall(x.capacity, cin, cout, num_offsets, jnp.dtype(x.dtype), cache.nbr, x.num,
+                                         precision))
   configs = [tuning.choose(p, x.capacity, cin, cout, num_offsets, x.dtype, algorithm) for p in tuning.PASSES]
   opts = _PallasOptions(precision, impl.interpret, *configs)
   maps = _MapArrays(cache.nbr, x.num, _plan_for(cache, configs[0]), _plan_for(cache, configs[1]),

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from jsparse import dispatch
+from jsparse import dispatch, tuning
 from pallas_kernels import gemm_plan
 from jsparse.sparse_tensor import SparseTensor, linear_keys
 
@@ -122,7 +122,7 @@ def neighbor_map(x: SparseTensor, kernel_size=3, dilation=1, implementation: str
     overflow = jnp.zeros((), bool)
   plans, pairs = {}, None
   if impl.is_pallas:
-    sizes = plan_block_sizes if plan_block_sizes is not None else (gemm_plan.default_block_m(x.capacity),)
+    sizes = plan_block_sizes if plan_block_sizes is not None else tuning.plan_block_sizes(x.capacity)
     plans = {int(bm): gemm_plan.masked_plan(nbr, x.num, int(bm)) for bm in sizes}
     pairs = gemm_plan.pair_lists(nbr)
   cache = NeighborCache(nbr, overflow, ks, dil, plans, pairs, x.num)

@@ -5,8 +5,15 @@ the input gradient swaps Cin and Cout, the weight gradient reduces over sites).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import json
+import math
+import os
+from typing import Iterator
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gather_gemm, weight_grad
@@ -26,6 +33,108 @@ class PassConfig:
   @property
   def masked(self) -> bool:
     return self.algorithm.startswith("masked")
+
+
+def shape_key(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype) -> str:
+  """The bucket a tuned config applies to: rows rounded up to a power of two, exact channels and offsets."""
+  rows = 1 << max(int(num_rows) - 1, 0).bit_length()
+  return f"{pass_name}/n{rows}/ci{cin}/co{cout}/v{num_offsets}/{jnp.dtype(dtype).name}"
+
+
+def config_to_json(cfg: PassConfig) -> dict:
+  out = {"algorithm": cfg.algorithm}
+  if cfg.tiles is not None:
+    out.update(dataclasses.asdict(cfg.tiles))
+  return out
+
+
+def config_from_json(d: dict) -> PassConfig:
+  d = dict(d)
+  algorithm = check_algorithm(d.pop("algorithm"))
+  return PassConfig(algorithm, TileConfig(**d) if d else None)
+
+
+class ConfigTable:
+  """Tuned configs by shape bucket. Works as a context manager (`with table: ...` makes it active) and
+  saves to / loads from JSON. Tables entered later take precedence; shipped per-GPU defaults come last.
+  """
+
+  def __init__(self, entries: dict[str, PassConfig] | None = None, device_kind: str | None = None):
+    self.entries = dict(entries or {})
+    self.device_kind = device_kind
+    self._tokens = []
+
+  def get(self, key: str) -> PassConfig | None:
+    return self.entries.get(key)
+
+  def __len__(self):
+    return len(self.entries)
+
+  def __enter__(self):
+    self._tokens.append(_ACTIVE.set(_ACTIVE.get() + (self,)))
+    return self
+
+  def __exit__(self, *exc):
+    _ACTIVE.reset(self._tokens.pop())
+
+  def to_json(self) -> str:
+    return json.dumps({"device_kind": self.device_kind,
+                       "entries": {k: config_to_json(v) for k, v in sorted(self.entries.items())}}, indent=1)
+
+  def save(self, path: str) -> None:
+    with open(path, "w") as f:
+      f.write(self.to_json())
+
+  @classmethod
+  def from_json(cls, text: str) -> "ConfigTable":
+    d = json.loads(text)
+    return cls({k: config_from_json(v) for k, v in d["entries"].items()}, d.get("device_kind"))
+
+  @classmethod
+  def load(cls, path: str) -> "ConfigTable":
+    with open(path) as f:
+      return cls.from_json(f.read())
+
+  def __repr__(self):
+    return f"ConfigTable({len(self.entries)} entries, device_kind={self.device_kind!r})"
+
+
+_ACTIVE: contextvars.ContextVar[tuple[ConfigTable, ...]] = contextvars.ContextVar("jsparse_tables", default=())
+_SHIPPED: dict[str, ConfigTable | None] = {}
+_TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
+
+
+def shipped_table(device_kind: str | None = None) -> ConfigTable | None:
+  """The default table measured on this GPU model, shipped in jsparse/tuned/ (None if there is none)."""
+  if device_kind is None:
+    if jax.default_backend() != "gpu":
+      return None
+    device_kind = jax.devices()[0].device_kind
+  if device_kind not in _SHIPPED:
+    name = "".join(c if c.isalnum() else "_" for c in device_kind.lower()) + ".json"
+    path = os.path.join(_TUNED_DIR, name)
+    _SHIPPED[device_kind] = ConfigTable.load(path) if os.path.exists(path) else None
+  return _SHIPPED[device_kind]
+
+
+def active_tables() -> Iterator[ConfigTable]:
+  yield from reversed(_ACTIVE.get())
+  shipped = shipped_table()
+  if shipped is not None:
+    yield shipped
+
+
+@contextlib.contextmanager
+def recording(into: list):
+  """Collects the shape keys that `choose` is asked for (used by autotune)."""
+  token = _RECORD.set(into)
+  try:
+    yield into
+  finally:
+    _RECORD.reset(token)
+
+
+_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("jsparse_record", default=None)
 
 
 def check_algorithm(algorithm: str) -> str:
@@ -73,4 +182,26 @@ def choose(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int,
   """The config for one pass: a tuned entry if one is active for this shape, else the heuristic."""
   if pass_name not in PASSES:
     raise ValueError(f"pass must be one of {PASSES}, got {pass_name!r}")
+  if algorithm == "auto":
+    key = shape_key(pass_name, num_rows, cin, cout, num_offsets, dtype)
+    for table in active_tables():
+      cfg = table.get(key)
+      if cfg is not None:
+        return cfg
   return heuristic(pass_name, num_rows, cin, cout, num_offsets, jnp.dtype(dtype), algorithm)
+
+
+def plan_block_sizes(num_rows: int) -> tuple[int, ...]:
+  """Block sizes the masked plans are needed for at this capacity: the default and any tuned one.
+
+  neighbor_map builds a plan for each; under jit XLA drops the ones no layer uses.
+  """
+  from pallas_kernels.gemm_plan import default_block_m
+
+  rows = 1 << max(int(num_rows) - 1, 0).bit_length()
+  sizes = {default_block_m(num_rows)}
+  for table in active_tables():
+    for key, cfg in table.entries.items():
+      if f"/n{rows}/" in key and cfg.masked and not key.startswith("weight_grad"):
+        sizes.add(cfg.tiles.block_m)
+  return tuple(sorted(sizes))

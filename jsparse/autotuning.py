@@ -1,0 +1,192 @@
+"""Measure-and-pick configs for the Pallas convolution passes: `jsparse.autotune(fn, *args)`.
+
+fn runs once eagerly (jit disabled) so that every submanifold convolution it makes reports its shapes and
+neighbour map; then each distinct (pass, shape bucket) is timed with candidate configs on that real map,
+and the fastest is kept. The result is a `ConfigTable`: a context manager that makes the choices active,
+and JSON to save and ship.
+
+    table = jsparse.autotune(train_step, params, batch)
+    table.save("tuned.json")
+    with table:                       # or: with jsparse.ConfigTable.load("tuned.json"):
+        train_step(params, batch)     # traced inside the context -> uses the tuned configs
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsparse import dispatch, tuning
+from pallas_kernels import gather_gemm as gather_gemm_lib
+from pallas_kernels import weight_grad as weight_grad_lib
+from pallas_kernels.gemm_plan import masked_plan, pair_lists
+from pallas_kernels.tiling import TileConfig
+
+
+class ConvCall(NamedTuple):
+  """What one Pallas submanifold convolution reported while autotune recorded."""
+
+  num_rows: int
+  cin: int
+  cout: int
+  num_offsets: int
+  dtype: jnp.dtype
+  nbr: jax.Array
+  num: jax.Array
+  precision: object
+
+
+def record_call(call: ConvCall) -> None:
+  rec = tuning._RECORD.get()
+  if rec is not None and not isinstance(call.nbr, jax.core.Tracer):
+    rec.append(call)
+
+
+def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype) -> list[tuning.PassConfig]:
+  """Forward / input-gradient candidates: masked tiles of several shapes, each with and without split-K."""
+  base = gather_gemm_lib.default_config(num_rows, k, n, dtype)
+  n_cap = max(16, 1 << max(n - 1, 0).bit_length())
+  k_cap = max(16, 1 << max(k - 1, 0).bit_length())
+  half = jnp.dtype(dtype).itemsize == 2
+  shapes = [(64, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4), (128, 128, 32, 8, 3),
+            (128, 128, 64, 8, 3), (64, 256, 32, 8, 3), (128, 256, 32, 8, 3)]
+  if not half:
+    shapes = [(bm, bn, min(bk, 32), w, min(s, 3)) for bm, bn, bk, w, s in shapes]
+  out, seen = [], set()
+  for bm, bn, bk, warps, stages in [(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages)] + shapes:
+    bn, bk = min(bn, max(n_cap, 16)), min(bk, max(k_cap, 16))
+    programs = -(-num_rows // bm) * -(-n // bn)
+    steps = num_offsets * -(-k // bk)
+    splits = {1}
+    sms = tuning.gpu_num_sms()
+    if programs < sms:
+      want = min(-(-2 * sms // programs), max(1, steps // 8), 16)
+      splits |= {max(1, want // 2), want}
+    for split in sorted(splits):
+      cfg = (bm, bn, bk, warps, stages, split)
+      if cfg in seen:
+        continue
+      seen.add(cfg)
+      name = "masked_splitk" if split > 1 else "masked"
+      out.append(tuning.PassConfig(name, TileConfig(bm, bn, bk, warps, stages, split)))
+  out.append(tuning.PassConfig("implicit", dataclasses.replace(base, split=1)))
+  return out
+
+
+def weight_grad_candidates(num_rows: int, cin: int, cout: int, num_offsets: int, dtype) -> list[tuning.PassConfig]:
+  base = weight_grad_lib.default_config(num_rows, cin, cout, num_offsets, dtype)
+  half = jnp.dtype(dtype).itemsize == 2
+  out, seen = [], set()
+  shapes = [(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages),
+            (64, 64, 64 if half else 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128, 32, 8, 3),
+            (128, 128, 64 if half else 32, 8, 3)]
+  for bm, bn, bk, warps, stages in shapes:
+    bm = min(bm, max(16, 1 << max(cin - 1, 0).bit_length()))
+    bn = min(bn, max(16, 1 << max(cout - 1, 0).bit_length()))
+    tiles = num_offsets * -(-cin // bm) * -(-cout // bn)
+    want = max(1, min(-(-4 * tuning.gpu_num_sms() // tiles), max(1, num_rows // (8 * bk))))
+    for split in sorted({1, want, max(1, want // 2), want * 2} if want > 1 else {1}):
+      cfg = (bm, bn, bk, warps, stages, split)
+      if cfg in seen:
+        continue
+      seen.add(cfg)
+      out.append(tuning.PassConfig("masked_splitk" if split > 1 else "masked",
+                                   TileConfig(bm, bn, bk, warps, stages, split)))
+  return out
+
+
+def _median_ms(fn: Callable, args, warmup: int, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return 1e3 * float(np.median(times))
+
+
+def _pass_fn(pass_name: str, cfg: tuning.PassConfig, precision):
+  """A jitted function running one pass with `cfg` (plans built outside, as the cache holds them)."""
+  tiles = cfg.tiles
+  interpret = not dispatch.on_gpu()  # off the GPU only the logic can be exercised, not the speed
+  if pass_name == "weight_grad":
+    return jax.jit(lambda x, g, nbr, num, aux: weight_grad_lib.weight_grad(
+        x, g, nbr, pairs=aux if cfg.masked else None, config=tiles, precision=precision, interpret=interpret))
+  transpose = pass_name == "input_grad"
+  return jax.jit(lambda x, w, nbr, num, aux: gather_gemm_lib.gather_gemm(
+      x, w, nbr, num, plan=aux if cfg.masked else None, transpose_weight=transpose, config=tiles,
+      precision=precision, interpret=interpret))
+
+
+def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: int = 10,
+              log: Callable[[str], None] | None = None) -> dict[str, tuning.PassConfig]:
+  """Times the candidates of each pass for one recorded convolution; returns {shape key: best config}."""
+  rng = np.random.default_rng(0)
+  m, v = call.nbr.shape
+  x = jnp.asarray(rng.standard_normal((m, call.cin)), call.dtype)
+  g = jnp.asarray(rng.standard_normal((m, call.cout)), call.dtype)
+  w = jnp.asarray(rng.standard_normal((v, call.cin, call.cout)) / np.sqrt(v * call.cin), call.dtype)
+  pairs = pair_lists(call.nbr)
+  plans: dict[int, object] = {}
+  best = {}
+  for pass_name in passes:
+    if pass_name == "weight_grad":
+      cands = weight_grad_candidates(m, call.cin, call.cout, v, call.dtype)
+    else:
+      k, n = (call.cin, call.cout) if pass_name == "forward" else (call.cout, call.cin)
+      cands = gemm_candidates(m, k, n, v, call.dtype)
+    results = []
+    for cfg in cands:
+      if pass_name == "weight_grad":
+        args = (x, g, call.nbr, call.num, pairs)
+      else:
+        if cfg.masked and cfg.tiles.block_m not in plans:
+          plans[cfg.tiles.block_m] = jax.block_until_ready(masked_plan(call.nbr, call.num, cfg.tiles.block_m))
+        aux = plans.get(cfg.tiles.block_m) if cfg.masked else None
+        args = ((x if pass_name == "forward" else g), w, call.nbr, call.num, aux)
+      try:
+        ms = _median_ms(_pass_fn(pass_name, cfg, call.precision), args, warmup, repeats)
+      except Exception as e:  # a config that fails to compile (e.g. out of shared memory) is skipped
+        if log:
+          log(f"  {pass_name} {cfg}: failed ({type(e).__name__}: {str(e)[:120]})")
+        continue
+      results.append((ms, cfg))
+      if log:
+        log(f"  {pass_name} {cfg.algorithm} {cfg.tiles}: {ms:.3f} ms")
+    if results:
+      ms, cfg = min(results, key=lambda r: r[0])
+      key = tuning.shape_key(pass_name, m, call.cin, call.cout, v, call.dtype)
+      best[key] = cfg
+      if log:
+        log(f"best {key}: {cfg} {ms:.3f} ms")
+  return best
+
+
+def autotune(fn: Callable, *args, passes=tuning.PASSES, warmup: int = 2, repeats: int = 10,
+             log: Callable[[str], None] | None = None) -> tuning.ConfigTable:
+  """Tunes every Pallas submanifold convolution that `fn(*args)` runs (on the GPU, with the real maps).
+
+  Returns a ConfigTable (a context manager; `.save(path)` / `ConfigTable.load(path)`). Functions traced
+  while it is active use the tuned configs; functions already compiled keep theirs.
+  """
+  calls: list[ConvCall] = []
+  with tuning.recording(calls), jax.disable_jit():
+    jax.block_until_ready(fn(*args))
+  if not calls:
+    raise ValueError("autotune: fn ran no Pallas submanifold convolution (is implementation 'xla' or no GPU?)")
+  entries: dict[str, tuning.PassConfig] = {}
+  done = set()
+  for call in calls:
+    key = (call.nbr.shape, call.cin, call.cout, jnp.dtype(call.dtype).name)
+    if key in done:
+      continue
+    done.add(key)
+    entries.update(tune_call(call, passes, warmup, repeats, log))
+  kind = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else None
+  return tuning.ConfigTable(entries, device_kind=kind)

@@ -26,13 +26,17 @@ from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, is_half
 
 
 def default_config(num_rows: int, k: int, n: int, dtype) -> TileConfig:
-  """Heuristic tiles (used when no tuned config is given)."""
+  """Heuristic tiles (used when no tuned config is given).
+
+  From the H200 autotuning of the FlexGEMM suite (jsparse/tuned/nvidia_h200.json): half precision
+  preferred 128x128x64 tiles with 8 warps at every size; float32 128x64x32 with 4 warps.
+  """
   half = is_half(dtype)
-  block_n = clamp_pow2(n, 16, 128)
-  block_k = clamp_pow2(k, 16, 64 if half else 32)
   block_m = default_block_m(num_rows)
+  block_n = clamp_pow2(n, 16, 128 if half else 64)
+  block_k = clamp_pow2(k, 16, 64 if half else 32)
   warps = 8 if block_m * block_n >= 128 * 128 else 4
-  return TileConfig(block_m, block_n, block_k, num_warps=warps, num_stages=3 if half else 2)
+  return TileConfig(block_m, block_n, block_k, num_warps=warps, num_stages=3)
 
 
 def _gather_gemm_kernel(num_ref, x_ref, w_ref, nbr_ref, *refs, num_offsets, k_dim, n_dim, block_m, block_n,

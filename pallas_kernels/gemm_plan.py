@@ -33,7 +33,7 @@ class PairLists(NamedTuple):
 
 def default_block_m(num_rows: int) -> int:
   """Rows per block that the GEMMs use unless configured otherwise (plans are built for it)."""
-  return 128 if num_rows >= 32768 else 64
+  return 128 if num_rows >= 2048 else 64
 
 
 def gray_rank(mask: jax.Array) -> jax.Array:

@@ -21,15 +21,18 @@ from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, gpu_num
 
 
 def default_config(num_rows: int, cin: int, cout: int, num_offsets: int, dtype) -> TileConfig:
+  """Heuristic tiles. On the H200 suite the tuner chose 128x128 (Cin x Cout) tiles and a split that gives
+  several programs per SM (e.g. 10 at 252k rows, 256 channels; 40 at 1M rows, 128 channels)."""
   half = is_half(dtype)
-  block_m = clamp_pow2(cin, 16, 64)
-  block_n = clamp_pow2(cout, 16, 64)
+  block_m = clamp_pow2(cin, 16, 128)
+  block_n = clamp_pow2(cout, 16, 128 if half else 64)
   block_k = 64 if half else 32
+  warps = 8 if block_m * block_n >= 128 * 128 else 4
   tiles = num_offsets * -(-cin // block_m) * -(-cout // block_n)
-  # Aim for a few waves of programs, but keep at least ~8 row chunks per program.
+  # Aim for ~4 programs per SM, but keep at least ~8 row chunks per program.
   want = max(1, -(-4 * gpu_num_sms() // tiles))
   split = max(1, min(want, num_rows // (8 * block_k)))
-  return TileConfig(block_m, block_n, block_k, num_warps=4, num_stages=3 if half else 2, split=split)
+  return TileConfig(block_m, block_n, block_k, num_warps=warps, num_stages=3, split=split)
 
 
 def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, split, cin, cout, block_m, block_n, block_k,

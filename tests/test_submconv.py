@@ -227,3 +227,18 @@ def test_bad_input_errors():
     jsparse.submconv3d(x, w, cache=cache)
   with pytest.raises(ValueError, match="precision"):
     jsparse.submconv3d(x, w, precision="fp8", implementation="xla")
+
+
+def test_pallas_float32_forward_reads_k_major_weight():
+  """Large float32 inputs take the forward through the transposed (K-contiguous) weight read."""
+  from jsparse import conv, tuning
+
+  rng = np.random.default_rng(12)
+  x = random_sparse(rng, (16, 16, 16), 4, density=0.3, pad=3)
+  w, b = _weights(rng, (3, 3, 3), 4, 5, True)
+  cfg = tuning.choose("forward", x.capacity, 4, 5, 27, jnp.float32)
+  assert conv._use_k_major_weight(x.feats, cfg.tiles)
+  cache = jsparse.neighbor_map(x, 3, implementation="xla")
+  yp = jsparse.submconv3d(x, w, b, cache=cache, implementation="pallas", precision="highest")
+  yx = jsparse.submconv3d(x, w, b, cache=cache, implementation="xla", precision="highest")
+  assert rel_err(yp.feats, yx.feats) < 1e-5

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from typing import Any, NamedTuple
 
 from jsparse import autotuning, dispatch, tuning
-from jsparse.neighbors import NeighborCache, check_dilation, check_kernel_size, neighbor_map
+from jsparse.neighbors import NeighborCache, cache_key, check_dilation, check_kernel_size, neighbor_map
 from jsparse.sparse_tensor import SparseTensor
 from pallas_kernels import gather_gemm as gather_gemm_lib
 from pallas_kernels import weight_grad as weight_grad_lib
@@ -27,8 +27,9 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
   dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))` read at the valid sites.
 
   weight: (Kx, Ky, Kz, Cin, Cout), odd kernel sizes (flax's layout). bias: (Cout,) or None.
-  cache: a NeighborCache for x's coordinates from `neighbor_map(x, kernel_size, dilation)`; built here if
-    None. Share one cache across the layers that run on the same coordinates.
+  cache: a NeighborCache for x's coordinates from `neighbor_map(x, kernel_size, dilation)`. If None, the map
+    that x carries for this kernel (x.caches, attached by an earlier convolution on these coordinates) is
+    used, or a new one is built; the output carries it on, so a stack of layers builds it once.
   implementation: None (Pallas kernels on a GPU, XLA elsewhere), "pallas" or "xla".
   precision: for float32 inputs, None/"tf32" (TF32 matmuls on the GPU) or "highest" (full fp32).
   algorithm (Pallas only): "auto" (chosen per pass), "explicit" (gather, then one matmul), "implicit"
@@ -49,6 +50,9 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
     bias = jnp.asarray(bias)
     if bias.shape != (cout,):
       raise ValueError(f"bias must have shape ({cout},), got {bias.shape}")
+  key = cache_key(kernel_size, dil, implementation)
+  if cache is None:
+    cache = x.caches.get(key)
   if cache is None:
     cache = neighbor_map(x, kernel_size, dil, implementation)
   elif cache.kernel_size != kernel_size or cache.dilation != dil or cache.capacity != x.capacity:
@@ -59,6 +63,7 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
   num_offsets = math.prod(kernel_size)
   w = weight.reshape(num_offsets, cin, cout).astype(x.dtype)
   b = None if bias is None else bias.astype(x.dtype)
+  x = x.with_cache(key, cache)  # the output shares x's coordinates, so it carries the map on
   if not impl.is_pallas:
     return x.replace(feats=submconv_xla(x.feats, w, b, cache.nbr, x.num, precision=precision))
   autotuning.record_call(autotuning.ConvCall(x.capacity, cin, cout, num_offsets, jnp.dtype(x.dtype), cache.nbr, x.num,

@@ -100,6 +100,14 @@ class NeighborCache:
     return self
 
 
+def cache_key(kernel_size, dilation, implementation: str | None) -> str:
+  """The key under which a SparseTensor carries the submanifold map for this kernel (see SparseTensor.caches)."""
+  ks = check_kernel_size(kernel_size)
+  d = check_dilation(dilation)
+  impl = dispatch.resolve(implementation)
+  return f"subm/k{ks[0]}x{ks[1]}x{ks[2]}/d{d[0]}x{d[1]}x{d[2]}/{impl.name}"
+
+
 def neighbor_map(x: SparseTensor, kernel_size=3, dilation=1, implementation: str | None = None, *,
                  plan_block_sizes: Sequence[int] | None = None) -> NeighborCache:
   """The submanifold neighbour map of `x`'s coordinates for a kernel of `kernel_size` and `dilation`.

@@ -56,6 +56,10 @@ class SparseTensor:
   num: jax.Array
   spatial_shape: tuple[int, int, int] = dataclasses.field(metadata=dict(static=True))
   batch_size: int = dataclasses.field(metadata=dict(static=True))
+  # Neighbour maps already built for these coordinates, by key (see neighbors.cache_key). Convolutions
+  # look here first and attach what they build to their output, so layers on the same coordinates share
+  # one map without the caller threading it (spconv's indice_key, automatic). Replacing coords drops them.
+  caches: dict = dataclasses.field(default_factory=dict)
 
   # ---- construction -------------------------------------------------------------------------------
 
@@ -219,7 +223,13 @@ class SparseTensor:
       f = changes["feats"]
       if f.ndim != 2 or f.shape[0] != self.capacity:
         raise ValueError(f"feats must be [capacity={self.capacity}, C], got shape {f.shape}")
+    if ("coords" in changes or "num" in changes) and "caches" not in changes:
+      changes["caches"] = {}  # maps belong to the old coordinates
     return dataclasses.replace(self, **changes)
+
+  def with_cache(self, key: str, cache) -> "SparseTensor":
+    """A copy that carries `cache` (a neighbour map of these coordinates) under `key`."""
+    return dataclasses.replace(self, caches={**self.caches, key: cache})
 
   def todense(self) -> jax.Array:
     """The dense [B, X, Y, Z, C] array (zeros at inactive sites)."""

@@ -242,3 +242,28 @@ def test_pallas_float32_forward_reads_k_major_weight():
   yp = jsparse.submconv3d(x, w, b, cache=cache, implementation="pallas", precision="highest")
   yx = jsparse.submconv3d(x, w, b, cache=cache, implementation="xla", precision="highest")
   assert rel_err(yp.feats, yx.feats) < 1e-5
+
+
+def test_layers_share_the_map_the_tensor_carries(monkeypatch):
+  from jsparse import conv
+
+  rng = np.random.default_rng(13)
+  x = random_sparse(rng, (6, 6, 6), 3, batch_size=2)
+  w1, b1 = _weights(rng, (3, 3, 3), 3, 4, True)
+  w2, b2 = _weights(rng, (3, 3, 3), 4, 2, True)
+  built = []
+  real = conv.neighbor_map
+  monkeypatch.setattr(conv, "neighbor_map", lambda *a, **k: built.append(1) or real(*a, **k))
+
+  @jax.jit
+  def net(x):
+    h = jsparse.submconv3d(x, w1, b1, implementation="xla")
+    h = h.replace(feats=jax.nn.relu(h.feats))
+    return jsparse.submconv3d(h, w2, b2, implementation="xla")
+
+  y = net(x)
+  assert len(built) == 1  # the second layer reused the map the first attached
+  h = dense_submconv_at_sites(x, x.feats, w1, b1)
+  assert rel_err(y.feats, dense_submconv_at_sites(x, jax.nn.relu(h), w2, b2)) < 1e-5
+  assert list(y.caches) == [jsparse.neighbors.cache_key(3, 1, "xla")]
+  assert y.replace(coords=y.coords).caches == {}  # new coordinates: the maps are dropped

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-from typing import Any, NamedTuple
 
 from jsparse import autotuning, dispatch, tuning
 from jsparse.neighbors import NeighborCache, cache_key, check_dilation, check_kernel_size, neighbor_map
@@ -66,8 +65,9 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
   x = x.with_cache(key, cache)  # the output shares x's coordinates, so it carries the map on
   if not impl.is_pallas:
     return x.replace(feats=submconv_xla(x.feats, w, b, cache.nbr, x.num, precision=precision))
-  autotuning.record_call(autotuning.ConvCall(x.capacity, cin, cout, num_offsets, jnp.dtype(x.dtype), cache.nbr, x.num,
-                                         precision))
+  # Under jsparse.autotune (eager), report this call's shapes and map so its passes can be tuned.
+  autotuning.record_call(autotuning.ConvCall(x.capacity, cin, cout, num_offsets, jnp.dtype(x.dtype), cache.nbr,
+                                             x.num, precision))
   configs = [tuning.choose(p, x.capacity, cin, cout, num_offsets, x.dtype, algorithm) for p in tuning.PASSES]
   opts = _PallasOptions(precision, impl.interpret, *configs)
   maps = _MapArrays(cache.nbr, x.num, _plan_for(cache, configs[0]), _plan_for(cache, configs[1]),

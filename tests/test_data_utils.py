@@ -1,0 +1,336 @@
+"""Data utilities: voxelize, procedural shapes, space-filling-curve serialisation, grid_sample, plotting."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from jsparse import SparseTensor
+from jsparse import serialize, shapes
+from jsparse.sampling import grid_sample, lookup_rows
+from jsparse.voxelize import devoxelize, voxelize, voxelize_jit
+
+
+# ---- voxelize ----------------------------------------------------------------------------------------
+
+def _voxelize_ref(points, feats, batch, voxel_size, origin, reduce):
+  """Plain-Python reference: dict from (b, i, j, k) to the list of point features, in input order."""
+  groups = {}
+  idx = np.floor((points - origin) / voxel_size).astype(np.int64)
+  for n in range(len(points)):
+    groups.setdefault((int(batch[n]),) + tuple(int(v) for v in idx[n]), []).append(feats[n])
+  out = {}
+  for k, fs in groups.items():
+    fs = np.stack(fs)
+    out[k] = dict(sum=fs.sum(0), mean=fs.mean(0), max=fs.max(0), first=fs[0])[reduce]
+  return out
+
+
+def _as_dict(t: SparseTensor):
+  n = int(t.num)
+  return {tuple(int(v) for v in c): np.asarray(f) for c, f in zip(np.asarray(t.coords[:n]), t.feats[:n])}
+
+
+def _cloud(seed=0, n=400):
+  rng = np.random.default_rng(seed)
+  pts = rng.uniform(-1.0, 1.0, (n, 3)).astype(np.float32)
+  feats = rng.normal(size=(n, 3)).astype(np.float32)
+  batch = rng.integers(0, 2, n)
+  return pts, feats, batch
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum", "max", "first"])
+def test_voxelize_matches_reference(reduce):
+  pts, feats, batch = _cloud()
+  t = voxelize(pts, feats, voxel_size=0.25, origin=(-1, -1, -1), spatial_shape=(8, 8, 8), batch=batch,
+               reduce=reduce)
+  ref = _voxelize_ref(pts, feats, batch, 0.25, np.array([-1.0, -1, -1]), reduce)
+  got = _as_dict(t)
+  assert got.keys() == ref.keys()
+  for k in ref:
+    np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6)
+  # Rows sorted by linear key, padding rows -1 / 0.
+  keys = np.asarray(t.linear_keys()[: int(t.num)])
+  assert np.all(np.diff(keys) > 0)
+  assert np.all(np.asarray(t.coords[int(t.num):]) == -1) and np.all(np.asarray(t.feats[int(t.num):]) == 0)
+  assert t.batch_size == 2 and t.spatial_shape == (8, 8, 8)
+
+
+def test_voxelize_defaults_occupancy_and_grad():
+  pts = np.array([[0.1, 0.1, 0.1], [0.2, 0.3, 0.1], [1.5, 0.1, 0.1]], np.float32)
+  t = voxelize(pts, None, voxel_size=1.0, reduce="sum")  # origin = min, grid = smallest holding all
+  assert t.spatial_shape == (2, 1, 1) and int(t.num) == 2 and t.num_channels == 1
+  np.testing.assert_allclose(np.asarray(t.feats[:2, 0]), [2.0, 1.0])
+  # Differentiable w.r.t. the point features.
+  f = jnp.asarray(np.arange(6, dtype=np.float32).reshape(3, 2))
+  g = jax.grad(lambda f: jnp.sum(voxelize(pts, f, voxel_size=1.0, reduce="mean").feats ** 2))(f)
+  np.testing.assert_allclose(np.asarray(g), [[1, 2], [1, 2], [8, 10]], rtol=1e-6)  # 2*mean/2, 2*f
+
+
+def test_voxelize_errors():
+  pts = np.array([[0.5, 0.5, 0.5], [3.5, 0.5, 0.5], [-0.5, 0.5, 0.5]], np.float32)
+  with pytest.raises(ValueError, match="2 of 3 points fall outside"):
+    voxelize(pts, voxel_size=1.0, origin=0.0, spatial_shape=(2, 2, 2))
+  with pytest.raises(ValueError, match="reduce"):
+    voxelize(pts, voxel_size=1.0, reduce="median")
+  with pytest.raises(ValueError, match="capacity"):
+    voxelize(pts, voxel_size=1.0, capacity=2)
+  with pytest.raises(ValueError, match="points must be"):
+    voxelize(pts[:, :2], voxel_size=1.0)
+  with pytest.raises(TypeError, match="voxelize_jit"):
+    jax.jit(lambda p: voxelize(p, voxel_size=1.0))(pts)
+
+
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_voxelize_jit_matches_and_flags_overflow(reduce):
+  pts, feats, batch = _cloud(1)
+  kw = dict(voxel_size=0.25, origin=(-1.0, -1.0, -1.0), spatial_shape=(8, 8, 8), batch_size=2, reduce=reduce)
+  host = voxelize(pts, feats, batch=batch, **kw)
+  n = int(host.num)
+
+  @jax.jit
+  def run(p, f, b):
+    return voxelize_jit(p, f, batch=b, capacity=n + 5, **kw)
+
+  t, overflow = run(pts, feats, batch)
+  assert not bool(overflow) and int(t.num) == n
+  np.testing.assert_array_equal(np.asarray(t.coords[:n]), np.asarray(host.coords[:n]))
+  np.testing.assert_allclose(np.asarray(t.feats[:n]), np.asarray(host.feats[:n]), rtol=1e-6)
+  assert np.all(np.asarray(t.coords[n:]) == -1) and np.all(np.asarray(t.feats[n:]) == 0)
+
+  small, overflow = jax.jit(lambda p, f, b: voxelize_jit(p, f, batch=b, capacity=n - 3, **kw))(pts, feats, batch)
+  assert bool(overflow) and int(small.num) == n - 3
+  np.testing.assert_array_equal(np.asarray(small.coords), np.asarray(host.coords[: n - 3]))
+
+  # Points outside the grid are dropped under jit, not raised on.
+  far = np.concatenate([pts, [[5.0, 0, 0]]]).astype(np.float32)
+  t2, overflow = voxelize_jit(far, None, capacity=n + 5, **{**kw, "batch_size": 1})
+  assert not bool(overflow) and int(t2.num) == len(np.unique(np.floor((pts + 1) / 0.25), axis=0))
+
+
+def test_devoxelize():
+  pts, feats, _ = _cloud(2, 50)
+  t = voxelize(pts, feats, voxel_size=0.5, origin=(-1, -1, -1), spatial_shape=(4, 4, 4))
+  centres, valid = devoxelize(t, voxel_size=0.5, origin=(-1, -1, -1))
+  n = int(t.num)
+  assert np.asarray(valid).sum() == n and centres.shape == (t.capacity, 3)
+  c = np.asarray(centres[:n])
+  np.testing.assert_allclose(c, -1 + (np.asarray(t.coords[:n, 1:]) + 0.5) * 0.5)
+  # Re-voxelising the centres gives back the same sites.
+  again = voxelize(c, None, voxel_size=0.5, origin=(-1, -1, -1), spatial_shape=(4, 4, 4))
+  np.testing.assert_array_equal(np.asarray(again.coords[:n]), np.asarray(t.coords[:n]))
+
+
+# ---- shapes ------------------------------------------------------------------------------------------
+
+def test_shape_geometry():
+  r = 10.0
+  t, m = shapes.sphere(32, radius=r, return_dense=True)
+  assert abs(int(t.num) - 4 / 3 * math.pi * r**3) / (4 / 3 * math.pi * r**3) < 0.03
+  assert int(t.num) == m.sum()
+  # The dense mask and the sparse tensor agree.
+  np.testing.assert_array_equal(np.asarray(t.todense())[0, ..., 0] > 0, m)
+  b, bm = shapes.box(16, half_size=(3, 2, 4), center=(8, 8, 8), channels=4, return_dense=True)
+  assert int(b.num) == 6 * 4 * 8 and b.num_channels == 4
+  idx = np.argwhere(bm)
+  np.testing.assert_array_equal(idx.min(0), [5, 6, 4])
+  np.testing.assert_array_equal(idx.max(0), [10, 9, 11])
+  tor = shapes.torus_mask(48, major=12, minor=4)
+  assert abs(tor.sum() - 2 * math.pi**2 * 12 * 16) / (2 * math.pi**2 * 12 * 16) < 0.05
+  sh = shapes.shell_mask(32, radius=10, thickness=2)
+  vol = 4 / 3 * math.pi * (10**3 - 8**3)
+  assert abs(sh.sum() - vol) / vol < 0.06
+  assert not (sh & shapes.sphere_mask(32, radius=7.5)).any()  # hollow
+
+
+def test_random_shapes_deterministic_and_nonempty():
+  key = jax.random.key(3)
+  t1, m1 = shapes.random_shapes(key, 4, 16, return_dense=True)
+  t2 = shapes.random_shapes(key, 4, 16)
+  np.testing.assert_array_equal(np.asarray(t1.coords), np.asarray(t2.coords))
+  t3 = shapes.random_shapes(jax.random.key(4), 4, 16)
+  assert t3.num != t1.num or not np.array_equal(np.asarray(t3.coords), np.asarray(t1.coords))
+  assert t1.batch_size == 4 and m1.shape == (4, 16, 16, 16)
+  assert all(m1[b].any() for b in range(4))
+  np.testing.assert_array_equal(np.asarray(t1.todense())[..., 0] > 0, m1)
+  # Raw uint32 keys work too; a single union; kinds are validated.
+  u = shapes.random_union(jax.random.PRNGKey(0), 12, kinds=("box",), channels=2)
+  assert int(u.num) > 0 and u.num_channels == 2
+  with pytest.raises(ValueError, match="kinds"):
+    shapes.random_shapes(key, 2, 8, kinds=("cone",))
+
+
+# ---- serialisation -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [1, 3, 10])
+def test_morton_hilbert_round_trip(bits):
+  rng = np.random.default_rng(bits)
+  xyz = rng.integers(0, 2**bits, (2000, 3)).astype(np.int32)
+  for enc, dec in ((serialize.encode_morton, serialize.decode_morton),
+                   (serialize.encode_hilbert, serialize.decode_hilbert)):
+    k = jax.jit(lambda v: enc(v, bits))(xyz)
+    assert k.dtype == jnp.int32 and int(k.min()) >= 0 and int(k.max()) < 2 ** (3 * bits)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda k: dec(k, bits))(k)), xyz)
+
+
+def test_curves_are_bijections_and_hilbert_adjacent():
+  g = np.stack(np.meshgrid(*[np.arange(8)] * 3, indexing="ij"), -1).reshape(-1, 3)
+  for enc in (serialize.encode_morton, serialize.encode_hilbert):
+    np.testing.assert_array_equal(np.sort(np.asarray(enc(g, 3))), np.arange(512))
+  path = np.asarray(serialize.decode_hilbert(jnp.arange(512), 3))
+  steps = np.abs(np.diff(path, axis=0)).sum(axis=1)
+  assert np.all(steps == 1)  # consecutive Hilbert keys are face neighbours
+  np.testing.assert_array_equal(path[0], [0, 0, 0])
+  # Morton is the plain bit interleave (x most significant).
+  assert int(serialize.encode_morton(np.array([1, 0, 0]), 3)) == 4
+  assert int(serialize.encode_morton(np.array([0, 0, 2]), 3)) == 8
+  assert int(serialize.fold_batch(3, 5, 8)) == 3 * 2**24 + 5 and serialize.max_folded_batch(10) == 2
+  with pytest.raises(ValueError, match="bits"):
+    serialize.encode_morton(g, 11)
+
+
+@pytest.mark.parametrize("order", ["morton", "hilbert", "linear"])
+def test_sort_by(order):
+  t = shapes.random_shapes(jax.random.key(0), 2, 12, channels=1)
+  feats = jax.random.normal(jax.random.key(1), (t.capacity, 3))
+  t = t.replace(feats=jnp.where(t.valid_mask()[:, None], feats, 0))
+  # Scramble the row order first, so sorting has work to do.
+  n = int(t.num)
+  perm0 = np.concatenate([np.random.default_rng(0).permutation(n), np.arange(n, t.capacity)])
+  t = t.replace(coords=t.coords[perm0], feats=t.feats[perm0])
+  s, perm = jax.jit(lambda x: serialize.sort_by(x, order))(t)
+  np.testing.assert_array_equal(np.asarray(s.coords), np.asarray(t.coords)[np.asarray(perm)])
+  rows = lambda x: sorted(map(tuple, np.concatenate([np.asarray(x.coords[:n]), np.asarray(x.feats[:n])], 1)))
+  assert rows(s) == rows(t)
+  assert np.all(np.asarray(s.coords[n:]) == -1) and np.all(np.asarray(s.feats[n:]) == 0)
+  assert int(s.num) == n
+  c = np.asarray(s.coords[:n])
+  assert np.all(np.diff(c[:, 0]) >= 0)  # batches stay contiguous
+  k = np.asarray(serialize.serialization_keys(s, order))[:n]
+  for b in range(2):
+    assert np.all(np.diff(k[c[:, 0] == b]) > 0)
+  if order == "hilbert":  # within a batch, the full-grid curve visits sites in key order
+    path = np.asarray(serialize.decode_hilbert(k, serialize.bits_for(s.spatial_shape)))
+    np.testing.assert_array_equal(path, c[:, 1:])
+
+
+# ---- grid_sample -------------------------------------------------------------------------------------
+
+def _sample_tensor(seed=0, channels=3):
+  key = jax.random.key(seed)
+  t = shapes.random_shapes(key, 2, 8, num_shapes=(2, 3))
+  f = jax.random.normal(jax.random.fold_in(key, 1), (t.capacity, channels))
+  return t.replace(feats=jnp.where(t.valid_mask()[:, None], f, 0))
+
+
+def _dense_ref(t, points, batch, order):
+  dense = t.todense()
+  out = []
+  for p, b in zip(points, batch):
+    out.append(jnp.stack([jax.scipy.ndimage.map_coordinates(dense[b, ..., c], list(p[:, None]), order=order,
+                                                            mode="constant", cval=0.0)[0]
+                          for c in range(t.num_channels)]))
+  return np.asarray(jnp.stack(out))
+
+
+def test_grid_sample_trilinear_matches_dense():
+  t = _sample_tensor()
+  rng = np.random.default_rng(0)
+  pts = rng.uniform(-1.5, 8.5, (300, 3)).astype(np.float32)  # some outside the grid
+  pts[:20] = np.round(pts[:20])  # exactly on sites
+  batch = rng.integers(0, 2, 300)
+  got = jax.jit(grid_sample)(t, pts, batch=batch)
+  np.testing.assert_allclose(np.asarray(got), _dense_ref(t, pts, batch, 1), rtol=1e-5, atol=1e-5)
+  # [B, P, 3] form: the leading axis is the batch.
+  pts2 = pts[:100].reshape(2, 50, 3)
+  got2 = grid_sample(t, pts2)
+  ref2 = _dense_ref(t, pts2.reshape(-1, 3), np.repeat([0, 1], 50), 1).reshape(2, 50, -1)
+  np.testing.assert_allclose(np.asarray(got2), ref2, rtol=1e-5, atol=1e-5)
+  # A NaN point samples zeros instead of poisoning the output.
+  assert np.all(np.asarray(grid_sample(t, np.full((1, 3), np.nan, np.float32))) == 0)
+
+
+def test_grid_sample_nearest():
+  t = _sample_tensor(1)
+  rng = np.random.default_rng(1)
+  pts = rng.uniform(-1, 8, (200, 3)).astype(np.float32)
+  pts = np.where(np.abs(pts - np.round(pts)) > 0.49, pts + 0.02, pts)  # keep away from rounding ties
+  batch = rng.integers(0, 2, 200)
+  got = grid_sample(t, pts, mode="nearest", batch=batch)
+  dense = np.asarray(t.todense())
+  site = np.floor(pts + 0.5).astype(int)
+  ref = np.zeros((200, 3), np.float32)
+  for i, (s, b) in enumerate(zip(site, batch)):
+    if np.all((s >= 0) & (s < 8)):
+      ref[i] = dense[b, s[0], s[1], s[2]]
+  np.testing.assert_array_equal(np.asarray(got), ref)
+  with pytest.raises(ValueError, match="mode"):
+    grid_sample(t, pts, mode="cubic")
+
+
+def test_grid_sample_gradients():
+  t = _sample_tensor(2, channels=2)
+  rng = np.random.default_rng(2)
+  # Away from integer coordinates, where the trilinear blend is smooth.
+  pts = (rng.integers(0, 7, (40, 3)) + rng.uniform(0.1, 0.9, (40, 3))).astype(np.float32)
+  batch = rng.integers(0, 2, 40)
+  check_grads(lambda f: grid_sample(t.replace(feats=f), pts, batch=batch), (t.feats,), order=1,
+              modes=("rev",), atol=1e-2, rtol=1e-2)
+  check_grads(lambda p: grid_sample(t, p, batch=batch), (jnp.asarray(pts),), order=1, modes=("fwd", "rev"),
+              atol=1e-2, rtol=1e-2, eps=1e-2)
+  # Gradient w.r.t. feats in nearest mode: one-hot scatter of the cotangent.
+  g = jax.grad(lambda f: grid_sample(t.replace(feats=f), pts, mode="nearest", batch=batch).sum())(t.feats)
+  rows = np.asarray(lookup_rows(t, np.concatenate([batch[:, None], np.floor(pts + 0.5).astype(np.int32)], 1)))
+  expected = np.zeros(t.capacity)
+  np.add.at(expected, rows[rows >= 0], 1.0)
+  np.testing.assert_allclose(np.asarray(g), np.repeat(expected[:, None], 2, 1))
+
+
+def test_lookup_rows():
+  t = _sample_tensor(3)
+  n = int(t.num)
+  rows = lookup_rows(t, t.coords[:n])
+  np.testing.assert_array_equal(np.asarray(rows), np.arange(n))
+  q = np.array([[0, -1, 0, 0], [2, 0, 0, 0], [0, 8, 0, 0], [-1, -1, -1, -1]], np.int32)
+  np.testing.assert_array_equal(np.asarray(lookup_rows(t, q)), [-1, -1, -1, -1])
+
+
+# ---- plotting ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def agg():
+  mpl = pytest.importorskip("matplotlib")
+  mpl.use("Agg")
+  import matplotlib.pyplot as plt
+  yield plt
+  plt.close("all")
+
+
+def test_plot_voxels(agg, tmp_path):
+  t = shapes.random_shapes(jax.random.key(5), 2, 10, channels=2)
+  ax = __import__("jsparse.plot", fromlist=["plot_voxels"]).plot_voxels(t, batch_index=1, color_by=0)
+  assert len(ax.collections) > 0  # the voxel faces
+  path = tmp_path / "voxels.png"
+  ax.figure.savefig(path)
+  assert path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_grid_and_limits(agg, tmp_path):
+  from jsparse.plot import plot_grid, plot_voxels
+  batch = shapes.random_shapes(jax.random.key(6), 3, 8)
+  fig = plot_grid(batch, ncols=2, titles=["a", "b", "c"])
+  assert len(fig.axes) == 3 and [a.get_title() for a in fig.axes] == ["a", "b", "c"]
+  assert all(len(a.collections) > 0 for a in fig.axes)
+  fig2 = plot_grid([shapes.sphere(8), (batch, 2)], ncols=3)
+  assert len(fig2.axes) == 2
+  fig2.savefig(tmp_path / "grid.png")
+  assert (tmp_path / "grid.png").exists()
+  big = shapes.box(80, half_size=10)
+  with pytest.raises(ValueError, match="exceeds 64"):
+    plot_voxels(big, downsample=False)
+  ax = plot_voxels(big)  # pooled 2x
+  assert ax.get_title() == "downsampled x2" and len(ax.collections) > 0
+  with pytest.raises(ValueError, match="titles"):
+    plot_grid(batch, titles=["x"])

@@ -98,8 +98,13 @@ class _MapArrays(NamedTuple):
   nbr: jax.Array
   num: jax.Array
   forward_plan: Any
-  input_grad_plan: Any
+  input_grad_plan: Any  # a masked plan for the input-gradient map (`transposed`, else `nbr`)
   pairs: Any
+  # For maps between different coordinates (strided / inverse convolutions, sparse_conv.py): the input
+  # gradient's map over the input rows, transposed[j, V-1-v] = i iff nbr[i, v] = j, and the number of
+  # valid input rows. None for submanifold maps, which are their own transpose.
+  transposed: Any = None
+  num_in: Any = None
 
 
 class _PallasOptions(NamedTuple):
@@ -149,8 +154,11 @@ def _submconv_pallas_bwd(opts, residuals, g):
   if opts.input_grad.algorithm == "explicit":
     d_feats = xla_d_feats
   else:
-    # The same gather-GEMM over the same map, reading weight[V-1-v]^T.
-    d_feats = gather_gemm_lib.gather_gemm(g, w, maps.nbr, maps.num, plan=maps.input_grad_plan,
+    # The same gather-GEMM over the transposed map (for submanifold maps, the map itself), reading
+    # weight[V-1-v]^T.
+    t_map = maps.nbr if maps.transposed is None else maps.transposed
+    t_num = maps.num if maps.num_in is None else maps.num_in
+    d_feats = gather_gemm_lib.gather_gemm(g, w, t_map, t_num, plan=maps.input_grad_plan,
                                           transpose_weight=True, config=opts.input_grad.tiles,
                                           precision=opts.precision, interpret=opts.interpret)
   if opts.weight_grad.algorithm == "explicit":

@@ -139,23 +139,38 @@ def neighbor_map(x: SparseTensor, kernel_size=3, dilation=1, implementation: str
   return cache
 
 
+def sorted_site_keys(x: SparseTensor) -> tuple[jax.Array, jax.Array]:
+  """(sorted_keys, order): x's linear keys sorted (padding rows keyed int32 max, last) and the row of each."""
+  keys = jnp.where(x.valid_mask(), linear_keys(x.coords, x.spatial_shape), jnp.iinfo(jnp.int32).max)
+  order = jnp.argsort(keys).astype(jnp.int32)
+  return keys[order], order
+
+
+def lookup_keys(sorted_keys: jax.Array, order: jax.Array | None, query: jax.Array, ok: jax.Array) -> jax.Array:
+  """Row of each query key among `sorted_keys` (binary search), or -1 where absent or not `ok`.
+
+  sorted_keys: int32 [N] ascending, with int32 max for empty slots; order: int32 [N] row of each sorted key
+  (None: the row is the position itself). query, ok: any shape (the result has it).
+  """
+  big = jnp.iinfo(jnp.int32).max
+  if sorted_keys.shape[0] == 0:
+    return jnp.full(query.shape, -1, jnp.int32)
+  q = jnp.where(ok, query, big)
+  pos = jnp.clip(jnp.searchsorted(sorted_keys, q), 0, sorted_keys.shape[0] - 1)
+  found = ok & (sorted_keys[pos] == q)
+  rows = pos if order is None else order[pos]
+  return jnp.where(found, rows, -1).astype(jnp.int32)
+
+
 def _neighbor_map_sorted(x: SparseTensor, offsets: Sequence[tuple[int, int, int]]) -> jax.Array:
   """XLA neighbour search: sort the site keys once, then binary-search every shifted site."""
   if x.capacity == 0:
     return jnp.zeros((0, len(offsets)), jnp.int32)
-  valid = x.valid_mask()
-  big = jnp.iinfo(jnp.int32).max
-  keys = jnp.where(valid, linear_keys(x.coords, x.spatial_shape), big)
-  order = jnp.argsort(keys).astype(jnp.int32)
-  sorted_keys = keys[order]
+  sorted_keys, order = sorted_site_keys(x)
   off = jnp.asarray(offsets, jnp.int32)  # [V, 3]
   shifted = x.coords[:, None, 1:] + off[None]  # [cap, V, 3]
   inside = jnp.all((shifted >= 0) & (shifted < jnp.asarray(x.spatial_shape, jnp.int32)), axis=-1)
   query = jnp.concatenate(
       [jnp.broadcast_to(x.coords[:, None, :1], shifted.shape[:2] + (1,)), shifted], axis=-1)
   qkeys = linear_keys(query.reshape(-1, 4), x.spatial_shape).reshape(shifted.shape[:2])
-  ok = inside & valid[:, None]
-  qkeys = jnp.where(ok, qkeys, big)
-  pos = jnp.clip(jnp.searchsorted(sorted_keys, qkeys), 0, x.capacity - 1)
-  found = ok & (sorted_keys[pos] == qkeys)
-  return jnp.where(found, order[pos], -1).astype(jnp.int32)
+  return lookup_keys(sorted_keys, order, qkeys, inside & x.valid_mask()[:, None])

@@ -1,0 +1,489 @@
+"""Non-submanifold sparse ops: strided convolution, its inverse, generative upsampling, pooling, concat.
+
+Maps. Every op here is a gather-GEMM over an int32 map between two coordinate sets (see `PairMap`):
+- `nbr` [out_capacity, V]: nbr[i, v] = the input row read by output i at kernel offset v, or -1;
+- `inv` [in_capacity, V]: inv[j, v] = the output row that reads input j at offset v, or -1 (for a strided
+  convolution each (j, v) feeds at most one output, since o*stride = position + padding - offset*dilation).
+A strided convolution's forward runs over `nbr` and its input gradient over `inv` (flipped: the GEMM kernel
+reads offset V-1-v with the transposed weight). The inverse convolution is the same op with the two maps
+swapped, so one custom_vjp (conv._submconv_pallas) serves submanifold, strided and inverse convolutions.
+
+Output coordinates (XLA, jit-friendly): every valid input proposes, per kernel offset, the output it would
+feed (where the stride divides and the output is inside the grid); the proposals are sorted and
+deduplicated into a static number of rows, and `inv` is found by binary search of the proposals among the
+outputs (neighbors.lookup_keys); `nbr` is `inv` scattered back.
+
+Reuse. `sparse_conv3d` and the pools attach their PairMap to the output's `caches` under
+`pair_map_key(...)` (the map by which those coordinates were produced). `sparse_inverse_conv3d(y, like=x)`
+takes it from `y.caches` (it survives submconv3d layers on y, which keep y's caches) when it was built on
+x's coordinates (checked statically, and on the values outside jit), else it recomputes `inv` by searching
+x's proposed outputs among y's sites, which is correct for any row order of y.
+
+Overflow. With a static `out_capacity`, more output sites than rows cannot be stored: outside jit that
+raises ValueError; under jit nothing raises, `PairMap.overflow` is True and the output holds the
+`out_capacity` smallest-keyed sites. Pass `with_overflow=True` to get `(output, overflow)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsparse import dispatch, tuning
+from jsparse.conv import _MapArrays, _PallasOptions, _submconv_pallas, submconv_xla
+from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
+from jsparse.sparse_tensor import MAX_KEYS, SparseTensor
+from pallas_kernels import gemm_plan
+
+_BIG = int(np.iinfo(np.int32).max)
+_REDUCE = ("mean", "max", "sum")
+
+
+def _is_traced(*arrays) -> bool:
+  return any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+# ---- geometry -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """A strided convolution's static shape: output grid per axis as lax.conv_general_dilated with explicit
+  padding, floor((X + 2*pad - dil*(k-1) - 1) / stride) + 1."""
+
+  kernel_size: tuple[int, int, int]
+  stride: tuple[int, int, int]
+  padding: tuple[int, int, int]
+  dilation: tuple[int, int, int]
+  in_shape: tuple[int, int, int]
+  out_shape: tuple[int, int, int]
+
+  @property
+  def num_offsets(self) -> int:
+    return math.prod(self.kernel_size)
+
+  def offsets(self) -> np.ndarray:
+    """int32 [V, 3]: (i, j, k) * dilation in the C order of a (Kx, Ky, Kz, Cin, Cout) weight."""
+    idx = np.array(list(itertools.product(*(range(k) for k in self.kernel_size))), np.int32).reshape(-1, 3)
+    return idx * np.asarray(self.dilation, np.int32)
+
+
+def geometry(spatial_shape, kernel_size, stride=1, padding=0, dilation=1) -> Geometry:
+  ks = as_triple(kernel_size, "kernel_size")
+  st = as_triple(stride, "stride")
+  pad = as_triple(padding, "padding")
+  dil = check_dilation(dilation)
+  if min(ks) < 1:
+    raise ValueError(f"kernel_size must be >= 1, got {ks}")
+  if min(st) < 1:
+    raise ValueError(f"stride must be >= 1, got {st}")
+  if min(pad) < 0:
+    raise ValueError(f"padding must be >= 0, got {pad}")
+  in_shape = tuple(int(s) for s in spatial_shape)
+  out = tuple((n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(in_shape, ks, st, pad, dil))
+  if min(out) <= 0:
+    raise ValueError(
+        f"kernel_size={ks}, stride={st}, padding={pad}, dilation={dil} on spatial_shape={in_shape} gives an "
+        f"empty output grid {out}: the dilated kernel does not fit in the padded input")
+  return Geometry(ks, st, pad, dil, in_shape, out)
+
+
+def _check_keys(batch_size: int, shape) -> None:
+  if batch_size * math.prod(shape) > MAX_KEYS:
+    raise ValueError(f"output grid batch_size * X * Y * Z = {batch_size * math.prod(shape)} exceeds 2**31 - 1")
+
+
+def _proposals(coords, valid, geom: Geometry, batch_size: int):
+  """For every input row j and offset v, the linear key of the output it feeds ([cap, V]) and whether it
+  exists: o = (position + padding - offset) / stride must be integral and inside the output grid."""
+  off = jnp.asarray(geom.offsets())  # [V, 3]
+  num = coords[:, None, 1:] + jnp.asarray(geom.padding, jnp.int32) - off[None]  # [cap, V, 3]
+  st = jnp.asarray(geom.stride, jnp.int32)
+  o = jnp.floor_divide(num, st)
+  ok = (num >= 0) & (num - o * st == 0) & (o < jnp.asarray(geom.out_shape, jnp.int32))
+  ok = jnp.all(ok, axis=-1) & valid[:, None]
+  x, y, z = geom.out_shape
+  keys = ((coords[:, None, 0] * x + o[..., 0]) * y + o[..., 1]) * z + o[..., 2]
+  return jnp.where(ok, keys, _BIG), ok
+
+
+def _scatter_transpose(inv, rows_out: int):
+  """nbr [rows_out, V] with nbr[i, v] = j iff inv[j, v] = i (each (i, v) is hit at most once)."""
+  cap, v = inv.shape
+  target = jnp.where(inv >= 0, inv, rows_out)  # misses go out of range and are dropped
+  src = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[:, None], (cap, v))
+  return jnp.full((rows_out, v), -1, jnp.int32).at[target, jnp.arange(v)[None, :]].set(src, mode="drop")
+
+
+# ---- pair maps ------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PairMap:
+  """The map between an input's coordinates and a strided convolution's output coordinates.
+
+  out_coords: int32 [out_capacity, 4], sorted by linear key, -1 rows after out_num.
+  out_num: int32 scalar, valid output rows.
+  nbr: int32 [out_capacity, V]: input row read by output i at offset v, or -1.
+  inv: int32 [in_capacity, V]: output row that reads input j at offset v, or -1.
+  in_coords, in_num: the input coordinates the map was built on (to check reuse; no copy under jit).
+  overflow: bool scalar, True if more output sites existed than out_capacity (then the map holds the
+    out_capacity smallest-keyed ones). Outside jit, building such a map raises ValueError instead.
+  """
+
+  out_coords: jax.Array
+  out_num: jax.Array
+  nbr: jax.Array
+  inv: jax.Array
+  in_coords: jax.Array
+  in_num: jax.Array
+  overflow: jax.Array
+  geom: Geometry = dataclasses.field(metadata=dict(static=True))
+  batch_size: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def out_capacity(self) -> int:
+    return self.nbr.shape[0]
+
+  @property
+  def in_capacity(self) -> int:
+    return self.inv.shape[0]
+
+  def output(self, feats) -> SparseTensor:
+    """A SparseTensor on the output coordinates, carrying this map."""
+    return SparseTensor(self.out_coords, feats, self.out_num, self.geom.out_shape, self.batch_size,
+                        {pair_map_key(self.geom): self})
+
+
+def pair_map_key(geom: Geometry) -> str:
+  """The SparseTensor.caches key of the map that produced a tensor's coordinates by this geometry."""
+  g = geom
+  fmt = lambda t: "x".join(map(str, t))
+  return (f"pairs/k{fmt(g.kernel_size)}/s{fmt(g.stride)}/p{fmt(g.padding)}/d{fmt(g.dilation)}"
+          f"/in{fmt(g.in_shape)}")
+
+
+def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_capacity: int | None = None,
+             *, check: bool = True) -> PairMap:
+  """The output coordinates and both maps of a strided sparse convolution of `x` (module docstring).
+
+  Output sites (spconv's SparseConv3d rule): every output position, in the same batch item, whose receptive
+  field holds at least one valid input. out_capacity: static rows of the output; None counts them on the
+  host (outside jit only). check: raise ValueError outside jit when the sites overflow out_capacity.
+  """
+  geom = geometry(x.spatial_shape, kernel_size, stride, padding, dilation)
+  _check_keys(x.batch_size, geom.out_shape)
+  keys, ok = _proposals(x.coords, x.valid_mask(), geom, x.batch_size)
+  flat = jnp.sort(keys.reshape(-1))
+  first = (flat != _BIG) & (flat != jnp.concatenate([jnp.full((1,), -1, flat.dtype), flat[:-1]]))
+  count = jnp.sum(first, dtype=jnp.int32)
+  if out_capacity is None:
+    if _is_traced(count):
+      raise TypeError("pair_map/sparse_conv3d need a static out_capacity under jax.jit")
+    out_capacity = int(count)
+  out_capacity = int(out_capacity)
+  if out_capacity < 0:
+    raise ValueError(f"out_capacity must be >= 0, got {out_capacity}")
+  (pos,) = jnp.nonzero(first, size=out_capacity, fill_value=flat.shape[0])
+  out_keys = jnp.concatenate([flat, jnp.full((1,), _BIG, flat.dtype)])[pos]  # ascending, _BIG = empty
+  out_num = jnp.minimum(count, out_capacity)
+  overflow = count > out_capacity
+  if check and not _is_traced(overflow) and bool(overflow):
+    raise ValueError(f"{int(count)} output sites do not fit in out_capacity={out_capacity}")
+  filled = out_keys != _BIG
+  b = x.batch_size
+  out_coords = jnp.stack(jnp.unravel_index(jnp.where(filled, out_keys, 0), (b,) + geom.out_shape), axis=-1)
+  out_coords = jnp.where(filled[:, None], out_coords.astype(jnp.int32), -1)
+  inv = lookup_keys(out_keys, None, keys, ok)  # out_keys are sorted: the row is the position
+  nbr = _scatter_transpose(inv, out_capacity)
+  return PairMap(out_coords, out_num, nbr, inv, x.coords, x.num, overflow, geom, b)
+
+
+def strided_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_capacity: int | None = None):
+  """(out_coords [out_cap, 4], out_num, nbr [out_cap, V], overflow) of a strided sparse convolution.
+
+  nbr[i, v] = row of x read by output i at kernel offset v (the C-order index of (a, b, c) in the kernel;
+  input position = o*stride - padding + (a, b, c)*dilation), or -1. Output coordinates are sorted by linear
+  key. overflow (bool scalar) is True when more output sites exist than out_capacity: outside jit that
+  raises ValueError, under jit only the flag tells. See `pair_map` for the full structure.
+  """
+  pm = pair_map(x, kernel_size, stride, padding, dilation, out_capacity)
+  return pm.out_coords, pm.out_num, pm.nbr, pm.overflow
+
+
+# ---- the GEMM over a map ----------------------------------------------------------------------------
+
+
+def _map_gemm(feats, w, bias, nbr, num, transposed, num_in, impl: dispatch.Implementation, precision,
+              algorithm: str = "auto"):
+  """out[i] = sum_v feats[nbr[i, v]] @ w[v] + bias for i < num, differentiable in feats, w, bias.
+
+  transposed: [rows of feats, V] with transposed[j, V-1-v] = i iff nbr[i, v] = j (the input gradient's map);
+  num_in: valid rows of feats. XLA: gather + one matmul. Pallas: conv.py's gather-GEMM custom_vjp.
+  """
+  if not impl.is_pallas:
+    return submconv_xla(feats, w, bias, nbr, num, precision=precision)
+  m, v = nbr.shape
+  cin, cout = w.shape[1], w.shape[2]
+  configs = [tuning.choose("forward", m, cin, cout, v, feats.dtype, algorithm),
+             tuning.choose("input_grad", feats.shape[0], cin, cout, v, feats.dtype, algorithm),
+             tuning.choose("weight_grad", m, cin, cout, v, feats.dtype, algorithm)]
+  fwd_plan = gemm_plan.masked_plan(nbr, num, configs[0].tiles.block_m) if configs[0].masked else None
+  grad_plan = gemm_plan.masked_plan(transposed, num_in, configs[1].tiles.block_m) if configs[1].masked else None
+  pairs = gemm_plan.pair_lists(nbr) if configs[2].masked else None
+  maps = _MapArrays(nbr, num, fwd_plan, grad_plan, pairs, transposed, num_in)
+  return _submconv_pallas(feats, w, bias, maps, _PallasOptions(precision, impl.interpret, *configs))
+
+
+def _check_weight(x: SparseTensor, weight, bias):
+  weight = jnp.asarray(weight)
+  if weight.ndim != 5:
+    raise ValueError(f"weight must be (Kx, Ky, Kz, Cin, Cout), got shape {weight.shape}")
+  cin, cout = weight.shape[3], weight.shape[4]
+  if cin != x.num_channels:
+    raise ValueError(f"weight expects {cin} input channels but the features have {x.num_channels}")
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    if bias.shape != (cout,):
+      raise ValueError(f"bias must have shape ({cout},), got {bias.shape}")
+    bias = bias.astype(x.dtype)
+  w = weight.reshape(-1, cin, cout).astype(x.dtype)
+  return weight.shape[:3], w, bias
+
+
+# ---- convolutions -----------------------------------------------------------------------------------
+
+
+def sparse_conv3d(x: SparseTensor, weight, bias=None, *, stride=1, padding=0, dilation=1,
+                  out_capacity: int | None = None, cache: PairMap | None = None, implementation: str | None = None,
+                  precision=None, algorithm: str = "auto", with_overflow: bool = False):
+  """Strided (non-submanifold) sparse 3D convolution, spconv's SparseConv3d.
+
+  Output sites: every output position whose receptive field holds a valid input (`pair_map`), sorted by
+  linear key, on the grid of lax.conv_general_dilated with explicit padding. Values equal
+  `lax.conv_general_dilated(x.todense(), weight, stride, [(p, p)] * 3, rhs_dilation=dilation,
+  dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))` (+ bias) read at the output sites.
+
+  weight: (Kx, Ky, Kz, Cin, Cout), any kernel sizes >= 1. out_capacity: output rows (None: counted on the
+  host, outside jit only; under jit pass e.g. round_capacity of an upper bound). cache: a PairMap of x for
+  this geometry (else built). The output carries its PairMap in `caches` for `sparse_inverse_conv3d`.
+  with_overflow: return (output, overflow); see the module docstring (outside jit an overflow raises).
+  implementation / precision / algorithm: as submconv3d.
+  """
+  ks, w, b = _check_weight(x, weight, bias)
+  tuning.check_algorithm(algorithm)
+  impl = dispatch.resolve(implementation)
+  if cache is None:
+    cache = pair_map(x, ks, stride, padding, dilation, out_capacity)
+  elif (cache.geom != geometry(x.spatial_shape, ks, stride, padding, dilation)
+        or cache.in_capacity != x.capacity):
+    raise ValueError("cache was built for another geometry or input capacity than this convolution")
+  feats = _map_gemm(x.feats, w, b, cache.nbr, cache.out_num, jnp.flip(cache.inv, 1), x.num, impl, precision,
+                    algorithm)
+  out = cache.output(feats)
+  return (out, cache.overflow) if with_overflow else out
+
+
+def _same_coords(a, b) -> bool | None:
+  """True/False when both are concrete, None when traced (cannot tell)."""
+  if a is b:
+    return True
+  if _is_traced(a, b):
+    return None
+  return a.shape == b.shape and bool(jnp.array_equal(a, b))
+
+
+def _inverse_maps(y: SparseTensor, like: SparseTensor, geom: Geometry):
+  """(inv [like.capacity, V], nbr [y.capacity, V]) between like (conv input) and y (conv output)."""
+  pm = y.caches.get(pair_map_key(geom))
+  if (pm is not None and pm.geom == geom and pm.in_capacity == like.capacity and pm.out_capacity == y.capacity
+      and _same_coords(pm.in_coords, like.coords) is not False and _same_coords(pm.in_num, like.num) is not False
+      and _same_coords(pm.out_coords, y.coords) is not False):
+    return pm.inv, pm.nbr
+  # Recompute: search the outputs each site of `like` feeds among y's sites (any row order of y works).
+  keys, ok = _proposals(like.coords, like.valid_mask(), geom, like.batch_size)
+  sorted_keys, order = sorted_site_keys(y)
+  inv = lookup_keys(sorted_keys, order, keys, ok)
+  return inv, _scatter_transpose(inv, y.capacity)
+
+
+def sparse_inverse_conv3d(y: SparseTensor, weight, bias=None, *, like: SparseTensor, stride=1, padding=0,
+                          dilation=1, implementation: str | None = None, precision=None, algorithm: str = "auto"):
+  """spconv's SparseInverseConv3d: the transposed convolution from y back onto like's coordinates.
+
+  `y` is on the coordinates of `sparse_conv3d(like, ..., stride, padding, dilation)` with a kernel of
+  weight's spatial size. At every valid site j of like: out[j] = sum over (i, v) with nbr[i, v] = j of
+  y[i] @ weight[v] (+ bias), nbr the forward pair map; this equals the gradient of the dense convolution,
+  `jax.vjp(lambda d: conv_general_dilated(d, weight.swapaxes(3, 4), stride, [(p, p)]*3, rhs_dilation=dil),
+  like_dense)` applied to y.todense(), read at like's sites (i.e. lax.conv_transpose with transpose_kernel).
+
+  weight: (Kx, Ky, Kz, C_y, Cout). The map comes from y.caches when y (or a submanifold stack on it)
+  came out of that sparse_conv3d on like's coordinates, else it is recomputed (module docstring). Under jit
+  a cached map is trusted when its shapes fit: pass the `like` the forward convolution saw.
+  The output has like's coordinates and caches.
+  """
+  ks, w, b = _check_weight(y, weight, bias)
+  tuning.check_algorithm(algorithm)
+  geom = geometry(like.spatial_shape, ks, stride, padding, dilation)
+  if y.spatial_shape != geom.out_shape or y.batch_size != like.batch_size:
+    raise ValueError(
+        f"y (spatial_shape={y.spatial_shape}, batch_size={y.batch_size}) is not on the output grid "
+        f"{geom.out_shape} (batch_size={like.batch_size}) of this convolution of `like`")
+  impl = dispatch.resolve(implementation)
+  inv, nbr = _inverse_maps(y, like, geom)
+  # The forward map of the inverse is the transposed map of the convolution, and vice versa.
+  feats = _map_gemm(y.feats, w, b, inv, like.num, jnp.flip(nbr, 1), y.num, impl, precision, algorithm)
+  return like.replace(feats=feats)
+
+
+def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out_capacity: int | None = None,
+                            mask=None, implementation: str | None = None, precision=None, algorithm: str = "auto",
+                            with_overflow: bool = False):
+  """Generative upsampling: every valid site c spawns its children c*stride + t, t in [0, stride)^3.
+
+  The kernel size equals the stride, so every child has exactly one parent and child t of c gets
+  x[c] @ weight[t] (+ bias). This equals the dense transposed convolution
+  `lax.conv_transpose(x.todense(), weight[::-1, ::-1, ::-1], stride, "VALID", dimension_numbers=("NDHWC",
+  "DHWIO", "NDHWC"))` read at the children (the gradient of a kernel==stride convolution; torch/spconv's
+  ConvTranspose3d weight convention). Output grid: spatial_shape * stride.
+
+  weight: (sx, sy, sz, Cin, Cout) with (sx, sy, sz) == stride.
+  mask: None (all children) or bool [x.capacity, sx*sy*sz]: mask[j, t] keeps child t of row j, t the C-order
+    index of the child offset (a, b, c); prunes children for coarse-to-fine generation. Rows >= x.num are
+    ignored.
+  out_capacity: output rows (None: counted on the host, outside jit only). Overflow as sparse_conv3d.
+  Output rows are ordered by (parent row, child index), not by linear key.
+  """
+  st = as_triple(stride, "stride")
+  if min(st) < 1:
+    raise ValueError(f"stride must be >= 1, got {st}")
+  weight = jnp.asarray(weight)
+  if weight.ndim != 5 or tuple(weight.shape[:3]) != st:
+    raise ValueError(f"weight must be (*stride, Cin, Cout) = ({st}, Cin, Cout), got shape {weight.shape}")
+  ks, w, b = _check_weight(x, weight, bias)
+  tuning.check_algorithm(algorithm)
+  impl = dispatch.resolve(implementation)
+  t_count = math.prod(st)
+  out_shape = tuple(n * s for n, s in zip(x.spatial_shape, st))
+  _check_keys(x.batch_size, out_shape)
+  keep = jnp.broadcast_to(x.valid_mask()[:, None], (x.capacity, t_count))
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    if mask.shape != (x.capacity, t_count) or mask.dtype != jnp.bool_:
+      raise ValueError(f"mask must be bool [capacity={x.capacity}, {t_count}], got {mask.dtype} {mask.shape}")
+    keep = keep & mask
+  count = jnp.sum(keep, dtype=jnp.int32)
+  if out_capacity is None:
+    if _is_traced(count):
+      raise TypeError("sparse_conv_transpose3d needs a static out_capacity under jax.jit")
+    out_capacity = int(count)
+  overflow = count > out_capacity
+  if not _is_traced(overflow) and bool(overflow):
+    raise ValueError(f"{int(count)} children do not fit in out_capacity={out_capacity}")
+  out_num = jnp.minimum(count, out_capacity)
+  (flat,) = jnp.nonzero(keep.reshape(-1), size=out_capacity, fill_value=0)
+  filled = jnp.arange(out_capacity) < out_num
+  parent = (flat // t_count).astype(jnp.int32)
+  child = (flat % t_count).astype(jnp.int32)
+  child_off = jnp.asarray(np.array(list(itertools.product(*(range(s) for s in st))), np.int32).reshape(-1, 3))
+  pc = x.coords[parent]
+  xyz = pc[:, 1:] * jnp.asarray(st, jnp.int32) + child_off[child]
+  out_coords = jnp.where(filled[:, None], jnp.concatenate([pc[:, :1], xyz], axis=1), -1)
+  if impl.is_pallas:
+    # One-hot map: row r reads its parent at offset child[r]; the transposed map names each child row.
+    nbr = jnp.full((out_capacity, t_count), -1, jnp.int32).at[jnp.arange(out_capacity), child].set(
+        jnp.where(filled, parent, -1))
+    inv = _scatter_transpose(nbr, x.capacity)
+    feats = _map_gemm(x.feats, w, b, nbr, out_num, jnp.flip(inv, 1), x.num, impl, precision, algorithm)
+  else:
+    # All children of every row in one matmul (no zero-padded gather), then pick the kept ones.
+    from pallas_kernels.tiling import dot_precision
+
+    everything = jnp.einsum("jc,tco->jto", x.feats, w, precision=dot_precision(precision, x.dtype),
+                            preferred_element_type=jnp.float32)
+    feats = everything[parent, child]
+    if b is not None:
+      feats = feats + b.astype(jnp.float32)
+    feats = jnp.where(filled[:, None], feats, 0).astype(x.dtype)
+  out = SparseTensor(out_coords.astype(jnp.int32), feats, out_num, out_shape, x.batch_size)
+  return (out, overflow) if with_overflow else out
+
+
+# ---- pooling and combining ----------------------------------------------------------------------------
+
+
+def _pool(x: SparseTensor, kernel_size, stride, padding, dilation, out_capacity, reduce: str, with_overflow):
+  st = kernel_size if stride is None else stride
+  pm = pair_map(x, kernel_size, st, padding, dilation, out_capacity)
+  has = pm.nbr >= 0
+  gathered = x.feats[jnp.maximum(pm.nbr, 0)]  # [M, V, C]
+  if reduce == "max":
+    out = jnp.max(jnp.where(has[..., None], gathered, -jnp.inf), axis=1)
+  else:
+    total = jnp.sum(jnp.where(has[..., None], gathered, 0), axis=1, dtype=jnp.float32)
+    out = total / jnp.maximum(jnp.sum(has, axis=1), 1)[:, None]
+  valid = jnp.arange(pm.out_capacity) < pm.out_num
+  out = pm.output(jnp.where(valid[:, None], out, 0).astype(x.dtype))
+  return (out, pm.overflow) if with_overflow else out
+
+
+def sparse_max_pool3d(x: SparseTensor, kernel_size, stride=None, padding=0, dilation=1, *,
+                      out_capacity: int | None = None, with_overflow: bool = False) -> SparseTensor:
+  """Max over the valid inputs in each window (inactive sites do not count as zeros).
+
+  Output sites and grid as sparse_conv3d (stride defaults to kernel_size); the output carries the pair map,
+  so `sparse_inverse_conv3d(..., like=x)` can scatter back through it. Equals a dense reduce_window max with
+  -inf at inactive sites and in the padding, read at the output sites.
+  """
+  return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "max", with_overflow)
+
+
+def sparse_avg_pool3d(x: SparseTensor, kernel_size, stride=None, padding=0, dilation=1, *,
+                      out_capacity: int | None = None, with_overflow: bool = False) -> SparseTensor:
+  """Mean over the valid inputs in each window: sum of the active inputs / their number (not / window size,
+  which is what a dense average pool over zero-filled inactive sites would give). Sites as sparse_max_pool3d."""
+  return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "mean", with_overflow)
+
+
+def global_pool(x: SparseTensor, reduce: str = "mean") -> jax.Array:
+  """[batch_size, C]: per batch item, the "mean" | "max" | "sum" of the feats of its valid rows.
+
+  Batch items without sites give zeros (also for "max"). Accumulates in float32; returns x's dtype.
+  """
+  if reduce not in _REDUCE:
+    raise ValueError(f"reduce must be one of {_REDUCE}, got {reduce!r}")
+  valid = x.valid_mask()
+  seg = jnp.where(valid, x.coords[:, 0], x.batch_size)  # padding rows go to a dropped extra segment
+  n = x.batch_size + 1
+  counts = jax.ops.segment_sum(valid.astype(jnp.float32), seg, num_segments=n)[:-1]
+  if reduce == "max":
+    out = jax.ops.segment_max(x.feats, seg, num_segments=n)[:-1]
+    out = jnp.where(counts[:, None] > 0, out, 0)
+  else:
+    out = jax.ops.segment_sum(x.feats.astype(jnp.float32), seg, num_segments=n)[:-1]
+    if reduce == "mean":
+      out = out / jnp.maximum(counts, 1)[:, None]
+  return out.astype(x.dtype)
+
+
+def concat(a: SparseTensor, b: SparseTensor) -> SparseTensor:
+  """Concatenates the feats of two tensors on the same coordinates (a's channels first).
+
+  Capacity, spatial_shape and batch_size must match (checked always); the coordinates and num are compared
+  outside jit (ValueError if they differ); under jit they are trusted. The result carries both tensors' caches.
+  """
+  if (a.capacity, a.spatial_shape, a.batch_size) != (b.capacity, b.spatial_shape, b.batch_size):
+    raise ValueError(
+        f"concat needs tensors on the same coordinates: capacity/spatial_shape/batch_size "
+        f"{(a.capacity, a.spatial_shape, a.batch_size)} vs {(b.capacity, b.spatial_shape, b.batch_size)}")
+  if _same_coords(a.num, b.num) is False or _same_coords(a.coords, b.coords) is False:
+    raise ValueError("concat needs tensors on the same coordinates: their coords (or num) differ")
+  if a.dtype != b.dtype:
+    raise ValueError(f"concat needs one dtype, got {a.dtype} and {b.dtype}")
+  return dataclasses.replace(a, feats=jnp.concatenate([a.feats, b.feats], axis=1), caches={**b.caches, **a.caches})

@@ -68,6 +68,8 @@ def grid_sample(x: SparseTensor, points, mode: str = "trilinear", batch=None) ->
   b = jnp.zeros((n,), jnp.int32) if batch is None else jnp.asarray(batch).astype(jnp.int32)
   if b.shape != (n,):
     raise ValueError(f"batch must be [P={n}], got shape {b.shape}")
+  if x.capacity == 0:  # nothing to gather from
+    return jnp.zeros((n, x.num_channels), x.feats.dtype)
   finite = jnp.all(jnp.isfinite(points), axis=-1)
   # Clamp far-away points so the int32 cast cannot overflow (they sample zeros either way).
   lim = float(max(x.spatial_shape) + 2)

@@ -166,6 +166,8 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   and voxel_size/origin may be traced. overflow is a bool scalar, True when more voxels were occupied than
   `capacity` (the voxels with the largest keys are dropped). Points outside the grid or with a batch id
   outside [0, batch_size) are dropped silently (check beforehand if that matters).
+  The quantisation runs in the points' dtype (voxelize uses float64 on the host), so a point within
+  rounding error of a voxel face may land in the neighbouring voxel compared with voxelize.
   """
   _check_reduce(reduce)
   spatial_shape = _as_spatial_shape(spatial_shape)

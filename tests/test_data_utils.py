@@ -334,3 +334,15 @@ def test_plot_grid_and_limits(agg, tmp_path):
   assert ax.get_title() == "downsampled x2" and len(ax.collections) > 0
   with pytest.raises(ValueError, match="titles"):
     plot_grid(batch, titles=["x"])
+
+
+def test_empty_inputs():
+  e = SparseTensor.from_coords(np.zeros((0, 4), np.int32), np.zeros((0, 2), np.float32), (4, 4, 4))
+  assert grid_sample(e, np.ones((3, 3), np.float32)).shape == (3, 2)
+  assert serialize.sort_by(e)[1].shape == (0,)
+  t = voxelize(np.zeros((0, 3), np.float32), voxel_size=1.0)
+  assert int(t.num) == 0
+  t2, overflow = voxelize_jit(np.zeros((0, 3), np.float32), voxel_size=1.0, origin=0.0, spatial_shape=(4, 4, 4),
+                              capacity=8)
+  assert int(t2.num) == 0 and not bool(overflow)
+  assert np.all(np.asarray(grid_sample(t2, np.ones((2, 3), np.float32))) == 0)

@@ -1,0 +1,15 @@
+"""flax.linen modules on jsparse.SparseTensor (`import jsparse.nn as snn`)."""
+from jsparse.nn.layers import SparseBatchNorm, SparseGroupNorm, SparseLayerNorm, SubMConv3d
+from jsparse.nn.models import SparseResNetBlock
+
+__all__ = ["SubMConv3d", "SparseBatchNorm", "SparseLayerNorm", "SparseGroupNorm", "SparseResNetBlock"]
+
+# Strided/transposed convolutions and pooling come from sparse_conv_layers.py (written separately); export
+# them when that file is present so this package imports either way.
+try:
+  from jsparse.nn.sparse_conv_layers import (SparseConv3d, SparseConvTranspose3d, SparseInverseConv3d,
+                                             SparseMaxPool3d)
+except ImportError:
+  pass
+else:
+  __all__ += ["SparseConv3d", "SparseInverseConv3d", "SparseConvTranspose3d", "SparseMaxPool3d"]

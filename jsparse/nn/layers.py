@@ -1,0 +1,223 @@
+"""flax.linen modules on SparseTensors: submanifold convolution and normalisations.
+
+Names, argument names and defaults follow flax's `nn.Conv`, `nn.BatchNorm`, `nn.LayerNorm` and
+`nn.GroupNorm`, and parameters have the same names and layouts, so a parameter tree of these modules can be
+applied to their dense twins (and the other way round).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen import dtypes as flax_dtypes
+from flax.linen import initializers
+
+from jsparse import norm
+from jsparse.conv import submconv3d
+from jsparse.neighbors import as_triple
+from jsparse.sparse_tensor import SparseTensor
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+
+__all__ = ["SubMConv3d", "SparseBatchNorm", "SparseLayerNorm", "SparseGroupNorm"]
+
+default_kernel_init = nn.linear.default_kernel_init  # lecun_normal, as nn.Conv
+
+
+def _check_sparse(x, module: str) -> SparseTensor:
+  if not isinstance(x, SparseTensor):
+    raise TypeError(f"{module} takes a jsparse.SparseTensor, got {type(x).__name__}")
+  return x
+
+
+def _triple(value, name: str, module: str) -> tuple[int, int, int]:
+  try:
+    return as_triple(value, name)
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"{module}: {e}") from None
+
+
+class SubMConv3d(nn.Module):
+  """Submanifold sparse 3D convolution (spconv's SubMConv3d) as a flax module.
+
+  The output lives on the input's coordinates. It equals `nn.Conv(features, kernel_size, padding="SAME",
+  kernel_dilation=...)` applied to `x.todense()` and read at the active sites, with the same "kernel"
+  ((*kernel_size, in_features, features)) and "bias" parameters.
+
+  Attributes (as nn.Conv):
+    features: number of output channels.
+    kernel_size: int or 3 ints, odd.
+    strides: must be 1: a submanifold convolution keeps its sites (use SparseConv3d to downsample).
+    padding: must be "SAME" (the output sites are the input sites).
+    kernel_dilation: int or 3 ints.
+    use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as nn.Conv. `dtype` None computes in
+      the promoted dtype of the features and the parameters (flax's rule).
+    implementation: None | "xla" | "pallas" (see `jsparse.submconv3d`).
+    algorithm: "auto" or a forced Pallas algorithm (see `jsparse.submconv3d`).
+
+  The neighbour map is taken from (and attached to) the SparseTensor's `caches`, so a stack of these
+  layers on the same coordinates builds it once.
+  """
+
+  features: int
+  kernel_size: int | Sequence[int] = 3
+  strides: int | Sequence[int] = 1
+  padding: str = "SAME"
+  kernel_dilation: int | Sequence[int] = 1
+  use_bias: bool = True
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  precision: Any = None
+  kernel_init: Initializer = default_kernel_init
+  bias_init: Initializer = initializers.zeros_init()
+  implementation: str | None = None
+  algorithm: str = "auto"
+
+  def _checked_config(self):
+    name = type(self).__name__
+    kernel_size = _triple(self.kernel_size, "kernel_size", name)
+    if any(k % 2 == 0 for k in kernel_size):
+      raise ValueError(f"{name}: kernel_size must be odd (a submanifold kernel is centred), got {kernel_size}")
+    strides = _triple(self.strides, "strides", name)
+    if strides != (1, 1, 1):
+      raise ValueError(f"{name}: strides must be 1 (a submanifold convolution keeps the input sites), got "
+                       f"{self.strides!r}; use SparseConv3d to downsample")
+    if not (isinstance(self.padding, str) and self.padding.upper() == "SAME"):
+      raise ValueError(f"{name}: padding must be 'SAME' (the output sites are the input sites), got "
+                       f"{self.padding!r}")
+    dilation = _triple(self.kernel_dilation, "kernel_dilation", name)
+    if not isinstance(self.features, int) or self.features <= 0:
+      raise ValueError(f"{name}: features must be a positive int, got {self.features!r}")
+    return kernel_size, dilation
+
+  @nn.compact
+  def __call__(self, x: SparseTensor) -> SparseTensor:
+    name = type(self).__name__
+    _check_sparse(x, name)
+    kernel_size, dilation = self._checked_config()
+    cin = x.num_channels
+    kernel_shape = (*kernel_size, cin, self.features)
+    # flax would report a mismatch as "Initializer expected to generate shape ...": name the real problem.
+    if self.has_variable("params", "kernel"):
+      have = tuple(self.get_variable("params", "kernel").shape)
+      if have[:3] == kernel_size and have[4:] == (self.features,) and have[3] != cin:
+        where = f" '{'/'.join(self.path)}'" if self.path else ""
+        raise ValueError(f"{name}{where}: its kernel {have} expects {have[3]} input channels but the "
+                         f"input SparseTensor has {cin}")
+    kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
+    bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+    feats, kernel, bias = flax_dtypes.promote_dtype(x.feats, kernel, bias, dtype=self.dtype)
+    return submconv3d(x.replace(feats=feats), kernel, bias, dilation=dilation, implementation=self.implementation,
+                      precision=self.precision, algorithm=self.algorithm)
+
+
+class SparseBatchNorm(nn.Module):
+  """Batch normalisation over the valid rows of a SparseTensor (nn.BatchNorm's attributes and collections).
+
+  Statistics are per channel over every valid row of the batch (padding rows excluded); running averages
+  live in the "batch_stats" collection as "mean" and "var" (update with `mutable=["batch_stats"]`).
+  axis_name: under shard_map/pmap, pools the rows of all devices (psum of sums and counts, so devices with
+  different voxel counts are weighted by their rows).
+  """
+
+  use_running_average: bool | None = None
+  momentum: float = 0.99
+  epsilon: float = 1e-5
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  use_bias: bool = True
+  use_scale: bool = True
+  bias_init: Initializer = initializers.zeros_init()
+  scale_init: Initializer = initializers.ones_init()
+  axis_name: str | None = None
+  axis_index_groups: Any = None
+
+  @nn.compact
+  def __call__(self, x: SparseTensor, use_running_average: bool | None = None) -> SparseTensor:
+    _check_sparse(x, type(self).__name__)
+    use_running_average = nn.merge_param("use_running_average", self.use_running_average, use_running_average)
+    c = (x.num_channels,)
+    ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), c)
+    ra_var = self.variable("batch_stats", "var", lambda s: jnp.ones(s, jnp.float32), c)
+    if use_running_average:
+      mean, var = ra_mean.value, ra_var.value
+    else:
+      # As flax: no cross-device reduction while initialising (the axis need not exist then).
+      axis_name = None if self.is_initializing() else self.axis_name
+      mean, var = norm.batch_statistics(x, axis_name=axis_name, axis_index_groups=self.axis_index_groups)
+      if not self.is_initializing():
+        ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
+        ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
+    scale, bias = _affine(self, c)
+    return norm.batch_norm(x, scale, bias, mean=mean, var=var, epsilon=self.epsilon, dtype=_out_dtype(self, x))
+
+
+class SparseLayerNorm(nn.Module):
+  """Layer normalisation of each valid row over its channels (nn.LayerNorm's attributes)."""
+
+  epsilon: float = 1e-6
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  use_bias: bool = True
+  use_scale: bool = True
+  bias_init: Initializer = initializers.zeros_init()
+  scale_init: Initializer = initializers.ones_init()
+
+  @nn.compact
+  def __call__(self, x: SparseTensor) -> SparseTensor:
+    _check_sparse(x, type(self).__name__)
+    scale, bias = _affine(self, (x.num_channels,))
+    return norm.layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=_out_dtype(self, x))
+
+
+class SparseGroupNorm(nn.Module):
+  """Group normalisation per batch item over the valid rows (nn.GroupNorm's attributes).
+
+  Exactly one of num_groups / group_size is set (as flax); channels must divide evenly into groups.
+  """
+
+  num_groups: int | None = 32
+  group_size: int | None = None
+  epsilon: float = 1e-6
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  use_bias: bool = True
+  use_scale: bool = True
+  bias_init: Initializer = initializers.zeros_init()
+  scale_init: Initializer = initializers.ones_init()
+
+  @nn.compact
+  def __call__(self, x: SparseTensor) -> SparseTensor:
+    name = type(self).__name__
+    _check_sparse(x, name)
+    c = x.num_channels
+    if (self.num_groups is None) == (self.group_size is None):
+      raise ValueError(f"{name}: set exactly one of num_groups and group_size (got num_groups="
+                       f"{self.num_groups}, group_size={self.group_size})")
+    if self.group_size is not None:
+      if not isinstance(self.group_size, int) or self.group_size <= 0 or c % self.group_size:
+        raise ValueError(f"{name}: the number of channels ({c}) must be divisible by group_size "
+                         f"({self.group_size})")
+      num_groups = c // self.group_size
+    else:
+      num_groups = self.num_groups
+      if not isinstance(num_groups, int) or num_groups <= 0 or c % num_groups:
+        raise ValueError(f"{name}: the number of channels ({c}) must be divisible by num_groups ({num_groups})")
+    scale, bias = _affine(self, (c,))
+    return norm.group_norm(x, num_groups, scale, bias, epsilon=self.epsilon, dtype=_out_dtype(self, x))
+
+
+def _affine(module: nn.Module, shape):
+  scale = module.param("scale", module.scale_init, shape, module.param_dtype) if module.use_scale else None
+  bias = module.param("bias", module.bias_init, shape, module.param_dtype) if module.use_bias else None
+  return scale, bias
+
+
+def _out_dtype(module: nn.Module, x: SparseTensor):
+  # flax's normalisations return the promoted dtype of the input and the parameters unless dtype is set.
+  if module.dtype is not None:
+    return module.dtype
+  return jnp.promote_types(x.dtype, module.param_dtype) if (module.use_scale or module.use_bias) else x.dtype

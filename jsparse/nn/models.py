@@ -1,0 +1,67 @@
+"""Building blocks made of jsparse.nn layers (worked examples as much as library code)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jsparse import norm
+from jsparse.nn.layers import SparseBatchNorm, SparseGroupNorm, SubMConv3d
+from jsparse.sparse_tensor import SparseTensor
+
+__all__ = ["SparseResNetBlock"]
+
+
+class SparseResNetBlock(nn.Module):
+  """A pre-activation-free basic residual block on a fixed set of sites:
+
+    y = act(norm2(conv2(act(norm1(conv1(x))))) + shortcut(x))
+
+  with SubMConv3d(features, kernel_size) convolutions; the shortcut is the identity when the widths match and
+  a 1x1x1 SubMConv3d projection (no bias, then the same norm) when they differ. All three convolutions use the
+  same coordinates, so the kernel_size map is built once (by conv1) and the 1x1x1 map is trivial.
+
+  norm: "batch" (SparseBatchNorm; pass `train`), "group" (SparseGroupNorm with `num_groups`) or None.
+  """
+
+  features: int
+  kernel_size: int = 3
+  norm: str | None = "batch"
+  num_groups: int = 8
+  activation: Callable[[jax.Array], jax.Array] = nn.relu
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  implementation: str | None = None
+  bn_momentum: float = 0.99
+  axis_name: str | None = None
+
+  def _norm(self, name: str):
+    if self.norm is None:
+      return lambda x, train: x
+    if self.norm == "batch":
+      bn = SparseBatchNorm(momentum=self.bn_momentum, dtype=self.dtype, param_dtype=self.param_dtype,
+                           axis_name=self.axis_name, name=name)
+      return lambda x, train: bn(x, use_running_average=not train)
+    if self.norm == "group":
+      gn = SparseGroupNorm(num_groups=self.num_groups, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+      return lambda x, train: gn(x)
+    raise ValueError(f"SparseResNetBlock: norm must be 'batch', 'group' or None, got {self.norm!r}")
+
+  @nn.compact
+  def __call__(self, x: SparseTensor, train: bool = True) -> SparseTensor:
+    conv = lambda k, name, bias: SubMConv3d(self.features, k, use_bias=bias, dtype=self.dtype,
+                                            param_dtype=self.param_dtype, implementation=self.implementation,
+                                            name=name)
+    with_bias = self.norm is None  # a norm right after the conv makes its bias redundant
+    h = conv(self.kernel_size, "conv1", with_bias)(x)
+    h = norm.activation(self._norm("norm1")(h, train), self.activation)
+    h = conv(self.kernel_size, "conv2", with_bias)(h)
+    h = self._norm("norm2")(h, train)
+    if x.num_channels != self.features:
+      shortcut = self._norm("proj_norm")(conv(1, "proj", with_bias)(x), train)
+    else:
+      shortcut = x
+    out = h.replace(feats=h.feats + shortcut.feats.astype(h.dtype))
+    return norm.activation(out, self.activation)

@@ -1,0 +1,148 @@
+"""Normalisations and activations on SparseTensors (functional; the flax modules are in jsparse.nn).
+
+Every statistic is taken over the valid rows only (padding rows would otherwise pull means towards zero and
+shrink variances by the fill fraction, which changes with the capacity bucket), every output is zero at
+padding rows, and everything is differentiable. Statistics accumulate in float32; outputs have the input's
+dtype unless `dtype` says otherwise.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jsparse.sparse_tensor import SparseTensor
+
+__all__ = ["activation", "batch_statistics", "batch_norm", "layer_norm", "group_norm", "group_statistics"]
+
+
+def _mask(x: SparseTensor) -> jax.Array:
+  return x.valid_mask()[:, None]
+
+
+def _finish(x: SparseTensor, y: jax.Array, scale, bias, dtype) -> SparseTensor:
+  """Applies the affine part, zeros padding rows, casts."""
+  if scale is not None:
+    y = y * jnp.asarray(scale, jnp.float32)
+  if bias is not None:
+    y = y + jnp.asarray(bias, jnp.float32)
+  y = jnp.where(_mask(x), y, 0)  # the affine bias (and fn(0)) must not leak into padding rows
+  return x.replace(feats=y.astype(dtype if dtype is not None else x.dtype))
+
+
+def _check_affine(name: str, value, channels: int):
+  if value is not None and jnp.shape(value) != (channels,):
+    raise ValueError(f"{name} must have shape ({channels},) for {channels} channels, got {jnp.shape(value)}")
+
+
+def activation(x: SparseTensor, fn: Callable[[jax.Array], jax.Array]) -> SparseTensor:
+  """`fn` applied to the features of the valid rows; padding rows stay zero even where fn(0) != 0."""
+  return x.replace(feats=jnp.where(_mask(x), fn(x.feats), 0).astype(x.dtype))
+
+
+# ---- batch norm ------------------------------------------------------------------------------------------
+
+
+def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None):
+  """(mean, var), float32 [C]: per channel over the valid rows of the whole batch.
+
+  axis_name: a mapped axis (shard_map / pmap) to pool the rows of every device over. Sums and counts are
+    psum'd, so the result is the statistic of the union of all devices' valid rows even when their row
+    counts differ (a pmean of per-device means would weight them equally).
+  The variance is the biased one, computed in two passes (mean first) for accuracy.
+  """
+  mask = _mask(x)
+  f = jnp.where(mask, x.feats.astype(jnp.float32), 0)
+
+  def total(v):
+    return v if axis_name is None else lax.psum(v, axis_name, axis_index_groups=axis_index_groups)
+
+  count = total(jnp.asarray(x.num, jnp.float32))
+  denom = jnp.maximum(count, 1.0)  # an all-padding batch gives mean 0, var 0 rather than NaN
+  mean = total(jnp.sum(f, axis=0)) / denom
+  centred = jnp.where(mask, f - mean, 0)
+  var = total(jnp.sum(centred * centred, axis=0)) / denom
+  return mean, var
+
+
+def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, epsilon: float = 1e-5,
+               axis_name=None, axis_index_groups=None, dtype=None) -> SparseTensor:
+  """(x - mean) / sqrt(var + epsilon) * scale + bias on every valid row.
+
+  mean, var: [C]; both None computes them from x with `batch_statistics` (pooled over `axis_name` if given);
+    pass running averages for inference.
+  scale, bias: [C] or None.
+  """
+  c = x.num_channels
+  _check_affine("scale", scale, c)
+  _check_affine("bias", bias, c)
+  if (mean is None) != (var is None):
+    raise ValueError("pass both mean and var (running statistics) or neither (batch statistics)")
+  if mean is None:
+    mean, var = batch_statistics(x, axis_name=axis_name, axis_index_groups=axis_index_groups)
+  _check_affine("mean", mean, c)
+  _check_affine("var", var, c)
+  y = (x.feats.astype(jnp.float32) - mean) * lax.rsqrt(jnp.asarray(var, jnp.float32) + epsilon)
+  return _finish(x, y, scale, bias, dtype)
+
+
+# ---- layer norm ------------------------------------------------------------------------------------------
+
+
+def layer_norm(x: SparseTensor, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None) -> SparseTensor:
+  """Normalises each valid row over its channels (rows are independent, so padding cannot leak in)."""
+  c = x.num_channels
+  _check_affine("scale", scale, c)
+  _check_affine("bias", bias, c)
+  f = x.feats.astype(jnp.float32)
+  mean = jnp.mean(f, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(f - mean), axis=-1, keepdims=True)
+  return _finish(x, (f - mean) * lax.rsqrt(var + epsilon), scale, bias, dtype)
+
+
+# ---- group norm ------------------------------------------------------------------------------------------
+
+
+def _check_groups(channels: int, num_groups: int) -> int:
+  if not isinstance(num_groups, int) or num_groups <= 0:
+    raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+  if channels % num_groups:
+    raise ValueError(f"the number of channels ({channels}) must be divisible by num_groups ({num_groups})")
+  return channels // num_groups
+
+
+def group_statistics(x: SparseTensor, num_groups: int):
+  """(mean, var), float32 [batch_size, num_groups]: over the channels of each group and the valid rows of
+  each batch item. Batch items without valid rows get mean 0, var 0."""
+  group_size = _check_groups(x.num_channels, num_groups)
+  valid = x.valid_mask()
+  # Padding rows go to an extra segment (index batch_size) that is dropped.
+  seg = jnp.where(valid, x.coords[:, 0], x.batch_size)
+  nseg = x.batch_size + 1
+  f = jnp.where(valid[:, None], x.feats.astype(jnp.float32), 0).reshape(x.capacity, num_groups, group_size)
+  rows = jax.ops.segment_sum(valid.astype(jnp.float32), seg, num_segments=nseg)[:-1]
+  denom = jnp.maximum(rows * group_size, 1.0)[:, None]
+  mean = jax.ops.segment_sum(jnp.sum(f, axis=-1), seg, num_segments=nseg)[:-1] / denom
+  row_mean = mean[jnp.minimum(seg, x.batch_size - 1)]  # [capacity, G]
+  centred = jnp.where(valid[:, None, None], f - row_mean[..., None], 0)
+  var = jax.ops.segment_sum(jnp.sum(centred * centred, axis=-1), seg, num_segments=nseg)[:-1] / denom
+  return mean, var
+
+
+def group_norm(x: SparseTensor, num_groups: int, scale=None, bias=None, *, epsilon: float = 1e-6,
+               dtype=None) -> SparseTensor:
+  """Group normalisation per batch item: each group of channels is normalised with the statistics of that
+  group over the valid rows of the row's batch item (the sparse twin of flax's GroupNorm on [B, X, Y, Z, C],
+  counting active sites only)."""
+  c = x.num_channels
+  group_size = _check_groups(c, num_groups)
+  _check_affine("scale", scale, c)
+  _check_affine("bias", bias, c)
+  mean, var = group_statistics(x, num_groups)
+  b = jnp.clip(x.coords[:, 0], 0, x.batch_size - 1)  # padding rows: any item; they are zeroed after
+  inv = lax.rsqrt(var + epsilon)
+  f = x.feats.astype(jnp.float32).reshape(x.capacity, num_groups, group_size)
+  y = ((f - mean[b][..., None]) * inv[b][..., None]).reshape(x.capacity, c)
+  return _finish(x, y, scale, bias, dtype)

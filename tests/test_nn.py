@@ -1,0 +1,411 @@
+"""jsparse.nn (flax modules) and jsparse.norm against dense / flax references, on the CPU (XLA path)."""
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import jsparse
+import jsparse.conv
+import jsparse.nn as snn
+from jsparse import norm
+from reference import random_sparse, rel_err
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+def at_sites(x: jsparse.SparseTensor, dense):
+  """dense [B, X, Y, Z, C] read at x's valid sites (zeros at padding rows)."""
+  valid = x.valid_mask()
+  c = jnp.where(valid[:, None], x.coords, 0)
+  return jnp.where(valid[:, None], dense[c[:, 0], c[:, 1], c[:, 2], c[:, 3]], 0)
+
+
+def perturb(tree, seed=1, scale=0.3):
+  """Adds noise to every leaf (so zero-initialised biases are exercised too)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [l + scale * jax.random.normal(k, l.shape, l.dtype) for l, k in zip(leaves, keys)])
+
+
+# ---- SubMConv3d vs nn.Conv on the dense tensor -----------------------------------------------------------
+
+CONV_CASES = [
+    # spatial, batch, cin, cout, kernel, dilation
+    ((5, 6, 4), 1, 3, 5, 3, 1),
+    ((7, 5, 6), 2, 4, 3, (3, 1, 5), 1),       # non-cubic grid, anisotropic kernel, batch > 1
+    ((6, 7, 5), 3, 2, 4, 3, (2, 1, 2)),       # anisotropic dilation
+    ((8, 6, 7), 2, 5, 2, (5, 3, 3), 2),
+    ((4, 4, 4), 2, 3, 3, 1, 1),               # 1x1x1
+]
+
+
+@pytest.mark.parametrize("spatial,batch,cin,cout,kernel,dilation", CONV_CASES)
+def test_submconv3d_module_matches_dense_conv(spatial, batch, cin, cout, kernel, dilation):
+  rng = np.random.default_rng(hash((spatial, batch)) % 2**32)
+  x = random_sparse(rng, spatial, cin, batch_size=batch, density=0.35, pad=9)
+  sparse = snn.SubMConv3d(cout, kernel, kernel_dilation=dilation, precision="highest")
+  dense = nn.Conv(cout, kernel if isinstance(kernel, tuple) else (kernel,) * 3, padding="SAME",
+                  kernel_dilation=dilation, precision=HIGHEST)
+  params = perturb(sparse.init(jax.random.key(0), x))
+  # Same parameter names and layouts as nn.Conv: one tree drives both.
+  assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, dense.init(jax.random.key(0), x.todense()))
+  assert params["params"]["kernel"].shape == (*np.broadcast_to(kernel, 3), cin, cout)
+  cot = jnp.asarray(rng.standard_normal((x.capacity, cout)), jnp.float32)
+
+  def loss_sparse(params, feats):
+    y = sparse.apply(params, x.replace(feats=feats))
+    return jnp.sum(y.feats * cot), y.feats
+
+  def loss_dense(params, feats):
+    y = at_sites(x, dense.apply(params, x.replace(feats=feats).todense()))
+    return jnp.sum(y * cot), y
+
+  # jit: eager op-by-op dispatch on the CPU is several times slower than compiling these small graphs
+  (_, ys), gs = jax.jit(jax.value_and_grad(loss_sparse, (0, 1), has_aux=True))(params, x.feats)
+  (_, yd), gd = jax.jit(jax.value_and_grad(loss_dense, (0, 1), has_aux=True))(params, x.feats)
+  assert rel_err(ys, yd) < 1e-5
+  assert np.all(np.asarray(ys[int(x.num):]) == 0)
+  for a, b in zip(jax.tree.leaves(gs), jax.tree.leaves(gd)):
+    assert rel_err(a, b) < 1e-5
+  assert np.all(np.asarray(gs[1][int(x.num):]) == 0)
+
+
+def test_submconv3d_stack_matches_dense():
+  """conv -> activation -> conv: the dense twin must re-sparsify between layers (mask to the active sites)."""
+  rng = np.random.default_rng(3)
+  x = random_sparse(rng, (6, 5, 7), 3, batch_size=2, density=0.3, pad=4)
+
+  class Stack(nn.Module):
+    dense: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+      if self.dense:
+        active = x.replace(feats=jnp.ones((x.capacity, 1))).todense()
+        h = nn.Conv(6, (3, 3, 3), padding="SAME", precision=HIGHEST, name="c1")(x.todense())
+        h = jnp.tanh(h) * active + 0.5 * active
+        return at_sites(x, nn.Conv(2, (3, 1, 3), padding="SAME", precision=HIGHEST, name="c2")(h))
+      h = snn.SubMConv3d(6, precision="highest", name="c1")(x)
+      h = norm.activation(h, lambda f: jnp.tanh(f) + 0.5)  # fn(0) != 0: padding must stay zero
+      return snn.SubMConv3d(2, (3, 1, 3), precision="highest", name="c2")(h).feats
+
+  params = perturb(Stack().init(jax.random.key(0), x))
+  f = lambda p: jnp.sum(jnp.sin(Stack().apply(p, x)))
+  fd = lambda p: jnp.sum(jnp.sin(Stack(dense=True).apply(p, x)))
+  assert rel_err(jax.jit(Stack().apply)(params, x), jax.jit(Stack(dense=True).apply)(params, x)) < 1e-5
+  for a, b in zip(jax.tree.leaves(jax.jit(jax.grad(f))(params)), jax.tree.leaves(jax.jit(jax.grad(fd))(params))):
+    assert rel_err(a, b) < 1e-5
+
+
+def test_submconv3d_dtypes():
+  x = random_sparse(np.random.default_rng(0), (4, 4, 4), 3, pad=2)
+  m = snn.SubMConv3d(4)
+  params = m.init(jax.random.key(0), x)
+  assert params["params"]["kernel"].dtype == jnp.float32
+  xb = x.replace(feats=x.feats.astype(jnp.bfloat16))
+  assert m.apply(params, xb).dtype == jnp.float32  # flax's promotion: bf16 feats x f32 params -> f32
+  assert snn.SubMConv3d(4, dtype=jnp.bfloat16).apply(params, x).dtype == jnp.bfloat16
+
+
+# ---- normalisations --------------------------------------------------------------------------------------
+
+
+def _norm_input(seed=0, batch=3, channels=8, pad=11):
+  rng = np.random.default_rng(seed)
+  x = random_sparse(rng, (5, 4, 6), channels, batch_size=batch, density=0.3, pad=pad)
+  # Non-zero means and unequal scales per channel, so a statistic that counted padding rows would be off.
+  feats = x.feats * jnp.linspace(0.5, 3.0, channels) + jnp.linspace(-2.0, 4.0, channels)
+  return x.replace(feats=jnp.where(x.valid_mask()[:, None], feats, 0))
+
+
+def test_batch_norm_matches_numpy_and_flax_on_valid_rows():
+  x = _norm_input()
+  n = int(x.num)
+  m = snn.SparseBatchNorm(momentum=0.9)
+  variables = m.init(jax.random.key(0), x, use_running_average=False)
+  params = perturb(variables["params"])
+  y, upd = m.apply({"params": params, "batch_stats": variables["batch_stats"]}, x, False, mutable=["batch_stats"])
+
+  rows = np.asarray(x.feats[:n], np.float64)
+  mean, var = rows.mean(0), rows.var(0)
+  ref = (rows - mean) / np.sqrt(var + 1e-5) * np.asarray(params["scale"]) + np.asarray(params["bias"])
+  assert rel_err(y.feats[:n], ref) < 1e-5
+  assert np.all(np.asarray(y.feats[n:]) == 0)  # padding rows exactly zero despite the bias
+  # Running averages: momentum * old + (1 - momentum) * batch statistic (old mean 0, old var 1).
+  assert rel_err(upd["batch_stats"]["mean"], 0.1 * mean) < 1e-5
+  assert rel_err(upd["batch_stats"]["var"], 0.9 + 0.1 * var) < 1e-5
+  y2, upd2 = m.apply({"params": params, **upd}, x, False, mutable=["batch_stats"])
+  assert rel_err(upd2["batch_stats"]["mean"], 0.9 * 0.1 * mean + 0.1 * mean) < 1e-5
+
+  # Inference uses the running averages.
+  ye = m.apply({"params": params, **upd}, x, use_running_average=True)
+  rm, rv = np.asarray(upd["batch_stats"]["mean"]), np.asarray(upd["batch_stats"]["var"])
+  ref_e = (rows - rm) / np.sqrt(rv + 1e-5) * np.asarray(params["scale"]) + np.asarray(params["bias"])
+  assert rel_err(ye.feats[:n], ref_e) < 1e-5 and np.all(np.asarray(ye.feats[n:]) == 0)
+
+  # Gradients (input and params) equal flax's BatchNorm applied to the valid rows alone.
+  cot = jnp.asarray(np.random.default_rng(1).standard_normal(x.feats.shape), jnp.float32)
+  flax_bn = nn.BatchNorm(use_running_average=False, momentum=0.9, use_fast_variance=False)
+  bn_vars = {"batch_stats": variables["batch_stats"]}
+  fs = lambda p, f: jnp.sum(m.apply({"params": p, **bn_vars}, x.replace(feats=f), False, mutable=["batch_stats"])[0].feats * cot)
+  fd = lambda p, f: jnp.sum(flax_bn.apply({"params": p, **bn_vars}, f[:n], mutable=["batch_stats"])[0] * cot[:n])
+  gs, gd = jax.grad(fs, (0, 1))(params, x.feats), jax.grad(fd, (0, 1))(params, x.feats)
+  for a, b in zip(jax.tree.leaves(gs), jax.tree.leaves(gd)):
+    assert rel_err(a, b) < 1e-4
+  assert np.all(np.asarray(gs[1][n:]) == 0)
+
+
+def test_layer_norm_matches_flax_on_valid_rows():
+  x = _norm_input(1)
+  n = int(x.num)
+  m = snn.SparseLayerNorm()
+  params = perturb(m.init(jax.random.key(0), x))
+  y = m.apply(params, x)
+  ref = nn.LayerNorm().apply(params, x.feats[:n])
+  rows = np.asarray(x.feats[:n], np.float64)
+  ref_np = (rows - rows.mean(-1, keepdims=True)) / np.sqrt(rows.var(-1, keepdims=True) + 1e-6)
+  ref_np = ref_np * np.asarray(params["params"]["scale"]) + np.asarray(params["params"]["bias"])
+  assert rel_err(y.feats[:n], ref) < 1e-5 and rel_err(y.feats[:n], ref_np) < 1e-5
+  assert np.all(np.asarray(y.feats[n:]) == 0)
+  g = jax.grad(lambda f: jnp.sum(jnp.sin(m.apply(params, x.replace(feats=f)).feats)))(x.feats)
+  gr = jax.grad(lambda f: jnp.sum(jnp.sin(nn.LayerNorm().apply(params, f[:n]))))(x.feats)
+  assert rel_err(g, gr) < 1e-5
+
+
+@pytest.mark.parametrize("num_groups,group_size", [(4, None), (None, 2), (1, None)])
+def test_group_norm_per_batch_item(num_groups, group_size):
+  x = _norm_input(2, batch=3, channels=8)
+  n = int(x.num)
+  m = snn.SparseGroupNorm(num_groups=num_groups, group_size=group_size)
+  params = perturb(m.init(jax.random.key(0), x))
+  y = m.apply(params, x)
+  assert np.all(np.asarray(y.feats[n:]) == 0)
+  g = num_groups or 8 // group_size
+  coords, feats = np.asarray(x.coords[:n]), np.asarray(x.feats[:n], np.float64)
+  scale, bias = np.asarray(params["params"]["scale"]), np.asarray(params["params"]["bias"])
+  flax_gn = nn.GroupNorm(num_groups=num_groups, group_size=group_size)
+  for b in range(x.batch_size):
+    rows = coords[:, 0] == b
+    assert rows.sum() > 0
+    grouped = feats[rows].reshape(-1, g, 8 // g)
+    mu = grouped.mean(axis=(0, 2), keepdims=True)
+    var = grouped.var(axis=(0, 2), keepdims=True)
+    ref = ((grouped - mu) / np.sqrt(var + 1e-6)).reshape(-1, 8) * scale + bias
+    assert rel_err(np.asarray(y.feats[:n])[rows], ref) < 1e-5
+    # flax's GroupNorm on the item's valid rows as a [1, rows, C] batch agrees too.
+    ref_flax = flax_gn.apply(params, jnp.asarray(feats[rows], jnp.float32)[None])[0]
+    assert rel_err(np.asarray(y.feats[:n])[rows], ref_flax) < 1e-5
+
+  # Gradient w.r.t. the input equals flax's per item, summed over items.
+  cot = jnp.asarray(np.random.default_rng(5).standard_normal(x.feats.shape), jnp.float32)
+  gs = jax.grad(lambda f: jnp.sum(m.apply(params, x.replace(feats=f)).feats * cot))(x.feats)
+  seg = np.where(np.arange(x.capacity) < n, np.asarray(x.coords[:, 0]), -1)
+
+  def dense_loss(f):
+    return sum(jnp.sum(flax_gn.apply(params, f[seg == b][None])[0] * cot[seg == b]) for b in range(x.batch_size))
+
+  assert rel_err(gs, jax.grad(dense_loss)(x.feats)) < 1e-4
+
+
+def test_group_norm_empty_batch_item_is_finite():
+  coords = np.array([[0, 1, 1, 1], [0, 2, 1, 1], [2, 0, 0, 0]], np.int32)  # item 1 has no sites
+  x = jsparse.SparseTensor.from_coords(coords, np.arange(12, dtype=np.float32).reshape(3, 4), (3, 3, 3), 3,
+                                       capacity=6)
+  y = norm.group_norm(x, 2)
+  assert np.all(np.isfinite(np.asarray(y.feats))) and np.all(np.asarray(y.feats[3:]) == 0)
+  g = jax.grad(lambda f: jnp.sum(norm.group_norm(x.replace(feats=f), 2).feats ** 2))(x.feats)
+  assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_activation_keeps_padding_zero():
+  x = _norm_input(3)
+  n = int(x.num)
+  for fn in (jax.nn.sigmoid, jnp.cos, lambda f: f + 1.0, nn.gelu):
+    y = norm.activation(x, fn)
+    assert np.all(np.asarray(y.feats[n:]) == 0)
+    np.testing.assert_allclose(np.asarray(y.feats[:n]), np.asarray(fn(x.feats[:n])), rtol=1e-6)
+  g = jax.grad(lambda f: jnp.sum(norm.activation(x.replace(feats=f), jnp.cos).feats))(x.feats)
+  assert np.all(np.asarray(g[n:]) == 0)
+
+
+def test_norms_ignore_padding_amount():
+  """The same sites with more padding rows (a bigger capacity bucket) give the same outputs."""
+  x = _norm_input(4, pad=3)
+  n = int(x.num)
+  pad = 40
+  x2 = jsparse.SparseTensor.from_coords(np.asarray(x.coords[:n]), x.feats[:n], x.spatial_shape, x.batch_size,
+                                        capacity=n + pad)
+  for m in (snn.SparseBatchNorm(use_running_average=False), snn.SparseLayerNorm(), snn.SparseGroupNorm(4)):
+    v = m.init(jax.random.key(0), x)
+    y1 = m.apply(v, x, mutable=["batch_stats"])[0]
+    y2 = m.apply(v, x2, mutable=["batch_stats"])[0]
+    np.testing.assert_allclose(np.asarray(y1.feats[:n]), np.asarray(y2.feats[:n]), rtol=1e-5, atol=1e-6)
+
+
+# ---- neighbour-map sharing, compilation, training --------------------------------------------------------
+
+
+class ThreeConvs(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = snn.SubMConv3d(8)(x)
+    x = snn.SparseBatchNorm(use_running_average=not train)(x)
+    x = norm.activation(x, nn.relu)
+    x = snn.SubMConv3d(8)(x)
+    x = norm.activation(x, nn.relu)
+    return snn.SubMConv3d(1)(x)
+
+
+def test_conv_stack_builds_neighbor_map_once(monkeypatch):
+  calls = []
+  original = jsparse.conv.neighbor_map
+
+  def counting(*args, **kwargs):
+    calls.append(1)
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(jsparse.conv, "neighbor_map", counting)
+  x = random_sparse(np.random.default_rng(0), (6, 6, 6), 4, batch_size=2, pad=6)
+  model = ThreeConvs()
+  variables = jax.jit(model.init)(jax.random.key(0), x)
+  assert len(calls) == 1
+  calls.clear()
+  fwd = jax.jit(lambda v, x: model.apply(v, x, mutable=["batch_stats"]))
+  fwd(variables, x)
+  assert len(calls) == 1  # three convolutions, one map
+  # and in the backward pass too
+  calls.clear()
+  jax.jit(jax.grad(lambda v, x: jnp.sum(model.apply(v, x, mutable=["batch_stats"])[0].feats ** 2)))(variables, x)
+  assert len(calls) == 1
+
+
+def test_resnet_block():
+  x = random_sparse(np.random.default_rng(1), (6, 5, 6), 4, batch_size=2, pad=5)
+  n = int(x.num)
+  for norm_kind, width in (("batch", 8), ("group", 8), (None, 4)):
+    block = snn.SparseResNetBlock(width, norm=norm_kind, num_groups=4)
+    v = block.init(jax.random.key(0), x)
+    assert ("proj" in v["params"]) == (width != 4)
+    y, _ = block.apply(v, x, mutable=["batch_stats"])
+    assert y.feats.shape == (x.capacity, width) and np.all(np.asarray(y.feats[n:]) == 0)
+    assert np.all(np.asarray(y.coords) == np.asarray(x.coords))
+    g = jax.grad(lambda p: jnp.sum(block.apply({**v, "params": p}, x, mutable=["batch_stats"])[0].feats ** 2))(
+        v["params"])
+    assert all(np.all(np.isfinite(np.asarray(l))) for l in jax.tree.leaves(g))
+  # identity shortcut: with zero convolution kernels the block is relu(x)
+  block = snn.SparseResNetBlock(4, norm=None)
+  v = jax.tree.map(jnp.zeros_like, block.init(jax.random.key(0), x))
+  np.testing.assert_allclose(np.asarray(block.apply(v, x).feats), np.asarray(jax.nn.relu(x.feats)))
+
+
+def _random_batch(rng, n, spatial=(10, 10, 10), batch_size=2, channels=3):
+  keys = rng.choice(batch_size * int(np.prod(spatial)), size=n, replace=False)
+  coords = np.stack(np.unravel_index(keys, (batch_size,) + spatial), axis=-1).astype(np.int32)
+  feats = rng.standard_normal((n, channels)).astype(np.float32)
+  return jsparse.SparseTensor.from_coords(coords, feats, spatial, batch_size, capacity=jsparse.round_capacity(n))
+
+
+def test_jitted_train_step_compiles_once_per_capacity_and_learns():
+  rng = np.random.default_rng(0)
+  teacher = snn.SubMConv3d(1)
+  teacher_params = perturb(teacher.init(jax.random.key(7), _random_batch(rng, 50)), seed=8)
+
+  class Student(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = norm.activation(snn.SubMConv3d(16)(x), nn.relu)
+      return snn.SubMConv3d(1)(h)
+
+  student = Student()
+  params = student.init(jax.random.key(0), _random_batch(rng, 50))
+  opt = optax.adam(3e-2)
+  opt_state = opt.init(params)
+  traces = []
+
+  @jax.jit
+  def step(params, opt_state, x):
+    traces.append(x.capacity)  # runs once per compilation
+    target = teacher.apply(teacher_params, x).feats
+
+    def loss_fn(p):
+      err = student.apply(p, x).feats - target  # zero at padding rows on both sides
+      return jnp.sum(err**2) / x.num
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  losses, capacities = [], []
+  for i in range(20):
+    x = _random_batch(rng, int(rng.integers(100, 700)))
+    capacities.append(x.capacity)
+    params, opt_state, loss = step(params, opt_state, x)
+    losses.append(float(loss))
+  distinct = len(set(capacities))
+  assert distinct > 1
+  assert len(traces) <= distinct, (traces, capacities)
+  assert step._cache_size() <= distinct
+  assert np.mean(losses[-4:]) < 0.3 * np.mean(losses[:4]), losses
+
+
+# ---- data parallel ---------------------------------------------------------------------------------------
+
+
+def test_data_parallel_shard_map_two_cpu_devices():
+  script = os.path.join(os.path.dirname(__file__), "nn_data_parallel.py")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+
+
+def test_bad_input_errors():
+  x = random_sparse(np.random.default_rng(0), (4, 4, 4), 3, pad=2)
+  with pytest.raises(ValueError, match="strides must be 1"):
+    snn.SubMConv3d(4, strides=2).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="strides must be 1"):
+    snn.SubMConv3d(4, strides=(1, 2, 1)).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="padding must be 'SAME'"):
+    snn.SubMConv3d(4, padding="VALID").init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="padding must be 'SAME'"):
+    snn.SubMConv3d(4, padding=1).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="kernel_size must be odd"):
+    snn.SubMConv3d(4, kernel_size=(3, 2, 3)).init(jax.random.key(0), x)
+  with pytest.raises(TypeError, match="SparseTensor"):
+    snn.SubMConv3d(4).init(jax.random.key(0), x.todense())
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return snn.SubMConv3d(4, name="conv")(x)
+
+  params = Net().init(jax.random.key(0), x)
+  x5 = random_sparse(np.random.default_rng(1), (4, 4, 4), 5, pad=2)
+  with pytest.raises(ValueError, match=r"'conv'.*expects 3 input channels.*has 5"):
+    Net().apply(params, x5)
+  with pytest.raises(ValueError, match="expects 3 input channels"):
+    jax.jit(Net().apply)(params, x5)
+
+  x6 = random_sparse(np.random.default_rng(1), (4, 4, 4), 6, pad=2)
+  with pytest.raises(ValueError, match=r"channels \(6\) must be divisible by num_groups \(4\)"):
+    snn.SparseGroupNorm(num_groups=4).init(jax.random.key(0), x6)
+  with pytest.raises(ValueError, match="divisible by group_size"):
+    snn.SparseGroupNorm(num_groups=None, group_size=4).init(jax.random.key(0), x6)
+  with pytest.raises(ValueError, match="exactly one of num_groups and group_size"):
+    snn.SparseGroupNorm(num_groups=2, group_size=3).init(jax.random.key(0), x6)
+  with pytest.raises(ValueError, match="divisible by num_groups"):
+    norm.group_norm(x6, 4)
+  with pytest.raises(ValueError, match="scale must have shape"):
+    norm.batch_norm(x6, jnp.ones(5))

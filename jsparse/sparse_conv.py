@@ -26,6 +26,7 @@ raises ValueError; under jit nothing raises, `PairMap.overflow` is True and the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Any
@@ -179,10 +180,7 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   """
   geom = geometry(x.spatial_shape, kernel_size, stride, padding, dilation)
   _check_keys(x.batch_size, geom.out_shape)
-  keys, ok = _proposals(x.coords, x.valid_mask(), geom, x.batch_size)
-  flat = jnp.sort(keys.reshape(-1))
-  first = (flat != _BIG) & (flat != jnp.concatenate([jnp.full((1,), -1, flat.dtype), flat[:-1]]))
-  count = jnp.sum(first, dtype=jnp.int32)
+  keys, ok, flat, first, count = _sorted_proposals(x.coords, x.num, geom, x.batch_size)
   if out_capacity is None:
     if _is_traced(count):
       raise TypeError("pair_map/sparse_conv3d need a static out_capacity under jax.jit")
@@ -190,19 +188,35 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   out_capacity = int(out_capacity)
   if out_capacity < 0:
     raise ValueError(f"out_capacity must be >= 0, got {out_capacity}")
-  (pos,) = jnp.nonzero(first, size=out_capacity, fill_value=flat.shape[0])
-  out_keys = jnp.concatenate([flat, jnp.full((1,), _BIG, flat.dtype)])[pos]  # ascending, _BIG = empty
-  out_num = jnp.minimum(count, out_capacity)
   overflow = count > out_capacity
   if check and not _is_traced(overflow) and bool(overflow):
     raise ValueError(f"{int(count)} output sites do not fit in out_capacity={out_capacity}")
+  out_coords, out_num, nbr, inv = _compact(keys, ok, flat, first, count, geom, x.batch_size, out_capacity)
+  return PairMap(out_coords, out_num, nbr, inv, x.coords, x.num, overflow, geom, x.batch_size)
+
+
+# The two stages are jitted separately (the host reads the count in between when out_capacity is None):
+# outside jit that compiles two programs instead of dispatching some thirty small ops one by one.
+@functools.partial(jax.jit, static_argnames=("geom", "batch_size"))
+def _sorted_proposals(coords, num, geom: Geometry, batch_size: int):
+  valid = jnp.arange(coords.shape[0]) < num
+  keys, ok = _proposals(coords, valid, geom, batch_size)
+  flat = jnp.sort(keys.reshape(-1))
+  first = (flat != _BIG) & (flat != jnp.concatenate([jnp.full((1,), -1, flat.dtype), flat[:-1]]))
+  return keys, ok, flat, first, jnp.sum(first, dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("geom", "batch_size", "out_capacity"))
+def _compact(keys, ok, flat, first, count, geom: Geometry, batch_size: int, out_capacity: int):
+  """The out_capacity smallest distinct proposals become the output sites; then both maps."""
+  (pos,) = jnp.nonzero(first, size=out_capacity, fill_value=flat.shape[0])
+  out_keys = jnp.concatenate([flat, jnp.full((1,), _BIG, flat.dtype)])[pos]  # ascending, _BIG = empty
   filled = out_keys != _BIG
-  b = x.batch_size
-  out_coords = jnp.stack(jnp.unravel_index(jnp.where(filled, out_keys, 0), (b,) + geom.out_shape), axis=-1)
+  out_coords = jnp.stack(jnp.unravel_index(jnp.where(filled, out_keys, 0), (batch_size,) + geom.out_shape), axis=-1)
   out_coords = jnp.where(filled[:, None], out_coords.astype(jnp.int32), -1)
   inv = lookup_keys(out_keys, None, keys, ok)  # out_keys are sorted: the row is the position
   nbr = _scatter_transpose(inv, out_capacity)
-  return PairMap(out_coords, out_num, nbr, inv, x.coords, x.num, overflow, geom, b)
+  return out_coords, jnp.minimum(count, out_capacity), nbr, inv
 
 
 def strided_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_capacity: int | None = None):

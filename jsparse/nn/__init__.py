@@ -4,12 +4,12 @@ from jsparse.nn.models import SparseResNetBlock
 
 __all__ = ["SubMConv3d", "SparseBatchNorm", "SparseLayerNorm", "SparseGroupNorm", "SparseResNetBlock"]
 
-# Strided/transposed convolutions and pooling come from sparse_conv_layers.py (written separately); export
-# them when that file is present so this package imports either way.
+# Strided/transposed convolutions and pooling live in sparse_conv_layers.py (written separately); the guard
+# keeps the submanifold layers importable should that file be missing or broken.
 try:
-  from jsparse.nn.sparse_conv_layers import (SparseConv3d, SparseConvTranspose3d, SparseInverseConv3d,
-                                             SparseMaxPool3d)
+  from jsparse.nn.sparse_conv_layers import (SparseAvgPool3d, SparseConv3d, SparseConvTranspose3d,
+                                             SparseInverseConv3d, SparseMaxPool3d)
 except ImportError:
   pass
 else:
-  __all__ += ["SparseConv3d", "SparseInverseConv3d", "SparseConvTranspose3d", "SparseMaxPool3d"]
+  __all__ += ["SparseConv3d", "SparseInverseConv3d", "SparseConvTranspose3d", "SparseMaxPool3d", "SparseAvgPool3d"]

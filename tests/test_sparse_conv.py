@@ -350,3 +350,31 @@ def test_flax_modules():
     SparseConv3d(5, padding="SAME").init(jax.random.key(0), x)
   jitted = jax.jit(lambda p, x: SparseConv3d(5, 3, 2, 1, out_capacity=y.capacity).apply(p, x))(params, x)
   assert rel_err(jitted.feats, y.feats) < 1e-6
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float16, 2e-3), (jnp.bfloat16, 2e-2)], ids=["f16", "bf16"])
+def test_half_precision(dtype, tol):
+  rng = np.random.default_rng(11)
+  x = random_sparse(rng, (6, 7, 5), 4, batch_size=2, density=0.3)
+  w = _w(rng, (3, 3, 3, 4, 5))
+  y = sparse_conv3d(x, w, stride=2, padding=1, precision="highest")
+  yh = sparse_conv3d(x.replace(feats=x.feats.astype(dtype)), w, stride=2, padding=1)
+  assert yh.dtype == dtype and rel_err(yh.feats.astype(jnp.float32), y.feats) < tol
+
+
+def test_jitted_down_up_chain_uses_the_carried_map():
+  rng = np.random.default_rng(12)
+  x = random_sparse(rng, (8, 6, 7), 3, batch_size=2, density=0.3)
+  wd, ws, wu = _w(rng, (2, 2, 2, 3, 4)), _w(rng, (3, 3, 3, 4, 4)), _w(rng, (2, 2, 2, 4, 3))
+  cap = jsparse.round_capacity(int(strided_map(x, 2, 2)[1]))
+
+  def net(x, wd, ws, wu):
+    y = sparse_conv3d(x, wd, stride=2, out_capacity=cap)
+    y = jsparse.submconv3d(y, ws)
+    z = sparse_inverse_conv3d(y, wu, like=x, stride=2)
+    return concat(x, z).feats
+
+  eager = net(x, wd, ws, wu)
+  assert rel_err(jax.jit(net)(x, wd, ws, wu), eager) < 1e-5
+  g = jax.jit(jax.grad(lambda *a: jnp.sum(net(*a) ** 2), argnums=(1, 2, 3)))(x, wd, ws, wu)
+  assert all(np.isfinite(np.asarray(a)).all() for a in g)

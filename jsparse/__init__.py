@@ -1,13 +1,24 @@
-"""jsparse: sparse 3D convolution for JAX, with Pallas (Triton) GPU kernels and an XLA path everywhere."""
+"""jsparse: sparse 3D convolution for JAX, with Pallas (Triton) GPU kernels and an XLA path everywhere.
+
+Top level: the SparseTensor, neighbour maps, the convolution family and tuning. Submodules:
+jsparse.nn (flax.linen modules), jsparse.norm (normalisation, activations), jsparse.voxelize,
+jsparse.shapes (procedural data), jsparse.serialize (Morton / Hilbert), jsparse.sampling (grid_sample),
+jsparse.plot (matplotlib renders).
+"""
 from jsparse.autotuning import autotune
 from jsparse.conv import submconv3d, submconv_xla
-from jsparse.tuning import ALGORITHMS, ConfigTable, PassConfig
 from jsparse.dispatch import IMPLEMENTATIONS
 from jsparse.neighbors import NeighborCache, kernel_offsets, neighbor_map
+from jsparse.sparse_conv import (concat, global_pool, sparse_avg_pool3d, sparse_conv3d, sparse_conv_transpose3d,
+                                 sparse_inverse_conv3d, sparse_max_pool3d, strided_map)
 from jsparse.sparse_tensor import SparseTensor, round_capacity
+from jsparse.tuning import ALGORITHMS, ConfigTable, PassConfig
+from jsparse import nn, norm, plot, sampling, serialize, shapes, voxelize  # noqa: E402  (submodules)
 
 __all__ = [
     "SparseTensor", "round_capacity", "NeighborCache", "neighbor_map", "kernel_offsets", "submconv3d",
-    "submconv_xla", "IMPLEMENTATIONS", "autotune", "ConfigTable", "PassConfig", "ALGORITHMS",
+    "submconv_xla", "sparse_conv3d", "sparse_inverse_conv3d", "sparse_conv_transpose3d", "sparse_max_pool3d",
+    "sparse_avg_pool3d", "global_pool", "concat", "strided_map", "IMPLEMENTATIONS", "autotune", "ConfigTable",
+    "PassConfig", "ALGORITHMS", "nn", "norm", "plot", "sampling", "serialize", "shapes", "voxelize",
 ]
 __version__ = "0.1.0"

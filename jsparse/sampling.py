@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jsparse.neighbors import lookup_keys, sorted_site_keys
 from jsparse.sparse_tensor import SparseTensor, linear_keys
 
 MODES = ("trilinear", "nearest")
@@ -13,27 +14,19 @@ def lookup_rows(x: SparseTensor, query, ok=None) -> jax.Array:
   """Row index of each query site in x, or -1 where absent. Jit-able.
 
   query: int [..., 4] (batch, x, y, z); ok: optional bool [...] (False forces -1; out-of-grid queries are
-  -1 anyway). Same approach as neighbors._neighbor_map_sorted: sort x's linear keys once, then binary
-  search every query key.
+  -1 anyway). Sorts x's linear keys once, then binary-searches every query key (neighbors.lookup_keys).
   """
   query = jnp.asarray(query, jnp.int32)
   lead = query.shape[:-1]
   q = query.reshape(-1, 4)
-  if x.capacity == 0:
-    return jnp.full(lead, -1, jnp.int32)
-  big = jnp.iinfo(jnp.int32).max
-  keys = jnp.where(x.valid_mask(), linear_keys(x.coords, x.spatial_shape), big)
-  order = jnp.argsort(keys).astype(jnp.int32)
-  sorted_keys = keys[order]
   limits = jnp.asarray((x.batch_size,) + tuple(x.spatial_shape), jnp.int32)
   inside = jnp.all((q >= 0) & (q < limits), axis=-1)
   if ok is not None:
     inside = inside & jnp.asarray(ok).reshape(-1)
-  # Out-of-grid queries would alias other sites' keys: mask them before the search.
-  qk = jnp.where(inside, linear_keys(jnp.where(inside[:, None], q, 0), x.spatial_shape), big)
-  pos = jnp.clip(jnp.searchsorted(sorted_keys, qk), 0, x.capacity - 1)
-  found = inside & (sorted_keys[pos] == qk)
-  return jnp.where(found, order[pos], -1).reshape(lead)
+  # Out-of-grid queries would alias other sites' keys: key them from a clamped copy and mask them.
+  qk = linear_keys(jnp.where(inside[:, None], q, 0), x.spatial_shape)
+  sorted_keys, order = sorted_site_keys(x)
+  return lookup_keys(sorted_keys, order, qk, inside).reshape(lead)
 
 
 def grid_sample(x: SparseTensor, points, mode: str = "trilinear", batch=None) -> jax.Array:

@@ -50,7 +50,9 @@ def _gather_gemm_kernel(num_ref, x_ref, w_ref, nbr_ref, *refs, num_offsets, k_di
   lanes = block * block_m + jnp.arange(block_m)
   lane_ok = lanes < num_rows
   if masked:
-    rows = plgpu.load(order_ref.at[lanes], mask=lane_ok, other=0)
+    # Lanes past the last row get an out-of-range row: their stores are masked (GPU) or dropped
+    # (interpret mode emulates a masked store with a scatter, where a duplicate row 0 would clobber row 0).
+    rows = plgpu.load(order_ref.at[lanes], mask=lane_ok, other=num_rows)
     num_used = plgpu.load(counts_ref.at[block])
   else:
     rows = lanes

@@ -267,3 +267,15 @@ def test_layers_share_the_map_the_tensor_carries(monkeypatch):
   assert rel_err(y.feats, dense_submconv_at_sites(x, jax.nn.relu(h), w2, b2)) < 1e-5
   assert list(y.caches) == [jsparse.neighbors.cache_key(3, 1, "xla")]
   assert y.replace(coords=y.coords).caches == {}  # new coordinates: the maps are dropped
+
+
+@pytest.mark.parametrize("algorithm", ["masked", "masked_splitk"])
+def test_masked_capacity_not_a_multiple_of_the_block(algorithm):
+  rng = np.random.default_rng(14)
+  x = random_sparse(rng, (4, 4, 4), 3, density=0.3, pad=2)
+  assert x.capacity % 64 != 0
+  w, b = _weights(rng, (3, 3, 3), 3, 4, True)
+  yp = jsparse.submconv3d(x, w, b, implementation="pallas", precision="highest", algorithm=algorithm)
+  yx = jsparse.submconv3d(x, w, b, implementation="xla", precision="highest")
+  assert np.all(np.isfinite(np.asarray(yp.feats)))
+  assert rel_err(yp.feats, yx.feats) < 1e-5

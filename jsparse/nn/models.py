@@ -11,7 +11,7 @@ from jsparse import norm
 from jsparse.nn.layers import SparseBatchNorm, SparseGroupNorm, SubMConv3d
 from jsparse.sparse_tensor import SparseTensor
 
-__all__ = ["SparseResNetBlock"]
+__all__ = ["SparseResNetBlock", "SparseUNet"]
 
 
 class SparseResNetBlock(nn.Module):
@@ -65,3 +65,46 @@ class SparseResNetBlock(nn.Module):
       shortcut = x
     out = h.replace(feats=h.feats + shortcut.feats.astype(h.dtype))
     return norm.activation(out, self.activation)
+
+
+class SparseUNet(nn.Module):
+  """A small sparse U-Net: at each level a residual block, then a 2x2x2 stride-2 SparseConv3d down; on the
+  way up a SparseInverseConv3d back onto the skip's coordinates, concatenation with the skip, and a block.
+
+  Output: a SparseTensor on x's coordinates with `out_features` channels (a 1x1x1 head).
+  features: widths per level, finest first. Down-sampling with kernel == stride gives every coarse site at
+  least one fine input, so the coarse capacity never needs to exceed the fine one (no overflow possible).
+  """
+
+  features: tuple[int, ...] = (16, 32, 64)
+  out_features: int = 1
+  norm: str | None = "group"
+  num_groups: int = 8
+  activation: Callable[[jax.Array], jax.Array] = nn.relu
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  implementation: str | None = None
+
+  @nn.compact
+  def __call__(self, x: SparseTensor, train: bool = True) -> SparseTensor:
+    from jsparse.nn.sparse_conv_layers import SparseConv3d, SparseInverseConv3d
+    from jsparse.sparse_conv import concat
+
+    common = dict(dtype=self.dtype, param_dtype=self.param_dtype, implementation=self.implementation)
+    block = lambda f, name: SparseResNetBlock(f, norm=self.norm, num_groups=self.num_groups,
+                                              activation=self.activation, name=name, **common)
+    act = lambda t: norm.activation(t, self.activation)
+    h = act(SubMConv3d(self.features[0], name="stem", **common)(x))
+    skips = []
+    for level, width in enumerate(self.features[1:]):
+      h = block(self.features[level], f"down_block{level}")(h, train)
+      skips.append(h)
+      h = act(SparseConv3d(width, kernel_size=2, strides=2, out_capacity=h.capacity, name=f"down{level}",
+                           **common)(h))
+    h = block(self.features[-1], "bottom")(h, train)
+    for level in reversed(range(len(self.features) - 1)):
+      skip = skips[level]
+      h = act(SparseInverseConv3d(self.features[level], kernel_size=2, strides=2, name=f"up{level}",
+                                  **common)(h, like=skip))
+      h = block(self.features[level], f"up_block{level}")(concat(h, skip), train)
+    return SubMConv3d(self.out_features, kernel_size=1, name="head", **common)(h)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -36,19 +35,11 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
     "_splitk" variants (the reduction split across programs). All give the same result.
   The output has x's dtype; the weight is cast to it; products accumulate in float32.
   """
-  weight = jnp.asarray(weight)
-  if weight.ndim != 5:
-    raise ValueError(f"weight must be (Kx, Ky, Kz, Cin, Cout), got shape {weight.shape}")
-  kernel_size = check_kernel_size(weight.shape[:3])
+  kernel_size, w, b = check_weight(x, weight, bias)
+  kernel_size = check_kernel_size(kernel_size)
   dil = check_dilation(dilation)
   tuning.check_algorithm(algorithm)
-  cin, cout = weight.shape[3], weight.shape[4]
-  if cin != x.num_channels:
-    raise ValueError(f"weight expects {cin} input channels but the features have {x.num_channels}")
-  if bias is not None:
-    bias = jnp.asarray(bias)
-    if bias.shape != (cout,):
-      raise ValueError(f"bias must have shape ({cout},), got {bias.shape}")
+  num_offsets, cin, cout = w.shape
   key = cache_key(kernel_size, dil, implementation)
   if cache is None:
     cache = x.caches.get(key)
@@ -59,9 +50,6 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
         f"cache was built for kernel_size={cache.kernel_size}, dilation={cache.dilation}, capacity={cache.capacity}"
         f" but this conv has kernel_size={kernel_size}, dilation={dil}, capacity={x.capacity}")
   impl = dispatch.resolve(implementation)
-  num_offsets = math.prod(kernel_size)
-  w = weight.reshape(num_offsets, cin, cout).astype(x.dtype)
-  b = None if bias is None else bias.astype(x.dtype)
   x = x.with_cache(key, cache)  # the output shares x's coordinates, so it carries the map on
   if not impl.is_pallas:
     return x.replace(feats=submconv_xla(x.feats, w, b, cache.nbr, x.num, precision=precision))
@@ -73,6 +61,23 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
   maps = _MapArrays(cache.nbr, x.num, _plan_for(cache, configs[0]), _plan_for(cache, configs[1]),
                     cache.pair_lists() if configs[2].masked else None)
   return x.replace(feats=_submconv_pallas(x.feats, w, b, maps, opts))
+
+
+def check_weight(x: SparseTensor, weight, bias):
+  """Validates a (Kx, Ky, Kz, Cin, Cout) weight and (Cout,) bias against x; returns
+  (kernel_size, weight as [V, Cin, Cout] in x's dtype, bias in x's dtype or None)."""
+  weight = jnp.asarray(weight)
+  if weight.ndim != 5:
+    raise ValueError(f"weight must be (Kx, Ky, Kz, Cin, Cout), got shape {weight.shape}")
+  cin, cout = weight.shape[3], weight.shape[4]
+  if cin != x.num_channels:
+    raise ValueError(f"weight expects {cin} input channels but the features have {x.num_channels}")
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    if bias.shape != (cout,):
+      raise ValueError(f"bias must have shape ({cout},), got {bias.shape}")
+    bias = bias.astype(x.dtype)
+  return tuple(weight.shape[:3]), weight.reshape(-1, cin, cout).astype(x.dtype), bias
 
 
 def _plan_for(cache: NeighborCache, config: tuning.PassConfig):

@@ -29,14 +29,13 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jsparse import dispatch, tuning
-from jsparse.conv import _MapArrays, _PallasOptions, _submconv_pallas, submconv_xla
+from jsparse.conv import _MapArrays, _PallasOptions, _submconv_pallas, check_weight, submconv_xla
 from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
 from jsparse.sparse_tensor import MAX_KEYS, SparseTensor
 from pallas_kernels import gemm_plan
@@ -255,22 +254,6 @@ def _map_gemm(feats, w, bias, nbr, num, transposed, num_in, impl: dispatch.Imple
   return _submconv_pallas(feats, w, bias, maps, _PallasOptions(precision, impl.interpret, *configs))
 
 
-def _check_weight(x: SparseTensor, weight, bias):
-  weight = jnp.asarray(weight)
-  if weight.ndim != 5:
-    raise ValueError(f"weight must be (Kx, Ky, Kz, Cin, Cout), got shape {weight.shape}")
-  cin, cout = weight.shape[3], weight.shape[4]
-  if cin != x.num_channels:
-    raise ValueError(f"weight expects {cin} input channels but the features have {x.num_channels}")
-  if bias is not None:
-    bias = jnp.asarray(bias)
-    if bias.shape != (cout,):
-      raise ValueError(f"bias must have shape ({cout},), got {bias.shape}")
-    bias = bias.astype(x.dtype)
-  w = weight.reshape(-1, cin, cout).astype(x.dtype)
-  return weight.shape[:3], w, bias
-
-
 # ---- convolutions -----------------------------------------------------------------------------------
 
 
@@ -290,7 +273,7 @@ def sparse_conv3d(x: SparseTensor, weight, bias=None, *, stride=1, padding=0, di
   with_overflow: return (output, overflow); see the module docstring (outside jit an overflow raises).
   implementation / precision / algorithm: as submconv3d.
   """
-  ks, w, b = _check_weight(x, weight, bias)
+  ks, w, b = check_weight(x, weight, bias)
   tuning.check_algorithm(algorithm)
   impl = dispatch.resolve(implementation)
   if cache is None:
@@ -342,7 +325,7 @@ def sparse_inverse_conv3d(y: SparseTensor, weight, bias=None, *, like: SparseTen
   a cached map is trusted when its shapes fit: pass the `like` the forward convolution saw.
   The output has like's coordinates and caches.
   """
-  ks, w, b = _check_weight(y, weight, bias)
+  ks, w, b = check_weight(y, weight, bias)
   tuning.check_algorithm(algorithm)
   geom = geometry(like.spatial_shape, ks, stride, padding, dilation)
   if y.spatial_shape != geom.out_shape or y.batch_size != like.batch_size:
@@ -380,7 +363,7 @@ def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out
   weight = jnp.asarray(weight)
   if weight.ndim != 5 or tuple(weight.shape[:3]) != st:
     raise ValueError(f"weight must be (*stride, Cin, Cout) = ({st}, Cin, Cout), got shape {weight.shape}")
-  ks, w, b = _check_weight(x, weight, bias)
+  ks, w, b = check_weight(x, weight, bias)
   tuning.check_algorithm(algorithm)
   impl = dispatch.resolve(implementation)
   t_count = math.prod(st)

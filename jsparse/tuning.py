@@ -9,7 +9,6 @@ import contextlib
 import contextvars
 import dataclasses
 import json
-import math
 import os
 from typing import Iterator
 

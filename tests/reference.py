@@ -1,7 +1,6 @@
 """Independent references for the tests: random sparse inputs and the dense convolution."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

@@ -7,37 +7,27 @@ strided sparse convolution's output sites depend on it and explicit ints keep th
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from flax.linen import dtypes as flax_dtypes
 from flax.linen import initializers
 
 from jsparse import sparse_conv
-from jsparse.neighbors import as_triple
+from jsparse.nn.layers import Dtype, Initializer, _check_sparse, default_kernel_init
+from jsparse.nn.layers import _triple as _triple_named
 from jsparse.sparse_tensor import SparseTensor
-
-Dtype = Any
-Initializer = Callable[..., jax.Array]
 
 __all__ = ["SparseConv3d", "SparseInverseConv3d", "SparseConvTranspose3d", "SparseMaxPool3d", "SparseAvgPool3d"]
 
-default_kernel_init = nn.linear.default_kernel_init  # lecun_normal, as nn.Conv
-
 
 def _sparse(x, module) -> SparseTensor:
-  if not isinstance(x, SparseTensor):
-    raise TypeError(f"{type(module).__name__} takes a jsparse.SparseTensor, got {type(x).__name__}")
-  return x
+  return _check_sparse(x, type(module).__name__)
 
 
 def _triple(value, name: str, module) -> tuple[int, int, int]:
-  try:
-    return as_triple(value, name)
-  except (TypeError, ValueError) as e:
-    raise type(e)(f"{type(module).__name__}: {e}") from None
+  return _triple_named(value, name, type(module).__name__)
 
 
 def _padding(value, module) -> tuple[int, int, int]:

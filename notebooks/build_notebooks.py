@@ -1,0 +1,98 @@
+"""Writes the notebooks from the cell sources below (outputs stripped), so they are reviewed as code.
+
+    python notebooks/build_notebooks.py
+"""
+import os
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+TOUR = [
+    new_markdown_cell("""# A tour of jsparse
+
+Sparse voxel data keeps only the *active* sites of a 3D grid. jsparse stores them as a `SparseTensor`
+(coordinates + features), finds every site's neighbours with a hash table (on the GPU) or a sort (elsewhere),
+and convolves only over active sites. This notebook shows the pieces on the CPU; the same code runs the
+Pallas/Triton kernels on a GPU."""),
+    new_code_cell("""%matplotlib inline
+import jax, jax.numpy as jnp, numpy as np
+from jax import lax
+import matplotlib.pyplot as plt
+import jsparse
+
+print("jax", jax.__version__, "| backend:", jax.default_backend())"""),
+    new_markdown_cell("""## 1. Sparse tensors
+A procedural batch of shapes (no download): each is a set of occupied voxels in a 24^3 grid."""),
+    new_code_cell("""x = jsparse.shapes.random_shapes(jax.random.key(0), batch_size=2, resolution=24, channels=4)
+print(x)
+print("coords (batch, x, y, z):\\n", x.coords[:3], "\\nfeats:", x.feats.shape, "| valid rows:", int(x.num),
+      "| padding rows:", x.capacity - int(x.num))
+dense = x.todense()
+print("dense:", dense.shape, f"-> {int(x.num) / np.prod(dense.shape[:4]):.1%} of the voxels are active")"""),
+    new_code_cell("""fig = jsparse.plot.plot_grid([(x, 0), (x, 1)], ncols=2, titles=["shape 0", "shape 1"])
+plt.close(fig)
+fig"""),
+    new_markdown_cell("""## 2. Submanifold convolution equals the dense convolution at the active sites
+`submconv3d` keeps the active sites: its output at each site is exactly what `lax.conv_general_dilated`
+computes there on the dense grid."""),
+    new_code_cell("""w = jax.random.normal(jax.random.key(1), (3, 3, 3, 4, 8)) / np.sqrt(27 * 4)   # (Kx, Ky, Kz, Cin, Cout)
+b = jnp.linspace(-1, 1, 8)
+y = jsparse.submconv3d(x, w, b, precision="highest")
+
+ref = lax.conv_general_dilated(dense, w, (1, 1, 1), "SAME", dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
+                               precision=lax.Precision.HIGHEST) + b
+c = x.coords[: int(x.num)]
+err = jnp.max(jnp.abs(y.feats[: int(x.num)] - ref[c[:, 0], c[:, 1], c[:, 2], c[:, 3]]))
+print("output", y.feats.shape, "| max abs difference to dense:", float(err))"""),
+    new_markdown_cell("""## 3. Neighbour maps
+For every site and each of the 27 kernel offsets, the row of the neighbour there (or -1). It is built once
+per set of coordinates and shared by every layer on them: the output tensor carries it."""),
+    new_code_cell("""cache = jsparse.neighbor_map(x, kernel_size=3)
+nbr = np.asarray(cache.nbr[: int(x.num)])
+print("map", cache.nbr.shape, "| pairs:", int(cache.num_pairs()), f"| {(nbr >= 0).mean():.0%} of (site, offset) slots used")
+print("carried by the output of a convolution:", list(y.caches))
+fig, ax = plt.subplots(figsize=(7, 2.5))
+ax.bar(range(27), (nbr >= 0).sum(0))
+ax.set_xlabel("kernel offset v (13 = centre)"); ax.set_ylabel("sites with a neighbour"); fig.tight_layout()
+plt.close(fig)
+fig"""),
+    new_markdown_cell("""## 4. jit and gradients
+Everything is a pytree: jit a small network, and differentiate through it. The capacity (rows) is static,
+the number of valid rows is traced, so inputs of different sizes in the same capacity bucket reuse one
+compilation (`jsparse.round_capacity`)."""),
+    new_code_cell("""w2 = jax.random.normal(jax.random.key(2), (3, 3, 3, 8, 1)) / np.sqrt(27 * 8)
+
+@jax.jit
+def net(feats, w, w2):
+    h = jsparse.submconv3d(x.replace(feats=feats), w, b)
+    h = jsparse.norm.activation(h, jax.nn.relu)
+    return jsparse.submconv3d(h, w2)          # reuses the map h carries
+
+loss = lambda feats, w, w2: jnp.sum(net(feats, w, w2).feats ** 2)
+g_feats, g_w, g_w2 = jax.grad(loss, argnums=(0, 1, 2))(x.feats, w, w2)
+print("grads:", g_feats.shape, g_w.shape, g_w2.shape, "| padding rows get zero gradient:",
+      bool(jnp.all(g_feats[int(x.num):] == 0)))"""),
+    new_markdown_cell("""## 5. flax modules
+`jsparse.nn` has flax.linen layers with `nn.Conv`'s argument names: a tiny sparse U-Net."""),
+    new_code_cell("""from jsparse.nn import SparseUNet
+model = SparseUNet(features=(8, 16), out_features=1, norm="group", num_groups=4)
+variables = model.init(jax.random.key(3), x)
+out = jax.jit(model.apply)(variables, x)
+n_params = sum(p.size for p in jax.tree_util.tree_leaves(variables))
+print(out, "|", n_params, "parameters")"""),
+    new_code_cell("""fig = jsparse.plot.plot_grid([(out, 0)], ncols=1, color_by=0, titles=["U-Net output, coloured by channel 0"])
+plt.close(fig)
+fig"""),
+]
+
+
+def write(name, cells):
+  nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+  nbformat.write(nb, os.path.join(HERE, name))
+
+
+if __name__ == "__main__":
+  write("01_tour.ipynb", TOUR)

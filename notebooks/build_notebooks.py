@@ -88,6 +88,83 @@ fig"""),
 ]
 
 
+PERF = [
+    new_markdown_cell("""# Performance: algorithms, autotuning and the benchmark
+
+On a GPU, every convolution runs three Pallas/Triton kernels (forward, input gradient, weight gradient), and
+each pass picks its own algorithm and tiles. This notebook shows how that choice is made, how to tune it for
+your shapes, and how to read the benchmark against FlexGEMM. On a CPU it shows the same objects; timings
+only mean something on the GPU."""),
+    new_code_cell("""%matplotlib inline
+import glob, json, os
+import jax, jax.numpy as jnp, numpy as np
+import matplotlib.pyplot as plt
+import jsparse
+from jsparse import tuning
+
+ON_GPU = jax.default_backend() == "gpu"
+print("backend:", jax.default_backend(), "| algorithms:", jsparse.ALGORITHMS)"""),
+    new_markdown_cell("""## 1. What runs for a given shape
+`algorithm="auto"` asks `tuning.choose` per pass: a tuned entry if an active `ConfigTable` (or the table
+shipped for this GPU model) has one for the shape bucket, else a heuristic. Here: 252k voxels, 256 channels,
+fp16, with no table and with the H200 table that ships in `jsparse/tuned/`."""),
+    new_code_cell("""shape = dict(num_rows=252_392, cin=256, cout=256, num_offsets=27, dtype=jnp.float16)
+h200 = tuning.shipped_table("NVIDIA H200")
+print(h200)
+for p in tuning.PASSES:
+    print(f"{p:12s} heuristic: {tuning.heuristic(p, **shape)}")
+    with h200:
+        print(f"{'':12s} H200 table: {tuning.choose(p, **shape)}")"""),
+    new_markdown_cell("""## 2. Autotuning your own model
+`jsparse.autotune(fn, *args)` runs `fn` once eagerly, records every Pallas convolution's shapes and real
+neighbour map, times candidate configs for each pass, and returns a `ConfigTable`. Use it as a context
+manager around the functions you jit, and save it as JSON. (On a CPU there is nothing to time, so this cell
+only shows the calls.)"""),
+    new_code_cell("""x = jsparse.shapes.random_shapes(jax.random.key(0), batch_size=1, resolution=16, channels=16)
+w = jax.random.normal(jax.random.key(1), (3, 3, 3, 16, 16)) * 0.05
+
+def step(x, w):
+    loss = lambda w: jnp.sum(jsparse.submconv3d(x, w, implementation="pallas").feats ** 2)
+    return jax.grad(loss)(w)
+
+if ON_GPU:
+    table = jsparse.autotune(step, x, w)
+    table.save("my_tuning.json")
+else:
+    table = jsparse.ConfigTable()            # what autotune returns; on a GPU it holds the measured choices
+with table:                                   # functions traced inside use the tuned configs
+    g = jax.jit(step)(x, w) if ON_GPU else None
+print(table, "| save/load:", type(jsparse.ConfigTable.from_json(table.to_json())).__name__)"""),
+    new_markdown_cell("""## 3. Reading the benchmark
+`benchmarks/suite.py` times FlexGEMM's own workloads (sphere shells, stacks of 3x3x3 layers, neighbour map
+inside the timed region) for jsparse and FlexGEMM in one process on one GPU. ratio = FlexGEMM time / jsparse
+time, so > 1 means jsparse is faster. The files below are the H200 runs summarised in BENCHMARKS.md."""),
+    new_code_cell("""root = os.path.join(os.path.dirname(os.path.abspath(jsparse.__file__)), "..", "benchmarks", "results")
+
+def quoted(path, r):
+    # BENCHMARKS.md quotes run 1 only for its untuned small-row inference (its train rows gave FlexGEMM less work).
+    return "ratio" in r and (not path.endswith("run1.json") or (r["mode"] == "inference" and r["res"] <= 32))
+
+rows = {}
+for path in sorted(glob.glob(os.path.join(root, "2026-11-22_h200_*run*.json"))):
+    for r in json.load(open(path))["results"]:
+        if quoted(path, r):
+            rows[(r["dtype"], r["mode"], r["row"])] = r
+print(len(rows), "workloads" if rows else "workloads: no result files next to this checkout")
+fig, axes = plt.subplots(1, 2, figsize=(11, 3), sharey=True)
+for ax, dtype in zip(axes, ["fp16", "tf32"]):
+    for k, mode in enumerate(["inference", "train"]):
+        rs = sorted((r for (d, m, _), r in rows.items() if d == dtype and m == mode), key=lambda r: r["res"])
+        ax.bar(np.arange(len(rs)) + 0.4 * k, [r["ratio"] for r in rs], 0.38, label=mode)
+        ax.set_xticks(np.arange(len(rs)) + 0.2, [r["row"] for r in rs], rotation=30, fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.8); ax.set_title(f"{dtype}: FlexGEMM time / jsparse time"); ax.legend()
+fig.tight_layout(); plt.close(fig)
+fig"""),
+    new_markdown_cell("""fp16 is ahead of FlexGEMM on average in both modes; float32 with TF32 is still behind (the Pallas float32
+dot path is slower; `docs/perf_notes.md` tracks the work). To reproduce on a GPU machine: `make bench`."""),
+]
+
+
 def write(name, cells):
   nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                            "language": "python"}})
@@ -96,3 +173,4 @@ def write(name, cells):
 
 if __name__ == "__main__":
   write("01_tour.ipynb", TOUR)
+  write("03_performance.ipynb", PERF)

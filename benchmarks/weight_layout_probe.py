@@ -5,27 +5,16 @@ through the transposed path (K contiguous), which is how the input gradient alre
 Times both for fp32 (TF32) and fp16 on sphere shells; checks both against the XLA path.
     python -m benchmarks.weight_layout_probe
 """
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jsparse
 from benchmarks.workloads import sphere_shell_coords
+from jsparse.autotuning import _median_ms
 from pallas_kernels.gather_gemm import gather_gemm
 from pallas_kernels.gemm_plan import masked_plan
 from pallas_kernels.tiling import TileConfig
-
-
-def median_ms(fn, *args, repeats=20):
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(ts))
 
 
 def main():
@@ -50,7 +39,7 @@ def main():
         for name, fn, wa in (("N-contig", f_n, w), ("K-contig", f_k, wt)):
           out = fn(x.feats, wa)
           err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
-          ms = median_ms(fn, x.feats, wa)
+          ms = _median_ms(fn, (x.feats, wa), warmup=2, repeats=20)
           print(f"RES {res} C {c} {jnp.dtype(dtype).name} {tiles.block_m}x{tiles.block_n}x{tiles.block_k} "
                 f"w{tiles.num_warps}: {name}: {ms:.3f} ms, {2 * pairs * c * c / ms / 1e9:.0f} TFLOP/s, "
                 f"rel err {err:.1e}", flush=True)

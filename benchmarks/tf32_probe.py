@@ -1,28 +1,23 @@
-"""Why are float32 (TF32) Pallas GEMMs slow? Times kernel variants and reads the PTX XLA compiled them to.
+"""Why are float32 (TF32) Pallas GEMMs slow? Times forward and weight-gradient kernel variants.
 
-    python -m benchmarks.tf32_probe [--out DIR] [--res 256] [--channels 256]
+    python -m benchmarks.tf32_probe [--out DIR] [--res 256] [--channels 256] [--only REGEX] [--repeats 20]
 
-For the forward gather-GEMM (weight tile N-contiguous vs K-contiguous, several tile shapes) and the weight
-gradient, at float32 (TF32) and fp16, on a sphere shell: the median time, useful TFLOP/s, the error against
-the XLA path, and per Pallas kernel the PTX instruction mix: `wgmma` (Hopper warpgroup MMA, the fast path)
-vs `mma.sync` (Ampere-style MMA), `cp.async` (asynchronous global->shared copies, i.e. software pipelining),
-`ldmatrix`, and local-memory traffic (register spills). XLA writes the PTX when --xla_dump_to is set, which
-this script sets for modules named `probe_*` before importing jax.
-Writes DIR/tf32_probe.log (the table) and DIR/tf32_probe_ptx.tar.gz (the probe modules' PTX).
+For the forward gather-GEMM (weight tile N-contiguous vs K-contiguous, tile shapes, warps, pipeline stages)
+and the weight gradient, at float32 (TF32) and fp16, on a sphere shell: the median time, useful TFLOP/s and
+the error against the XLA path (at full float32 precision). Appends to DIR/tf32_probe.log.
+To see which tensor-core instructions a variant runs (HGMMA = Hopper warpgroup MMA, HMMA = mma.sync), run
+one variant under Nsight Compute with --repeats 0, e.g.
+    ncu --kernel-name regex:gather_gemm --launch-count 1 --section InstructionStats --print-details all \
+        python -m benchmarks.tf32_probe --only fwd_f32_K_128x128x32_w4s3 --repeats 0
+(XLA's --xla_dump_to does not write the PTX of Pallas kernels on jax 0.11.2: tried, 2026-11-22.)
 """
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import re
 import sys
-import tarfile
-import tempfile
 
-DUMP = tempfile.mkdtemp(prefix="xla_dump_")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_dump_to={DUMP} --xla_dump_hlo_module_re=.*probe_.*")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
@@ -38,45 +33,48 @@ from pallas_kernels.tiling import TileConfig  # noqa: E402
 from pallas_kernels.weight_grad import weight_grad  # noqa: E402
 
 INTERPRET = jax.default_backend() != "gpu"  # off the GPU: a logic check on small sizes
-PTX_PATTERNS = {
-    "wgmma": r"wgmma\.mma_async",
-    "mma.sync": r"\bmma\.sync",
-    "tf32": r"\.tf32",
-    "cp.async": r"cp\.async\.(?:ca|cg)",
-    "ldmatrix": r"ldmatrix",
-    "ld.global": r"ld\.global",
-    "local": r"(?:ld|st)\.local",
-}
 
 
-def ptx_kernels(tag: str) -> dict:
-  """PTX instruction counts of each Pallas kernel in the module jit_probe_<tag>."""
-  files = [f for f in glob.glob(os.path.join(DUMP, "*.ptx")) if re.search(rf"probe_{tag}\b", os.path.basename(f))]
-  out = {}
-  for f in files:
-    text = open(f).read()
-    for entry in re.split(r"(?=\.visible \.entry|\.entry )", text)[1:]:
-      name = re.match(r"\.(?:visible )?\.?entry\s+(\S+?)\(", entry)
-      name = name.group(1) if name else "?"
-      if "gather_gemm" not in name and "weight_grad" not in name:
-        continue
-      out[name] = {k: len(re.findall(p, entry)) for k, p in PTX_PATTERNS.items()}
-  return out
-
-
-def run_variant(log, tag, fn, args, ref, flops):
-  fn.__name__ = f"probe_{tag}"
+def run_variant(log, tag, fn, args, ref, flops, repeats):
   jitted = jax.jit(fn)
   try:
-    out = jitted(*args)
+    out = jax.block_until_ready(jitted(*args))
     err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
-    ms = _median_ms(jitted, args, warmup=3, repeats=20)
+    if repeats == 0:  # (under a profiler: one more launch, no timing)
+      jax.block_until_ready(jitted(*args))
+      log(f"{tag:44s} ran once more; err {err:.1e}")
+      return
+    ms = _median_ms(jitted, args, warmup=3, repeats=repeats)
   except Exception as e:  # noqa: BLE001 (a tile shape that does not compile: record, go on)
     log(f"{tag:44s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     return
-  mix = ptx_kernels(tag)
-  mix_s = "; ".join(f"{k}: " + " ".join(f"{n}={c}" for n, c in v.items()) for k, v in mix.items()) or "(no PTX found)"
-  log(f"{tag:44s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s  err {err:.1e}  | {mix_s}")
+  log(f"{tag:44s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s  err {err:.1e}")
+
+
+def forward_variants():
+  """(dtype, K-contiguous weight?, tiles): the tuner's shapes plus FlexGEMM's Hopper-class configs."""
+  T = TileConfig
+  out = [("f32", False, T(128, 64, 32, 4, 3)), ("f32", False, T(128, 128, 32, 4, 3))]
+  for bm, bn, bk, w, st in [(128, 64, 32, 4, 3), (128, 64, 32, 4, 4), (128, 128, 32, 4, 3), (128, 128, 32, 4, 4),
+                            (128, 128, 32, 4, 5), (128, 128, 32, 8, 4), (64, 128, 32, 4, 4), (64, 256, 32, 4, 4),
+                            (64, 256, 32, 8, 4), (128, 256, 32, 8, 3), (128, 256, 32, 8, 4), (256, 128, 32, 8, 4),
+                            (128, 128, 64, 4, 3), (128, 128, 16, 4, 5), (256, 64, 32, 4, 4)]:
+    out.append(("f32", True, T(bm, bn, bk, w, st)))
+  for bm, bn, bk, w, st in [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
+                            (128, 256, 32, 8, 4), (64, 256, 64, 4, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+                            (64, 256, 32, 4, 4)]:
+    out.append(("f16", False, T(bm, bn, bk, w, st)))
+  out.append(("f16", True, T(128, 256, 64, 8, 3)))
+  return out
+
+
+def weight_grad_variants():
+  T = TileConfig
+  return [("f32", T(128, 64, 32, 4, 3, split=10)), ("f32", T(128, 128, 32, 4, 3, split=10)),
+          ("f32", T(128, 128, 32, 8, 3, split=10)), ("f32", T(64, 64, 32, 4, 3, split=10)),
+          ("f32", T(128, 128, 16, 4, 4, split=10)),
+          ("f16", T(128, 128, 64, 8, 3, split=10)), ("f16", T(128, 256, 64, 8, 3, split=10)),
+          ("f16", T(128, 128, 64, 4, 4, split=10))]
 
 
 def main(argv=None):
@@ -84,16 +82,18 @@ def main(argv=None):
   p.add_argument("--out", default=os.environ.get("OUT", "/tmp/jsparse_bench"))
   p.add_argument("--res", type=int, default=256)
   p.add_argument("--channels", type=int, default=256)
+  p.add_argument("--only", default="", help="regex: run only the variants whose tag matches")
+  p.add_argument("--repeats", type=int, default=20, help="0: run each variant twice, untimed (for a profiler)")
   a = p.parse_args(argv)
   os.makedirs(a.out, exist_ok=True)
-  logf = open(os.path.join(a.out, "tf32_probe.log"), "w")
+  logf = open(os.path.join(a.out, "tf32_probe.log"), "a")
 
   def log(msg):
     print(msg, flush=True)
     logf.write(msg + "\n")
     logf.flush()
 
-  log(f"{jax.devices()[0].device_kind}; jax {jax.__version__}; dump {DUMP}")
+  log(f"{jax.devices()[0].device_kind}; jax {jax.__version__}")
   res, c = a.res, a.channels
   coords = sphere_shell_coords(res)
   rng = np.random.default_rng(0)
@@ -107,62 +107,36 @@ def main(argv=None):
   pairs = int(cache.num_pairs())
   flops = 2 * pairs * c * c
   log(f"RES {res}: {int(num)} voxels, {pairs} pairs, C {c}: {flops / 1e9:.1f} GFLOP per pass")
-  ref_fwd = jsparse.submconv_xla(x.feats, w32, None, nbr, num, precision="highest")
-  plans = {bm: masked_plan(nbr, num, bm) for bm in (64, 128, 256)}
-  plist = pair_lists(nbr)
-  gathered = jnp.where((nbr >= 0)[..., None], x.feats[jnp.maximum(nbr, 0)], 0)  # [M, V, C]
-  ref_wgrad = jnp.einsum("mvc,md->vcd", gathered, dy32, precision="highest")
-  del gathered
-
-  T = TileConfig
-  fwd_variants = [  # (dtype, K-contiguous weight?, tiles)
-      ("f32", False, T(128, 64, 32, 4, 3)),
-      ("f32", True, T(128, 64, 32, 4, 3)),
-      ("f32", False, T(128, 128, 32, 8, 3)),
-      ("f32", True, T(128, 128, 32, 8, 3)),
-      ("f32", True, T(128, 128, 32, 4, 3)),
-      ("f32", True, T(128, 64, 32, 4, 4)),
-      ("f32", True, T(128, 64, 16, 4, 4)),
-      ("f32", True, T(64, 128, 32, 4, 3)),
-      ("f32", True, T(128, 256, 32, 8, 3)),
-      ("f32", True, T(256, 128, 32, 8, 3)),
-      ("f32", True, T(128, 128, 64, 8, 2)),
-      ("f16", False, T(128, 128, 64, 8, 3)),
-      ("f16", True, T(128, 128, 64, 8, 3)),
-      ("f16", False, T(128, 256, 64, 8, 3)),
-  ]
   dtypes = {"f32": jnp.float32, "f16": jnp.float16}
-  for dname, kmajor, t in fwd_variants:
+  plans = {}
+  fwd = [(d, k, t) for d, k, t in forward_variants()
+         if re.search(a.only, f"fwd_{d}_{'K' if k else 'N'}_{t.block_m}x{t.block_n}x{t.block_k}_w{t.num_warps}s{t.num_stages}")]
+  if fwd:
+    ref_fwd = jsparse.submconv_xla(x.feats, w32, None, nbr, num, precision="highest")
+  for dname, kmajor, t in fwd:
     dt = dtypes[dname]
-    xf = x.feats.astype(dt)
     wa = (w32[::-1].transpose(0, 2, 1) if kmajor else w32).astype(dt)
+    if t.block_m not in plans:
+      plans[t.block_m] = masked_plan(nbr, num, t.block_m)
     plan = plans[t.block_m]
     tag = f"fwd_{dname}_{'K' if kmajor else 'N'}_{t.block_m}x{t.block_n}x{t.block_k}_w{t.num_warps}s{t.num_stages}"
     fn = (lambda f, w, plan=plan, t=t, kmajor=kmajor:
           gather_gemm(f, w, nbr, num, plan=plan, config=t, transpose_weight=kmajor, interpret=INTERPRET))
-    run_variant(log, tag, fn, (xf, wa), ref_fwd, flops)
+    run_variant(log, tag, fn, (x.feats.astype(dt), wa), ref_fwd, flops, a.repeats)
 
-  wg_variants = [
-      ("f32", T(128, 64, 32, 4, 3, split=10)),
-      ("f32", T(128, 128, 32, 8, 3, split=10)),
-      ("f32", T(64, 64, 32, 4, 3, split=10)),
-      ("f16", T(128, 128, 64, 8, 3, split=10)),
-  ]
-  for dname, t in wg_variants:
+  wgv = [(d, t) for d, t in weight_grad_variants()
+         if re.search(a.only, f"wgrad_{d}_{t.block_m}x{t.block_n}x{t.block_k}_w{t.num_warps}s{t.num_stages}_split{t.split}")]
+  if wgv:
+    plist = pair_lists(nbr)
+    gathered = jnp.where((nbr >= 0)[..., None], x.feats[jnp.maximum(nbr, 0)], 0)  # [M, V, C]
+    ref_wgrad = jnp.einsum("mvc,md->vcd", gathered, dy32, precision="highest")
+    del gathered
+  for dname, t in wgv:
     dt = dtypes[dname]
     tag = f"wgrad_{dname}_{t.block_m}x{t.block_n}x{t.block_k}_w{t.num_warps}s{t.num_stages}_split{t.split}"
-    fn = lambda f, g, t=t: weight_grad(f, g, nbr, pairs=plist, config=t, out_dtype=jnp.float32,
-                                                interpret=INTERPRET)  # noqa: E731
-    run_variant(log, tag, fn, (x.feats.astype(dt), dy32.astype(dt)), ref_wgrad, flops)
-
-  # Keep the probe modules' PTX for reading off the machine.
-  ptx = sorted(glob.glob(os.path.join(DUMP, "*probe_*.ptx")))
-  with tarfile.open(os.path.join(a.out, "tf32_probe_ptx.tar.gz"), "w:gz") as tar:
-    for f in ptx:
-      tar.add(f, arcname=os.path.basename(f))
-  log(f"{len(ptx)} PTX files archived; dump had {len(os.listdir(DUMP))} files")
-  if not ptx:
-    log("dump listing: " + ", ".join(sorted(os.listdir(DUMP))[:40]))
+    fn = lambda f, g, t=t: weight_grad(f, g, nbr, pairs=plist, config=t, out_dtype=jnp.float32,  # noqa: E731
+                                       interpret=INTERPRET)
+    run_variant(log, tag, fn, (x.feats.astype(dt), dy32.astype(dt)), ref_wgrad, flops, a.repeats)
 
 
 if __name__ == "__main__":

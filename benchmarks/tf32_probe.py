@@ -70,7 +70,9 @@ def forward_variants():
 
 def weight_grad_variants():
   T = TileConfig
-  return [("f32", T(128, 64, 32, 4, 3, split=10)), ("f32", T(128, 128, 32, 4, 3, split=10)),
+  return [("f32t", T(128, 64, 32, 4, 3, split=10)), ("f32t", T(128, 128, 32, 4, 3, split=10)),
+          ("f32t", T(128, 128, 32, 4, 4, split=10)), ("f32t", T(64, 128, 32, 4, 4, split=10)),
+          ("f32", T(128, 64, 32, 4, 3, split=10)), ("f32", T(128, 128, 32, 4, 3, split=10)),
           ("f32", T(128, 128, 32, 8, 3, split=10)), ("f32", T(64, 64, 32, 4, 3, split=10)),
           ("f32", T(128, 128, 16, 4, 4, split=10)),
           ("f16", T(128, 128, 64, 8, 3, split=10)), ("f16", T(128, 256, 64, 8, 3, split=10)),
@@ -107,7 +109,7 @@ def main(argv=None):
   pairs = int(cache.num_pairs())
   flops = 2 * pairs * c * c
   log(f"RES {res}: {int(num)} voxels, {pairs} pairs, C {c}: {flops / 1e9:.1f} GFLOP per pass")
-  dtypes = {"f32": jnp.float32, "f16": jnp.float16}
+  dtypes = {"f32": jnp.float32, "f32t": jnp.float32, "f16": jnp.float16}  # f32t: weight grad, dy transposed
   plans = {}
   fwd = [(d, k, t) for d, k, t in forward_variants()
          if re.search(a.only, f"fwd_{d}_{'K' if k else 'N'}_{t.block_m}x{t.block_n}x{t.block_k}_w{t.num_warps}s{t.num_stages}")]
@@ -134,8 +136,8 @@ def main(argv=None):
   for dname, t in wgv:
     dt = dtypes[dname]
     tag = f"wgrad_{dname}_{t.block_m}x{t.block_n}x{t.block_k}_w{t.num_warps}s{t.num_stages}_split{t.split}"
-    fn = lambda f, g, t=t: weight_grad(f, g, nbr, pairs=plist, config=t, out_dtype=jnp.float32,  # noqa: E731
-                                       interpret=INTERPRET)
+    fn = lambda f, g, t=t, tr=dname == "f32t": weight_grad(  # noqa: E731
+        f, g, nbr, pairs=plist, config=t, out_dtype=jnp.float32, interpret=INTERPRET, transpose_dy=tr)
     run_variant(log, tag, fn, (x.feats.astype(dt), dy32.astype(dt)), ref_wgrad, flops, a.repeats)
 
 

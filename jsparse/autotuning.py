@@ -52,10 +52,13 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype) -> l
   n_cap = max(16, 1 << max(n - 1, 0).bit_length())
   k_cap = max(16, 1 << max(k - 1, 0).bit_length())
   half = jnp.dtype(dtype).itemsize == 2
-  shapes = [(64, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4), (128, 128, 32, 8, 3),
-            (128, 128, 64, 8, 3), (64, 256, 32, 8, 3), (128, 256, 32, 8, 3)]
-  if not half:
-    shapes = [(bm, bn, min(bk, 32), w, min(s, 3)) for bm, bn, bk, w, s in shapes]
+  # (block_m, block_n, block_k, warps, stages); benchmarks/tf32_probe.py on an H200 ranked these.
+  if half:
+    shapes = [(64, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4), (128, 128, 32, 8, 3),
+              (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (128, 256, 64, 8, 3)]
+  else:
+    shapes = [(64, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4), (128, 128, 32, 4, 4),
+              (128, 128, 32, 4, 5), (128, 128, 64, 4, 3), (64, 256, 32, 4, 4), (128, 256, 32, 8, 3)]
   out, seen = [], set()
   for bm, bn, bk, warps, stages in [(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages)] + shapes:
     bn, bk = min(bn, max(n_cap, 16)), min(bk, max(k_cap, 16))
@@ -83,7 +86,7 @@ def weight_grad_candidates(num_rows: int, cin: int, cout: int, num_offsets: int,
   out, seen = [], set()
   shapes = [(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages),
             (64, 64, 64 if half else 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128, 32, 8, 3),
-            (128, 128, 64 if half else 32, 8, 3)]
+            (128, 128, 64 if half else 32, 8, 3), (128, 128, 64 if half else 32, 4, 4)]
   for bm, bn, bk, warps, stages in shapes:
     bm = min(bm, max(16, 1 << max(cin - 1, 0).bit_length()))
     bn = min(bn, max(16, 1 << max(cout - 1, 0).bit_length()))
@@ -118,9 +121,11 @@ def _pass_fn(pass_name: str, cfg: tuning.PassConfig, precision):
   if pass_name == "weight_grad":
     return jax.jit(lambda x, g, nbr, num, aux: weight_grad_lib.weight_grad(
         x, g, nbr, pairs=aux if cfg.masked else None, config=tiles, precision=precision, interpret=interpret))
-  transpose = pass_name == "input_grad"
+  if pass_name == "forward":  # (as the convolution runs it, weight layout choice included)
+    return jax.jit(lambda x, w, nbr, num, aux: gather_gemm_lib.conv_forward(
+        x, w, nbr, num, plan=aux if cfg.masked else None, config=tiles, precision=precision, interpret=interpret))
   return jax.jit(lambda x, w, nbr, num, aux: gather_gemm_lib.gather_gemm(
-      x, w, nbr, num, plan=aux if cfg.masked else None, transpose_weight=transpose, config=tiles,
+      x, w, nbr, num, plan=aux if cfg.masked else None, transpose_weight=True, config=tiles,
       precision=precision, interpret=interpret))
 
 

@@ -127,21 +127,8 @@ def _submconv_pallas(feats, w, bias, maps: _MapArrays, opts: _PallasOptions):
   cfg = opts.forward
   if cfg.algorithm == "explicit":
     return submconv_xla(feats, w, bias, maps.nbr, maps.num, precision=opts.precision)
-  if _use_k_major_weight(feats, cfg.tiles):
-    # TF32 dots ran 1.3-1.6x faster on an H200 with the weight tile contiguous along the reduction axis
-    # (docs/perf_notes.md); the transposed read path gives that layout: W_v = w_k[V-1-v]^T.
-    w_k = jnp.flip(w, 0).transpose(0, 2, 1)
-    return gather_gemm_lib.gather_gemm(feats, w_k, maps.nbr, maps.num, bias, plan=maps.forward_plan,
-                                       transpose_weight=True, config=cfg.tiles, precision=opts.precision,
-                                       interpret=opts.interpret)
-  return gather_gemm_lib.gather_gemm(feats, w, maps.nbr, maps.num, bias, plan=maps.forward_plan, config=cfg.tiles,
-                                     precision=opts.precision, interpret=opts.interpret)
-
-
-def _use_k_major_weight(feats, tiles) -> bool:
-  """float32 forward with enough row blocks that the weight transpose costs little next to the re-reads."""
-  blocks = -(-feats.shape[0] // tiles.block_m)
-  return feats.dtype == jnp.float32 and blocks >= 16
+  return gather_gemm_lib.conv_forward(feats, w, maps.nbr, maps.num, bias, plan=maps.forward_plan, config=cfg.tiles,
+                                      precision=opts.precision, interpret=opts.interpret)
 
 
 def _submconv_pallas_fwd(feats, w, bias, maps, opts):

@@ -28,15 +28,42 @@ from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, is_half
 def default_config(num_rows: int, k: int, n: int, dtype) -> TileConfig:
   """Heuristic tiles (used when no tuned config is given).
 
-  From the H200 autotuning of the FlexGEMM suite (jsparse/tuned/nvidia_h200.json): half precision
-  preferred 128x128x64 tiles with 8 warps at every size; float32 128x64x32 with 4 warps.
+  From H200 measurements (jsparse/tuned/nvidia_h200.json, benchmarks/tf32_probe.py; docs/perf_notes.md):
+  half precision runs best with 128x128x64 tiles and 8 warps, 128x256x64 once N >= 256; float32 (TF32) with
+  128x128x32 tiles, 4 warps and 4 stages (8 warps ran 1.6x slower).
   """
   half = is_half(dtype)
   block_m = default_block_m(num_rows)
-  block_n = clamp_pow2(n, 16, 128 if half else 64)
+  block_n = clamp_pow2(n, 16, 256 if half and block_m == 128 else 128)
   block_k = clamp_pow2(k, 16, 64 if half else 32)
-  warps = 8 if block_m * block_n >= 128 * 128 else 4
-  return TileConfig(block_m, block_n, block_k, num_warps=warps, num_stages=3)
+  if half:
+    warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return TileConfig(block_m, block_n, block_k, num_warps=warps, num_stages=3)
+  return TileConfig(block_m, block_n, block_k, num_warps=4, num_stages=4)
+
+
+def reads_weight_k_major(num_rows: int, config: TileConfig) -> bool:
+  """Whether `conv_forward` reads the weight through a K-contiguous copy.
+
+  Tensor cores want the weight tile contiguous along the reduction: on an H200 TF32 forwards ran 1.3-1.7x
+  faster and fp16 ones up to 1.1x (docs/perf_notes.md). The copy is one small transpose per call, worth it
+  once there are enough row blocks re-reading the weight.
+  """
+  return -(-num_rows // config.block_m) >= 16
+
+
+def conv_forward(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = None, config: TileConfig,
+                 precision=None, interpret: bool = False):
+  """The forward pass of a convolution, out[i] = sum_v x[nbr[i, v]] @ weight[v] (+ bias), weight [V, K, N].
+
+  `gather_gemm` with the weight in the layout `reads_weight_k_major` picks: W_v = w_k[V-1-v]^T with
+  w_k = flip(weight, 0) transposed, read through the transposed path.
+  """
+  if reads_weight_k_major(nbr.shape[0], config):
+    w_k = jnp.flip(weight, 0).transpose(0, 2, 1)
+    return gather_gemm(x, w_k, nbr, num, bias, plan=plan, transpose_weight=True, config=config,
+                       precision=precision, interpret=interpret)
+  return gather_gemm(x, weight, nbr, num, bias, plan=plan, config=config, precision=precision, interpret=interpret)
 
 
 def _gather_gemm_kernel(num_ref, x_ref, w_ref, nbr_ref, *refs, num_offsets, k_dim, n_dim, block_m, block_n,

@@ -22,21 +22,22 @@ from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, gpu_num
 
 def default_config(num_rows: int, cin: int, cout: int, num_offsets: int, dtype) -> TileConfig:
   """Heuristic tiles. On the H200 suite the tuner chose 128x128 (Cin x Cout) tiles and a split that gives
-  several programs per SM (e.g. 10 at 252k rows, 256 channels; 40 at 1M rows, 128 channels)."""
+  several programs per SM (e.g. 10 at 252k rows, 256 channels; 40 at 1M rows, 128 channels); half precision
+  ran 1.2x faster with 4 warps and 4 stages than with 8 warps (benchmarks/tf32_probe.py)."""
   half = is_half(dtype)
   block_m = clamp_pow2(cin, 16, 128)
   block_n = clamp_pow2(cout, 16, 128 if half else 64)
   block_k = 64 if half else 32
-  warps = 8 if block_m * block_n >= 128 * 128 else 4
+  stages = 4 if half else 3
   tiles = num_offsets * -(-cin // block_m) * -(-cout // block_n)
   # Aim for ~4 programs per SM, but keep at least ~8 row chunks per program.
   want = max(1, -(-4 * gpu_num_sms() // tiles))
   split = max(1, min(want, num_rows // (8 * block_k)))
-  return TileConfig(block_m, block_n, block_k, num_warps=warps, num_stages=3, split=split)
+  return TileConfig(block_m, block_n, block_k, num_warps=4, num_stages=stages, split=split)
 
 
 def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, split, cin, cout, block_m, block_n, block_k,
-                        precision):
+                        dy_transposed, precision):
   refs = list(refs)
   o_ref = refs.pop()
   pair_rows_ref, pair_counts_ref = refs if use_pairs else (None, None)
@@ -68,7 +69,10 @@ def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, split, cin, co
     def matmul(acc):
       a = plgpu.load(x_ref.at[jnp.where(has, nb, 0)[:, None], ci[None, :]], mask=has[:, None] & ci_ok[None, :],
                      other=0)
-      b = plgpu.load(dy_ref.at[rows[:, None], co[None, :]], mask=has[:, None] & co_ok[None, :], other=0)
+      if dy_transposed:  # dy_ref is [Cout, M]: the tile is contiguous along the reduction (rows)
+        b = plgpu.load(dy_ref.at[co[None, :], rows[:, None]], mask=has[:, None] & co_ok[None, :], other=0)
+      else:
+        b = plgpu.load(dy_ref.at[rows[:, None], co[None, :]], mask=has[:, None] & co_ok[None, :], other=0)
       return acc + jnp.dot(a.T, b, precision=precision, preferred_element_type=jnp.float32)
 
     if use_pairs:  # every listed row has a neighbour at v
@@ -79,14 +83,16 @@ def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, split, cin, co
   plgpu.store(o_ref.at[s, v, ci[:, None], co[None, :]], acc, mask=ci_ok[:, None] & co_ok[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision", "interpret", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("config", "precision", "interpret", "out_dtype", "transpose_dy"))
 def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfig | None = None, precision=None,
-                interpret: bool = False, out_dtype=None):
+                interpret: bool = False, out_dtype=None, transpose_dy: bool = False):
   """dW [V, Cin, Cout] = per offset v, sum over sites i with nbr[i, v] >= 0 of outer(x[nbr[i, v]], dy[i]).
 
   x: [R, Cin] (gathered through nbr), dy: [M, Cout] (rows >= num must have nbr == -1), nbr: int32 [M, V].
   pairs: `gemm_plan.pair_lists(nbr)`: walk only the rows that have a neighbour at each offset (else all
     rows, skipping chunks with none at run time).
+  transpose_dy: read dy through a [Cout, M] copy, so its tiles are contiguous along the reduction (an
+    experiment for TF32, whose tensor-core path wants K-contiguous operands; benchmarks/tf32_probe.py).
   Accumulates in float32; returns out_dtype (default x.dtype).
   """
   m, num_offsets = nbr.shape
@@ -96,8 +102,10 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   cfg = config or default_config(m, cin, cout, num_offsets, x.dtype)
   kernel = functools.partial(
       _weight_grad_kernel, use_pairs=pairs is not None, split=cfg.split, cin=cin, cout=cout,
-      block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, precision=dot_precision(precision, x.dtype))
-  args = [x, dy.astype(x.dtype), nbr]
+      block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, dy_transposed=transpose_dy,
+      precision=dot_precision(precision, x.dtype))
+  dy = dy.astype(x.dtype)
+  args = [x, dy.T if transpose_dy else dy, nbr]
   if pairs is not None:
     args += [pairs.rows, pairs.counts]
   partial = pl.pallas_call(

@@ -52,31 +52,45 @@ def run_variant(log, tag, fn, args, ref, flops, repeats):
 
 
 def forward_variants():
-  """(dtype, K-contiguous weight?, tiles): the tuner's shapes plus FlexGEMM's Hopper-class configs."""
+  """(dtype, K-contiguous weight?, tiles). Tiles with columns_fastest launch a row block's column blocks
+  side by side (L2 reuse of the gathered rows). Stages: with the plan's gathered rows the data loads sit one
+  indirection from the loop counter, so Triton prefetches them (stages - 1) // 2 steps ahead."""
   T = TileConfig
-  out = [("f32", False, T(128, 64, 32, 4, 3)), ("f32", False, T(128, 128, 32, 4, 3))]
-  for bm, bn, bk, w, st in [(128, 64, 32, 4, 3), (128, 64, 32, 4, 4), (128, 128, 32, 4, 3), (128, 128, 32, 4, 4),
-                            (128, 128, 32, 4, 5), (128, 128, 32, 8, 4), (64, 128, 32, 4, 4), (64, 256, 32, 4, 4),
-                            (64, 256, 32, 8, 4), (128, 256, 32, 8, 3), (128, 256, 32, 8, 4), (256, 128, 32, 8, 4),
-                            (128, 128, 64, 4, 3), (128, 128, 16, 4, 5), (256, 64, 32, 4, 4)]:
-    out.append(("f32", True, T(bm, bn, bk, w, st)))
-  for bm, bn, bk, w, st in [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
-                            (128, 256, 32, 8, 4), (64, 256, 64, 4, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-                            (64, 256, 32, 4, 4)]:
-    out.append(("f16", False, T(bm, bn, bk, w, st)))
-  out.append(("f16", True, T(128, 256, 64, 8, 3)))
+  out = []
+  for bm, bn, bk, w in [(128, 128, 32, 4), (128, 256, 32, 8), (64, 256, 32, 4), (128, 64, 32, 4)]:
+    for st in (3, 5, 7):
+      out.append(("f32", True, T(bm, bn, bk, w, st, columns_fastest=True)))
+  for bm, bn, bk, w in [(128, 256, 64, 8), (128, 128, 64, 8), (128, 128, 64, 4), (64, 256, 64, 4)]:
+    for st in (3, 5, 7):
+      out.append(("f16", True, T(bm, bn, bk, w, st, columns_fastest=True)))
   return out
+
+
+def fwd_tag(dname, kmajor, t):
+  return (f"fwd_{dname}_{'K' if kmajor else 'N'}_{t.block_m}x{t.block_n}x{t.block_k}_w{t.num_warps}s{t.num_stages}"
+          + ("_cf" if t.columns_fastest else ""))
 
 
 def weight_grad_variants():
   T = TileConfig
-  return [("f32t", T(128, 64, 32, 4, 3, split=10)), ("f32t", T(128, 128, 32, 4, 3, split=10)),
-          ("f32t", T(128, 128, 32, 4, 4, split=10)), ("f32t", T(64, 128, 32, 4, 4, split=10)),
-          ("f32", T(128, 64, 32, 4, 3, split=10)), ("f32", T(128, 128, 32, 4, 3, split=10)),
-          ("f32", T(128, 128, 32, 8, 3, split=10)), ("f32", T(64, 64, 32, 4, 3, split=10)),
-          ("f32", T(128, 128, 16, 4, 4, split=10)),
-          ("f16", T(128, 128, 64, 8, 3, split=10)), ("f16", T(128, 256, 64, 8, 3, split=10)),
-          ("f16", T(128, 128, 64, 4, 4, split=10))]
+  out = []
+  for st in (3, 5, 7):
+    out += [("f32", T(128, 64, 32, 4, st, split=10)), ("f32", T(128, 128, 32, 4, st, split=10)),
+            ("f16", T(128, 128, 64, 4, st, split=10)), ("f16", T(128, 128, 64, 8, st, split=10))]
+  return out
+
+
+def time_map_and_plan(log, x, repeats):
+  """The neighbour map (hash table) and the plans built from it, each jitted alone, median ms."""
+  cache = jsparse.neighbor_map(x, 3)
+  nbr, num = cache.nbr, x.num
+  steps = [("neighbour map", jax.jit(lambda c, n: jsparse.neighbor_map(x.replace(coords=c, num=n), 3).nbr),
+            (x.coords, x.num))]
+  for bm in (64, 128):
+    steps.append((f"masked plan (block {bm})", jax.jit(lambda nb, n, bm=bm: masked_plan(nb, n, bm)), (nbr, num)))
+  steps.append(("pair lists", jax.jit(pair_lists), (nbr,)))
+  for name, fn, args in steps:
+    log(f"{name:44s} {_median_ms(fn, args, warmup=3, repeats=max(repeats, 5)):8.3f} ms")
 
 
 def main(argv=None):
@@ -86,6 +100,7 @@ def main(argv=None):
   p.add_argument("--channels", type=int, default=256)
   p.add_argument("--only", default="", help="regex: run only the variants whose tag matches")
   p.add_argument("--repeats", type=int, default=20, help="0: run each variant twice, untimed (for a profiler)")
+  p.add_argument("--plan", action="store_true", help="also time the neighbour map and the GEMM plans")
   a = p.parse_args(argv)
   os.makedirs(a.out, exist_ok=True)
   logf = open(os.path.join(a.out, "tf32_probe.log"), "a")
@@ -111,8 +126,9 @@ def main(argv=None):
   log(f"RES {res}: {int(num)} voxels, {pairs} pairs, C {c}: {flops / 1e9:.1f} GFLOP per pass")
   dtypes = {"f32": jnp.float32, "f32t": jnp.float32, "f16": jnp.float16}  # f32t: weight grad, dy transposed
   plans = {}
-  fwd = [(d, k, t) for d, k, t in forward_variants()
-         if re.search(a.only, f"fwd_{d}_{'K' if k else 'N'}_{t.block_m}x{t.block_n}x{t.block_k}_w{t.num_warps}s{t.num_stages}")]
+  fwd = [(d, k, t) for d, k, t in forward_variants() if re.search(a.only, fwd_tag(d, k, t))]
+  if a.plan:
+    time_map_and_plan(log, x, a.repeats)
   if fwd:
     ref_fwd = jsparse.submconv_xla(x.feats, w32, None, nbr, num, precision="highest")
   for dname, kmajor, t in fwd:
@@ -121,7 +137,7 @@ def main(argv=None):
     if t.block_m not in plans:
       plans[t.block_m] = masked_plan(nbr, num, t.block_m)
     plan = plans[t.block_m]
-    tag = f"fwd_{dname}_{'K' if kmajor else 'N'}_{t.block_m}x{t.block_n}x{t.block_k}_w{t.num_warps}s{t.num_stages}"
+    tag = fwd_tag(dname, kmajor, t)
     fn = (lambda f, w, plan=plan, t=t, kmajor=kmajor:
           gather_gemm(f, w, nbr, num, plan=plan, config=t, transpose_weight=kmajor, interpret=INTERPRET))
     run_variant(log, tag, fn, (x.feats.astype(dt), wa), ref_fwd, flops, a.repeats)

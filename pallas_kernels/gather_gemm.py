@@ -67,13 +67,15 @@ def conv_forward(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = No
 
 
 def _gather_gemm_kernel(num_ref, x_ref, w_ref, nbr_ref, *refs, num_offsets, k_dim, n_dim, block_m, block_n,
-                        block_k, split, transpose_weight, masked, skip_empty, has_bias, precision):
+                        block_k, split, transpose_weight, masked, skip_empty, has_bias, precision, columns_fastest):
   refs = list(refs)
   o_ref = refs.pop()
-  order_ref, offsets_ref, counts_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if masked else (None,) * 3
+  order_ref, offsets_ref, counts_ref, block_rows_ref = (
+      (refs.pop(0), refs.pop(0), refs.pop(0), refs.pop(0)) if masked else (None,) * 4)
   bias_ref = refs.pop(0) if has_bias else None
   num_rows = nbr_ref.shape[0]
-  block = pl.program_id(0)
+  row_axis, col_axis = (1, 0) if columns_fastest else (0, 1)
+  block = pl.program_id(row_axis)
   lanes = block * block_m + jnp.arange(block_m)
   lane_ok = lanes < num_rows
   if masked:
@@ -85,7 +87,7 @@ def _gather_gemm_kernel(num_ref, x_ref, w_ref, nbr_ref, *refs, num_offsets, k_di
     rows = lanes
     num_used = num_offsets
   row_ok = lane_ok & (rows < num_ref[0])
-  cols = pl.program_id(1) * block_n + jnp.arange(block_n)
+  cols = pl.program_id(col_axis) * block_n + jnp.arange(block_n)
   col_ok = cols < n_dim
   k_steps = pl.cdiv(k_dim, block_k)
   ks = jnp.arange(block_k)
@@ -101,8 +103,12 @@ def _gather_gemm_kernel(num_ref, x_ref, w_ref, nbr_ref, *refs, num_offsets, k_di
   def step(t, acc):
     j = lax.div(t, k_steps)
     k0 = lax.rem(t, k_steps) * block_k
-    v = plgpu.load(offsets_ref.at[block, j]) if masked else j
-    nb = plgpu.load(nbr_ref.at[rows, v], mask=row_ok, other=-1)
+    if masked:  # the plan holds the gathered rows: one load away from the loop counter (gemm_plan.py)
+      v = plgpu.load(offsets_ref.at[block, j])
+      nb = plgpu.load(block_rows_ref.at[block, j, jnp.arange(block_m)])
+    else:
+      v = j
+      nb = plgpu.load(nbr_ref.at[rows, v], mask=row_ok, other=-1)
     has = nb >= 0
 
     def matmul(acc):
@@ -164,11 +170,11 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
       _gather_gemm_kernel, num_offsets=num_offsets, k_dim=k_dim, n_dim=n_dim, block_m=cfg.block_m,
       block_n=cfg.block_n, block_k=cfg.block_k, split=split, transpose_weight=transpose_weight,
       masked=plan is not None, skip_empty=skip_empty and plan is None, has_bias=bias is not None and split == 1,
-      precision=dot_precision(precision, x.dtype))
+      precision=dot_precision(precision, x.dtype), columns_fastest=cfg.columns_fastest)
   num = jnp.reshape(num, (1,)).astype(jnp.int32)
   args = [num, x, weight.astype(x.dtype), nbr]
   if plan is not None:
-    args += [plan.order, plan.block_offsets, plan.block_counts]
+    args += [plan.order, plan.block_offsets, plan.block_counts, plan.block_rows]
   if bias is not None and split == 1:
     args.append(bias)
   out_shape = (jax.ShapeDtypeStruct((m, n_dim), x.dtype) if split == 1 else
@@ -176,7 +182,9 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
   out = pl.pallas_call(
       kernel,
       out_shape=out_shape,
-      grid=(num_blocks, pl.cdiv(n_dim, cfg.block_n), split),
+      # Grid axis 0 is launched fastest.
+      grid=((pl.cdiv(n_dim, cfg.block_n), num_blocks, split) if cfg.columns_fastest else
+            (num_blocks, pl.cdiv(n_dim, cfg.block_n), split)),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="gather_gemm_t" if transpose_weight else "gather_gemm",

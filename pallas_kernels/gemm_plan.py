@@ -7,6 +7,11 @@
   reuses the same plan.
 - `pair_lists`: for every offset, the rows that have a neighbour there, packed to the front. The weight
   gradient walks these instead of all rows.
+
+Both also store the gathered row indices the kernels read (`MaskedPlan.block_rows`, `PairLists.sources`), so
+that inside a kernel's loop every data load is one indirection away from the loop counter. Triton's software
+pipeliner splits its stages over the chain of dependent loads (offset -> neighbour row -> features): with the
+chain cut to one level the feature and weight tiles get twice the prefetch depth (docs/perf_notes.md).
 """
 from __future__ import annotations
 
@@ -24,11 +29,15 @@ class MaskedPlan(NamedTuple):
   order: jax.Array  # int32 [capacity]: rows in processing order (valid rows first)
   block_offsets: jax.Array  # int32 [num_blocks, V]: per block, the offsets used, then the unused ones
   block_counts: jax.Array  # int32 [num_blocks]: how many of block_offsets[b] are used
+  # int32 [num_blocks, V, block_m]: block_rows[b, j, l] = nbr[order[b * block_m + l], block_offsets[b, j]]
+  # (-1: no neighbour, or a lane past the valid rows)
+  block_rows: jax.Array
 
 
 class PairLists(NamedTuple):
   rows: jax.Array  # int32 [V, capacity]: rows[v, :counts[v]] are the rows i with nbr[i, v] >= 0
   counts: jax.Array  # int32 [V]
+  sources: jax.Array  # int32 [V, capacity]: sources[v, p] = nbr[rows[v, p], v] (-1 past counts[v])
 
 
 def default_block_m(num_rows: int) -> int:
@@ -46,19 +55,22 @@ def gray_rank(mask: jax.Array) -> jax.Array:
 
 def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int) -> MaskedPlan:
   cap, v = nbr.shape
-  has = nbr >= 0
+  valid = jnp.arange(cap) < num
+  has = (nbr >= 0) & valid[:, None]
   bits = min(v, _MASK_BITS)
   weights = jnp.left_shift(jnp.int32(1), jnp.arange(bits, dtype=jnp.int32))
   mask = jnp.sum(jnp.where(has[:, :bits], weights[None, :], 0), axis=1, dtype=jnp.int32)
-  valid = jnp.arange(cap) < num
   key = jnp.where(valid, gray_rank(mask), jnp.iinfo(jnp.int32).max)
   order = jnp.argsort(key, stable=True).astype(jnp.int32)
   num_blocks = -(-cap // block_m)
-  sorted_has = jnp.zeros((num_blocks * block_m, v), bool).at[:cap].set(has[order])
-  used = jnp.any(sorted_has.reshape(num_blocks, block_m, v), axis=1)
+  sorted_nbr = jnp.full((num_blocks * block_m, v), -1, jnp.int32).at[:cap].set(
+      jnp.where(has[order], nbr[order], -1))
+  sorted_nbr = sorted_nbr.reshape(num_blocks, block_m, v)
+  used = jnp.any(sorted_nbr >= 0, axis=1)
   counts = jnp.sum(used, axis=1, dtype=jnp.int32)
   offsets = jnp.argsort(jnp.logical_not(used), axis=1, stable=True).astype(jnp.int32)
-  return MaskedPlan(order, offsets, counts)
+  block_rows = jnp.take_along_axis(sorted_nbr, offsets[:, None, :], axis=2).transpose(0, 2, 1)
+  return MaskedPlan(order, offsets, counts, block_rows)
 
 
 def pair_lists(nbr: jax.Array) -> PairLists:
@@ -68,4 +80,5 @@ def pair_lists(nbr: jax.Array) -> PairLists:
   slot = jnp.where(has, pos, cap)  # rows without a neighbour go out of range and are dropped
   rows = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[:, None], (cap, v))
   lists = jnp.full((v, cap), -1, jnp.int32).at[jnp.arange(v)[None, :], slot].set(rows, mode="drop")
-  return PairLists(lists, jnp.sum(has, axis=0, dtype=jnp.int32))
+  sources = jnp.where(lists >= 0, nbr[jnp.maximum(lists, 0), jnp.arange(v)[:, None]], -1)
+  return PairLists(lists, jnp.sum(has, axis=0, dtype=jnp.int32), sources)

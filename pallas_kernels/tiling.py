@@ -14,6 +14,8 @@ class TileConfig:
 
   block_m: output rows per program; block_n: output columns per program; block_k: reduction chunk.
   split: how many programs share the reduction (partial sums are added afterwards); 1 = no split.
+  columns_fastest (gather-GEMM only): launch the column blocks of a row block next to each other, so they
+    read its gathered rows while those are still in L2 (else every column block re-gathers them from DRAM).
   """
 
   block_m: int = 64
@@ -22,6 +24,7 @@ class TileConfig:
   num_warps: int = 4
   num_stages: int = 2
   split: int = 1
+  columns_fastest: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):

@@ -40,7 +40,7 @@ def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, split, cin, co
                         dy_transposed, precision):
   refs = list(refs)
   o_ref = refs.pop()
-  pair_rows_ref, pair_counts_ref = refs if use_pairs else (None, None)
+  pair_rows_ref, pair_counts_ref, pair_sources_ref = refs if use_pairs else (None, None, None)
   num_rows = nbr_ref.shape[0]
   v = pl.program_id(0)
   ci = pl.program_id(1) * block_m + jnp.arange(block_m)
@@ -58,9 +58,9 @@ def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, split, cin, co
 
   def step(t, acc):
     idx = start + t * block_k + rk
-    if use_pairs:
+    if use_pairs:  # both loads one indirection away from the loop counter (see gemm_plan.py)
       rows = plgpu.load(pair_rows_ref.at[v, idx], mask=idx < stop, other=0)
-      nb = plgpu.load(nbr_ref.at[rows, v], mask=idx < stop, other=-1)
+      nb = plgpu.load(pair_sources_ref.at[v, idx], mask=idx < stop, other=-1)
     else:
       rows = idx
       nb = plgpu.load(nbr_ref.at[rows, v], mask=rows < stop, other=-1)
@@ -107,7 +107,7 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   dy = dy.astype(x.dtype)
   args = [x, dy.T if transpose_dy else dy, nbr]
   if pairs is not None:
-    args += [pairs.rows, pairs.counts]
+    args += [pairs.rows, pairs.counts, pairs.sources]
   partial = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((cfg.split, num_offsets, cin, cout), jnp.float32),

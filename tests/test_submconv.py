@@ -143,16 +143,28 @@ def test_masked_plan_and_pair_lists():
   plan = masked_plan(nbr, x.num, 16)
   order = np.asarray(plan.order)
   assert sorted(order.tolist()) == list(range(x.capacity)) and np.all(order[:num] < num)
-  has = np.asarray(nbr) >= 0
+  nbr_np = np.asarray(nbr)
+  has = nbr_np >= 0
+  block_rows = np.asarray(plan.block_rows)
+  assert block_rows.shape == (len(plan.block_counts), nbr.shape[1], 16)
   for blk in range(len(plan.block_counts)):
     rows = order[blk * 16:(blk + 1) * 16]
     used = set(np.nonzero(has[rows].any(0))[0].tolist())
     count = int(plan.block_counts[blk])
-    assert set(np.asarray(plan.block_offsets[blk, :count]).tolist()) == used
+    offsets = np.asarray(plan.block_offsets[blk])
+    assert set(offsets[:count].tolist()) == used
+    # The gathered rows: the neighbour of each lane's row at each listed offset, -1 for lanes past the rows.
+    lane_rows = np.full(16, -1)
+    lane_rows[:len(rows)] = rows
+    for j, v in enumerate(offsets):
+      want = np.where((lane_rows >= 0) & (lane_rows < num), nbr_np[np.maximum(lane_rows, 0), v], -1)
+      np.testing.assert_array_equal(block_rows[blk, j], want)
   pairs = pair_lists(nbr)
   for v in range(nbr.shape[1]):
     count = int(pairs.counts[v])
     np.testing.assert_array_equal(np.asarray(pairs.rows[v, :count]), np.nonzero(has[:, v])[0])
+    np.testing.assert_array_equal(np.asarray(pairs.sources[v, :count]), nbr_np[has[:, v], v])
+    assert np.all(np.asarray(pairs.sources[v, count:]) == -1)
 
 
 def test_pallas_kernels_direct_edge_shapes():

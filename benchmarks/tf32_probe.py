@@ -72,11 +72,14 @@ def fwd_tag(dname, kmajor, t):
 
 
 def weight_grad_variants():
+  """(kind, tiles): f32 = float32 inputs at TF32 precision (run as bf16 hi/lo products); f16 = half."""
   T = TileConfig
   out = []
-  for st in (3, 5, 7):
-    out += [("f32", T(128, 64, 32, 4, st, split=10)), ("f32", T(128, 128, 32, 4, st, split=10)),
-            ("f16", T(128, 128, 64, 4, st, split=10)), ("f16", T(128, 128, 64, 8, st, split=10))]
+  for kind in ("f32", "f16"):
+    for bm, bn, bk, w, st in [(128, 128, 64, 4, 5), (128, 128, 64, 4, 4), (128, 128, 32, 4, 5), (128, 128, 64, 8, 4),
+                              (64, 128, 64, 4, 5)]:
+      for split in (5, 10, 20):
+        out.append((kind, T(bm, bn, bk, w, st, split=split)))
   return out
 
 
@@ -124,7 +127,7 @@ def main(argv=None):
   pairs = int(cache.num_pairs())
   flops = 2 * pairs * c * c
   log(f"RES {res}: {int(num)} voxels, {pairs} pairs, C {c}: {flops / 1e9:.1f} GFLOP per pass")
-  dtypes = {"f32": jnp.float32, "f32t": jnp.float32, "f16": jnp.float16}  # f32t: weight grad, dy transposed
+  dtypes = {"f32": jnp.float32, "f16": jnp.float16}
   plans = {}
   fwd = [(d, k, t) for d, k, t in forward_variants() if re.search(a.only, fwd_tag(d, k, t))]
   if a.plan:
@@ -152,8 +155,8 @@ def main(argv=None):
   for dname, t in wgv:
     dt = dtypes[dname]
     tag = f"wgrad_{dname}_{t.block_m}x{t.block_n}x{t.block_k}_w{t.num_warps}s{t.num_stages}_split{t.split}"
-    fn = lambda f, g, t=t, tr=dname == "f32t": weight_grad(  # noqa: E731
-        f, g, nbr, pairs=plist, config=t, out_dtype=jnp.float32, interpret=INTERPRET, transpose_dy=tr)
+    fn = lambda f, g, t=t: weight_grad(  # noqa: E731
+        f, g, nbr, pairs=plist, config=t, out_dtype=jnp.float32, interpret=INTERPRET)
     run_variant(log, tag, fn, (x.feats.astype(dt), dy32.astype(dt)), ref_wgrad, flops, a.repeats)
 
 

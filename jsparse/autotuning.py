@@ -81,18 +81,17 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype) -> l
 
 
 def weight_grad_candidates(num_rows: int, cin: int, cout: int, num_offsets: int, dtype) -> list[tuning.PassConfig]:
+  """Weight-gradient candidates (float32 runs as bf16 products, so every dtype takes the same tiles)."""
   base = weight_grad_lib.default_config(num_rows, cin, cout, num_offsets, dtype)
-  half = jnp.dtype(dtype).itemsize == 2
   out, seen = [], set()
   shapes = [(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages),
-            (64, 64, 64 if half else 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128, 32, 8, 3),
-            (128, 128, 64 if half else 32, 8, 3), (128, 128, 64 if half else 32, 4, 4)]
+            (128, 128, 64, 4, 4), (64, 128, 64, 4, 5), (128, 64, 64, 4, 5), (64, 64, 64, 4, 3), (128, 128, 32, 4, 5)]
   for bm, bn, bk, warps, stages in shapes:
     bm = min(bm, max(16, 1 << max(cin - 1, 0).bit_length()))
     bn = min(bn, max(16, 1 << max(cout - 1, 0).bit_length()))
     tiles = num_offsets * -(-cin // bm) * -(-cout // bn)
-    want = max(1, min(-(-4 * tuning.gpu_num_sms() // tiles), max(1, num_rows // (8 * bk))))
-    for split in sorted({1, want, max(1, want // 2), want * 2} if want > 1 else {1}):
+    want = max(1, min(-(-8 * tuning.gpu_num_sms() // tiles), max(1, num_rows // (8 * bk))))
+    for split in sorted({want, max(1, want // 2), 2 * want, 4 * want} if num_rows >= 64 * bk else {1}):
       cfg = (bm, bn, bk, warps, stages, split)
       if cfg in seen:
         continue

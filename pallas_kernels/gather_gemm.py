@@ -28,18 +28,17 @@ from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, is_half
 def default_config(num_rows: int, k: int, n: int, dtype) -> TileConfig:
   """Heuristic tiles (used when no tuned config is given).
 
-  From H200 measurements (jsparse/tuned/nvidia_h200.json, benchmarks/tf32_probe.py; docs/perf_notes.md):
-  half precision runs best with 128x128x64 tiles and 8 warps, 128x256x64 once N >= 256; float32 (TF32) with
-  128x128x32 tiles, 4 warps and 4 stages (8 warps ran 1.6x slower).
+  From H200 measurements (benchmarks/tf32_probe.py; docs/perf_notes.md): 5 stages (with the plan's gathered
+  rows Triton then prefetches two steps ahead) and a row block's column blocks launched side by side.
+  Half precision: 128x256x64 tiles with 8 warps once N >= 256 (397 TFLOP/s at RES 256, C 256), else
+  128x128x64; float32 (TF32): 128x128x32 with 4 warps (159 TFLOP/s there).
   """
   half = is_half(dtype)
   block_m = default_block_m(num_rows)
   block_n = clamp_pow2(n, 16, 256 if half and block_m == 128 else 128)
   block_k = clamp_pow2(k, 16, 64 if half else 32)
-  if half:
-    warps = 8 if block_m * block_n >= 128 * 128 else 4
-    return TileConfig(block_m, block_n, block_k, num_warps=warps, num_stages=3)
-  return TileConfig(block_m, block_n, block_k, num_warps=4, num_stages=4)
+  warps = 8 if half and block_m * block_n >= 128 * 128 else 4
+  return TileConfig(block_m, block_n, block_k, num_warps=warps, num_stages=5, columns_fastest=True)
 
 
 def reads_weight_k_major(num_rows: int, config: TileConfig) -> bool:

@@ -28,6 +28,9 @@ Kernels (three ``pallas_call``\\ s)
    ``while_loop`` that runs while any lane is still searching (bounded by ``max_probes``). The
    centre offset ``(0, 0, 0)`` is answered ``i`` without a lookup.
 
+The probe loops are shared helpers: ``insert_loop`` (kernel 1), ``probe_loop`` (kernels 2 and 3) and
+``insert_absent_loop`` (insertion that tolerates repeated keys), also used by unique_keys.py.
+
 Bounds / overflow: every probe loop stops after ``max_probes`` steps (default ``T``). With the load
 factor at most 1/2 there are always empty slots, so a lookup ends within ``T`` probes and an insert
 too (a carried key walks forward and the slots empty at the end were empty all along); ``overflow``
@@ -106,6 +109,89 @@ def _swap(ref, idx, val, mask, interpret: bool):
   return jnp.where(mask, old, EMPTY)
 
 
+def insert_loop(table_ref, key, active, *, tmask: int, max_probes: int, interpret: bool, ks: int = 1):
+  """Last-come-first-served insertion of each active lane's key (module docstring, kernel 1).
+
+  A lane swaps the key it carries into its slot; it stops on getting EMPTY or its own key back, else it
+  carries the evicted key one slot on. ks: int32 words per slot (keys at ``slot * ks``). Returns the lanes
+  still carrying a key after ``max_probes`` swaps (overflow).
+  """
+
+  def cond(c):
+    it, _, _, active = c
+    return (it < max_probes) & _any(active)
+
+  def body(c):
+    it, cur, slot, active = c
+    old = _swap(table_ref, slot * ks, cur, active, interpret)
+    done = (old == EMPTY) | (old == cur)
+    active = active & jnp.logical_not(done)
+    cur = jnp.where(active, old, cur)
+    slot = jnp.where(active, (slot + 1) & jnp.int32(tmask), slot)
+    return it + 1, cur, slot, active
+
+  _, _, _, active = lax.while_loop(cond, body, (jnp.int32(0), key, _home(key, tmask), active))
+  return active
+
+
+def insert_absent_loop(table_ref, key, active, *, tmask: int, max_probes: int, interpret: bool):
+  """Insertion that skips keys already present, for deduplication (pallas_kernels/unique_keys.py).
+
+  ``insert_loop`` swaps before it looks, so a key already stored past its home slot gets a second copy.
+  Here a lane reads each slot first: its own key ends the walk, another key sends it on, and only a slot
+  read EMPTY is swapped into. If a racing lane filled that slot in between, the swap returns that lane's
+  key, which is carried on as in ``insert_loop`` (so no key is lost and none ever moves backwards; EMPTY
+  is never written). Run serially this stores every key once; concurrent lanes can still leave a second
+  copy further along the key's probe run (the caller keeps the first). Every step advances one slot, so
+  an insert ends within T steps while the table has an EMPTY slot. Returns the lanes still carrying a key
+  after ``max_probes`` steps (overflow). One int32 word per slot.
+  """
+
+  def cond(c):
+    it, _, _, active = c
+    return (it < max_probes) & _any(active)
+
+  def body(c):
+    it, cur, slot, active = c
+    seen = plgpu.load(table_ref.at[slot], mask=active, other=EMPTY)
+    claim = active & (seen == EMPTY)
+    old = _swap(table_ref, slot, cur, claim, interpret)
+    done = active & ((seen == cur) | (claim & ((old == EMPTY) | (old == cur))))
+    evicted = claim & jnp.logical_not(done)  # a racing lane's key: carry it on
+    active = active & jnp.logical_not(done)
+    cur = jnp.where(evicted, old, cur)
+    slot = jnp.where(active, (slot + 1) & jnp.int32(tmask), slot)
+    return it + 1, cur, slot, active
+
+  _, _, _, active = lax.while_loop(cond, body, (jnp.int32(0), key, _home(key, tmask), active))
+  return active
+
+
+def probe_loop(table_ref, key, active, *, tmask: int, max_probes: int, ks: int = 1):
+  """Linear-probing lookup of each active lane's key (plain loads: the table is built).
+
+  Returns (slot, found, active): the slot of the FIRST copy of the key along its probe run where found,
+  and the lanes still searching after ``max_probes`` probes (overflow). A lookup stops at EMPTY.
+  """
+
+  def cond(c):
+    it, _, _, active = c
+    return (it < max_probes) & _any(active)
+
+  def body(c):
+    it, slot, found, active = c
+    k = plgpu.load(table_ref.at[slot * ks], mask=active, other=EMPTY)
+    hit = active & (k == key)
+    found = found | hit
+    active = active & jnp.logical_not(hit | (k == EMPTY))
+    slot = jnp.where(active, (slot + 1) & jnp.int32(tmask), slot)
+    return it + 1, slot, found, active
+
+  _, slot, found, active = lax.while_loop(
+      cond, body, (jnp.int32(0), _home(key, tmask), jnp.zeros_like(active), active))
+  return slot, found, active
+
+
 def _row_keys(coords_ref, rows, valid, X: int, Y: int, Z: int):
   """Keys of rows (coords flattened [capacity*4]); 0 on invalid lanes."""
   base = rows * 4
@@ -128,23 +214,9 @@ def _build_kernel(num_ref, coords_ref, keys_in_ref, keys_ref, ovf_ref, *, block,
   num = num_ref[0]
   rows = pid * block + jnp.arange(block, dtype=jnp.int32)
   valid = (rows < num) & (rows < capacity)
-  cur = _row_keys(coords_ref, rows, valid, *shape)
-  slot = _home(cur, tmask)
-
-  def cond(c):
-    it, _, _, active = c
-    return (it < max_probes) & _any(active)
-
-  def body(c):
-    it, cur, slot, active = c
-    old = _swap(keys_ref, slot * ks, cur, active, interpret)
-    done = (old == EMPTY) | (old == cur)
-    active = active & jnp.logical_not(done)
-    cur = jnp.where(active, old, cur)
-    slot = jnp.where(active, (slot + 1) & jnp.int32(tmask), slot)
-    return it + 1, cur, slot, active
-
-  _, _, _, active = lax.while_loop(cond, body, (jnp.int32(0), cur, slot, valid))
+  key = _row_keys(coords_ref, rows, valid, *shape)
+  active = insert_loop(keys_ref, key, valid, tmask=tmask, max_probes=max_probes, interpret=interpret,
+                       ks=ks)
   plgpu.store(ovf_ref.at[ovf_base + pid], jnp.max(active.astype(jnp.int32)))
 
 
@@ -158,24 +230,7 @@ def _fill_kernel(num_ref, coords_ref, keys_ref, ovf_in_ref, vals_ref, ovf_ref, *
   rows = pid * block + jnp.arange(block, dtype=jnp.int32)
   valid = (rows < num) & (rows < capacity)
   key = _row_keys(coords_ref, rows, valid, *shape)
-  slot = _home(key, tmask)
-
-  def cond(c):
-    it, _, _, active = c
-    return (it < max_probes) & _any(active)
-
-  def body(c):
-    it, slot, found, active = c
-    k = plgpu.load(keys_ref.at[slot * ks], mask=active, other=EMPTY)
-    hit = active & (k == key)
-    gone = active & (k == EMPTY)  # cannot happen after a complete build
-    found = found | hit
-    active = active & jnp.logical_not(hit | gone)
-    slot = jnp.where(active, (slot + 1) & jnp.int32(tmask), slot)
-    return it + 1, slot, found, active
-
-  _, slot, found, active = lax.while_loop(
-      cond, body, (jnp.int32(0), slot, jnp.zeros_like(valid), valid))
+  slot, found, active = probe_loop(keys_ref, key, valid, tmask=tmask, max_probes=max_probes, ks=ks)
   plgpu.store(vals_ref.at[slot * ks + (ks - 1)], rows, mask=found)
   lost = active | (valid & jnp.logical_not(found))
   plgpu.store(ovf_ref.at[ovf_base + pid], jnp.max(lost.astype(jnp.int32)))
@@ -208,23 +263,7 @@ def _query_kernel(num_ref, coords_ref, offs_ref, keys_ref, vals_ref, ovf_in_ref,
   key = ((b * X + nx) * Y + ny) * Z + nz
 
   active = row_ok & inside & jnp.logical_not(centre)
-  slot = _home(key, tmask)
-
-  def cond(c):
-    it, _, _, active = c
-    return (it < max_probes) & _any(active)
-
-  def body(c):
-    it, slot, found, active = c
-    k = plgpu.load(keys_ref.at[slot * ks], mask=active, other=EMPTY)
-    hit = active & (k == key)
-    found = found | hit
-    active = active & jnp.logical_not(hit | (k == EMPTY))
-    slot = jnp.where(active, (slot + 1) & jnp.int32(tmask), slot)
-    return it + 1, slot, found, active
-
-  _, slot, found, active = lax.while_loop(
-      cond, body, (jnp.int32(0), slot, jnp.zeros_like(active), active))
+  slot, found, active = probe_loop(keys_ref, key, active, tmask=tmask, max_probes=max_probes, ks=ks)
   val = plgpu.load(vals_ref.at[slot * ks + (ks - 1)], mask=found, other=EMPTY)
   val = jnp.where(row_ok & centre, i, val)
   plgpu.store(nbr_ref.at[p], val, mask=in_range)

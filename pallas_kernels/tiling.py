@@ -59,7 +59,7 @@ def dot_precision(precision, dtype) -> lax.Precision:
     return table[precision.lower()]
   if isinstance(precision, tuple):
     precision = precision[0]
-  if isinstance(precision, lax.Precision):
+  if isinstance(precision, (lax.Precision, lax.DotAlgorithmPreset)):
     return precision
   raise TypeError(f"precision must be None, a string or a lax.Precision, got {precision!r}")
 

@@ -5,6 +5,13 @@ dW[v] = sum_i x[nbr[i, v]]^T dy[i] over the sites i that have a neighbour at off
 Programs tile (offset, Cin block, Cout block) and, with `split > 1`, also cut the site range into
 `split` pieces whose float32 partial sums are added afterwards: with small channel counts the
 (offset, Cin, Cout) tiles alone are too few to fill the GPU.
+
+The reduction runs over sites, so both operand tiles are [sites, channels] with the channels contiguous:
+"MN-major" for the tensor cores. Hopper's TF32 MMA has no such mode and Triton restages float32 tiles
+through registers (measured ~50 TFLOP/s on an H200 against ~350 for fp16; transposed copies of x and dy
+made the gathers uncoalesced and ran 2-6x slower still). So float32 inputs at TF32 precision run as three
+bf16 products of hi/lo splits, x_hi dy_hi + x_hi dy_lo + x_lo dy_hi, which bf16 MMAs take MN-major; the
+result is more accurate than TF32 (about 1e-5 relative instead of 3e-4).
 """
 from __future__ import annotations
 
@@ -17,29 +24,29 @@ from jax.experimental.pallas import triton as plgpu
 from jax import lax
 
 from pallas_kernels.gemm_plan import PairLists
-from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, gpu_num_sms, is_half
+from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, gpu_num_sms
 
 
 def default_config(num_rows: int, cin: int, cout: int, num_offsets: int, dtype) -> TileConfig:
-  """Heuristic tiles. On the H200 suite the tuner chose 128x128 (Cin x Cout) tiles and a split that gives
-  several programs per SM (e.g. 10 at 252k rows, 256 channels; 40 at 1M rows, 128 channels); half precision
-  ran 1.2x faster with 4 warps and 4 stages than with 8 warps (benchmarks/tf32_probe.py)."""
-  half = is_half(dtype)
+  """Heuristic tiles, from H200 measurements (benchmarks/tf32_probe.py, docs/perf_notes.md): 128x128
+  (Cin x Cout) tiles, 4 warps, 5 stages (1.2-1.4x faster than 3-4), and a split over sites that gives ~8
+  programs per SM (at RES 256, C 256: split 10-20 ran 1.1-1.3x faster than 5). float32 runs as bf16
+  hi/lo products (module doc): two tiles per operand, so half the reduction chunk."""
   block_m = clamp_pow2(cin, 16, 128)
-  block_n = clamp_pow2(cout, 16, 128 if half else 64)
-  block_k = 64 if half else 32
-  stages = 4 if half else 3
+  block_n = clamp_pow2(cout, 16, 128)
+  block_k = 32 if jnp.dtype(dtype) == jnp.float32 else 64
   tiles = num_offsets * -(-cin // block_m) * -(-cout // block_n)
-  # Aim for ~4 programs per SM, but keep at least ~8 row chunks per program.
-  want = max(1, -(-4 * gpu_num_sms() // tiles))
+  # Aim for ~8 programs per SM, but keep at least ~8 row chunks per program.
+  want = max(1, -(-8 * gpu_num_sms() // tiles))
   split = max(1, min(want, num_rows // (8 * block_k)))
-  return TileConfig(block_m, block_n, block_k, num_warps=4, num_stages=stages, split=split)
+  return TileConfig(block_m, block_n, block_k, num_warps=4, num_stages=5, split=split)
 
 
 def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, split, cin, cout, block_m, block_n, block_k,
-                        dy_transposed, precision):
+                        bf16_split, precision):
   refs = list(refs)
   o_ref = refs.pop()
+  x_lo_ref, dy_lo_ref = (refs.pop(0), refs.pop(0)) if bf16_split else (None, None)
   pair_rows_ref, pair_counts_ref, pair_sources_ref = refs if use_pairs else (None, None, None)
   num_rows = nbr_ref.shape[0]
   v = pl.program_id(0)
@@ -65,15 +72,20 @@ def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, split, cin, co
       rows = idx
       nb = plgpu.load(nbr_ref.at[rows, v], mask=rows < stop, other=-1)
     has = nb >= 0
+    src = jnp.where(has, nb, 0)
+    a_mask = has[:, None] & ci_ok[None, :]
+    b_mask = has[:, None] & co_ok[None, :]
 
     def matmul(acc):
-      a = plgpu.load(x_ref.at[jnp.where(has, nb, 0)[:, None], ci[None, :]], mask=has[:, None] & ci_ok[None, :],
-                     other=0)
-      if dy_transposed:  # dy_ref is [Cout, M]: the tile is contiguous along the reduction (rows)
-        b = plgpu.load(dy_ref.at[co[None, :], rows[:, None]], mask=has[:, None] & co_ok[None, :], other=0)
-      else:
-        b = plgpu.load(dy_ref.at[rows[:, None], co[None, :]], mask=has[:, None] & co_ok[None, :], other=0)
-      return acc + jnp.dot(a.T, b, precision=precision, preferred_element_type=jnp.float32)
+      a = plgpu.load(x_ref.at[src[:, None], ci[None, :]], mask=a_mask, other=0)
+      b = plgpu.load(dy_ref.at[rows[:, None], co[None, :]], mask=b_mask, other=0)
+      acc = acc + jnp.dot(a.T, b, precision=precision, preferred_element_type=jnp.float32)
+      if bf16_split:
+        a_lo = plgpu.load(x_lo_ref.at[src[:, None], ci[None, :]], mask=a_mask, other=0)
+        b_lo = plgpu.load(dy_lo_ref.at[rows[:, None], co[None, :]], mask=b_mask, other=0)
+        acc = acc + jnp.dot(a.T, b_lo, preferred_element_type=jnp.float32)
+        acc = acc + jnp.dot(a_lo.T, b, preferred_element_type=jnp.float32)
+      return acc
 
     if use_pairs:  # every listed row has a neighbour at v
       return matmul(acc)
@@ -83,16 +95,34 @@ def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, split, cin, co
   plgpu.store(o_ref.at[s, v, ci[:, None], co[None, :]], acc, mask=ci_ok[:, None] & co_ok[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision", "interpret", "out_dtype", "transpose_dy"))
+def _split_bf16(a):
+  """a (float32) = hi + lo + O(2^-16 |a|), hi and lo in bfloat16.
+
+  hi keeps a's top 16 bits (a bit mask, so exact in bf16). A plain `a.astype(bf16)` round trip would not
+  do: XLA's GPU simplifier may drop an f32 -> bf16 -> f32 pair (excess precision allowed), making lo zero
+  (seen on an H200: 2.3e-3 error, bf16's).
+  """
+  bits = jax.lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(0xFFFF0000)
+  hi = jax.lax.bitcast_convert_type(bits, jnp.float32)
+  return hi.astype(jnp.bfloat16), (a - hi).astype(jnp.bfloat16)
+
+
+def uses_bf16_split(dtype, precision) -> bool:
+  """Whether a float32 weight gradient runs as three bf16 products (TF32-or-better precision requested)."""
+  return jnp.dtype(dtype) == jnp.float32 and dot_precision(precision, dtype) in (lax.Precision.DEFAULT,
+                                                                               lax.Precision.HIGH)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "precision", "interpret", "out_dtype"))
 def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfig | None = None, precision=None,
-                interpret: bool = False, out_dtype=None, transpose_dy: bool = False):
+                interpret: bool = False, out_dtype=None):
   """dW [V, Cin, Cout] = per offset v, sum over sites i with nbr[i, v] >= 0 of outer(x[nbr[i, v]], dy[i]).
 
   x: [R, Cin] (gathered through nbr), dy: [M, Cout] (rows >= num must have nbr == -1), nbr: int32 [M, V].
   pairs: `gemm_plan.pair_lists(nbr)`: walk only the rows that have a neighbour at each offset (else all
     rows, skipping chunks with none at run time).
-  transpose_dy: read dy through a [Cout, M] copy, so its tiles are contiguous along the reduction (an
-    experiment for TF32, whose tensor-core path wants K-contiguous operands; benchmarks/tf32_probe.py).
+  precision: for float32, None/"tf32" (run as bf16 hi/lo products, see the module doc) or "highest"
+    (full float32 products).
   Accumulates in float32; returns out_dtype (default x.dtype).
   """
   m, num_offsets = nbr.shape
@@ -100,12 +130,18 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   if dy.shape[0] != m:
     raise ValueError(f"weight_grad: dy has {dy.shape[0]} rows, nbr has {m}")
   cfg = config or default_config(m, cin, cout, num_offsets, x.dtype)
+  in_dtype = x.dtype
+  bf16_split = uses_bf16_split(in_dtype, precision)
+  dy = dy.astype(in_dtype)
+  if bf16_split:
+    (x, x_lo), (dy, dy_lo) = _split_bf16(x), _split_bf16(dy)
   kernel = functools.partial(
       _weight_grad_kernel, use_pairs=pairs is not None, split=cfg.split, cin=cin, cout=cout,
-      block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, dy_transposed=transpose_dy,
+      block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, bf16_split=bf16_split,
       precision=dot_precision(precision, x.dtype))
-  dy = dy.astype(x.dtype)
-  args = [x, dy.T if transpose_dy else dy, nbr]
+  args = [x, dy, nbr]
+  if bf16_split:
+    args += [x_lo, dy_lo]
   if pairs is not None:
     args += [pairs.rows, pairs.counts, pairs.sources]
   partial = pl.pallas_call(
@@ -116,4 +152,4 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
       interpret=interpret,
       name="weight_grad",
   )(*args)
-  return jnp.sum(partial, axis=0).astype(out_dtype or x.dtype)
+  return jnp.sum(partial, axis=0).astype(out_dtype or in_dtype)

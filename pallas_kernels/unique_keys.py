@@ -1,0 +1,365 @@
+"""Output sites of a strided sparse convolution, deduplicated with the GPU hash table (Pallas -> Triton).
+
+Arrays in, arrays out: this module does not import ``jsparse``. It reuses hash_table.py's table (murmur
+``fmix32`` home slot, linear probing, ``atomic_xchg`` as the only atomic) and its probe loops.
+
+Problem. Every valid input row ``j`` proposes, for every kernel offset ``v``, the output site it feeds
+(``o = (position + padding - offset) / stride``, where that is integral and inside the output grid). The
+output sites are the distinct proposals, sorted by linear key; ``inv[j, v]`` is the output row of proposal
+``(j, v)`` or -1. The XLA path sorts all ``capacity * V`` proposals; here only the distinct ones are sorted.
+
+Two stages (the caller may read ``count`` on the host in between, to choose ``out_capacity``):
+
+1. ``dedupe_proposals`` (two kernels):
+   * ``unique_insert``: flat over pairs ``p = j*V + v``, each valid proposal is inserted into a key table
+     (proposal keys are computed in the kernel from the coordinates: no ``capacity * V`` array in memory)
+     with ``hash_table.insert_absent_loop``: a lane walks the key's probe run reading, stops at its own
+     key, and swaps only into a slot it read EMPTY (the last-come-first-served ``insert_loop`` would give
+     a key a second copy whenever it is already stored past its home slot, which duplicates make common).
+     Equal keys so collapse onto one slot, but races can still leave a second copy: a lane reads EMPTY,
+     another lane fills the slot first, the swap hands back that key, and carrying it on can put it past
+     a copy placed meanwhile. Every copy still lies in the unbroken occupied run that starts at the key's
+     home slot (EMPTY is never written; keys only move forward), so
+   * ``unique_mark``: flat over slots, an occupied slot keeps its key iff it holds the FIRST copy of that
+     key along its probe run; the other copies become EMPTY in ``unique``. ``count`` = kept slots = the
+     number of distinct output sites, exactly.
+2. ``output_sites``:
+   * XLA: the ``out_capacity`` smallest kept keys, ascending, and their slots. When they all fit
+     (``count <= out_capacity``, the normal case) the kept slots are compacted (cumsum) into
+     ``out_capacity`` entries and only those are sorted; on overflow the whole ``unique`` table is sorted
+     instead (a ``lax.cond``: only the branch taken runs). Then ``slot_rows[slot]`` = output row (scatter).
+   * ``unique_lookup``: flat over pairs, each valid proposal probes to the first copy of its key and reads
+     ``slot_rows`` there: ``inv`` (-1 for sites beyond ``out_capacity``).
+
+Table size ``T``: a power of two >= 2 * B, B = min(capacity * P, batch_size * |output grid|), P the most
+offsets one input site can send to outputs (offsets congruent to (position + padding) modulo the stride
+on every axis: 1 for kernel == stride, 8 for a 3^3 kernel with stride 2). Occupied slots never exceed
+the number of valid proposals (a lane fills at most one EMPTY slot), at most capacity * P, so when that
+is the smaller bound the table stays at most half full and no probe loop (bounded by ``max_probes``,
+default ``T``) can run out. When the output grid is the smaller bound, filling the table would need more
+racing second copies than distinct sites; either way an exhausted bound only sets ``overflow``.
+
+Interpret mode (CPU): atomics on arrays are not supported there, so the insertion runs one lane per
+program with a plain load+store swap (grid steps run one after another: exact, and no key gets a second
+copy; tests build such copies by hand for the mark kernel). The mark and lookup kernels only load from
+the table and store contiguously, so they keep their blocks.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.hash_table import EMPTY, insert_absent_loop, probe_loop, table_size_for
+
+__all__ = ["ProposalGeometry", "ProposalTable", "dedupe_proposals", "output_sites",
+           "proposals_per_site", "default_table_size"]
+
+BIG = int(np.iinfo(np.int32).max)  # sort key of an empty entry (site keys are < 2**31 - 1)
+
+
+class ProposalGeometry(NamedTuple):
+  """Static description of a strided convolution's proposals (hashable: a jit static argument).
+
+  offsets: V (dx, dy, dz) kernel offsets (times the dilation); stride, padding: per axis;
+  out_shape: the output grid (X, Y, Z). Proposal of input position c at offset d, per axis:
+  o = (c + padding - d) / stride, kept where that is an integer with 0 <= o < out_shape.
+  """
+
+  offsets: tuple[tuple[int, int, int], ...]
+  stride: tuple[int, int, int]
+  padding: tuple[int, int, int]
+  out_shape: tuple[int, int, int]
+
+
+class ProposalTable(NamedTuple):
+  """Result of ``dedupe_proposals`` (a pytree of arrays: it can cross a jit boundary).
+
+  table: int32 [T] the hash table of proposal keys (EMPTY where unused), for lookups.
+  unique: int32 [T] the same with every key kept once (first copy along its probe run), EMPTY elsewhere.
+  count: int32 scalar, number of distinct proposals (output sites).
+  overflow: bool scalar, True if a probe loop ran past its bound (then the rest is unreliable).
+  """
+
+  table: jax.Array
+  unique: jax.Array
+  count: jax.Array
+  overflow: jax.Array
+
+
+def proposals_per_site(geometry: ProposalGeometry) -> int:
+  """Most offsets whose proposals from one input site are valid: an offset counts only when it is
+  congruent to (position + padding) modulo the stride on every axis, so group the offsets by residue."""
+  residues = collections.Counter(
+      tuple(d % s for d, s in zip(off, geometry.stride)) for off in geometry.offsets)
+  return max(residues.values(), default=0)
+
+
+def default_table_size(capacity: int, geometry: ProposalGeometry, batch_size: int) -> int:
+  """Smallest power of two >= 2 * min(capacity * proposals_per_site, batch_size * |output grid|)."""
+  bound = min(capacity * proposals_per_site(geometry), batch_size * math.prod(geometry.out_shape))
+  return table_size_for(bound, factor=2)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _proposal_keys(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry):
+  """Key of the output fed by input row j = p // V at offset v = p % V, and whether it exists
+  (as the XLA path's sparse_conv._proposals). coords flattened [capacity*4], offsets [V*3]."""
+  j = lax.div(p, jnp.int32(nv))
+  v = p - j * nv
+  exists = in_range & (j < num)
+  base = j * 4
+  key = plgpu.load(coords_ref.at[base], mask=exists, other=0)  # batch
+  for axis in range(3):
+    pos = plgpu.load(coords_ref.at[base + 1 + axis], mask=exists, other=0)
+    off = plgpu.load(offs_ref.at[v * 3 + axis], mask=in_range, other=0)
+    shifted = pos + geometry.padding[axis] - off  # = o * stride for a valid proposal
+    stride = geometry.stride[axis]
+    nonneg = jnp.maximum(shifted, 0)  # lax.div needs non-negative operands to floor
+    o = nonneg if stride == 1 else lax.div(nonneg, jnp.int32(stride))
+    exists = exists & (shifted >= 0) & (nonneg == o * stride) & (o < geometry.out_shape[axis])
+    key = key * geometry.out_shape[axis] + o
+  return key, exists
+
+
+def _insert_kernel(num_ref, coords_ref, offs_ref, table_in_ref, table_ref, ovf_ref, *, block,
+                   num_pairs, nv, geometry, tmask, max_probes, interpret):
+  del table_in_ref  # aliased with table_ref
+  pid = pl.program_id(0)
+  p = pid * block + jnp.arange(block, dtype=jnp.int32)
+  key, exists = _proposal_keys(num_ref[0], coords_ref, offs_ref, p, p < num_pairs, nv=nv,
+                               geometry=geometry)
+  carrying = insert_absent_loop(table_ref, key, exists, tmask=tmask, max_probes=max_probes,
+                                interpret=interpret)
+  plgpu.store(ovf_ref.at[pid], jnp.max(carrying.astype(jnp.int32)))
+
+
+def _mark_kernel(table_ref, unique_ref, ovf_ref, *, block, tmask, max_probes):
+  pid = pl.program_id(0)
+  slots = pid * block + jnp.arange(block, dtype=jnp.int32)  # block divides T: all in range
+  key = plgpu.load(table_ref.at[slots])
+  occupied = key != EMPTY
+  first, found, searching = probe_loop(table_ref, key, occupied, tmask=tmask, max_probes=max_probes)
+  plgpu.store(unique_ref.at[slots], jnp.where(found & (first == slots), key, EMPTY))
+  lost = searching | (occupied & jnp.logical_not(found))  # the second cannot happen
+  plgpu.store(ovf_ref.at[pid], jnp.max(lost.astype(jnp.int32)))
+
+
+def _lookup_kernel(num_ref, coords_ref, offs_ref, table_ref, slot_rows_ref, inv_ref, ovf_ref, *, block,
+                   num_pairs, nv, geometry, tmask, max_probes):
+  pid = pl.program_id(0)
+  p = pid * block + jnp.arange(block, dtype=jnp.int32)
+  in_range = p < num_pairs
+  key, exists = _proposal_keys(num_ref[0], coords_ref, offs_ref, p, in_range, nv=nv,
+                               geometry=geometry)
+  first, found, searching = probe_loop(table_ref, key, exists, tmask=tmask, max_probes=max_probes)
+  row = plgpu.load(slot_rows_ref.at[first], mask=found, other=-1)
+  plgpu.store(inv_ref.at[p], row, mask=in_range)  # contiguous: pairs are row-major [capacity, V]
+  lost = searching | (exists & jnp.logical_not(found))  # the second cannot happen
+  plgpu.store(ovf_ref.at[pid], jnp.max(lost.astype(jnp.int32)))
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------
+
+
+def _check(coords, geometry: ProposalGeometry, **blocks: int) -> tuple[int, int]:
+  """(capacity, V) after validating the arguments every entry point shares."""
+  if coords.ndim != 2 or coords.shape[1] != 4:
+    raise ValueError(f"coords must be [capacity, 4], got {coords.shape}")
+  for name, block in blocks.items():
+    if block < 1 or block & (block - 1):
+      raise ValueError(f"{name} must be a power of two, got {block}")
+  capacity, nv = int(coords.shape[0]), len(geometry.offsets)
+  if capacity * nv >= 2**31:
+    raise ValueError("capacity * len(offsets) must be < 2**31 (flat int32 pair index)")
+  return capacity, nv
+
+
+def _flags(n: int):
+  return jax.ShapeDtypeStruct((n,), jnp.int32)
+
+
+def _geometry(geometry) -> ProposalGeometry:
+  g = ProposalGeometry(*geometry)
+  return ProposalGeometry(tuple(tuple(int(d) for d in o) for o in g.offsets),
+                          *(tuple(int(a) for a in t) for t in (g.stride, g.padding, g.out_shape)))
+
+
+def dedupe_proposals(coords, num, *, geometry: ProposalGeometry, batch_size: int, interpret=False,
+                     block_pairs=256, num_warps=4, block_slots=256, max_probes=None,
+                     table_size=None) -> ProposalTable:
+  """Stage 1: insert every valid proposal into a hash table; keep each distinct key once.
+
+  Args:
+    coords: int32 [capacity, 4] input rows (batch, x, y, z); rows >= num are padding (any contents).
+    num: int32 scalar (may be traced): valid rows. Valid rows hold batch in [0, batch_size) and
+      batch_size * |output grid| < 2**31 (so keys are non-negative int32 below 2**31 - 1).
+    geometry: the static ProposalGeometry; batch_size: static, for the default table size.
+    interpret: Pallas interpret mode (CPU tests): the insertion then runs one lane per program.
+    block_pairs / num_warps: (row, offset) pairs per program and Triton warps of the insertion;
+      block_slots: slots per program of the mark kernel (powers of two).
+    max_probes: bound on every probe loop (default T); an exhausted bound sets ``overflow``.
+    table_size: slots T, a power of two >= default_table_size(...) (the default).
+
+  Returns:
+    ProposalTable(table, unique, count, overflow).
+  """
+  return _dedupe_proposals(
+      coords, num, geometry=_geometry(geometry), batch_size=int(batch_size), interpret=bool(interpret),
+      block_pairs=int(block_pairs), num_warps=int(num_warps), block_slots=int(block_slots),
+      max_probes=None if max_probes is None else int(max_probes),
+      table_size=None if table_size is None else int(table_size))
+
+
+@functools.partial(jax.jit, static_argnames=("geometry", "batch_size", "interpret", "block_pairs",
+                                             "num_warps", "block_slots", "max_probes", "table_size"))
+def _dedupe_proposals(coords, num, *, geometry, batch_size, interpret, block_pairs, num_warps,
+                      block_slots, max_probes, table_size):
+  coords = jnp.asarray(coords, jnp.int32)
+  capacity, nv = _check(coords, geometry, block_pairs=block_pairs, block_slots=block_slots)
+  smallest = default_table_size(capacity, geometry, batch_size)
+  tsize = smallest if table_size is None else table_size
+  if tsize & (tsize - 1) or tsize < smallest:
+    raise ValueError(f"table_size must be a power of two >= {smallest}, got {tsize}")
+  if max_probes is not None and max_probes < 1:
+    raise ValueError(f"max_probes must be >= 1, got {max_probes}")
+  probes = tsize if max_probes is None else max_probes
+  empty_table = jnp.full((tsize,), EMPTY, jnp.int32)
+  num_pairs = capacity * nv
+  if num_pairs == 0:
+    return ProposalTable(empty_table, empty_table, jnp.int32(0), jnp.asarray(False))
+
+  num_arr = jnp.reshape(jnp.asarray(num, jnp.int32), (1,))
+  offs_flat = jnp.asarray(np.asarray(geometry.offsets, np.int32).reshape(-1))
+  insert_block = 1 if interpret else block_pairs
+  grid_i = pl.cdiv(num_pairs, insert_block)
+  table, ovf_insert = pl.pallas_call(
+      functools.partial(_insert_kernel, block=insert_block, num_pairs=num_pairs, nv=nv,
+                        geometry=geometry, tmask=tsize - 1, max_probes=probes, interpret=interpret),
+      out_shape=(jax.ShapeDtypeStruct((tsize,), jnp.int32), _flags(grid_i)),
+      grid=(grid_i,),
+      input_output_aliases={3: 0},
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name="unique_insert",
+  )(num_arr, coords.reshape(-1), offs_flat, empty_table)
+
+  unique, mark_overflow = _keep_first_copies(table, block=block_slots, num_warps=num_warps,
+                                             max_probes=probes, interpret=interpret)
+  count = jnp.sum(unique != EMPTY, dtype=jnp.int32)
+  return ProposalTable(table, unique, count, (jnp.max(ovf_insert) > 0) | mark_overflow)
+
+
+def _keep_first_copies(table, *, block: int, num_warps: int, max_probes: int, interpret: bool):
+  """(unique, overflow): the table with every key kept only at its first copy along its probe run."""
+  tsize = int(table.shape[0])
+  block = min(block, tsize)  # both powers of two: block divides T
+  grid = tsize // block
+  unique, ovf = pl.pallas_call(
+      functools.partial(_mark_kernel, block=block, tmask=tsize - 1, max_probes=max_probes),
+      out_shape=(jax.ShapeDtypeStruct((tsize,), jnp.int32), _flags(grid)),
+      grid=(grid,),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name="unique_mark",
+  )(table)
+  return unique, jnp.max(ovf) > 0
+
+
+def _smallest_sorted(unique, count, out_capacity: int):
+  """(keys, slots) [out_capacity]: the out_capacity smallest kept keys ascending (BIG after them) and
+  their slots (T after them)."""
+  tsize = unique.shape[0]
+  size = min(out_capacity, tsize)  # at most T keys are kept
+
+  def compact_then_sort():  # all kept keys fit: sort `size` entries, not T
+    (slots,) = jnp.nonzero(unique != EMPTY, size=size, fill_value=tsize)
+    slots = slots.astype(jnp.int32)
+    keys = jnp.concatenate([unique, jnp.full((1,), BIG, jnp.int32)])[slots]
+    return lax.sort((keys, slots), num_keys=1)
+
+  def sort_everything():  # overflow: only the smallest out_capacity keys are kept
+    keys = jnp.where(unique == EMPTY, BIG, unique)
+    keys, slots = lax.sort((keys, jnp.arange(tsize, dtype=jnp.int32)), num_keys=1)
+    keys, slots = keys[:size], slots[:size]
+    return keys, jnp.where(keys == BIG, tsize, slots)
+
+  if out_capacity >= tsize:  # count <= T: no overflow possible
+    keys, slots = compact_then_sort()
+  else:
+    keys, slots = lax.cond(count <= out_capacity, compact_then_sort, sort_everything)
+  spare = out_capacity - size
+  return (jnp.concatenate([keys, jnp.full((spare,), BIG, jnp.int32)]),
+          jnp.concatenate([slots, jnp.full((spare,), tsize, jnp.int32)]))
+
+
+def output_sites(coords, num, proposals: ProposalTable, out_capacity: int, *,
+                 geometry: ProposalGeometry, interpret=False, block_pairs=128, num_warps=1,
+                 max_probes=None):
+  """Stage 2: the sorted output sites and, for every proposal, its output row.
+
+  Args:
+    coords, num, geometry, interpret: as given to ``dedupe_proposals``.
+    proposals: its result. out_capacity: static number of output rows.
+    block_pairs / num_warps: pairs per program and Triton warps of the lookup kernel (a lookup block
+      runs as long as its slowest lane: small blocks, as in hash_table.py's query).
+    max_probes: bound on the lookup probe loops (default T).
+
+  Returns:
+    (out_keys, inv, overflow): out_keys int32 [out_capacity], the min(count, out_capacity) smallest
+    distinct proposal keys ascending, then int32 max; inv int32 [capacity, V], the position in out_keys
+    of proposal (j, v) or -1 (no proposal, or a site beyond out_capacity); overflow: bool scalar, True if
+    a lookup ran past its bound (``proposals.overflow`` is not included).
+  """
+  return _output_sites(
+      coords, num, proposals, out_capacity=int(out_capacity), geometry=_geometry(geometry),
+      interpret=bool(interpret), block_pairs=int(block_pairs), num_warps=int(num_warps),
+      max_probes=None if max_probes is None else int(max_probes))
+
+
+@functools.partial(jax.jit, static_argnames=("out_capacity", "geometry", "interpret", "block_pairs",
+                                             "num_warps", "max_probes"))
+def _output_sites(coords, num, proposals, *, out_capacity, geometry, interpret, block_pairs, num_warps,
+                  max_probes):
+  coords = jnp.asarray(coords, jnp.int32)
+  capacity, nv = _check(coords, geometry, block_pairs=block_pairs)
+  if out_capacity < 0:
+    raise ValueError(f"out_capacity must be >= 0, got {out_capacity}")
+  if max_probes is not None and max_probes < 1:
+    raise ValueError(f"max_probes must be >= 1, got {max_probes}")
+  tsize = int(proposals.table.shape[0])
+  probes = tsize if max_probes is None else max_probes
+  out_keys, out_slots = _smallest_sorted(proposals.unique, proposals.count, out_capacity)
+  num_pairs = capacity * nv
+  if num_pairs == 0:
+    return out_keys, jnp.full((capacity, nv), -1, jnp.int32), jnp.asarray(False)
+  # Output row of each kept slot (-1 elsewhere); the padding entries' slot T is dropped.
+  slot_rows = jnp.full((tsize,), -1, jnp.int32).at[out_slots].set(
+      jnp.arange(out_capacity, dtype=jnp.int32), mode="drop")
+
+  grid = pl.cdiv(num_pairs, block_pairs)
+  inv, ovf = pl.pallas_call(
+      functools.partial(_lookup_kernel, block=block_pairs, num_pairs=num_pairs, nv=nv,
+                        geometry=geometry, tmask=tsize - 1, max_probes=probes),
+      out_shape=(jax.ShapeDtypeStruct((num_pairs,), jnp.int32), _flags(grid)),
+      grid=(grid,),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name="unique_lookup",
+  )(jnp.reshape(jnp.asarray(num, jnp.int32), (1,)), coords.reshape(-1),
+    jnp.asarray(np.asarray(geometry.offsets, np.int32).reshape(-1)), proposals.table, slot_rows)
+  return out_keys, inv.reshape(capacity, nv), jnp.max(ovf) > 0

@@ -52,30 +52,31 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype) -> l
   n_cap = max(16, 1 << max(n - 1, 0).bit_length())
   k_cap = max(16, 1 << max(k - 1, 0).bit_length())
   half = jnp.dtype(dtype).itemsize == 2
-  # (block_m, block_n, block_k, warps, stages); benchmarks/tf32_probe.py on an H200 ranked these.
+  # (block_m, block_n, block_k, warps, stages, columns_fastest); benchmarks/tf32_probe.py on an H200 ranked these.
   if half:
-    shapes = [(64, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4), (128, 128, 32, 8, 3),
-              (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (128, 256, 64, 8, 3)]
+    shapes = [(128, 256, 64, 8, 7, True), (128, 128, 64, 8, 5, True), (128, 128, 64, 4, 4, False),
+              (64, 256, 64, 4, 7, True), (64, 128, 64, 4, 5, True)]
   else:
-    shapes = [(64, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4), (128, 128, 32, 4, 4),
-              (128, 128, 32, 4, 5), (128, 128, 64, 4, 3), (64, 256, 32, 4, 4), (128, 256, 32, 8, 3)]
+    shapes = [(128, 256, 32, 8, 5, True), (64, 256, 32, 4, 5, True), (128, 64, 32, 4, 5, True),
+              (64, 128, 32, 4, 5, True)]
   out, seen = [], set()
-  for bm, bn, bk, warps, stages in [(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages)] + shapes:
-    bn, bk = min(bn, max(n_cap, 16)), min(bk, max(k_cap, 16))
+  base_shape = (base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages, base.columns_fastest)
+  sms = tuning.gpu_num_sms()
+  for bm, bn, bk, warps, stages, cf in [base_shape] + shapes:
+    bn, bk = min(bn, n_cap), min(bk, k_cap)
     programs = -(-num_rows // bm) * -(-n // bn)
     steps = num_offsets * -(-k // bk)
     splits = {1}
-    sms = tuning.gpu_num_sms()
     if programs < sms:
       want = min(-(-2 * sms // programs), max(1, steps // 8), 16)
       splits |= {max(1, want // 2), want}
     for split in sorted(splits):
-      cfg = (bm, bn, bk, warps, stages, split)
+      cfg = (bm, bn, bk, warps, stages, split, cf)
       if cfg in seen:
         continue
       seen.add(cfg)
       name = "masked_splitk" if split > 1 else "masked"
-      out.append(tuning.PassConfig(name, TileConfig(bm, bn, bk, warps, stages, split)))
+      out.append(tuning.PassConfig(name, TileConfig(bm, bn, bk, warps, stages, split, columns_fastest=cf)))
   out.append(tuning.PassConfig("implicit", dataclasses.replace(base, split=1)))
   return out
 
@@ -85,13 +86,13 @@ def weight_grad_candidates(num_rows: int, cin: int, cout: int, num_offsets: int,
   base = weight_grad_lib.default_config(num_rows, cin, cout, num_offsets, dtype)
   out, seen = [], set()
   shapes = [(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages),
-            (128, 128, 64, 4, 4), (64, 128, 64, 4, 5), (128, 64, 64, 4, 5), (64, 64, 64, 4, 3), (128, 128, 32, 4, 5)]
+            (128, 128, 64, 4, 4), (64, 128, 64, 4, 5), (128, 128, 32, 4, 5)]
   for bm, bn, bk, warps, stages in shapes:
     bm = min(bm, max(16, 1 << max(cin - 1, 0).bit_length()))
     bn = min(bn, max(16, 1 << max(cout - 1, 0).bit_length()))
     tiles = num_offsets * -(-cin // bm) * -(-cout // bn)
     want = max(1, min(-(-8 * tuning.gpu_num_sms() // tiles), max(1, num_rows // (8 * bk))))
-    for split in sorted({want, max(1, want // 2), 2 * want, 4 * want} if num_rows >= 64 * bk else {1}):
+    for split in sorted({want, 2 * want} if num_rows >= 64 * bk else {1}):
       cfg = (bm, bn, bk, warps, stages, split)
       if cfg in seen:
         continue

@@ -63,13 +63,16 @@ def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int) -> MaskedPlan:
   key = jnp.where(valid, gray_rank(mask), jnp.iinfo(jnp.int32).max)
   order = jnp.argsort(key, stable=True).astype(jnp.int32)
   num_blocks = -(-cap // block_m)
-  sorted_nbr = jnp.full((num_blocks * block_m, v), -1, jnp.int32).at[:cap].set(
-      jnp.where(has[order], nbr[order], -1))
-  sorted_nbr = sorted_nbr.reshape(num_blocks, block_m, v)
-  used = jnp.any(sorted_nbr >= 0, axis=1)
+  padded = num_blocks * block_m
+  sorted_has = jnp.zeros((padded, v), bool).at[:cap].set(has[order])
+  used = jnp.any(sorted_has.reshape(num_blocks, block_m, v), axis=1)
   counts = jnp.sum(used, axis=1, dtype=jnp.int32)
   offsets = jnp.argsort(jnp.logical_not(used), axis=1, stable=True).astype(jnp.int32)
-  block_rows = jnp.take_along_axis(sorted_nbr, offsets[:, None, :], axis=2).transpose(0, 2, 1)
+  # One gather straight into the [block, offset, lane] layout the kernel reads (no transposes).
+  lane_rows = jnp.full((padded,), -1, jnp.int32).at[:cap].set(jnp.where(valid[order], order, -1))
+  lane_rows = lane_rows.reshape(num_blocks, 1, block_m)
+  flat = jnp.maximum(lane_rows, 0) * v + offsets[:, :, None]
+  block_rows = jnp.where(lane_rows >= 0, jnp.reshape(nbr, (-1,))[flat], -1)
   return MaskedPlan(order, offsets, counts, block_rows)
 
 

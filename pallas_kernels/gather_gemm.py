@@ -41,14 +41,15 @@ def default_config(num_rows: int, k: int, n: int, dtype) -> TileConfig:
   return TileConfig(block_m, block_n, block_k, num_warps=warps, num_stages=5, columns_fastest=True)
 
 
-def reads_weight_k_major(num_rows: int, config: TileConfig) -> bool:
+def reads_weight_k_major(num_rows: int, config: TileConfig, dtype) -> bool:
   """Whether `conv_forward` reads the weight through a K-contiguous copy.
 
-  Tensor cores want the weight tile contiguous along the reduction: on an H200 TF32 forwards ran 1.3-1.7x
-  faster and fp16 ones up to 1.1x (docs/perf_notes.md). The copy is one small transpose per call, worth it
-  once there are enough row blocks re-reading the weight.
+  Tensor cores want the weight tile contiguous along the reduction. Hopper's TF32 MMA has no other mode
+  (an N-contiguous float32 tile is restaged through registers: 1.3-1.9x slower forwards on an H200, and
+  10x on a 848-row, 1024-channel layer), so float32 always reads the copy; half precision gains up to 1.1x,
+  worth the per-call transpose once there are enough row blocks re-reading the weight (docs/perf_notes.md).
   """
-  return -(-num_rows // config.block_m) >= 16
+  return jnp.dtype(dtype) == jnp.float32 or -(-num_rows // config.block_m) >= 16
 
 
 def conv_forward(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = None, config: TileConfig,
@@ -58,7 +59,7 @@ def conv_forward(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = No
   `gather_gemm` with the weight in the layout `reads_weight_k_major` picks: W_v = w_k[V-1-v]^T with
   w_k = flip(weight, 0) transposed, read through the transposed path.
   """
-  if reads_weight_k_major(nbr.shape[0], config):
+  if reads_weight_k_major(nbr.shape[0], config, x.dtype):
     w_k = jnp.flip(weight, 0).transpose(0, 2, 1)
     return gather_gemm(x, w_k, nbr, num, bias, plan=plan, transpose_weight=True, config=config,
                        precision=precision, interpret=interpret)

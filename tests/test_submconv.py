@@ -269,7 +269,8 @@ def test_bad_input_errors():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
 def test_pallas_forward_reads_k_major_weight(dtype):
-  """Inputs with many row blocks take the forward through the transposed (K-contiguous) weight read."""
+  """Inputs with many row blocks, and every float32 input, take the forward through the transposed
+  (K-contiguous) weight read."""
   from jsparse import tuning
   from pallas_kernels import gather_gemm as gather_gemm_lib
 
@@ -278,7 +279,9 @@ def test_pallas_forward_reads_k_major_weight(dtype):
   x = x.replace(feats=x.feats.astype(dtype))
   w, b = _weights(rng, (3, 3, 3), 4, 5, True)
   cfg = tuning.choose("forward", x.capacity, 4, 5, 27, dtype)
-  assert gather_gemm_lib.reads_weight_k_major(x.capacity, cfg.tiles)
+  assert gather_gemm_lib.reads_weight_k_major(x.capacity, cfg.tiles, dtype)
+  assert gather_gemm_lib.reads_weight_k_major(64, cfg.tiles, jnp.float32)
+  assert not gather_gemm_lib.reads_weight_k_major(64, cfg.tiles, jnp.float16)
   cache = jsparse.neighbor_map(x, 3, implementation="xla")
   yp = jsparse.submconv3d(x, w, b, cache=cache, implementation="pallas", precision="highest")
   yx = jsparse.submconv3d(x.replace(feats=x.feats.astype(jnp.float32)), w, b, cache=cache, implementation="xla",

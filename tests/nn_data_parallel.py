@@ -4,12 +4,17 @@ It needs two CPU devices, which XLA only creates if XLA_FLAGS is set before jax 
 process. Each device gets its own SparseTensor (two tensors of equal capacity stacked along a new leading
 axis); a shard_map'd step computes per-device gradients and averages them with lax.pmean, and a
 SparseBatchNorm with axis_name pools its statistics over both devices. Prints "OK" on success.
+
+tests/test_gpu.py imports the helpers (Net, make, sharded_grads and the references) to run the same check on
+two GPUs; imported, this module leaves XLA_FLAGS alone.
 """
 import os
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+if __name__ == "__main__":
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -28,13 +33,14 @@ AXIS = "data"
 
 class Net(nn.Module):
   axis_name: str | None = None
+  precision: Any = None  # of the convolutions ("highest" for float32 comparisons on a GPU)
 
   @nn.compact
   def __call__(self, x, train: bool = True):
-    x = snn.SubMConv3d(6)(x)
+    x = snn.SubMConv3d(6, precision=self.precision)(x)
     x = snn.SparseBatchNorm(use_running_average=not train, momentum=0.5, axis_name=self.axis_name)(x)
     x = jsparse.norm.activation(x, nn.relu)
-    return snn.SubMConv3d(2)(x)
+    return snn.SubMConv3d(2, precision=self.precision)(x)
 
 
 def make(rng, n, capacity, spatial=(6, 5, 7), channels=3, batch_size=2):
@@ -48,11 +54,65 @@ def per_device(tree):
   return jax.tree.map(lambda a: jax.lax.pcast(a, AXIS, to="varying"), tree)
 
 
-def loss_fn(params, batch_stats, x, target, axis_name):
-  y, upd = Net(axis_name).apply({"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"])
+def loss_fn(params, batch_stats, x, target, axis_name, precision=None):
+  y, upd = Net(axis_name, precision).apply({"params": params, "batch_stats": batch_stats}, x,
+                                           mutable=["batch_stats"])
   # Masked mean over this device's valid rows.
   err = jnp.where(x.valid_mask()[:, None], y.feats - target, 0)
   return jnp.sum(err**2) / x.num, upd["batch_stats"]
+
+
+def sharded_grads(mesh, params, stats, xs, targets, precision=None):
+  """One training step's (gradients, new batch_stats) with xs[i], targets[i] on mesh device i.
+
+  Per-device step: grads averaged over devices with pmean, batch-norm statistics pooled over AXIS.
+  """
+  def step(params, stats, x, target):
+    x, target = jax.tree.map(lambda a: a[0], (x, target))  # drop the per-device leading axis of size 1
+    # Per-device gradients: mark the replicated params as device-varying, else shard_map's transpose of
+    # their broadcast already sums the gradients over devices.
+    params = per_device(params)
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+    grads, new_stats = grad_fn(params, stats, x, target, AXIS, precision)
+    return jax.lax.pmean(grads, AXIS), new_stats
+
+  stacked_x = jax.tree.map(lambda *a: jnp.stack(a), *xs)
+  stacked_t = jnp.stack(targets)
+  sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)), out_specs=(P(), P())))
+  return sharded(params, stats, stacked_x, stacked_t)
+
+
+def pooled_statistics(params, xs, precision=None):
+  """Reference: (mean, var) of the first conv's output over the valid rows of all of xs, on one device."""
+  conv_params = {"params": params["SubMConv3d_0"]}
+  hs = [snn.SubMConv3d(6, precision=precision).apply(conv_params, x) for x in xs]
+  rows = np.concatenate([np.asarray(h.feats[: int(h.num)]) for h in hs]).astype(np.float64)
+  return rows.mean(0), rows.var(0)
+
+
+def pooled_reference_grads(params, xs, targets, precision=None):
+  """Reference: the pooled statistics fed to each device's loss separately (no mapped axis), grads averaged
+  by hand, on one device. Fixing the statistics to the pooled ones is what makes the per-device losses
+  separable, and their gradient is exactly what the cross-device psum's transpose delivers."""
+  def net(params, x):
+    return snn.SubMConv3d(6, precision=precision).apply({"params": params["SubMConv3d_0"]}, x)
+
+  def loss_with_stats(params, x, target):
+    # The statistics depend on every device's rows: recompute them from all inputs, differentiably.
+    hs = [net(params, xi) for xi in xs]
+    n = sum(h.num for h in hs)
+    mu = sum(jnp.sum(h.feats, 0) for h in hs) / n  # padding rows are zero
+    sig = sum(jnp.sum(jnp.where(h.valid_mask()[:, None], h.feats - mu, 0) ** 2, 0) for h in hs) / n
+    h = net(params, x)
+    bn = params["SparseBatchNorm_0"]
+    y = jsparse.norm.batch_norm(h, bn["scale"], bn["bias"], mean=mu, var=sig, epsilon=1e-5)
+    y = jsparse.norm.activation(y, nn.relu)
+    y = snn.SubMConv3d(2, precision=precision).apply({"params": params["SubMConv3d_1"]}, y)
+    err = jnp.where(x.valid_mask()[:, None], y.feats - target, 0)
+    return jnp.sum(err**2) / x.num
+
+  g_ref = [jax.jit(jax.grad(loss_with_stats))(params, x, t) for x, t in zip(xs, targets)]
+  return jax.tree.map(lambda *g: sum(g) / len(g), *g_ref)
 
 
 def main():
@@ -64,55 +124,17 @@ def main():
   variables = Net().init(jax.random.key(0, impl="unsafe_rbg"), xs[0])  # rbg: compiles fast on the CPU
   params, stats = variables["params"], variables["batch_stats"]
 
-  # Per-device step: grads averaged over devices with pmean, batch-norm statistics pooled over AXIS.
-  def step(params, stats, x, target):
-    x, target = jax.tree.map(lambda a: a[0], (x, target))  # drop the per-device leading axis of size 1
-    # Per-device gradients: mark the replicated params as device-varying, else shard_map's transpose of
-    # their broadcast already sums the gradients over devices.
-    params = per_device(params)
-    grad_fn = jax.grad(loss_fn, has_aux=True)
-    grads, new_stats = grad_fn(params, stats, x, target, AXIS)
-    return jax.lax.pmean(grads, AXIS), new_stats
-
   mesh = Mesh(np.array(jax.devices()), (AXIS,))
-  stacked_x = jax.tree.map(lambda *a: jnp.stack(a), *xs)
-  stacked_t = jnp.stack(targets)
-  sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)), out_specs=(P(), P())))
-  grads, new_stats = sharded(params, stats, stacked_x, stacked_t)
+  grads, new_stats = sharded_grads(mesh, params, stats, xs, targets)
 
   # Reference 1: the pooled batch statistics, from the valid rows of both tensors on one device.
-  conv_params = {"params": params["SubMConv3d_0"]}
-  hs = [snn.SubMConv3d(6).apply(conv_params, x) for x in xs]
-  rows = np.concatenate([np.asarray(h.feats[: int(h.num)]) for h in hs]).astype(np.float64)
-  mean, var = rows.mean(0), rows.var(0)
+  mean, var = pooled_statistics(params, xs)
   got = new_stats["SparseBatchNorm_0"]
   assert rel_err(got["mean"], 0.5 * 0.0 + 0.5 * mean) < 1e-5, (got["mean"], mean)
   assert rel_err(got["var"], 0.5 * 1.0 + 0.5 * var) < 1e-5, (got["var"], var)
 
-  # Reference 2: the same pooled statistics fed to each device's loss separately (no mapped axis), grads
-  # averaged by hand. Fixing the statistics to the pooled ones is what makes the per-device losses separable,
-  # and their gradient is exactly what the cross-device psum's transpose delivers.
-  def loss_with_stats(params, x, target):
-    # The statistics depend on both devices' rows: recompute them from both inputs, differentiably.
-    def net(params, x):
-      return snn.SubMConv3d(6).apply({"params": params["SubMConv3d_0"]}, x)
-    h0, h1 = net(params, xs[0]), net(params, xs[1])
-    hsum = jnp.sum(h0.feats, 0) + jnp.sum(h1.feats, 0)  # padding rows are zero
-    n = h0.num + h1.num
-    mu = hsum / n
-    c0 = jnp.where(h0.valid_mask()[:, None], h0.feats - mu, 0)
-    c1 = jnp.where(h1.valid_mask()[:, None], h1.feats - mu, 0)
-    sig = (jnp.sum(c0**2, 0) + jnp.sum(c1**2, 0)) / n
-    h = net(params, x)
-    bn = params["SparseBatchNorm_0"]
-    y = jsparse.norm.batch_norm(h, bn["scale"], bn["bias"], mean=mu, var=sig, epsilon=1e-5)
-    y = jsparse.norm.activation(y, nn.relu)
-    y = snn.SubMConv3d(2).apply({"params": params["SubMConv3d_1"]}, y)
-    err = jnp.where(x.valid_mask()[:, None], y.feats - target, 0)
-    return jnp.sum(err**2) / x.num
-
-  g_ref = [jax.jit(jax.grad(loss_with_stats))(params, x, t) for x, t in zip(xs, targets)]
-  g_mean = jax.tree.map(lambda a, b: (a + b) / 2, *g_ref)
+  # Reference 2: per-device losses with the pooled statistics, gradients averaged by hand.
+  g_mean = pooled_reference_grads(params, xs, targets)
   # (The first conv's bias feeds batch norm, so its true gradient is ~0: compare with an absolute floor.)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, g_mean)
 
@@ -128,6 +150,8 @@ def main():
       return jnp.sum(err**2) / x.num
     return jax.lax.pmean(jax.grad(loss)(params), AXIS)
 
+  stacked_x = jax.tree.map(lambda *a: jnp.stack(a), *xs)
+  stacked_t = jnp.stack(targets)
   sharded_eval = jax.jit(jax.shard_map(step_eval, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)), out_specs=P()))
   grads_eval = sharded_eval(params, stats, stacked_x, stacked_t)
 

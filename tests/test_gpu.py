@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import jsparse
+import nn_data_parallel
 from reference import random_sparse, rel_err
 from test_submconv import CASES, _weights
 
@@ -152,3 +153,50 @@ def test_gpu_flax_network_matches_xla():
   assert rel_err(vp, vx) < 1e-5
   for a, r in zip(jax.tree_util.tree_leaves(gp), jax.tree_util.tree_leaves(gx)):
     assert rel_err(a, r) < 1e-5
+
+
+def test_gpu_data_parallel_two_devices():
+  """tests/nn_data_parallel.py's check on two GPUs (Pallas kernels, a cross-GPU all-reduce): different
+  inputs per device; the pmean'd gradients and the pooled batch-norm statistics against single-device
+  references."""
+  if jax.device_count() < 2:
+    pytest.skip(f"data parallelism needs 2 devices; this machine has {jax.device_count()} "
+                f"({jax.devices()[0].device_kind})")
+  from jax.flatten_util import ravel_pytree
+  from jax.sharding import Mesh
+
+  dp = nn_data_parallel
+  precision = "highest"  # full float32 matmuls, so that 1e-4 measures the data parallelism, not TF32
+  rng = np.random.default_rng(21)
+  spatial = (18, 16, 20)
+  cap = jsparse.round_capacity(2600)
+  xs = [dp.make(rng, 1900, cap, spatial), dp.make(rng, 2400, cap, spatial)]  # different sites and counts
+  targets = [jnp.asarray(rng.standard_normal((cap, 2)), jnp.float32) for _ in xs]
+  variables = dp.Net(precision=precision).init(jax.random.key(0), xs[0])
+  params, stats = variables["params"], variables["batch_stats"]
+  mesh = Mesh(np.array(jax.devices()[:2]), (dp.AXIS,))
+  grads, new_stats = dp.sharded_grads(mesh, params, stats, xs, targets, precision)
+
+  # Both GPUs hold the same averaged gradient.
+  for leaf in jax.tree.leaves(grads):
+    copies = [np.asarray(s.data) for s in leaf.addressable_shards]
+    assert len(copies) == 2
+    np.testing.assert_array_equal(copies[0], copies[1])
+
+  # Batch-norm statistics pooled over both GPUs = those of all valid rows on one device (momentum 0.5 from
+  # the initial mean 0, var 1).
+  mean, var = dp.pooled_statistics(params, xs, precision)
+  got = new_stats["SparseBatchNorm_0"]
+  assert rel_err(got["mean"], 0.5 * mean) < 1e-4
+  assert rel_err(got["var"], 0.5 + 0.5 * var) < 1e-4
+
+  # Gradients = the average of the two halves' gradients computed on one device with the pooled statistics.
+  g_ref = dp.pooled_reference_grads(params, xs, targets, precision)
+  flat, flat_ref = ravel_pytree(grads)[0], ravel_pytree(g_ref)[0]
+  assert rel_err(flat, flat_ref) < 1e-4
+  # Per leaf too; the first conv's bias feeds batch norm, so its true gradient is ~0: an absolute floor.
+  floor = 1e-5 * float(jnp.max(jnp.abs(flat_ref)))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=floor), grads, g_ref)
+  # and it is not one device's gradient alone
+  g_first = dp.pooled_reference_grads(params, xs[:1], targets[:1], precision)
+  assert rel_err(ravel_pytree(g_first)[0], flat_ref) > 1e-2

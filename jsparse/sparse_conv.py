@@ -8,10 +8,12 @@ A strided convolution's forward runs over `nbr` and its input gradient over `inv
 reads offset V-1-v with the transposed weight). The inverse convolution is the same op with the two maps
 swapped, so one custom_vjp (conv._submconv_pallas) serves submanifold, strided and inverse convolutions.
 
-Output coordinates (XLA, jit-friendly): every valid input proposes, per kernel offset, the output it would
-feed (where the stride divides and the output is inside the grid); the proposals are sorted and
+Output coordinates (jit-friendly): every valid input proposes, per kernel offset, the output it would
+feed (where the stride divides and the output is inside the grid). XLA: the proposals are sorted and
 deduplicated into a static number of rows, and `inv` is found by binary search of the proposals among the
-outputs (neighbors.lookup_keys); `nbr` is `inv` scattered back.
+outputs (neighbors.lookup_keys). Pallas (`implementation`, as submconv3d): the proposals go into a GPU hash
+table, where duplicates collapse, and only the distinct keys are sorted; `inv` is read back from the table
+(pallas_kernels/unique_keys.py). Both give the same rows in the same order. `nbr` is `inv` scattered back.
 
 Reuse. `sparse_conv3d` and the pools attach their PairMap to the output's `caches` under
 `pair_map_key(...)` (the map by which those coordinates were produced). `sparse_inverse_conv3d(y, like=x)`
@@ -21,7 +23,9 @@ x's proposed outputs among y's sites, which is correct for any row order of y.
 
 Overflow. With a static `out_capacity`, more output sites than rows cannot be stored: outside jit that
 raises ValueError; under jit nothing raises, `PairMap.overflow` is True and the output holds the
-`out_capacity` smallest-keyed sites. Pass `with_overflow=True` to get `(output, overflow)`.
+`out_capacity` smallest-keyed sites. Pass `with_overflow=True` to get `(output, overflow)`. The Pallas path
+also sets the flag (and raises RuntimeError outside jit) if its hash table ran past a probe bound, which
+the default table size rules out in practice.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from jsparse import dispatch, tuning
 from jsparse.conv import _MapArrays, _PallasOptions, _submconv_pallas, check_weight, submconv_xla
 from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
 from jsparse.sparse_tensor import MAX_KEYS, SparseTensor
-from pallas_kernels import gemm_plan
+from pallas_kernels import gemm_plan, unique_keys
 
 _BIG = int(np.iinfo(np.int32).max)
 _REDUCE = ("mean", "max", "sum")
@@ -134,7 +138,8 @@ class PairMap:
   inv: int32 [in_capacity, V]: output row that reads input j at offset v, or -1.
   in_coords, in_num: the input coordinates the map was built on (to check reuse; no copy under jit).
   overflow: bool scalar, True if more output sites existed than out_capacity (then the map holds the
-    out_capacity smallest-keyed ones). Outside jit, building such a map raises ValueError instead.
+    out_capacity smallest-keyed ones). Outside jit, building such a map raises ValueError instead. The Pallas
+    site search also sets it if its hash table ran past a probe bound (then the map is unreliable).
   """
 
   out_coords: jax.Array
@@ -170,16 +175,23 @@ def pair_map_key(geom: Geometry) -> str:
 
 
 def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_capacity: int | None = None,
-             *, check: bool = True) -> PairMap:
+             *, check: bool = True, implementation: str | None = None) -> PairMap:
   """The output coordinates and both maps of a strided sparse convolution of `x` (module docstring).
 
   Output sites (spconv's SparseConv3d rule): every output position, in the same batch item, whose receptive
   field holds at least one valid input. out_capacity: static rows of the output; None counts them on the
   host (outside jit only). check: raise ValueError outside jit when the sites overflow out_capacity.
+  implementation: None (GPU hash table on a GPU, XLA sort elsewhere), "pallas" or "xla"; same result.
   """
   geom = geometry(x.spatial_shape, kernel_size, stride, padding, dilation)
   _check_keys(x.batch_size, geom.out_shape)
-  keys, ok, flat, first, count = _sorted_proposals(x.coords, x.num, geom, x.batch_size)
+  impl = dispatch.resolve(implementation)
+  if impl.is_pallas:
+    proposals = unique_keys.dedupe_proposals(x.coords, x.num, geometry=_proposal_geometry(geom),
+                                             batch_size=x.batch_size, interpret=impl.interpret)
+    count = proposals.count
+  else:
+    keys, ok, flat, first, count = _sorted_proposals(x.coords, x.num, geom, x.batch_size)
   if out_capacity is None:
     if _is_traced(count):
       raise TypeError("pair_map/sparse_conv3d need a static out_capacity under jax.jit")
@@ -190,7 +202,14 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   overflow = count > out_capacity
   if check and not _is_traced(overflow) and bool(overflow):
     raise ValueError(f"{int(count)} output sites do not fit in out_capacity={out_capacity}")
-  out_coords, out_num, nbr, inv = _compact(keys, ok, flat, first, count, geom, x.batch_size, out_capacity)
+  if impl.is_pallas:
+    out_coords, out_num, nbr, inv, table_overflow = _hashed_compact(
+        x.coords, x.num, proposals, geom, x.batch_size, out_capacity, impl.interpret)
+    if check and not _is_traced(table_overflow) and bool(table_overflow):
+      raise RuntimeError("output-site hash table overflowed: a probe ran past its bound; the map is invalid")
+    overflow = overflow | table_overflow
+  else:
+    out_coords, out_num, nbr, inv = _compact(keys, ok, flat, first, count, geom, x.batch_size, out_capacity)
   return PairMap(out_coords, out_num, nbr, inv, x.coords, x.num, overflow, geom, x.batch_size)
 
 
@@ -210,23 +229,45 @@ def _compact(keys, ok, flat, first, count, geom: Geometry, batch_size: int, out_
   """The out_capacity smallest distinct proposals become the output sites; then both maps."""
   (pos,) = jnp.nonzero(first, size=out_capacity, fill_value=flat.shape[0])
   out_keys = jnp.concatenate([flat, jnp.full((1,), _BIG, flat.dtype)])[pos]  # ascending, _BIG = empty
-  filled = out_keys != _BIG
-  out_coords = jnp.stack(jnp.unravel_index(jnp.where(filled, out_keys, 0), (batch_size,) + geom.out_shape), axis=-1)
-  out_coords = jnp.where(filled[:, None], out_coords.astype(jnp.int32), -1)
   inv = lookup_keys(out_keys, None, keys, ok)  # out_keys are sorted: the row is the position
   nbr = _scatter_transpose(inv, out_capacity)
-  return out_coords, jnp.minimum(count, out_capacity), nbr, inv
+  return _sites_of_keys(out_keys, geom, batch_size), jnp.minimum(count, out_capacity), nbr, inv
 
 
-def strided_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_capacity: int | None = None):
+def _sites_of_keys(out_keys, geom: Geometry, batch_size: int):
+  """int32 [M, 4] (batch, x, y, z) of linear keys on the output grid; -1 rows where the key is _BIG."""
+  filled = out_keys != _BIG
+  out_coords = jnp.stack(jnp.unravel_index(jnp.where(filled, out_keys, 0), (batch_size,) + geom.out_shape), axis=-1)
+  return jnp.where(filled[:, None], out_coords.astype(jnp.int32), -1)
+
+
+def _proposal_geometry(geom: Geometry) -> unique_keys.ProposalGeometry:
+  return unique_keys.ProposalGeometry(tuple(map(tuple, geom.offsets().tolist())), geom.stride, geom.padding,
+                                      geom.out_shape)
+
+
+# The Pallas counterpart of `_compact` (that of `_sorted_proposals` is unique_keys.dedupe_proposals): the sort of
+# the distinct keys only and the lookup of every proposal's output row in the hash table.
+@functools.partial(jax.jit, static_argnames=("geom", "batch_size", "out_capacity", "interpret"))
+def _hashed_compact(coords, num, proposals, geom: Geometry, batch_size: int, out_capacity: int, interpret: bool):
+  out_keys, inv, lookup_overflow = unique_keys.output_sites(
+      coords, num, proposals, out_capacity, geometry=_proposal_geometry(geom), interpret=interpret)
+  nbr = _scatter_transpose(inv, out_capacity)
+  out_num = jnp.minimum(proposals.count, out_capacity)
+  return _sites_of_keys(out_keys, geom, batch_size), out_num, nbr, inv, proposals.overflow | lookup_overflow
+
+
+def strided_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_capacity: int | None = None,
+                implementation: str | None = None):
   """(out_coords [out_cap, 4], out_num, nbr [out_cap, V], overflow) of a strided sparse convolution.
 
   nbr[i, v] = row of x read by output i at kernel offset v (the C-order index of (a, b, c) in the kernel;
   input position = o*stride - padding + (a, b, c)*dilation), or -1. Output coordinates are sorted by linear
   key. overflow (bool scalar) is True when more output sites exist than out_capacity: outside jit that
-  raises ValueError, under jit only the flag tells. See `pair_map` for the full structure.
+  raises ValueError, under jit only the flag tells. See `pair_map` for the full structure (and
+  `implementation`).
   """
-  pm = pair_map(x, kernel_size, stride, padding, dilation, out_capacity)
+  pm = pair_map(x, kernel_size, stride, padding, dilation, out_capacity, implementation=implementation)
   return pm.out_coords, pm.out_num, pm.nbr, pm.overflow
 
 
@@ -271,13 +312,14 @@ def sparse_conv3d(x: SparseTensor, weight, bias=None, *, stride=1, padding=0, di
   host, outside jit only; under jit pass e.g. round_capacity of an upper bound). cache: a PairMap of x for
   this geometry (else built). The output carries its PairMap in `caches` for `sparse_inverse_conv3d`.
   with_overflow: return (output, overflow); see the module docstring (outside jit an overflow raises).
-  implementation / precision / algorithm: as submconv3d.
+  implementation / precision / algorithm: as submconv3d; implementation also picks how the output sites are
+  found (`pair_map`).
   """
   ks, w, b = check_weight(x, weight, bias)
   tuning.check_algorithm(algorithm)
   impl = dispatch.resolve(implementation)
   if cache is None:
-    cache = pair_map(x, ks, stride, padding, dilation, out_capacity)
+    cache = pair_map(x, ks, stride, padding, dilation, out_capacity, implementation=implementation)
   elif (cache.geom != geometry(x.spatial_shape, ks, stride, padding, dilation)
         or cache.in_capacity != x.capacity):
     raise ValueError("cache was built for another geometry or input capacity than this convolution")
@@ -415,9 +457,10 @@ def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out
 # ---- pooling and combining ----------------------------------------------------------------------------
 
 
-def _pool(x: SparseTensor, kernel_size, stride, padding, dilation, out_capacity, reduce: str, with_overflow):
+def _pool(x: SparseTensor, kernel_size, stride, padding, dilation, out_capacity, reduce: str, with_overflow,
+          implementation):
   st = kernel_size if stride is None else stride
-  pm = pair_map(x, kernel_size, st, padding, dilation, out_capacity)
+  pm = pair_map(x, kernel_size, st, padding, dilation, out_capacity, implementation=implementation)
   has = pm.nbr >= 0
   gathered = x.feats[jnp.maximum(pm.nbr, 0)]  # [M, V, C]
   if reduce == "max":
@@ -431,21 +474,24 @@ def _pool(x: SparseTensor, kernel_size, stride, padding, dilation, out_capacity,
 
 
 def sparse_max_pool3d(x: SparseTensor, kernel_size, stride=None, padding=0, dilation=1, *,
-                      out_capacity: int | None = None, with_overflow: bool = False) -> SparseTensor:
+                      out_capacity: int | None = None, with_overflow: bool = False,
+                      implementation: str | None = None) -> SparseTensor:
   """Max over the valid inputs in each window (inactive sites do not count as zeros).
 
   Output sites and grid as sparse_conv3d (stride defaults to kernel_size); the output carries the pair map,
   so `sparse_inverse_conv3d(..., like=x)` can scatter back through it. Equals a dense reduce_window max with
-  -inf at inactive sites and in the padding, read at the output sites.
+  -inf at inactive sites and in the padding, read at the output sites. implementation: how the output sites are
+  found (`pair_map`); the pooling itself is XLA.
   """
-  return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "max", with_overflow)
+  return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "max", with_overflow, implementation)
 
 
 def sparse_avg_pool3d(x: SparseTensor, kernel_size, stride=None, padding=0, dilation=1, *,
-                      out_capacity: int | None = None, with_overflow: bool = False) -> SparseTensor:
+                      out_capacity: int | None = None, with_overflow: bool = False,
+                      implementation: str | None = None) -> SparseTensor:
   """Mean over the valid inputs in each window: sum of the active inputs / their number (not / window size,
   which is what a dense average pool over zero-filled inactive sites would give). Sites as sparse_max_pool3d."""
-  return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "mean", with_overflow)
+  return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "mean", with_overflow, implementation)
 
 
 def global_pool(x: SparseTensor, reduce: str = "mean") -> jax.Array:

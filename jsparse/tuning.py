@@ -142,6 +142,12 @@ def check_algorithm(algorithm: str) -> str:
   return algorithm
 
 
+def check_pass(pass_name: str) -> str:
+  if pass_name not in PASSES:
+    raise ValueError(f"pass must be one of {PASSES}, got {pass_name!r}")
+  return pass_name
+
+
 def _gemm_split(programs: int, steps: int, splitk: bool, auto: bool) -> int:
   """Split the reduction when the output tiles alone leave the GPU idle."""
   sms = gpu_num_sms()
@@ -154,6 +160,7 @@ def _gemm_split(programs: int, steps: int, splitk: bool, auto: bool) -> int:
 def heuristic(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
               algorithm: str = "auto") -> PassConfig:
   """A reasonable config without measurements."""
+  check_pass(pass_name)
   check_algorithm(algorithm)
   if algorithm == "explicit":
     return PassConfig("explicit")
@@ -179,8 +186,7 @@ def heuristic(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: i
 def choose(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
            algorithm: str = "auto") -> PassConfig:
   """The config for one pass: a tuned entry if one is active for this shape, else the heuristic."""
-  if pass_name not in PASSES:
-    raise ValueError(f"pass must be one of {PASSES}, got {pass_name!r}")
+  check_pass(pass_name)
   if algorithm == "auto":
     key = shape_key(pass_name, num_rows, cin, cout, num_offsets, dtype)
     for table in active_tables():

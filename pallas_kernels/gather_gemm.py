@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gemm_plan import MaskedPlan, default_block_m
+from pallas_kernels.out_struct import out_struct, same_vma
 from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, is_half
 
 
@@ -177,8 +178,9 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
     args += [plan.order, plan.block_offsets, plan.block_counts, plan.block_rows]
   if bias is not None and split == 1:
     args.append(bias)
-  out_shape = (jax.ShapeDtypeStruct((m, n_dim), x.dtype) if split == 1 else
-               jax.ShapeDtypeStruct((split, m, n_dim), jnp.float32))
+  args = same_vma(*args)
+  out_shape = (out_struct((m, n_dim), x.dtype, *args) if split == 1 else
+               out_struct((split, m, n_dim), jnp.float32, *args))
   out = pl.pallas_call(
       kernel,
       out_shape=out_shape,

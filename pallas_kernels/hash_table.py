@@ -64,6 +64,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.out_struct import out_struct, same_vma
+
 __all__ = ["neighbor_map_hashed", "table_size_for", "EMPTY"]
 
 EMPTY = -1
@@ -373,14 +375,14 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
   keys, ovf = pl.pallas_call(
       functools.partial(_build_kernel, block=build_block, capacity=capacity, shape=shape,
                         tmask=tmask, max_probes=probes, interpret=interpret, ovf_base=0, ks=ks),
-      out_shape=(jax.ShapeDtypeStruct((ks * tsize,), jnp.int32),
-                 jax.ShapeDtypeStruct((n_ovf,), jnp.int32)),
+      out_shape=(out_struct((ks * tsize,), jnp.int32, num_arr, coords_flat),
+                 out_struct((n_ovf,), jnp.int32, num_arr, coords_flat)),
       grid=(grid_b,),
       input_output_aliases={2: 0},
       compiler_params=params_build,
       interpret=interpret,
       name="hash_build",
-  )(num_arr, coords_flat, jnp.full((ks * tsize,), EMPTY, jnp.int32))
+  )(num_arr, coords_flat, same_vma(jnp.full((ks * tsize,), EMPTY, jnp.int32), coords_flat)[0])
 
   # 2. Fill the values (row index at each key's slot): into the key table itself when
   # interleaved (aliased through), else into a separate table. Values of EMPTY slots are never
@@ -391,8 +393,8 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
   vals, ovf = pl.pallas_call(
       functools.partial(_fill_kernel, block=fill_block, capacity=capacity, shape=shape,
                         tmask=tmask, max_probes=probes, ovf_base=grid_b, ks=ks),
-      out_shape=(jax.ShapeDtypeStruct((ks * tsize,), jnp.int32),
-                 jax.ShapeDtypeStruct((n_ovf,), jnp.int32)),
+      out_shape=(out_struct((ks * tsize,), jnp.int32, num_arr, coords_flat),
+                 out_struct((n_ovf,), jnp.int32, num_arr, coords_flat)),
       grid=(grid_f,),
       input_output_aliases={2: 0, 3: 1} if interleave else {3: 1},
       compiler_params=params_build,
@@ -406,14 +408,14 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
   nbr_flat, ovf = pl.pallas_call(
       functools.partial(_query_kernel, block=qblock, capacity=capacity, nv=nv, shape=shape,
                         tmask=tmask, max_probes=probes, ovf_base=grid_b + grid_f, ks=ks),
-      out_shape=(jax.ShapeDtypeStruct((capacity * nv,), jnp.int32),
-                 jax.ShapeDtypeStruct((n_ovf,), jnp.int32)),
+      out_shape=(out_struct((capacity * nv,), jnp.int32, num_arr, coords_flat),
+                 out_struct((n_ovf,), jnp.int32, num_arr, coords_flat)),
       grid=(grid_q,),
       input_output_aliases={5: 1},
       compiler_params=params_query,
       interpret=interpret,
       name="hash_query",
-  )(num_arr, coords_flat, offs_flat, keys, vals, ovf)
+  )(*same_vma(num_arr, coords_flat, offs_flat, keys, vals, ovf))
 
   overflow = jnp.max(ovf) > 0
   return nbr_flat.reshape(capacity, nv), overflow

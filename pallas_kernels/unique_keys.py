@@ -59,6 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.hash_table import EMPTY, insert_absent_loop, probe_loop, table_size_for
+from pallas_kernels.out_struct import out_struct, same_vma
 
 __all__ = ["ProposalGeometry", "ProposalTable", "dedupe_proposals", "output_sites",
            "proposals_per_site", "default_table_size"]
@@ -189,8 +190,8 @@ def _check(coords, geometry: ProposalGeometry, **blocks: int) -> tuple[int, int]
   return capacity, nv
 
 
-def _flags(n: int):
-  return jax.ShapeDtypeStruct((n,), jnp.int32)
+def _flags(n: int, *like):
+  return out_struct((n,), jnp.int32, *like)
 
 
 def _geometry(geometry) -> ProposalGeometry:
@@ -250,13 +251,13 @@ def _dedupe_proposals(coords, num, *, geometry, batch_size, interpret, block_pai
   table, ovf_insert = pl.pallas_call(
       functools.partial(_insert_kernel, block=insert_block, num_pairs=num_pairs, nv=nv,
                         geometry=geometry, tmask=tsize - 1, max_probes=probes, interpret=interpret),
-      out_shape=(jax.ShapeDtypeStruct((tsize,), jnp.int32), _flags(grid_i)),
+      out_shape=(out_struct((tsize,), jnp.int32, num_arr, coords), _flags(grid_i, num_arr, coords)),
       grid=(grid_i,),
       input_output_aliases={3: 0},
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="unique_insert",
-  )(num_arr, coords.reshape(-1), offs_flat, empty_table)
+  )(*same_vma(num_arr, coords.reshape(-1), offs_flat, empty_table))
 
   unique, mark_overflow = _keep_first_copies(table, block=block_slots, num_warps=num_warps,
                                              max_probes=probes, interpret=interpret)
@@ -271,7 +272,7 @@ def _keep_first_copies(table, *, block: int, num_warps: int, max_probes: int, in
   grid = tsize // block
   unique, ovf = pl.pallas_call(
       functools.partial(_mark_kernel, block=block, tmask=tsize - 1, max_probes=max_probes),
-      out_shape=(jax.ShapeDtypeStruct((tsize,), jnp.int32), _flags(grid)),
+      out_shape=(out_struct((tsize,), jnp.int32, table), _flags(grid, table)),
       grid=(grid,),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
@@ -355,11 +356,12 @@ def _output_sites(coords, num, proposals, *, out_capacity, geometry, interpret, 
   inv, ovf = pl.pallas_call(
       functools.partial(_lookup_kernel, block=block_pairs, num_pairs=num_pairs, nv=nv,
                         geometry=geometry, tmask=tsize - 1, max_probes=probes),
-      out_shape=(jax.ShapeDtypeStruct((num_pairs,), jnp.int32), _flags(grid)),
+      out_shape=(out_struct((num_pairs,), jnp.int32, coords, proposals.table, slot_rows),
+                 _flags(grid, coords, proposals.table, slot_rows)),
       grid=(grid,),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="unique_lookup",
-  )(jnp.reshape(jnp.asarray(num, jnp.int32), (1,)), coords.reshape(-1),
-    jnp.asarray(np.asarray(geometry.offsets, np.int32).reshape(-1)), proposals.table, slot_rows)
+  )(*same_vma(jnp.reshape(jnp.asarray(num, jnp.int32), (1,)), coords.reshape(-1),
+               jnp.asarray(np.asarray(geometry.offsets, np.int32).reshape(-1)), proposals.table, slot_rows))
   return out_keys, inv.reshape(capacity, nv), jnp.max(ovf) > 0

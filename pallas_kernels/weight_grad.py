@@ -24,6 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax import lax
 
 from pallas_kernels.gemm_plan import PairLists
+from pallas_kernels.out_struct import out_struct, same_vma
 from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, gpu_num_sms
 
 
@@ -144,9 +145,10 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
     args += [x_lo, dy_lo]
   if pairs is not None:
     args += [pairs.rows, pairs.counts, pairs.sources]
+  args = same_vma(*args)
   partial = pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((cfg.split, num_offsets, cin, cout), jnp.float32),
+      out_shape=out_struct((cfg.split, num_offsets, cin, cout), jnp.float32, *args),
       grid=(num_offsets, pl.cdiv(cin, cfg.block_m), pl.cdiv(cout, cfg.block_n), cfg.split),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,

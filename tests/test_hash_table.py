@@ -1,10 +1,12 @@
-"""Tests for pallas_kernels/hash_table.py (GPU hash-table neighbour map).
+"""Tests for pallas_kernels/hash_table.py (GPU hash-table neighbour map) and pallas_kernels/unique_keys.py
+(strided-convolution output sites deduplicated with that hash table).
 
 CPU: interpret-mode kernels against a numpy reference, and Triton lowering (no GPU needed).
 GPU (``-m gpu``, skipped elsewhere): the real Triton kernels, including atomic_xchg.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -18,7 +20,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pallas_kernels.hash_table import neighbor_map_hashed  # noqa: E402
+from pallas_kernels import unique_keys  # noqa: E402
+from pallas_kernels.hash_table import EMPTY, _home, neighbor_map_hashed  # noqa: E402
 
 
 def _cube(k=3, dilation=1):
@@ -206,6 +209,155 @@ def test_bad_arguments():
 
 
 # ------------------------------------------------------------------------------------------
+# Output sites (unique_keys.py), CPU: interpret mode against numpy
+# ------------------------------------------------------------------------------------------
+
+
+def _conv_geometry(kernel_size, stride, padding, dilation, in_shape):
+  """ProposalGeometry of a strided convolution: offsets in C order, output grid as lax.conv."""
+  offsets = tuple(tuple(a * dilation for a in o) for o in np.ndindex(*kernel_size))
+  out_shape = tuple((n + 2 * padding - dilation * (k - 1) - 1) // stride + 1
+                    for n, k in zip(in_shape, kernel_size))
+  return unique_keys.ProposalGeometry(offsets, (stride,) * 3, (padding,) * 3, out_shape)
+
+
+def ref_output_sites(coords, num, geometry, out_capacity):
+  """numpy: (out_keys, inv, count) of the proposals of rows < num (module docstring of unique_keys)."""
+  c = np.asarray(coords, np.int64)[:num]
+  offs = np.asarray(geometry.offsets, np.int64).reshape(-1, 3)
+  st, pad, out = (np.asarray(t, np.int64) for t in (geometry.stride, geometry.padding, geometry.out_shape))
+  shifted = c[:, None, 1:] + pad - offs[None]  # [num, V, 3]
+  o = shifted // st
+  ok = np.all((shifted >= 0) & (shifted % st == 0) & (o < out), axis=-1)
+  keys = ((c[:, None, 0] * out[0] + o[..., 0]) * out[1] + o[..., 1]) * out[2] + o[..., 2]
+  distinct = np.unique(keys[ok])
+  kept = distinct[:out_capacity]
+  out_keys = np.full(out_capacity, unique_keys.BIG, np.int64)
+  out_keys[:len(kept)] = kept
+  inv = np.full((len(coords), len(offs)), -1, np.int64)
+  pos = np.searchsorted(kept, keys)
+  hit = ok & (np.append(kept, -1)[pos] == keys)  # pos == len(kept) reads the -1 sentinel
+  inv[:num] = np.where(hit, pos, -1)
+  return out_keys, inv, len(distinct)
+
+
+def _output_sites_interpret(coords, num, geometry, batch_size, out_capacity, **kw):
+  table = unique_keys.dedupe_proposals(jnp.asarray(coords), jnp.int32(num), geometry=geometry,
+                                       batch_size=batch_size, interpret=True, **kw)
+  out_keys, inv, overflow = unique_keys.output_sites(jnp.asarray(coords), jnp.int32(num), table,
+                                                     out_capacity, geometry=geometry, interpret=True)
+  return table, np.asarray(out_keys), np.asarray(inv), bool(overflow | table.overflow)
+
+
+@pytest.mark.parametrize(
+    "in_shape,batch,num,capacity,kernel_size,stride,padding,dilation",
+    [
+        ((7, 5, 9), 2, 60, 70, (3, 3, 3), 2, 1, 1),
+        ((8, 6, 5), 1, 50, 50, (2, 2, 2), 2, 0, 1),  # kernel == stride: one proposal per site
+        ((6, 7, 5), 3, 40, 45, (3, 2, 1), 1, 0, 1),  # stride 1: many duplicates per site
+        ((9, 8, 7), 2, 40, 48, (3, 3, 3), 3, 2, 2),  # dilation, padding > 1
+    ],
+)
+def test_output_sites_interpret_matches_numpy(in_shape, batch, num, capacity, kernel_size, stride, padding,
+                                              dilation):
+  rng = np.random.default_rng(num * 31 + capacity)
+  coords = random_points(rng, in_shape, batch, num, capacity, pad="garbage")
+  geom = _conv_geometry(kernel_size, stride, padding, dilation, in_shape)
+  count = ref_output_sites(coords, num, geom, 0)[2]
+  distinct = ref_output_sites(coords, num, geom, count)[0]
+  # Exact capacity, spare rows, and too few rows (then the smallest keys are kept).
+  for out_capacity in (count, count + 9, count // 2):
+    table, out_keys, inv, overflow = _output_sites_interpret(coords, num, geom, batch, out_capacity)
+    ref_keys, ref_inv, _ = ref_output_sites(coords, num, geom, out_capacity)
+    assert not overflow and int(table.count) == count
+    np.testing.assert_array_equal(out_keys, ref_keys)
+    np.testing.assert_array_equal(inv, ref_inv)
+    unique = np.asarray(table.unique)  # every distinct key exactly once
+    np.testing.assert_array_equal(np.sort(unique[unique != EMPTY]), distinct)
+    # Inserted serially (one lane per program), repeated proposals never leave a second copy.
+    assert np.sum(np.asarray(table.table) != EMPTY) == count
+
+
+def test_output_sites_interpret_capacity_beyond_table_and_traced_num():
+  # out_capacity larger than the table (no sort of more than T keys); num traced under jit.
+  rng = np.random.default_rng(4)
+  shape, cap = (5, 4, 6), 40
+  coords = random_points(rng, shape, 2, cap, cap, pad="neg1")
+  geom = _conv_geometry((2, 2, 2), 2, 0, 1, shape)
+  tsize = unique_keys.default_table_size(cap, geom, 2)
+
+  @jax.jit
+  def f(c, n):
+    table = unique_keys.dedupe_proposals(c, n, geometry=geom, batch_size=2, interpret=True)
+    keys, inv, ovf = unique_keys.output_sites(c, n, table, tsize + 5, geometry=geom, interpret=True)
+    return table.count, keys, inv, ovf | table.overflow
+
+  for num in (0, 17, cap):
+    count, keys, inv, ovf = f(jnp.asarray(coords), jnp.int32(num))
+    ref_keys, ref_inv, ref_count = ref_output_sites(coords, num, geom, tsize + 5)
+    assert not bool(ovf) and int(count) == ref_count
+    np.testing.assert_array_equal(np.asarray(keys), ref_keys)
+    np.testing.assert_array_equal(np.asarray(inv), ref_inv)
+  assert f._cache_size() == 1
+
+
+def test_keep_first_copies_drops_later_copies():
+  # On the GPU, racing swaps can leave a key in two slots of its probe run; interpret mode never does,
+  # so build such a table by hand: a at its home h, b (home h+1) at h+1, copies of a at h+2 and h+3.
+  tsize = 16
+  home = lambda k: int(_home(jnp.int32(k), tsize - 1))
+  a = 1234
+  h = home(a)
+  b = next(k for k in range(10_000) if k != a and home(k) == (h + 1) % tsize)
+  table = np.full(tsize, EMPTY, np.int32)
+  for i, k in enumerate((a, b, a, a)):
+    table[(h + i) % tsize] = k
+  unique, overflow = unique_keys._keep_first_copies(jnp.asarray(table), block=8, num_warps=1,
+                                                    max_probes=tsize, interpret=True)
+  expected = np.full(tsize, EMPTY, np.int32)
+  expected[h], expected[(h + 1) % tsize] = a, b
+  assert not bool(overflow)
+  np.testing.assert_array_equal(np.asarray(unique), expected)
+
+
+def test_output_sites_overflow_flag_with_tiny_probe_bound():
+  rng = np.random.default_rng(6)
+  coords = random_points(rng, (8, 8, 8), 1, 100, 100)
+  geom = _conv_geometry((3, 3, 3), 1, 1, 1, (8, 8, 8))
+  *_, overflow = _output_sites_interpret(coords, 100, geom, 1, 400, max_probes=1)
+  assert overflow
+
+
+def test_output_sites_bad_arguments():
+  c = jnp.zeros((8, 4), jnp.int32)
+  geom = _conv_geometry((3, 3, 3), 2, 1, 1, (4, 4, 4))
+  dedupe = functools.partial(unique_keys.dedupe_proposals, geometry=geom, batch_size=1, interpret=True)
+  assert unique_keys.default_table_size(8, geom, 1) == 16  # 2 x 2 x 2 output sites, doubled, >= 16
+  for table_size in (8, 24):  # too small; not a power of two
+    with pytest.raises(ValueError, match="table_size"):
+      dedupe(c, 0, table_size=table_size)
+  with pytest.raises(ValueError, match="block_pairs"):
+    dedupe(c, 0, block_pairs=100)
+  with pytest.raises(ValueError, match="max_probes"):
+    dedupe(c, 0, max_probes=0)
+  with pytest.raises(ValueError, match="coords"):
+    dedupe(jnp.zeros((8, 3), jnp.int32), 0)
+  table = unique_keys.dedupe_proposals(c, 0, geometry=geom, batch_size=1, interpret=True)
+  with pytest.raises(ValueError, match="out_capacity"):
+    unique_keys.output_sites(c, 0, table, -1, geometry=geom, interpret=True)
+
+
+def test_proposals_per_site_and_table_size():
+  assert unique_keys.proposals_per_site(_conv_geometry((2, 2, 2), 2, 0, 1, (8, 8, 8))) == 1
+  assert unique_keys.proposals_per_site(_conv_geometry((3, 3, 3), 2, 1, 1, (8, 8, 8))) == 8
+  assert unique_keys.proposals_per_site(_conv_geometry((3, 3, 3), 1, 1, 1, (8, 8, 8))) == 27
+  assert unique_keys.proposals_per_site(_conv_geometry((3, 3, 3), 2, 2, 2, (8, 8, 8))) == 27  # 2d = 0 mod 2
+  # The smaller of capacity * P and the output grid, doubled and rounded up to a power of two.
+  assert unique_keys.default_table_size(1000, _conv_geometry((3, 3, 3), 2, 1, 1, (8, 8, 8)), 1) == 128
+  assert unique_keys.default_table_size(10, _conv_geometry((3, 3, 3), 2, 1, 1, (64, 64, 64)), 1) == 256
+
+
+# ------------------------------------------------------------------------------------------
 # CPU: Triton lowering (GPU path, interpret=False)
 # ------------------------------------------------------------------------------------------
 
@@ -221,6 +373,24 @@ def test_triton_lowering(offsets, interleave):
   text = lower_for_cuda(f, jnp.zeros((1000, 4), jnp.int32), jnp.int32(0))
   assert text.count("__gpu$xla.gpu.triton") == 3
   for name in ("hash_build", "hash_fill", "hash_query"):
+    assert name in text
+
+
+@pytest.mark.parametrize("kernel_size,stride,padding,dilation",
+                         [((3, 3, 3), 2, 1, 1), ((2, 2, 2), 2, 0, 1), ((3, 1, 3), 1, 0, 2)])
+def test_output_sites_triton_lowering(kernel_size, stride, padding, dilation):
+  from triton_lowering import lower_for_cuda
+
+  geom = _conv_geometry(kernel_size, stride, padding, dilation, (32, 17, 9))
+
+  def f(c, n):
+    table = unique_keys.dedupe_proposals(c, n, geometry=geom, batch_size=2)
+    out_keys, inv, overflow = unique_keys.output_sites(c, n, table, 700, geometry=geom)
+    return out_keys, inv, table.count, overflow | table.overflow
+
+  text = lower_for_cuda(f, jnp.zeros((1000, 4), jnp.int32), jnp.int32(0))
+  assert text.count("__gpu$xla.gpu.triton") == 3
+  for name in ("unique_insert", "unique_mark", "unique_lookup"):
     assert name in text
 
 
@@ -270,3 +440,49 @@ def test_gpu_random_batched_padded(offsets):
     nbr, ovf = f(jnp.asarray(coords), jnp.int32(n))
     assert not bool(ovf)
     np.testing.assert_array_equal(np.asarray(nbr), ref_sorted(coords, n, shape, offsets))
+
+
+def compare_pair_maps_on_sphere_shell(res, batch_size, kernel_size, stride, padding, implementation):
+  """jsparse.pair_map by `implementation` against the XLA path on a shuffled sphere shell with garbage
+  padding rows, under jit: exact, spare and too small out_capacity. Identical fields, order included."""
+  import jsparse
+  from benchmarks.workloads import sphere_shell_coords
+  from jsparse.sparse_conv import pair_map
+
+  rng = np.random.default_rng(res * 10 + kernel_size)
+  pts = sphere_shell_coords(res, batch_size)
+  pts = pts[rng.permutation(len(pts))]
+  num, cap = len(pts), len(pts) + 37
+  x = jsparse.SparseTensor.from_coords(pts, np.zeros((num, 1), np.float32), (res,) * 3, batch_size, capacity=cap)
+  coords = np.asarray(x.coords).copy()
+  coords[num:] = rng.integers(-3, res + 3, size=(cap - num, 4))  # padding rows must stay ignored
+  coords[num] = coords[0]
+  x = x.replace(coords=jnp.asarray(coords))
+  count = int(pair_map(x, kernel_size, stride, padding, implementation="xla").out_num)
+  fields = ("out_coords", "out_num", "nbr", "inv", "overflow")
+  for out_capacity in (count, count + 1000, count - count // 3):
+    maps = {}
+    for impl in ("xla", implementation):
+      f = jax.jit(lambda x, impl=impl: pair_map(x, kernel_size, stride, padding, out_capacity=out_capacity,
+                                                implementation=impl))
+      maps[impl] = [np.asarray(getattr(f(x), name)) for name in fields]
+    ref, got = maps["xla"], maps[implementation]
+    assert bool(ref[4]) == (out_capacity < count)
+    for name, r, g in zip(fields, ref, got):
+      mism = np.argwhere(np.atleast_1d(r != g))
+      assert mism.size == 0, f"{name} (out_capacity={out_capacity}): {len(mism)} mismatches, first {mism[:5].tolist()}"
+  return count
+
+
+def test_compare_pair_maps_on_sphere_shell_interpret():
+  # The GPU test's body, small and in interpret mode, so that it is known to be right before a GPU runs it.
+  assert compare_pair_maps_on_sphere_shell(8, 2, 2, 2, 0, "pallas") > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_gpu, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel_size,stride,padding", [(3, 2, 1), (2, 2, 0), (3, 1, 1)])
+def test_gpu_output_sites_sphere_shell(kernel_size, stride, padding):
+  # RES 128, two batch items: ~128k sites; (3, 1, 1) gives up to 27 racing inserts of each key.
+  count = compare_pair_maps_on_sphere_shell(128, 2, kernel_size, stride, padding, "pallas")
+  assert count > 10_000

@@ -57,3 +57,30 @@ def test_masked_and_splitk_variants_lower(split, dtype):
   lower_for_cuda(fwd_and_dgrad, x, w, nbr, num, b, g)
   lower_for_cuda(lambda x, w, nbr, num, b: gather_gemm(x, w, nbr, num, b, config=cfg), x, w, nbr, num, b)
   lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, nbr, pairs=pair_lists(nbr), config=cfg), x, g, nbr)
+
+
+def test_kernels_lower_inside_shard_map():
+  """Inside shard_map (check_vma=True) every kernel's outputs must say which mesh axes they vary over:
+  without that, data-parallel training failed on 2 H200s at trace time. A one-device mesh is enough."""
+  import numpy as np
+  from jax.sharding import Mesh, PartitionSpec as P
+
+  from pallas_kernels.gemm_plan import masked_plan, pair_lists
+  from pallas_kernels.hash_table import neighbor_map_hashed
+
+  offsets = tuple((a, b, c) for a in (-1, 0, 1) for b in (-1, 0, 1) for c in (-1, 0, 1))
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  m, cin, cout = 512, 16, 32
+
+  def step(coords, num, x, w, g):
+    nbr, _ = neighbor_map_hashed(coords, num[0], spatial_shape=(8, 8, 8), offsets=offsets)
+    y = gather_gemm(x, w, nbr, num[0], plan=masked_plan(nbr, num[0], 64))
+    dx = gather_gemm(g, w, nbr, num[0], transpose_weight=True)
+    dw = weight_grad(x, g, nbr, pairs=pair_lists(nbr))
+    return y, dx, jax.lax.psum(dw, "data")
+
+  fn = jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P("data"), P("data"), P(), P("data")),
+                     out_specs=(P("data"), P("data"), P()))
+  text = lower_for_cuda(fn, _spec((m, 4), jnp.int32), _spec((1,), jnp.int32), _spec((m, cin), jnp.float16),
+                        _spec((27, cin, cout), jnp.float16), _spec((m, cout), jnp.float16))
+  assert text.count("__gpu$xla.gpu.triton") >= 6

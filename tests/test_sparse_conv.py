@@ -9,7 +9,7 @@ import jsparse
 from jsparse import dispatch
 from jsparse.neighbors import as_triple
 from jsparse.sparse_conv import (
-    _map_gemm, concat, global_pool, sparse_avg_pool3d, sparse_conv3d, sparse_conv_transpose3d,
+    _map_gemm, concat, global_pool, pair_map, sparse_avg_pool3d, sparse_conv3d, sparse_conv_transpose3d,
     sparse_inverse_conv3d, sparse_max_pool3d, strided_map)
 from reference import random_sparse, rel_err
 
@@ -300,6 +300,46 @@ def test_pallas_interpret_matches_xla():
   (_, outs_x), grads_x = run("xla")
   for a, r in zip(outs_p + grads_p, outs_x + grads_x):
     assert rel_err(a, r) < 1e-5
+
+
+_PAIR_MAP_FIELDS = ("out_coords", "out_num", "nbr", "inv", "overflow")
+
+
+def _assert_same_pair_maps(got, ref):
+  for name in _PAIR_MAP_FIELDS:
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(ref, name)), err_msg=name)
+
+
+# (spatial_shape, batch, kernel_size, stride, padding, dilation): CASES' geometries and a batch of one.
+SITE_CASES = [c[:6] for c in CASES] + [((6, 7, 5), 1, (3, 3, 3), 2, 1, 1)]
+
+
+@pytest.mark.parametrize("case", SITE_CASES, ids=[str(i) for i in range(len(SITE_CASES))])
+def test_pallas_output_sites_match_xla(case):
+  # The hash-table site search (interpret mode here) gives the XLA path's map exactly: rows, order, num, flag.
+  shape, batch, ks, st, pad, dil = case
+  rng = np.random.default_rng(abs(hash(case)) % 2**32)
+  x = random_sparse(rng, shape, 1, batch_size=batch, density=0.2, pad=5)
+  ref = pair_map(x, ks, st, pad, dil, implementation="xla")
+  _assert_same_pair_maps(pair_map(x, ks, st, pad, dil, implementation="pallas"), ref)
+  # Too few rows: the flag and the smallest-keyed sites (check=False: what jit gives), else an error.
+  # (Under jit: tests/test_hash_table.py::test_compare_pair_maps_on_sphere_shell_interpret.)
+  n = int(ref.out_num)
+  small = n - 1 - n // 4
+  got, ref = (pair_map(x, ks, st, pad, dil, small, check=False, implementation=impl) for impl in ("pallas", "xla"))
+  assert bool(got.overflow) and int(got.out_num) == small
+  _assert_same_pair_maps(got, ref)
+  with pytest.raises(ValueError, match="out_capacity"):
+    pair_map(x, ks, st, pad, dil, small, implementation="pallas")
+
+
+def test_pallas_output_sites_in_pools():
+  rng = np.random.default_rng(12)
+  x = random_sparse(rng, (6, 5, 7), 2, batch_size=2, density=0.3, pad=3)
+  for pool in (sparse_max_pool3d, sparse_avg_pool3d):
+    got, ref = (pool(x, 2, implementation=impl) for impl in ("pallas", "xla"))
+    np.testing.assert_array_equal(np.asarray(got.coords), np.asarray(ref.coords))
+    np.testing.assert_array_equal(np.asarray(got.feats), np.asarray(ref.feats))
 
 
 def test_new_pallas_paths_lower_to_triton():

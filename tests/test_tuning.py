@@ -1,0 +1,445 @@
+"""Per-pass config tables (jsparse/tuning.py) and the autotuner (jsparse/autotuning.py).
+
+Off the GPU the Pallas kernels run in interpret mode, so the autotuner's timings mean nothing here, but its
+logic (recording the convolutions, timing every candidate, keying the winners) and the tables' effect on
+the convolution are exercised for real.
+"""
+import dataclasses
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse import autotuning, tuning
+from pallas_kernels.gemm_plan import default_block_m
+from pallas_kernels.tiling import TileConfig
+from reference import random_sparse, rel_err
+
+KEY_RE = re.compile(r"(forward|input_grad|weight_grad)/n(\d+)/ci(\d+)/co(\d+)/v(\d+)/(\w+)")
+# Every TileConfig field away from its default, so a field the JSON drops cannot round-trip by accident.
+ODD_TILES = TileConfig(block_m=32, block_n=128, block_k=16, num_warps=8, num_stages=3, split=4, columns_fastest=True)
+
+
+def _check_consistent(cfg: tuning.PassConfig):
+  """A PassConfig as the convolution can run it: its name agrees with its tiles."""
+  assert isinstance(cfg, tuning.PassConfig)
+  assert cfg.algorithm in tuning.ALGORITHMS and cfg.algorithm != "auto"
+  if cfg.algorithm == "explicit":
+    assert cfg.tiles is None
+    return
+  assert isinstance(cfg.tiles, TileConfig)
+  assert (cfg.tiles.split > 1) == cfg.algorithm.endswith("_splitk"), cfg
+  assert cfg.masked == cfg.algorithm.startswith("masked")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shape keys and JSON
+
+
+def test_shape_key_buckets_rows_and_keeps_the_rest_exact():
+  assert tuning.shape_key("forward", 1000, 32, 64, 27, jnp.float32) == "forward/n1024/ci32/co64/v27/float32"
+  assert tuning.shape_key("forward", 1024, 32, 64, 27, "float32") == "forward/n1024/ci32/co64/v27/float32"
+  assert tuning.shape_key("forward", 1025, 32, 64, 27, np.float32) == "forward/n2048/ci32/co64/v27/float32"
+  assert tuning.shape_key("weight_grad", 1, 3, 5, 1, jnp.bfloat16) == "weight_grad/n1/ci3/co5/v1/bfloat16"
+  # input_grad keys keep the convolution's (Cin, Cout) order, as the convolution asks for them.
+  assert tuning.shape_key("input_grad", 60, 4, 8, 27, jnp.float16) == "input_grad/n64/ci4/co8/v27/float16"
+
+
+def test_config_table_json_round_trip(tmp_path):
+  entries = {
+      "forward/n1024/ci32/co64/v27/float32": tuning.PassConfig("masked_splitk", ODD_TILES),
+      "input_grad/n1024/ci32/co64/v27/float32": tuning.PassConfig(
+          "implicit", TileConfig(64, 32, 64, 4, 5, 1, columns_fastest=False)),
+      "weight_grad/n1024/ci32/co64/v27/float32": tuning.PassConfig("explicit"),
+      "forward/n256/ci16/co16/v1/float16": tuning.PassConfig(
+          "implicit_splitk", TileConfig(16, 16, 16, 2, 2, split=7, columns_fastest=True)),
+  }
+  table = tuning.ConfigTable(entries, device_kind="Some GPU")
+  text = table.to_json()
+  raw = json.loads(text)["entries"]
+  assert raw["forward/n1024/ci32/co64/v27/float32"]["columns_fastest"] is True
+  assert raw["forward/n1024/ci32/co64/v27/float32"]["split"] == 4
+  assert "block_m" not in raw["weight_grad/n1024/ci32/co64/v27/float32"]
+
+  for back in (tuning.ConfigTable.from_json(text), None):
+    if back is None:
+      path = tmp_path / "table.json"
+      table.save(str(path))
+      back = tuning.ConfigTable.load(str(path))
+    assert back.device_kind == "Some GPU"
+    assert len(back) == len(entries)
+    assert back.entries == entries
+    for key, cfg in entries.items():
+      got = back.get(key)
+      assert got.algorithm == cfg.algorithm
+      if cfg.tiles is None:
+        assert got.tiles is None
+      else:
+        assert dataclasses.asdict(got.tiles) == dataclasses.asdict(cfg.tiles)
+  assert tuning.ConfigTable.from_json(tuning.ConfigTable({}).to_json()).entries == {}
+
+
+def test_config_json_older_entry_without_columns_fastest():
+  old = {"algorithm": "masked_splitk", "block_m": 128, "block_n": 64, "block_k": 32, "num_warps": 4,
+         "num_stages": 3, "split": 3}
+  cfg = tuning.config_from_json(old)
+  assert cfg == tuning.PassConfig("masked_splitk", TileConfig(128, 64, 32, 4, 3, 3, columns_fastest=False))
+  assert cfg.tiles.columns_fastest is False
+  table = tuning.ConfigTable.from_json(json.dumps({"entries": {"forward/n64/ci4/co8/v27/float32": old}}))
+  assert table.device_kind is None
+  assert table.get("forward/n64/ci4/co8/v27/float32").tiles.columns_fastest is False
+  assert tuning.config_from_json({"algorithm": "explicit"}) == tuning.PassConfig("explicit", None)
+
+
+def test_config_json_rejects_bad_entries():
+  with pytest.raises(ValueError, match="algorithm"):
+    tuning.config_from_json({"algorithm": "fastest", "block_m": 64})
+  with pytest.raises(ValueError, match="block_m"):
+    tuning.config_from_json({"algorithm": "masked", "block_m": 48})
+  with pytest.raises(TypeError):
+    tuning.config_from_json({"algorithm": "masked", "block_m": 64, "no_such_field": 1})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# precedence of tables
+
+
+SHAPE = dict(num_rows=1000, cin=32, cout=64, num_offsets=27, dtype=jnp.float32)
+KEY = tuning.shape_key("forward", **SHAPE)
+
+
+def test_choose_outside_tables_is_the_heuristic():
+  assert tuning.shipped_table() is None or jax.default_backend() == "gpu"
+  if jax.default_backend() == "gpu":
+    pytest.skip("a shipped table may be active on a GPU")
+  assert list(tuning.active_tables()) == []
+  for p in tuning.PASSES:
+    for dtype in (jnp.float32, "float32", np.dtype(np.float16)):
+      shape = dict(SHAPE, dtype=dtype)
+      assert tuning.choose(p, **shape) == tuning.heuristic(p, **shape)
+
+
+def test_nested_tables_inner_wins_then_outer_then_heuristic():
+  if jax.default_backend() == "gpu":
+    pytest.skip("a shipped table may be active on a GPU")
+  heur = tuning.choose("forward", **SHAPE)
+  outer_cfg = tuning.PassConfig("masked", TileConfig(16, 16, 16, 4, 2, 1))
+  inner_cfg = tuning.PassConfig("implicit_splitk", ODD_TILES)
+  assert len({heur, outer_cfg, inner_cfg}) == 3
+  other_key = tuning.shape_key("weight_grad", **SHAPE)
+  outer_wg = tuning.PassConfig("masked_splitk", TileConfig(16, 32, 64, 4, 5, 2))
+  outer = tuning.ConfigTable({KEY: outer_cfg, other_key: outer_wg})
+  inner = tuning.ConfigTable({KEY: inner_cfg})
+
+  with outer as entered:
+    assert entered is outer
+    assert tuning.choose("forward", **SHAPE) == outer_cfg
+    with inner:
+      assert list(tuning.active_tables()) == [inner, outer]
+      assert tuning.choose("forward", **SHAPE) == inner_cfg
+      # The inner table has no weight_grad entry: the outer one's applies.
+      assert tuning.choose("weight_grad", **SHAPE) == outer_wg
+      # Same bucket (rows rounded up to 1024) -> same entry; another bucket -> the heuristic.
+      assert tuning.choose("forward", **dict(SHAPE, num_rows=513)) == inner_cfg
+      assert tuning.choose("forward", **dict(SHAPE, num_rows=1025)) == tuning.heuristic(
+          "forward", **dict(SHAPE, num_rows=1025))
+      # Other dtype, channels or pass: not this key.
+      assert tuning.choose("forward", **dict(SHAPE, dtype=jnp.float16)) == tuning.heuristic(
+          "forward", **dict(SHAPE, dtype=jnp.float16))
+      assert tuning.choose("input_grad", **SHAPE) == tuning.heuristic("input_grad", **SHAPE)
+      # A named algorithm bypasses every table.
+      for algo in ("explicit", "implicit", "masked", "masked_splitk", "implicit_splitk"):
+        assert tuning.choose("forward", **SHAPE, algorithm=algo) == tuning.heuristic("forward", **SHAPE,
+                                                                                     algorithm=algo)
+        assert tuning.choose("weight_grad", **SHAPE, algorithm=algo) == tuning.heuristic(
+            "weight_grad", **SHAPE, algorithm=algo)
+    assert tuning.choose("forward", **SHAPE) == outer_cfg
+    # Entering the inner table again after an exception inside it still restores the outer one.
+    with pytest.raises(RuntimeError):
+      with inner:
+        assert tuning.choose("forward", **SHAPE) == inner_cfg
+        raise RuntimeError
+    assert tuning.choose("forward", **SHAPE) == outer_cfg
+    # The same table entered twice (re-entrant) stays active until the outer `with` ends.
+    with inner:
+      with inner:
+        pass
+      assert tuning.choose("forward", **SHAPE) == inner_cfg
+    assert tuning.choose("forward", **SHAPE) == outer_cfg
+  assert list(tuning.active_tables()) == []
+  assert tuning.choose("forward", **SHAPE) == heur
+  assert tuning.choose("weight_grad", **SHAPE) == tuning.heuristic("weight_grad", **SHAPE)
+
+
+def test_plan_block_sizes_follow_active_tables():
+  if jax.default_backend() == "gpu":
+    pytest.skip("a shipped table may be active on a GPU")
+  base = default_block_m(1000)
+  assert tuning.plan_block_sizes(1000) == (base,)
+  odd = 16 if base != 16 else 32
+  table = tuning.ConfigTable({
+      tuning.shape_key("input_grad", **SHAPE): tuning.PassConfig("masked", TileConfig(odd, 16, 16)),
+      # Weight-gradient and non-masked entries need no masked plan; nor does another capacity bucket.
+      tuning.shape_key("weight_grad", **SHAPE): tuning.PassConfig("masked", TileConfig(256, 16, 16)),
+      tuning.shape_key("forward", **SHAPE): tuning.PassConfig("implicit", TileConfig(512, 16, 16)),
+      tuning.shape_key("forward", **dict(SHAPE, num_rows=5000)): tuning.PassConfig("masked",
+                                                                                   TileConfig(1024, 16, 16)),
+  })
+  with table:
+    assert tuning.plan_block_sizes(1000) == tuple(sorted({base, odd}))
+  assert tuning.plan_block_sizes(1000) == (base,)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shipped tables
+
+
+class _FakeH200:
+  device_kind = "NVIDIA H200"
+
+
+def test_no_shipped_table_off_the_gpu_but_h200_table_loads(monkeypatch):
+  if jax.default_backend() == "gpu":
+    pytest.skip("checks the CPU behaviour")
+  assert tuning.shipped_table() is None
+  # Even where the first device calls itself an H200, a non-GPU backend gets no shipped table.
+  with monkeypatch.context() as mp:
+    mp.setattr(jax, "devices", lambda *a, **k: [_FakeH200()])
+    assert tuning.shipped_table() is None
+    assert list(tuning.active_tables()) == []
+  assert tuning.shipped_table("Some GPU without a table") is None
+  h200 = tuning.shipped_table("NVIDIA H200")
+  assert isinstance(h200, tuning.ConfigTable)
+  assert h200 is tuning.shipped_table("NVIDIA H200")  # loaded once
+  assert h200.device_kind == "NVIDIA H200"
+  assert len(h200) > 0
+  passes_seen = set()
+  for key, cfg in h200.entries.items():
+    m = KEY_RE.fullmatch(key)
+    assert m, key
+    p, n, ci, co, v, dtype = m.groups()
+    passes_seen.add(p)
+    assert tuning.shape_key(p, int(n), int(ci), int(co), int(v), jnp.dtype(dtype)) == key
+    assert int(n) & (int(n) - 1) == 0
+    _check_consistent(cfg)
+    assert cfg.algorithm != "explicit"
+  assert passes_seen == set(tuning.PASSES)
+
+  # Loaded but not active off the GPU: choose still gives the heuristic; inside `with h200:` the entries.
+  differs = [k for k, cfg in h200.entries.items()
+             if cfg != tuning.heuristic(*_key_args(k))]
+  assert differs, "every shipped entry equals the heuristic; the check below would be vacuous"
+  key = differs[0]
+  assert tuning.choose(*_key_args(key)) == tuning.heuristic(*_key_args(key))
+  with h200:
+    for k, cfg in h200.entries.items():
+      assert tuning.choose(*_key_args(k)) == cfg
+
+  # On an H200 it is active by default, after every entered table.
+  mine = tuning.PassConfig("masked", TileConfig(16, 16, 16))
+  with monkeypatch.context() as mp:
+    mp.setattr(jax, "devices", lambda *a, **k: [_FakeH200()])
+    mp.setattr(jax, "default_backend", lambda: "gpu")
+    assert tuning.shipped_table() is h200
+    assert list(tuning.active_tables()) == [h200]
+    assert tuning.choose(*_key_args(key)) == h200.get(key)
+    with tuning.ConfigTable({key: mine}) as t:
+      assert list(tuning.active_tables()) == [t, h200]
+      assert tuning.choose(*_key_args(key)) == mine
+    assert tuning.choose(*_key_args(key)) == h200.get(key)
+  assert tuning.choose(*_key_args(key)) == tuning.heuristic(*_key_args(key))
+
+
+def _key_args(key):
+  p, n, ci, co, v, dtype = KEY_RE.fullmatch(key).groups()
+  return p, int(n), int(ci), int(co), int(v), jnp.dtype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# heuristic
+
+
+HEUR_SHAPES = [(60, 4, 8, 27), (256, 64, 32, 1), (1024, 1024, 1024, 27), (100_000, 32, 64, 27),
+               (1 << 20, 128, 128, 27)]
+
+
+@pytest.mark.parametrize("pass_name", tuning.PASSES)
+def test_heuristic_names_agree_with_tiles(pass_name):
+  gemm = pass_name != "weight_grad"
+  for shape in HEUR_SHAPES:
+    for dtype in (jnp.float32, jnp.float16, jnp.bfloat16):
+      for algo in tuning.ALGORITHMS:
+        cfg = tuning.heuristic(pass_name, *shape, dtype, algo)
+        _check_consistent(cfg)
+        if algo == "explicit":
+          assert cfg == tuning.PassConfig("explicit", None)
+          continue
+        assert cfg.tiles.split >= 1
+        if algo == "auto":
+          # One offset has nothing to skip: the implicit GEMM; otherwise masked.
+          assert cfg.masked == (shape[3] > 1), (shape, cfg)
+          continue
+        # A named algorithm keeps its family; a non-split one never splits.
+        assert cfg.masked == algo.startswith("masked"), (algo, cfg)
+        if not algo.endswith("_splitk"):
+          assert cfg.algorithm == algo and cfg.tiles.split == 1
+        elif gemm:
+          assert cfg.algorithm == algo and cfg.tiles.split > 1
+
+
+def test_heuristic_and_choose_reject_bad_names():
+  with pytest.raises(ValueError, match="algorithm"):
+    tuning.heuristic("forward", 64, 4, 8, 27, jnp.float32, "fastest")
+  with pytest.raises(ValueError, match="algorithm"):
+    tuning.choose("forward", 64, 4, 8, 27, jnp.float32, "fastest")
+  for bad in ("weightgrad", "backward", "auto"):
+    with pytest.raises(ValueError, match="pass"):
+      tuning.heuristic(bad, 64, 4, 8, 27, jnp.float32)
+    with pytest.raises(ValueError, match="pass"):
+      tuning.heuristic(bad, 64, 4, 8, 27, jnp.float32, "explicit")
+    with pytest.raises(ValueError, match="pass"):
+      tuning.choose(bad, 64, 4, 8, 27, jnp.float32)
+  with pytest.raises(ValueError, match="algorithm"):
+    tuning.check_algorithm("masked-splitk")
+  assert tuning.check_algorithm("masked_splitk") == "masked_splitk"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# autotune (interpret mode off the GPU)
+
+CIN, COUT = 4, 8
+GEMM_CANDIDATES = [
+    tuning.PassConfig("masked", TileConfig(16, 16, 16, 4, 2, 1)),
+    tuning.PassConfig("implicit_splitk", TileConfig(32, 16, 16, 4, 2, 2, columns_fastest=True)),
+]
+WG_CANDIDATES = [
+    tuning.PassConfig("masked", TileConfig(16, 16, 16, 4, 2, 1)),
+    tuning.PassConfig("implicit_splitk", TileConfig(16, 16, 32, 4, 3, 2)),
+]
+
+
+def _problem():
+  rng = np.random.default_rng(5)
+  x = random_sparse(rng, (5, 5, 5), CIN, density=0.45, pad=5, min_sites=40)
+  w = jnp.asarray(rng.standard_normal((3, 3, 3, CIN, COUT)).astype(np.float32) / np.sqrt(27 * CIN))
+  b = jnp.asarray(rng.standard_normal(COUT).astype(np.float32))
+  return x, w, b
+
+
+@pytest.fixture(scope="module")
+def tuned():
+  """autotune on ~60 voxels with two candidates per pass (records how the candidate lists were asked for)."""
+  x, w, b = _problem()
+  asked = []
+
+  def gemm(num_rows, k, n, num_offsets, dtype):
+    asked.append(("gemm", num_rows, k, n, num_offsets, jnp.dtype(dtype)))
+    return list(GEMM_CANDIDATES)
+
+  def wg(num_rows, cin, cout, num_offsets, dtype):
+    asked.append(("wg", num_rows, cin, cout, num_offsets, jnp.dtype(dtype)))
+    return list(WG_CANDIDATES)
+
+  def fn(feats, w, b):
+    xs = x.replace(feats=feats)
+    y1 = jsparse.submconv3d(xs, w, b, implementation="pallas", precision="highest")
+    # A second convolution of the same shapes (reusing the map y1 carries) is tuned once.
+    y2 = jsparse.submconv3d(y1.replace(feats=feats), 2 * w, implementation="pallas", precision="highest")
+    return y1.feats + y2.feats
+
+  lines = []
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(autotuning, "gemm_candidates", gemm)
+    mp.setattr(autotuning, "weight_grad_candidates", wg)
+    table = jsparse.autotune(fn, x.feats, w, b, warmup=0, repeats=1, log=lines.append)
+  return table, asked, lines, (x, w, b)
+
+
+def test_autotune_keys_and_choices(tuned):
+  table, asked, lines, (x, w, b) = tuned
+  cap = x.capacity
+  assert 40 <= cap <= 128
+  assert isinstance(table, tuning.ConfigTable)
+  assert table.device_kind is None  # off the GPU
+  expected = {tuning.shape_key(p, cap, CIN, COUT, 27, jnp.float32): (p, CIN, COUT) for p in tuning.PASSES}
+  assert set(table.entries) == set(expected)
+  for key, (p, cin, cout) in expected.items():
+    cfg = table.get(key)
+    assert cfg in (WG_CANDIDATES if p == "weight_grad" else GEMM_CANDIDATES), (key, cfg)
+    assert any(line.startswith(f"best {key}:") for line in lines)
+  # The candidate lists were asked for with the pass's GEMM shape (input_grad swaps K and N), once per pass
+  # although two convolutions of these shapes ran.
+  f32 = jnp.dtype(jnp.float32)
+  assert asked == [("gemm", cap, CIN, COUT, 27, f32), ("gemm", cap, COUT, CIN, 27, f32),
+                   ("wg", cap, CIN, COUT, 27, f32)]
+  # Every candidate was timed (none failed).
+  timed = [line for line in lines if line.endswith(" ms") and not line.startswith("best")]
+  assert len(timed) == 3 * 2, lines
+  assert not any("failed" in line for line in lines)
+
+
+def test_tuned_table_drives_the_convolution(tuned, monkeypatch, tmp_path):
+  if jax.default_backend() == "gpu":
+    pytest.skip("a shipped table may be active on a GPU")
+  table, _, _, (x, w, b) = tuned
+  cap = x.capacity
+  shape = (cap, CIN, COUT, 27, jnp.float32)
+  tuned_cfgs = {p: table.get(tuning.shape_key(p, *shape)) for p in tuning.PASSES}
+  # The tuned entries are not what the heuristic would pick, so using them is observable.
+  for p, cfg in tuned_cfgs.items():
+    assert cfg != tuning.heuristic(p, *shape)
+    assert tuning.choose(p, *shape) == tuning.heuristic(p, *shape)
+
+  # Saved and loaded, the table drives the convolution the same way.
+  table.save(str(tmp_path / "tuned.json"))
+  loaded = tuning.ConfigTable.load(str(tmp_path / "tuned.json"))
+  assert loaded.entries == table.entries
+
+  chosen = []
+  real_choose = tuning.choose
+
+  def spy(*args, **kw):
+    cfg = real_choose(*args, **kw)
+    chosen.append((args[0], cfg))
+    return cfg
+
+  monkeypatch.setattr(tuning, "choose", spy)
+  rng = np.random.default_rng(9)
+  cot = jnp.asarray(rng.standard_normal((cap, COUT)).astype(np.float32))
+
+  def loss(feats, w, b, impl):
+    y = jsparse.submconv3d(x.replace(feats=feats), w, b, implementation=impl, precision="highest")
+    return jnp.sum(y.feats * cot), y.feats
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+  with loaded:
+    for p in tuning.PASSES:
+      assert real_choose(p, *shape) == tuned_cfgs[p]
+    # Traced inside the context (a fresh jit), so it picks the tuned configs.
+    (_, yp), gp = jax.jit(grad, static_argnums=3)(x.feats, w, b, "pallas")
+  assert dict(chosen) == tuned_cfgs
+  assert [p for p, _ in chosen] == list(tuning.PASSES)
+  (_, yx), gx = jax.jit(grad, static_argnums=3)(x.feats, w, b, "xla")
+  assert rel_err(yp, yx) < 1e-5
+  assert np.all(np.asarray(yp[int(x.num):]) == 0)
+  for a, r in zip(gp, gx):
+    assert rel_err(a, r) < 1e-5
+  # Outside the context again: the heuristic.
+  for p in tuning.PASSES:
+    assert real_choose(p, *shape) == tuning.heuristic(p, *shape)
+
+
+def test_autotune_without_pallas_conv_raises():
+  x, w, b = _problem()
+
+  def fn(feats):
+    return jsparse.submconv3d(x.replace(feats=feats), w, b, implementation="xla").feats
+
+  with pytest.raises(ValueError, match="no Pallas"):
+    jsparse.autotune(fn, x.feats, warmup=0, repeats=1)
+  with pytest.raises(ValueError, match="no Pallas"):
+    jsparse.autotune(lambda a: a * 2, jnp.ones(3), warmup=0, repeats=1)

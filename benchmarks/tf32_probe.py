@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jsparse  # noqa: E402
-from benchmarks.workloads import sphere_shell_coords  # noqa: E402
+from benchmarks.probe_setup import open_log, shell_layer  # noqa: E402
 from jsparse.autotuning import _median_ms  # noqa: E402
 from pallas_kernels.gather_gemm import gather_gemm  # noqa: E402
 from pallas_kernels.gemm_plan import masked_plan, pair_lists  # noqa: E402
@@ -105,28 +105,16 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=20, help="0: run each variant twice, untimed (for a profiler)")
   p.add_argument("--plan", action="store_true", help="also time the neighbour map and the GEMM plans")
   a = p.parse_args(argv)
-  os.makedirs(a.out, exist_ok=True)
-  logf = open(os.path.join(a.out, "tf32_probe.log"), "a")
-
-  def log(msg):
-    print(msg, flush=True)
-    logf.write(msg + "\n")
-    logf.flush()
+  log = open_log(a.out, "tf32_probe.log")
 
   log(f"{jax.devices()[0].device_kind}; jax {jax.__version__}")
   res, c = a.res, a.channels
-  coords = sphere_shell_coords(res)
-  rng = np.random.default_rng(0)
-  feats32 = jnp.asarray(rng.standard_normal((len(coords), c)), jnp.float32)
-  x = jsparse.SparseTensor.from_coords(coords, feats32, (res,) * 3)
-  w32 = jnp.asarray(rng.standard_normal((27, c, c)) / np.sqrt(27 * c), jnp.float32)
+  x, w32, cache, flops = shell_layer(res, c)
+  rng = np.random.default_rng(1)
   dy32 = jnp.asarray(rng.standard_normal((x.capacity, c)), jnp.float32)
   dy32 = jnp.where(x.valid_mask()[:, None], dy32, 0)
-  cache = jsparse.neighbor_map(x, 3)
   nbr, num = cache.nbr, x.num
-  pairs = int(cache.num_pairs())
-  flops = 2 * pairs * c * c
-  log(f"RES {res}: {int(num)} voxels, {pairs} pairs, C {c}: {flops / 1e9:.1f} GFLOP per pass")
+  log(f"RES {res}: {int(num)} voxels, {int(cache.num_pairs())} pairs, C {c}: {flops / 1e9:.1f} GFLOP per pass")
   dtypes = {"f32": jnp.float32, "f16": jnp.float16}
   plans = {}
   fwd = [(d, k, t) for d, k, t in forward_variants() if re.search(a.only, fwd_tag(d, k, t))]

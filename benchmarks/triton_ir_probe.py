@@ -25,10 +25,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
-import jsparse  # noqa: E402
-from benchmarks.workloads import sphere_shell_coords  # noqa: E402
+from benchmarks.probe_setup import open_log, shell_layer  # noqa: E402
 from jsparse.autotuning import _median_ms  # noqa: E402
 from pallas_kernels.gather_gemm import gather_gemm  # noqa: E402
 from pallas_kernels.gemm_plan import masked_plan  # noqa: E402
@@ -83,27 +81,15 @@ def main(argv=None):
   p.add_argument("--only", default="")
   p.add_argument("--repeats", type=int, default=20)
   a = p.parse_args(argv)
-  os.makedirs(a.out, exist_ok=True)
-  logf = open(os.path.join(a.out, "triton_ir_probe.log"), "a")
-
-  def log(msg):
-    print(msg, flush=True)
-    logf.write(msg + "\n")
-    logf.flush()
+  log = open_log(a.out, "triton_ir_probe.log")
 
   import torch
   import triton
 
   log(f"{jax.devices()[0].device_kind}; jax {jax.__version__}; triton {triton.__version__}; torch {torch.__version__}")
   res, c = a.res, a.channels
-  coords = sphere_shell_coords(res)
-  rng = np.random.default_rng(0)
-  feats32 = jnp.asarray(rng.standard_normal((len(coords), c)), jnp.float32)
-  x = jsparse.SparseTensor.from_coords(coords, feats32, (res,) * 3)
-  w32 = jnp.asarray(rng.standard_normal((27, c, c)) / np.sqrt(27 * c), jnp.float32)
-  cache = jsparse.neighbor_map(x, 3)
+  x, w32, cache, flops = shell_layer(res, c)
   nbr, num = cache.nbr, x.num
-  flops = 2 * int(cache.num_pairs()) * c * c
   log(f"RES {res}: {int(num)} voxels, C {c}: {flops / 1e9:.1f} GFLOP per pass")
   saved_first_f32 = False
   for tag, dtype, kmajor, tiles in VARIANTS:

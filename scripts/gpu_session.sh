@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The one script a GPU call runs, from the repo root:
-#   bash scripts/gpu_session.sh [smoke] [tests] [suite] [kernels]      (no argument: tests suite kernels)
+#   bash scripts/gpu_session.sh [smoke] [tests] [suite] [kernels] [tune] [dataparallel]
+#                                                                     (no argument: tests suite kernels)
+# tune: benchmarks.tune_table (a shipped tuning table for this GPU, no FlexGEMM); dataparallel:
+# benchmarks.data_parallel (weak scaling over all GPUs of the machine).
 # Steps run in the order given, each under its own `timeout`, all within SESSION_BUDGET seconds (default 560,
 # under the device call's 600 s limit). Environment knobs:
 #   SUITE_ARGS="--rows 0,1,2 --dtypes fp16"   extra arguments of python -m benchmarks.suite
 #   KERNELS_ARGS="--sections gemm"            extra arguments of python -m benchmarks.kernels
 #   TESTS_ARGS="-k hash"                      extra pytest arguments
+#   TUNE_ARGS="--dtypes fp16"                 extra arguments of python -m benchmarks.tune_table
 #   TESTS_TIMEOUT / SMOKE_TIMEOUT / SUITE_TIMEOUT / KERNELS_TIMEOUT   per-step limits in seconds
 #   JSPARSE_COMMIT                            commit id recorded in the results (the device gets no .git)
 # FlexGEMM is built first if .anchors/install_flexgemm.sh exists (carry .anchors; see shared/anchors/README.md).
@@ -97,8 +101,16 @@ for i in "${!steps[@]}"; do
       # shellcheck disable=SC2086
       run_step kernels "$OUT/kernels.log" "$(limit "${KERNELS_TIMEOUT:-100000}")" \
         "$PY" -m benchmarks.kernels --out "$OUT" $KERNELS_ARGS ;;
+    tune)
+      secs=$(limit "${TUNE_TIMEOUT:-$(( $(remaining) - 15 ))}")
+      # shellcheck disable=SC2086
+      run_step tune "$OUT/tune.log" "$secs" \
+        "$PY" -m benchmarks.tune_table --out "$OUT" --time-budget $((secs > 120 ? secs - 60 : secs / 2)) $TUNE_ARGS ;;
+    dataparallel)
+      run_step dataparallel "$OUT/data_parallel.log" "$(limit "${DP_TIMEOUT:-200}")" \
+        "$PY" -m benchmarks.data_parallel --out "$OUT" ;;
     *)
-      log "unknown step '$step' (choose from smoke tests suite kernels)"; STATUS+=("$step: unknown") ;;
+      log "unknown step '$step' (choose from smoke tests suite kernels tune dataparallel)"; STATUS+=("$step: unknown") ;;
   esac
 done
 

@@ -96,7 +96,7 @@ each pass picks its own algorithm and tiles. This notebook shows how that choice
 your shapes, and how to read the benchmark against FlexGEMM. On a CPU it shows the same objects; timings
 only mean something on the GPU."""),
     new_code_cell("""%matplotlib inline
-import glob, json, os
+import json, os
 import jax, jax.numpy as jnp, numpy as np
 import matplotlib.pyplot as plt
 import jsparse
@@ -138,18 +138,13 @@ print(table, "| save/load:", type(jsparse.ConfigTable.from_json(table.to_json())
     new_markdown_cell("""## 3. Reading the benchmark
 `benchmarks/suite.py` times FlexGEMM's own workloads (sphere shells, stacks of 3x3x3 layers, neighbour map
 inside the timed region) for jsparse and FlexGEMM in one process on one GPU. ratio = FlexGEMM time / jsparse
-time, so > 1 means jsparse is faster. The files below are the H200 runs summarised in BENCHMARKS.md."""),
+time, so > 1 means jsparse is faster. The file below is the H200 result summarised in BENCHMARKS.md."""),
     new_code_cell("""root = os.path.join(os.path.dirname(os.path.abspath(jsparse.__file__)), "..", "benchmarks", "results")
 
-def quoted(path, r):
-    # BENCHMARKS.md quotes run 1 only for its untuned small-row inference (its train rows gave FlexGEMM less work).
-    return "ratio" in r and (not path.endswith("run1.json") or (r["mode"] == "inference" and r["res"] <= 32))
-
+path = os.path.join(root, "2026-11-23_h200_merged.json")   # the latest runs, merged (BENCHMARKS.md)
 rows = {}
-for path in sorted(glob.glob(os.path.join(root, "2026-11-22_h200_*run*.json"))):
-    for r in json.load(open(path))["results"]:
-        if quoted(path, r):
-            rows[(r["dtype"], r["mode"], r["row"])] = r
+if os.path.exists(path):
+    rows = {(r["dtype"], r["mode"], r["row"]): r for r in json.load(open(path))["results"] if "ratio" in r}
 print(len(rows), "workloads" if rows else "workloads: no result files next to this checkout")
 fig, axes = plt.subplots(1, 2, figsize=(11, 3), sharey=True)
 for ax, dtype in zip(axes, ["fp16", "tf32"]):
@@ -160,8 +155,9 @@ for ax, dtype in zip(axes, ["fp16", "tf32"]):
     ax.axhline(1.0, color="k", lw=0.8); ax.set_title(f"{dtype}: FlexGEMM time / jsparse time"); ax.legend()
 fig.tight_layout(); plt.close(fig)
 fig"""),
-    new_markdown_cell("""fp16 is ahead of FlexGEMM on average in both modes; float32 with TF32 is still behind (the Pallas float32
-dot path is slower; `docs/perf_notes.md` tracks the work). To reproduce on a GPU machine: `make bench`."""),
+    new_markdown_cell("""On the H200 (2026-11-23) fp16 is ahead of FlexGEMM in both modes (1.41x inference, 1.73x training, as
+geometric means); float32 with TF32 trains 1.55x faster, but its inference is behind on the small rows
+(0.78x on average). `docs/perf_notes.md` says why and what changed. To reproduce on a GPU machine: `make bench`."""),
 ]
 
 

@@ -9,9 +9,10 @@ deterministic per key (a numpy Generator is seeded from the key's bits).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jsparse.sparse_tensor import SparseTensor, round_capacity
+from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, _as_spatial_shape, round_capacity
 
 KINDS = ("sphere", "shell", "torus", "box")
 
@@ -83,11 +84,21 @@ def masks_to_tensor(masks, channels: int = 1, capacity=None, dtype=np.float32) -
     m = m[None]
   if m.ndim != 4:
     raise ValueError(f"masks must be [B, X, Y, Z] or [X, Y, Z], got shape {m.shape}")
-  coords = np.argwhere(m).astype(np.int32)  # row-major: sorted by linear key
+  if m.shape[0] * m[0].size > MAX_KEYS:
+    raise ValueError(f"masks of shape {m.shape} hold more than 2**31 - 1 sites: jsparse keys them by int32")
+  coords = np.argwhere(m).astype(np.int32)  # row-major: sorted by linear key, no duplicates
   n = len(coords)
   capacity = round_capacity(n) if capacity is None else int(capacity)
-  feats = np.ones((n, int(channels)), dtype)
-  return SparseTensor.from_coords(coords, feats, m.shape[1:], batch_size=m.shape[0], capacity=capacity)
+  if capacity < n:
+    raise ValueError(f"capacity {capacity} is smaller than the number of sites {n}")
+  # The rows are valid by construction, so pad on the host and build the tensor directly: from_coords
+  # would pad with jax ops, which compile anew for every number of sites (slow when making many batches).
+  coords_p = np.full((capacity, 4), -1, np.int32)
+  coords_p[:n] = coords
+  feats_p = np.zeros((capacity, int(channels)), dtype)
+  feats_p[:n] = 1
+  return SparseTensor(jnp.asarray(coords_p), jnp.asarray(feats_p), jnp.asarray(n, jnp.int32),
+                      _as_spatial_shape(m.shape[1:]), m.shape[0])
 
 
 def _single(mask, channels, capacity, return_dense):

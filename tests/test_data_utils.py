@@ -162,6 +162,22 @@ def test_random_shapes_deterministic_and_nonempty():
     shapes.random_shapes(key, 2, 8, kinds=("cone",))
 
 
+def test_masks_to_tensor_matches_from_coords():
+  m = shapes.random_shapes(jax.random.key(5), 3, 8, return_dense=True)[1]
+  t = shapes.masks_to_tensor(m, channels=2, capacity=1024)
+  ref = SparseTensor.from_coords(np.argwhere(m), np.ones((int(m.sum()), 2), np.float32), (8, 8, 8), batch_size=3,
+                                 capacity=1024)
+  for a, b in ((t.coords, ref.coords), (t.feats, ref.feats), (t.num, ref.num)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert (t.spatial_shape, t.batch_size, t.feats.dtype) == ((8, 8, 8), 3, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(shapes.masks_to_tensor(m[0]).todense())[0, ..., 0] > 0, m[0])
+  assert shapes.masks_to_tensor(np.zeros((2, 4, 4, 4), bool), capacity=8).num == 0
+  with pytest.raises(ValueError, match="capacity"):
+    shapes.masks_to_tensor(m, capacity=int(m.sum()) - 1)
+  with pytest.raises(ValueError, match="masks must be"):
+    shapes.masks_to_tensor(np.zeros((4, 4), bool))
+
+
 # ---- serialisation -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bits", [1, 3, 10])

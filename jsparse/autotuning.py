@@ -1,8 +1,8 @@
 """Measure-and-pick configs for the Pallas convolution passes: `jsparse.autotune(fn, *args)`.
 
-fn runs once eagerly (jit disabled) so that every submanifold convolution it makes reports its shapes and
-neighbour map; then each distinct (pass, shape bucket) is timed with candidate configs on that real map,
-and the fastest is kept. The result is a `ConfigTable`: a context manager that makes the choices active,
+fn runs once eagerly (jit disabled) so that every Pallas convolution it makes (submanifold, strided, inverse,
+transposed) reports its shapes and maps; then each distinct (pass, shape bucket) is timed with candidate
+configs on those real maps, and the fastest is kept. The result is a `ConfigTable`: a context manager that makes the choices active,
 and JSON to save and ship.
 
     table = jsparse.autotune(train_step, params, batch)
@@ -28,7 +28,11 @@ from pallas_kernels.tiling import TileConfig
 
 
 class ConvCall(NamedTuple):
-  """What one Pallas submanifold convolution reported while autotune recorded."""
+  """What one Pallas convolution reported while autotune recorded.
+
+  Submanifold convolutions map rows onto themselves. Strided / inverse / transposed ones (sparse_conv.py)
+  also give `transposed`, the input gradient's map over the input rows, and `num_in`, the valid input rows.
+  """
 
   num_rows: int
   cin: int
@@ -38,6 +42,8 @@ class ConvCall(NamedTuple):
   nbr: jax.Array
   num: jax.Array
   precision: object
+  transposed: jax.Array | None = None
+  num_in: jax.Array | None = None
 
 
 def record_call(call: ConvCall) -> None:
@@ -134,27 +140,34 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
   """Times the candidates of each pass for one recorded convolution; returns {shape key: best config}."""
   rng = np.random.default_rng(0)
   m, v = call.nbr.shape
-  x = jnp.asarray(rng.standard_normal((m, call.cin)), call.dtype)
+  # The input gradient's map, over the input rows (a submanifold map is its own transpose).
+  t_map = call.nbr if call.transposed is None else call.transposed
+  t_num = call.num if call.num_in is None else call.num_in
+  m_in = t_map.shape[0]
+  x = jnp.asarray(rng.standard_normal((m_in, call.cin)), call.dtype)
   g = jnp.asarray(rng.standard_normal((m, call.cout)), call.dtype)
   w = jnp.asarray(rng.standard_normal((v, call.cin, call.cout)) / np.sqrt(v * call.cin), call.dtype)
   pairs = pair_lists(call.nbr)
-  plans: dict[int, object] = {}
+  plans: dict[tuple[str, int], object] = {}
   best = {}
   for pass_name in passes:
+    rows = m_in if pass_name == "input_grad" else m  # the rows this pass writes (its shape key's rows)
     if pass_name == "weight_grad":
       cands = weight_grad_candidates(m, call.cin, call.cout, v, call.dtype)
     else:
       k, n = (call.cin, call.cout) if pass_name == "forward" else (call.cout, call.cin)
-      cands = gemm_candidates(m, k, n, v, call.dtype)
+      cands = gemm_candidates(rows, k, n, v, call.dtype)
+    pass_map, pass_num = (t_map, t_num) if pass_name == "input_grad" else (call.nbr, call.num)
     results = []
     for cfg in cands:
       if pass_name == "weight_grad":
         args = (x, g, call.nbr, call.num, pairs)
       else:
-        if cfg.masked and cfg.tiles.block_m not in plans:
-          plans[cfg.tiles.block_m] = jax.block_until_ready(masked_plan(call.nbr, call.num, cfg.tiles.block_m))
-        aux = plans.get(cfg.tiles.block_m) if cfg.masked else None
-        args = ((x if pass_name == "forward" else g), w, call.nbr, call.num, aux)
+        plan_key = (pass_name if call.transposed is not None else "", cfg.tiles.block_m)
+        if cfg.masked and plan_key not in plans:
+          plans[plan_key] = jax.block_until_ready(masked_plan(pass_map, pass_num, cfg.tiles.block_m))
+        aux = plans.get(plan_key) if cfg.masked else None
+        args = ((x if pass_name == "forward" else g), w, pass_map, pass_num, aux)
       try:
         ms = _median_ms(_pass_fn(pass_name, cfg, call.precision), args, warmup, repeats)
       except Exception as e:  # a config that fails to compile (e.g. out of shared memory) is skipped
@@ -166,7 +179,7 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
         log(f"  {pass_name} {cfg.algorithm} {cfg.tiles}: {ms:.3f} ms")
     if results:
       ms, cfg = min(results, key=lambda r: r[0])
-      key = tuning.shape_key(pass_name, m, call.cin, call.cout, v, call.dtype)
+      key = tuning.shape_key(pass_name, rows, call.cin, call.cout, v, call.dtype)
       best[key] = cfg
       if log:
         log(f"best {key}: {cfg} {ms:.3f} ms")
@@ -175,7 +188,7 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
 
 def autotune(fn: Callable, *args, passes=tuning.PASSES, warmup: int = 2, repeats: int = 10,
              log: Callable[[str], None] | None = None) -> tuning.ConfigTable:
-  """Tunes every Pallas submanifold convolution that `fn(*args)` runs (on the GPU, with the real maps).
+  """Tunes every Pallas convolution that `fn(*args)` runs (on the GPU, with the real maps).
 
   Returns a ConfigTable (a context manager; `.save(path)` / `ConfigTable.load(path)`). Functions traced
   while it is active use the tuned configs; functions already compiled keep theirs.
@@ -184,11 +197,12 @@ def autotune(fn: Callable, *args, passes=tuning.PASSES, warmup: int = 2, repeats
   with tuning.recording(calls), jax.disable_jit():
     jax.block_until_ready(fn(*args))
   if not calls:
-    raise ValueError("autotune: fn ran no Pallas submanifold convolution (is implementation 'xla' or no GPU?)")
+    raise ValueError("autotune: fn ran no Pallas convolution (is implementation 'xla' or no GPU?)")
   entries: dict[str, tuning.PassConfig] = {}
   done = set()
   for call in calls:
-    key = (call.nbr.shape, call.cin, call.cout, jnp.dtype(call.dtype).name)
+    key = (call.nbr.shape, None if call.transposed is None else call.transposed.shape, call.cin, call.cout,
+           jnp.dtype(call.dtype).name)
     if key in done:
       continue
     done.add(key)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse import dispatch, tuning
+from jsparse import autotuning, dispatch, tuning
 from jsparse.conv import _MapArrays, _PallasOptions, _submconv_pallas, check_weight, submconv_xla
 from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
 from jsparse.sparse_tensor import MAX_KEYS, SparseTensor
@@ -285,6 +285,9 @@ def _map_gemm(feats, w, bias, nbr, num, transposed, num_in, impl: dispatch.Imple
     return submconv_xla(feats, w, bias, nbr, num, precision=precision)
   m, v = nbr.shape
   cin, cout = w.shape[1], w.shape[2]
+  # Under jsparse.autotune (eager), report this map so its passes can be tuned too.
+  autotuning.record_call(autotuning.ConvCall(m, cin, cout, v, jnp.dtype(feats.dtype), nbr, num, precision,
+                                             transposed, num_in))
   configs = [tuning.choose("forward", m, cin, cout, v, feats.dtype, algorithm),
              tuning.choose("input_grad", feats.shape[0], cin, cout, v, feats.dtype, algorithm),
              tuning.choose("weight_grad", m, cin, cout, v, feats.dtype, algorithm)]

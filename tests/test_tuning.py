@@ -443,3 +443,49 @@ def test_autotune_without_pallas_conv_raises():
     jsparse.autotune(fn, x.feats, warmup=0, repeats=1)
   with pytest.raises(ValueError, match="no Pallas"):
     jsparse.autotune(lambda a: a * 2, jnp.ones(3), warmup=0, repeats=1)
+
+
+def test_autotune_tunes_strided_convolutions(monkeypatch):
+  """A strided sparse_conv3d under autotune reports its rectangular maps: forward and weight gradient are
+  keyed by the output rows, the input gradient by the input rows, each tuned on its own map; the table then
+  drives a jitted strided convolution whose values and gradients match the XLA path."""
+  x, w, b = _problem()
+  out_cap = jsparse.sparse_conv.pair_map(x, 3, stride=2, padding=1, implementation="xla").out_capacity
+  asked = []
+
+  def gemm(num_rows, k, n, num_offsets, dtype):
+    asked.append(("gemm", num_rows, k, n))
+    return list(GEMM_CANDIDATES)
+
+  def wg(num_rows, cin, cout, num_offsets, dtype):
+    asked.append(("wg", num_rows, cin, cout))
+    return list(WG_CANDIDATES)
+
+  def conv(feats, w, b, impl):
+    y = jsparse.sparse_conv3d(x.replace(feats=feats), w, b, stride=2, padding=1, out_capacity=out_cap,
+                              implementation=impl, precision="highest")
+    return y.feats
+
+  monkeypatch.setattr(autotuning, "gemm_candidates", gemm)
+  monkeypatch.setattr(autotuning, "weight_grad_candidates", wg)
+  table = jsparse.autotune(lambda f, w, b: conv(f, w, b, "pallas"), x.feats, w, b, warmup=0, repeats=1)
+  in_cap = x.capacity
+  assert out_cap != in_cap  # the test needs distinct row counts to tell the passes' keys apart
+  f32 = jnp.float32
+  assert set(table.entries) == {tuning.shape_key("forward", out_cap, CIN, COUT, 27, f32),
+                                tuning.shape_key("input_grad", in_cap, CIN, COUT, 27, f32),
+                                tuning.shape_key("weight_grad", out_cap, CIN, COUT, 27, f32)}
+  assert asked == [("gemm", out_cap, CIN, COUT), ("gemm", in_cap, COUT, CIN), ("wg", out_cap, CIN, COUT)]
+
+  def loss(feats, w, b, impl):
+    y = conv(feats, w, b, impl)
+    return jnp.sum(y * jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape) / y.size), y
+
+  with table:
+    (_, yp), gp = jax.jit(jax.value_and_grad(lambda f, w, b: loss(f, w, b, "pallas"), argnums=(0, 1, 2),
+                                             has_aux=True))(x.feats, w, b)
+  (_, yx), gx = jax.value_and_grad(lambda f, w, b: loss(f, w, b, "xla"), argnums=(0, 1, 2), has_aux=True)(
+      x.feats, w, b)
+  assert rel_err(yp, yx) < 1e-5
+  for a, r in zip(gp, gx):
+    assert rel_err(a, r) < 1e-5

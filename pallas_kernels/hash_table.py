@@ -111,6 +111,28 @@ def _swap(ref, idx, val, mask, interpret: bool):
   return jnp.where(mask, old, EMPTY)
 
 
+def _walk(step, carry, key, active, *, tmask: int, max_probes: int):
+  """The bounded linear-probing walk the three loops share.
+
+  From each key's home slot, `step(carry, slot, active) -> (carry, active)` runs while any lane is active,
+  at most ``max_probes`` times; lanes still active move one slot on. Returns (carry, slot, active), the
+  active lanes being those cut off by the bound (overflow).
+  """
+
+  def cond(c):
+    it, _, _, active = c
+    return (it < max_probes) & _any(active)
+
+  def body(c):
+    it, carry, slot, active = c
+    carry, active = step(carry, slot, active)
+    slot = jnp.where(active, (slot + 1) & jnp.int32(tmask), slot)
+    return it + 1, carry, slot, active
+
+  _, carry, slot, active = lax.while_loop(cond, body, (jnp.int32(0), carry, _home(key, tmask), active))
+  return carry, slot, active
+
+
 def insert_loop(table_ref, key, active, *, tmask: int, max_probes: int, interpret: bool, ks: int = 1):
   """Last-come-first-served insertion of each active lane's key (module docstring, kernel 1).
 
@@ -119,21 +141,12 @@ def insert_loop(table_ref, key, active, *, tmask: int, max_probes: int, interpre
   still carrying a key after ``max_probes`` swaps (overflow).
   """
 
-  def cond(c):
-    it, _, _, active = c
-    return (it < max_probes) & _any(active)
-
-  def body(c):
-    it, cur, slot, active = c
+  def step(cur, slot, active):
     old = _swap(table_ref, slot * ks, cur, active, interpret)
-    done = (old == EMPTY) | (old == cur)
-    active = active & jnp.logical_not(done)
-    cur = jnp.where(active, old, cur)
-    slot = jnp.where(active, (slot + 1) & jnp.int32(tmask), slot)
-    return it + 1, cur, slot, active
+    active = active & jnp.logical_not((old == EMPTY) | (old == cur))
+    return jnp.where(active, old, cur), active
 
-  _, _, _, active = lax.while_loop(cond, body, (jnp.int32(0), key, _home(key, tmask), active))
-  return active
+  return _walk(step, key, key, active, tmask=tmask, max_probes=max_probes)[2]
 
 
 def insert_absent_loop(table_ref, key, active, *, tmask: int, max_probes: int, interpret: bool):
@@ -149,24 +162,15 @@ def insert_absent_loop(table_ref, key, active, *, tmask: int, max_probes: int, i
   after ``max_probes`` steps (overflow). One int32 word per slot.
   """
 
-  def cond(c):
-    it, _, _, active = c
-    return (it < max_probes) & _any(active)
-
-  def body(c):
-    it, cur, slot, active = c
+  def step(cur, slot, active):
     seen = plgpu.load(table_ref.at[slot], mask=active, other=EMPTY)
     claim = active & (seen == EMPTY)
     old = _swap(table_ref, slot, cur, claim, interpret)
     done = active & ((seen == cur) | (claim & ((old == EMPTY) | (old == cur))))
     evicted = claim & jnp.logical_not(done)  # a racing lane's key: carry it on
-    active = active & jnp.logical_not(done)
-    cur = jnp.where(evicted, old, cur)
-    slot = jnp.where(active, (slot + 1) & jnp.int32(tmask), slot)
-    return it + 1, cur, slot, active
+    return jnp.where(evicted, old, cur), active & jnp.logical_not(done)
 
-  _, _, _, active = lax.while_loop(cond, body, (jnp.int32(0), key, _home(key, tmask), active))
-  return active
+  return _walk(step, key, key, active, tmask=tmask, max_probes=max_probes)[2]
 
 
 def probe_loop(table_ref, key, active, *, tmask: int, max_probes: int, ks: int = 1):
@@ -176,21 +180,12 @@ def probe_loop(table_ref, key, active, *, tmask: int, max_probes: int, ks: int =
   and the lanes still searching after ``max_probes`` probes (overflow). A lookup stops at EMPTY.
   """
 
-  def cond(c):
-    it, _, _, active = c
-    return (it < max_probes) & _any(active)
-
-  def body(c):
-    it, slot, found, active = c
+  def step(found, slot, active):
     k = plgpu.load(table_ref.at[slot * ks], mask=active, other=EMPTY)
     hit = active & (k == key)
-    found = found | hit
-    active = active & jnp.logical_not(hit | (k == EMPTY))
-    slot = jnp.where(active, (slot + 1) & jnp.int32(tmask), slot)
-    return it + 1, slot, found, active
+    return found | hit, active & jnp.logical_not(hit | (k == EMPTY))
 
-  _, slot, found, active = lax.while_loop(
-      cond, body, (jnp.int32(0), _home(key, tmask), jnp.zeros_like(active), active))
+  found, slot, active = _walk(step, jnp.zeros_like(active), key, active, tmask=tmask, max_probes=max_probes)
   return slot, found, active
 
 
@@ -382,7 +377,7 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
       compiler_params=params_build,
       interpret=interpret,
       name="hash_build",
-  )(num_arr, coords_flat, same_vma(jnp.full((ks * tsize,), EMPTY, jnp.int32), coords_flat)[0])
+  )(*same_vma(num_arr, coords_flat, jnp.full((ks * tsize,), EMPTY, jnp.int32)))
 
   # 2. Fill the values (row index at each key's slot): into the key table itself when
   # interleaved (aliased through), else into a separate table. Values of EMPTY slots are never
@@ -400,7 +395,7 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
       compiler_params=params_build,
       interpret=interpret,
       name="hash_fill",
-  )(num_arr, coords_flat, keys, ovf)
+  )(*same_vma(num_arr, coords_flat, keys, ovf))
   if interleave:
     keys = vals  # the one table, keys and values
 

@@ -8,9 +8,11 @@
 - neighbour map: jsparse.neighbor_map (jitted) on the sphere shells of RES in --res; FlexGEMM's
   SubMConv3dFunction._compute_neighbor_cache (masked-GEMM plan, no backward data) beside it.
 - GEMM kernels on (RES, C) in --shapes, C -> C, 3x3x3, fp16 and tf32:
-  forward      pallas_kernels.gather_gemm.gather_gemm(x, w[V, Cin, Cout], nbr, num, bias)
+  forward      pallas_kernels.gather_gemm.conv_forward(x, w[V, Cin, Cout], nbr, num, bias) (the weight layout
+               submconv3d reads: a K-major copy for float32)
   input grad   gather_gemm(g, w, nbr, num, transpose_weight=True)
   weight grad  pallas_kernels.weight_grad.weight_grad(x, g, nbr)
+               and, for a masked config, beside it the same with TileConfig.balanced ("weight_grad_balanced")
   and FlexGEMM's forward layer (sparse_submanifold_conv3d with a prebuilt neighbour cache) beside them.
   Useful TFLOP/s = 2 * pairs * Cin * Cout / time.
 
@@ -28,6 +30,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # see suite.py: leave GPU memory to torch
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -42,7 +45,7 @@ from benchmarks.suite import (Interrupted, import_flexgemm, install_sigterm_hand
                               short_error, time_calls)
 from jsparse import tuning  # noqa: E402
 from jsparse.conv import submconv_xla  # noqa: E402
-from pallas_kernels.gather_gemm import gather_gemm  # noqa: E402
+from pallas_kernels.gather_gemm import conv_forward, gather_gemm  # noqa: E402
 from pallas_kernels.weight_grad import weight_grad  # noqa: E402
 
 DTYPES = {"fp16": jnp.float16, "tf32": jnp.float32}
@@ -157,9 +160,9 @@ def pass_fn(pass_name, cfg, interpret):
     if pass_name == "input_grad":
       return lambda x, g, w, b, m: jax.vjp(lambda f: submconv_xla(f, w, None, m["nbr"], m["num"]), x)[1](g)[0]
     return lambda x, g, w, b, m: jax.vjp(lambda w_: submconv_xla(x, w_, None, m["nbr"], m["num"]), w)[1](g)[0]
-  if pass_name == "forward":
-    return lambda x, g, w, b, m: gather_gemm(x, w, m["nbr"], m["num"], b, plan=m["plan_forward"], config=tiles,
-                                             precision=prec, interpret=interpret)
+  if pass_name == "forward":  # as the convolution runs it: conv_forward picks the weight layout
+    return lambda x, g, w, b, m: conv_forward(x, w, m["nbr"], m["num"], b, plan=m["plan_forward"], config=tiles,
+                                              precision=prec, interpret=interpret)
   if pass_name == "input_grad":
     return lambda x, g, w, b, m: gather_gemm(g, w, m["nbr"], m["num"], plan=m["plan_input_grad"],
                                              transpose_weight=True, config=tiles, precision=prec,
@@ -202,10 +205,15 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
         if "ms" in fr:
           fr["tflops"] = flops / (fr["ms"] * 1e-3) / 1e12
       for algorithm in args.algorithms:
-        for pass_name in tuning.PASSES:
-          rec = dict(base, kernel=pass_name, algorithm=algorithm, pairs=pairs)
+        for kernel in tuning.PASSES + ("weight_grad_balanced",):
+          pass_name = kernel.removesuffix("_balanced")
+          rec = dict(base, kernel=kernel, algorithm=algorithm, pairs=pairs)
           try:
             cfg = tuning.choose(pass_name, x0.capacity, c, c, 27, dt, algorithm)
+            if kernel != pass_name:  # the chosen weight-gradient tiles, balanced (needs pair lists: masked only)
+              if not cfg.masked or cfg.tiles.balanced:
+                continue
+              cfg = dataclasses.replace(cfg, tiles=dataclasses.replace(cfg.tiles, balanced=True))
             rec["config"] = f"{cfg.algorithm} {cfg.tiles}" if cfg.tiles else cfg.algorithm
             masked = cfg.masked and cfg.algorithm != "explicit"
             # The map and its plans are arguments (not jit constants), shared by all sets, built outside timing.
@@ -219,7 +227,7 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
             rows.append(rec)
             continue
           sets = [d + (maps,) for d in data]
-          r = guarded(f"{pass_name} {algorithm} RES {res} C {c} {dname}", bench_jax, fn, sets, args.warmup,
+          r = guarded(f"{kernel} {algorithm} RES {res} C {c} {dname}", bench_jax, fn, sets, args.warmup,
                       args.repeats)
           if "ms" in r:
             r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
@@ -235,7 +243,7 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
               except Exception as e:  # noqa: BLE001
                 rec["cross_check_error"] = short_error(e)
           rows.append(rec)
-          print(f"  {pass_name:11s} {algorithm:13s} RES {res:3d} C {c:3d} {dname}: {rec.get('config')}: "
+          print(f"  {kernel:11s} {algorithm:13s} RES {res:3d} C {c:3d} {dname}: {rec.get('config')}: "
                 f"jsparse {fmt(r)} ms" + (f" ({r['tflops']:.3g} TFLOP/s)" if "tflops" in r else "")
                 + (f", FlexGEMM {fmt(rec['flexgemm'])} ms" if "flexgemm" in rec else ""), flush=True)
       del data, x0, cache, fr

@@ -88,7 +88,11 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype) -> l
 
 
 def weight_grad_candidates(num_rows: int, cin: int, cout: int, num_offsets: int, dtype) -> list[tuning.PassConfig]:
-  """Weight-gradient candidates (float32 runs as bf16 products, so every dtype takes the same tiles)."""
+  """Weight-gradient candidates (float32 runs as bf16 products, so every dtype takes the same tiles).
+
+  Each tile shape that splits the sites also comes balanced (TileConfig.balanced: programs in proportion to
+  each offset's pairs), at the smaller split: balanced work items number about V * (split + 1).
+  """
   base = weight_grad_lib.default_config(num_rows, cin, cout, num_offsets, dtype)
   out, seen = [], set()
   shapes = [(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages),
@@ -98,13 +102,17 @@ def weight_grad_candidates(num_rows: int, cin: int, cout: int, num_offsets: int,
     bn = min(bn, max(16, 1 << max(cout - 1, 0).bit_length()))
     tiles = num_offsets * -(-cin // bm) * -(-cout // bn)
     want = max(1, min(-(-8 * tuning.gpu_num_sms() // tiles), max(1, num_rows // (8 * bk))))
-    for split in sorted({want, 2 * want} if num_rows >= 64 * bk else {1}):
-      cfg = (bm, bn, bk, warps, stages, split)
+    splits = sorted({want, 2 * want} if num_rows >= 64 * bk else {1})
+    variants = [(split, False) for split in splits]
+    if num_offsets > 1 and splits != [1]:
+      variants.append((splits[0], True))
+    for split, balanced in variants:
+      cfg = (bm, bn, bk, warps, stages, split, balanced)
       if cfg in seen:
         continue
       seen.add(cfg)
       out.append(tuning.PassConfig("masked_splitk" if split > 1 else "masked",
-                                   TileConfig(bm, bn, bk, warps, stages, split)))
+                                   TileConfig(bm, bn, bk, warps, stages, split, balanced=balanced)))
   return out
 
 

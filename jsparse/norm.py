@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jsparse import per_item
 from jsparse.sparse_tensor import SparseTensor
 
 __all__ = ["activation", "batch_statistics", "batch_norm", "layer_norm", "group_norm", "group_statistics"]
@@ -117,17 +118,13 @@ def group_statistics(x: SparseTensor, num_groups: int):
   """(mean, var), float32 [batch_size, num_groups]: over the channels of each group and the valid rows of
   each batch item. Batch items without valid rows get mean 0, var 0."""
   group_size = _check_groups(x.num_channels, num_groups)
+  one_hot = per_item.item_one_hot(x)  # sums per item as matmuls, not scatter-adds (see per_item.py)
   valid = x.valid_mask()
-  # Padding rows go to an extra segment (index batch_size) that is dropped.
-  seg = jnp.where(valid, x.coords[:, 0], x.batch_size)
-  nseg = x.batch_size + 1
   f = jnp.where(valid[:, None], x.feats.astype(jnp.float32), 0).reshape(x.capacity, num_groups, group_size)
-  rows = jax.ops.segment_sum(valid.astype(jnp.float32), seg, num_segments=nseg)[:-1]
-  denom = jnp.maximum(rows * group_size, 1.0)[:, None]
-  mean = jax.ops.segment_sum(jnp.sum(f, axis=-1), seg, num_segments=nseg)[:-1] / denom
-  row_mean = mean[jnp.minimum(seg, x.batch_size - 1)]  # [capacity, G]
-  centred = jnp.where(valid[:, None, None], f - row_mean[..., None], 0)
-  var = jax.ops.segment_sum(jnp.sum(centred * centred, axis=-1), seg, num_segments=nseg)[:-1] / denom
+  denom = jnp.maximum(per_item.count_per_item(one_hot) * group_size, 1.0)[:, None]
+  mean = per_item.sum_per_item(one_hot, jnp.sum(f, axis=-1)) / denom
+  centred = jnp.where(valid[:, None, None], f - per_item.per_row(one_hot, mean)[..., None], 0)
+  var = per_item.sum_per_item(one_hot, jnp.sum(centred * centred, axis=-1)) / denom
   return mean, var
 
 
@@ -141,8 +138,9 @@ def group_norm(x: SparseTensor, num_groups: int, scale=None, bias=None, *, epsil
   _check_affine("scale", scale, c)
   _check_affine("bias", bias, c)
   mean, var = group_statistics(x, num_groups)
-  b = jnp.clip(x.coords[:, 0], 0, x.batch_size - 1)  # padding rows: any item; they are zeroed after
-  inv = lax.rsqrt(var + epsilon)
+  one_hot = per_item.item_one_hot(x)  # padding rows get mean 0, scale 0; _finish zeroes them anyway
+  row_mean = per_item.per_row(one_hot, mean)
+  row_inv = per_item.per_row(one_hot, lax.rsqrt(var + epsilon))
   f = x.feats.astype(jnp.float32).reshape(x.capacity, num_groups, group_size)
-  y = ((f - mean[b][..., None]) * inv[b][..., None]).reshape(x.capacity, c)
+  y = ((f - row_mean[..., None]) * row_inv[..., None]).reshape(x.capacity, c)
   return _finish(x, y, scale, bias, dtype)

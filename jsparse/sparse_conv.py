@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse import autotuning, dispatch, tuning
+from jsparse import autotuning, dispatch, per_item, tuning
 from jsparse.conv import _MapArrays, _PallasOptions, _submconv_pallas, check_weight, submconv_xla
 from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
 from jsparse.sparse_tensor import MAX_KEYS, SparseTensor
@@ -504,15 +504,16 @@ def global_pool(x: SparseTensor, reduce: str = "mean") -> jax.Array:
   """
   if reduce not in _REDUCE:
     raise ValueError(f"reduce must be one of {_REDUCE}, got {reduce!r}")
-  valid = x.valid_mask()
-  seg = jnp.where(valid, x.coords[:, 0], x.batch_size)  # padding rows go to a dropped extra segment
-  n = x.batch_size + 1
-  counts = jax.ops.segment_sum(valid.astype(jnp.float32), seg, num_segments=n)[:-1]
+  # Per-item sums as one-hot matmuls, not segment sums (scatter-adds into batch_size slots: see per_item.py).
+  one_hot = per_item.item_one_hot(x)
+  counts = per_item.count_per_item(one_hot)
   if reduce == "max":
-    out = jax.ops.segment_max(x.feats, seg, num_segments=n)[:-1]
+    # A masked max over the rows for each item (fused by XLA, no [capacity, batch, C] buffer).
+    member = one_hot[:, :, None] > 0
+    out = jnp.max(jnp.where(member, x.feats[:, None, :], -jnp.inf), axis=0)
     out = jnp.where(counts[:, None] > 0, out, 0)
   else:
-    out = jax.ops.segment_sum(x.feats.astype(jnp.float32), seg, num_segments=n)[:-1]
+    out = per_item.sum_per_item(one_hot, x.feats)
     if reduce == "mean":
       out = out / jnp.maximum(counts, 1)[:, None]
   return out.astype(x.dtype)

@@ -64,12 +64,14 @@ def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int) -> MaskedPlan:
   order = jnp.argsort(key, stable=True).astype(jnp.int32)
   num_blocks = -(-cap // block_m)
   padded = num_blocks * block_m
-  sorted_has = jnp.zeros((padded, v), bool).at[:cap].set(has[order])
+  # Padding by jnp.pad, not `zeros(padded).at[:cap].set(...)`: inside a 2-device shard_map that full-range
+  # scatter (padded == cap) crashes XLA's Shardy canonicalizer (jax 0.11.2; segfault, seen on CPU and GPU).
+  sorted_has = jnp.pad(has[order], ((0, padded - cap), (0, 0)))
   used = jnp.any(sorted_has.reshape(num_blocks, block_m, v), axis=1)
   counts = jnp.sum(used, axis=1, dtype=jnp.int32)
   offsets = jnp.argsort(jnp.logical_not(used), axis=1, stable=True).astype(jnp.int32)
   # One gather straight into the [block, offset, lane] layout the kernel reads (no transposes).
-  lane_rows = jnp.full((padded,), -1, jnp.int32).at[:cap].set(jnp.where(valid[order], order, -1))
+  lane_rows = jnp.pad(jnp.where(valid[order], order, -1), (0, padded - cap), constant_values=-1)
   lane_rows = lane_rows.reshape(num_blocks, 1, block_m)
   flat = jnp.maximum(lane_rows, 0) * v + offsets[:, :, None]
   block_rows = jnp.where(lane_rows >= 0, jnp.reshape(nbr, (-1,))[flat], -1)

@@ -16,6 +16,10 @@ class TileConfig:
   split: how many programs share the reduction (partial sums are added afterwards); 1 = no split.
   columns_fastest (gather-GEMM only): launch the column blocks of a row block next to each other, so they
     read its gathered rows while those are still in L2 (else every column block re-gathers them from DRAM).
+  balanced (weight gradient only, needs pair lists): cut all offsets' pairs together into ~V * split equal
+    chunks and give each program one chunk of one offset, instead of cutting every offset into `split`
+    pieces: the full centre offset and a sparse corner one then get programs in proportion to their pairs,
+    so no program's share is tiny and the wave stays even (WarpConvNet's grouped weight-gradient GEMMs).
   """
 
   block_m: int = 64
@@ -25,6 +29,7 @@ class TileConfig:
   num_stages: int = 2
   split: int = 1
   columns_fastest: bool = False
+  balanced: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):

@@ -6,6 +6,12 @@ Programs tile (offset, Cin block, Cout block) and, with `split > 1`, also cut th
 `split` pieces whose float32 partial sums are added afterwards: with small channel counts the
 (offset, Cin, Cout) tiles alone are too few to fill the GPU.
 
+With pair lists the offsets' lengths differ a lot (on a surface the centre offset has every site, a corner
+one a fraction), yet every offset gets the same `split` programs. `TileConfig.balanced` instead cuts all
+offsets' pairs together into equal chunks (`balanced_work`), so programs get equal shares: each program
+takes one chunk of one offset, and the chunks' partial sums are added per offset afterwards. Both ways run
+the same loop; they differ only in which list entries [start, stop) of which offset a program takes.
+
 The reduction runs over sites, so both operand tiles are [sites, channels] with the channels contiguous:
 "MN-major" for the tensor cores. Hopper's TF32 MMA has no such mode and Triton restages float32 tiles
 through registers (measured ~50 TFLOP/s on an H200 against ~350 for fp16; transposed copies of x and dy
@@ -16,6 +22,7 @@ result is more accurate than TF32 (about 1e-5 relative instead of 3e-4).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,24 +50,68 @@ def default_config(num_rows: int, cin: int, cout: int, num_offsets: int, dtype) 
   return TileConfig(block_m, block_n, block_k, num_warps=4, num_stages=5, split=split)
 
 
-def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, split, cin, cout, block_m, block_n, block_k,
-                        bf16_split, precision):
+class WorkList(NamedTuple):
+  """The balanced weight gradient's work items: item w sums list entries [start[w], stop[w]) of offset[w]."""
+
+  offset: jax.Array  # int32 [W], non-decreasing
+  start: jax.Array  # int32 [W]
+  stop: jax.Array  # int32 [W]; unused items have start == stop (they add a zero tile)
+
+
+def balanced_work(counts: jax.Array, split: int, block_k: int) -> WorkList:
+  """Cuts the pair lists (counts[v] entries of offset v) into at most W = V * split + V pieces of about one size.
+
+  With chunk = ceil(total / (V * split)) rounded up to a multiple of block_k (at least block_k), offset v
+  takes n_v = ceil(counts[v] / chunk) consecutive items. These always fit in W: ceil(c / chunk) < c / chunk + 1
+  and chunk >= total / (V * split), so
+    sum_v n_v < total / chunk + V <= V * split + V = W.
+  The n_v items then share offset v's entries evenly, in pieces of ceil(counts[v] / n_v) rounded up to a
+  multiple of block_k (aligned loads): a piece is at most one chunk, and no item is left a sliver of a tail.
+  Built with XLA ops from the run-time counts (W is static; the chunk is a traced value).
+  """
+  v = counts.shape[0]
+  items = v * split
+  counts = counts.astype(jnp.int32)
+  total = jnp.sum(counts)
+  # ceil(ceil(total / items) / block_k) == ceil(total / (items * block_k)); at least one block when total is 0.
+  chunk = jnp.maximum(-(-total // (items * block_k)), 1) * block_k
+  per = -(-counts // chunk)  # items of each offset
+  piece = -(-counts // jnp.maximum(per * block_k, 1)) * block_k  # <= chunk, so (per - 1) * piece < counts
+  ends = jnp.cumsum(per)
+  w = jnp.arange(items + v, dtype=jnp.int32)
+  offset = jnp.searchsorted(ends, w, side="right").astype(jnp.int32)  # V past the last used item
+  used = offset < v
+  offset = jnp.minimum(offset, v - 1)
+  start = (w - (ends[offset] - per[offset])) * piece[offset]
+  stop = jnp.minimum(start + piece[offset], counts[offset])
+  return WorkList(offset, jnp.where(used, start, 0), jnp.where(used, stop, 0))
+
+
+def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, balanced, split, cin, cout, block_m, block_n,
+                        block_k, bf16_split, precision):
   refs = list(refs)
   o_ref = refs.pop()
   x_lo_ref, dy_lo_ref = (refs.pop(0), refs.pop(0)) if bf16_split else (None, None)
+  if balanced:
+    work_refs, refs = refs[-3:], refs[:-3]
   pair_rows_ref, pair_counts_ref, pair_sources_ref = refs if use_pairs else (None, None, None)
-  num_rows = nbr_ref.shape[0]
-  v = pl.program_id(0)
+  num_rows, num_offsets = nbr_ref.shape
   ci = pl.program_id(1) * block_m + jnp.arange(block_m)
   co = pl.program_id(2) * block_n + jnp.arange(block_n)
-  s = pl.program_id(3)
   ci_ok = ci < cin
   co_ok = co < cout
-  # Rows (or, with pair lists, list entries) [start, stop) belong to this program.
-  length = plgpu.load(pair_counts_ref.at[v]) if use_pairs else num_rows
-  per = pl.cdiv(pl.cdiv(length, split), block_k) * block_k
-  start = s * per
-  stop = jnp.minimum(start + per, length)
+  # Rows (or, with pair lists, list entries) [start, stop) of offset v belong to this program, whose
+  # partial sum goes to o_ref[out].
+  if balanced:  # one work item of balanced_work
+    out = pl.program_id(0)
+    v, start, stop = (plgpu.load(r.at[out]) for r in work_refs)
+  else:  # piece s of `split` equal pieces of offset v
+    v, s = pl.program_id(0), pl.program_id(3)
+    out = s * num_offsets + v
+    length = plgpu.load(pair_counts_ref.at[v]) if use_pairs else num_rows
+    per = pl.cdiv(pl.cdiv(length, split), block_k) * block_k
+    start = s * per
+    stop = jnp.minimum(start + per, length)
   steps = pl.cdiv(jnp.maximum(stop - start, 0), block_k)
   rk = jnp.arange(block_k)
 
@@ -93,7 +144,15 @@ def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, split, cin, co
     return lax.cond(jnp.max(has.astype(jnp.int32)) > 0, matmul, lambda acc: acc, acc)
 
   acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-  plgpu.store(o_ref.at[s, v, ci[:, None], co[None, :]], acc, mask=ci_ok[:, None] & co_ok[None, :])
+  plgpu.store(o_ref.at[out, ci[:, None], co[None, :]], acc, mask=ci_ok[:, None] & co_ok[None, :])
+
+
+def _sum_by_offset(partial: jax.Array, offset: jax.Array, num_offsets: int) -> jax.Array:
+  """sum_w [offset[w] == v] partial[w], as a product with a one-hot matrix rather than a segment_sum: XLA's
+  GPU scatter-add adds in a run-dependent order, and the weight gradient should not change between runs.
+  (Exact: every product is by 0 or 1; a non-finite partial would spread to every offset, as NaN.)"""
+  onehot = jax.nn.one_hot(offset, num_offsets, dtype=jnp.float32)
+  return jnp.einsum("wv,wkn->vkn", onehot, partial, precision=lax.Precision.HIGHEST)
 
 
 def _split_bf16(a):
@@ -121,7 +180,7 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
 
   x: [R, Cin] (gathered through nbr), dy: [M, Cout] (rows >= num must have nbr == -1), nbr: int32 [M, V].
   pairs: `gemm_plan.pair_lists(nbr)`: walk only the rows that have a neighbour at each offset (else all
-    rows, skipping chunks with none at run time).
+    rows, skipping chunks with none at run time). Required by a `config.balanced` config.
   precision: for float32, None/"tf32" (run as bf16 hi/lo products, see the module doc) or "highest"
     (full float32 products).
   Accumulates in float32; returns out_dtype (default x.dtype).
@@ -131,27 +190,40 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   if dy.shape[0] != m:
     raise ValueError(f"weight_grad: dy has {dy.shape[0]} rows, nbr has {m}")
   cfg = config or default_config(m, cin, cout, num_offsets, x.dtype)
+  if cfg.balanced and pairs is None:
+    raise ValueError("weight_grad: a balanced config (TileConfig.balanced) needs pair lists (pairs=...)")
   in_dtype = x.dtype
   bf16_split = uses_bf16_split(in_dtype, precision)
   dy = dy.astype(in_dtype)
   if bf16_split:
     (x, x_lo), (dy, dy_lo) = _split_bf16(x), _split_bf16(dy)
   kernel = functools.partial(
-      _weight_grad_kernel, use_pairs=pairs is not None, split=cfg.split, cin=cin, cout=cout,
-      block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, bf16_split=bf16_split,
+      _weight_grad_kernel, use_pairs=pairs is not None, balanced=cfg.balanced, split=cfg.split, cin=cin,
+      cout=cout, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, bf16_split=bf16_split,
       precision=dot_precision(precision, x.dtype))
   args = [x, dy, nbr]
   if bf16_split:
     args += [x_lo, dy_lo]
   if pairs is not None:
     args += [pairs.rows, pairs.counts, pairs.sources]
+  tiles = (pl.cdiv(cin, cfg.block_m), pl.cdiv(cout, cfg.block_n))
+  if cfg.balanced:
+    work = balanced_work(pairs.counts, cfg.split, cfg.block_k)
+    args += list(work)
+    num_partials, grid = work.offset.shape[0], (work.offset.shape[0],) + tiles
+  else:
+    num_partials, grid = cfg.split * num_offsets, (num_offsets,) + tiles + (cfg.split,)
   args = same_vma(*args)
   partial = pl.pallas_call(
       kernel,
-      out_shape=out_struct((cfg.split, num_offsets, cin, cout), jnp.float32, *args),
-      grid=(num_offsets, pl.cdiv(cin, cfg.block_m), pl.cdiv(cout, cfg.block_n), cfg.split),
+      out_shape=out_struct((num_partials, cin, cout), jnp.float32, *args),
+      grid=grid,
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="weight_grad",
   )(*args)
-  return jnp.sum(partial, axis=0).astype(out_dtype or in_dtype)
+  if cfg.balanced:
+    dw = _sum_by_offset(partial, work.offset, num_offsets)
+  else:
+    dw = jnp.sum(partial.reshape(cfg.split, num_offsets, cin, cout), axis=0)
+  return dw.astype(out_dtype or in_dtype)

@@ -99,6 +99,41 @@ def test_gpu_every_algorithm_matches_xla(algorithm):
     assert rel_err(a, r) < 1e-5
 
 
+
+@pytest.mark.parametrize("dtype, precision, tol", [(jnp.float16, None, 5e-3), (jnp.float32, "tf32", 1e-4),
+                                                   (jnp.float32, "highest", 1e-5)],
+                         ids=["float16", "float32-tf32", "float32-highest"])
+def test_gpu_balanced_weight_grad_matches_xla(dtype, precision, tol):
+  """TileConfig.balanced on a 128^3 sphere shell, C 64 (offsets' pair counts differ up to ~2.7x): the
+  weight gradient through submconv3d against the XLA path in float32, against the default split, and the
+  same in two runs."""
+  import dataclasses
+
+  from jsparse import tuning
+
+  c = 64
+  x = shell_tensor(128, c, dtype, pad=1000)
+  rng = np.random.default_rng(64)
+  w, b = _weights(rng, (3, 3, 3), c, c, True)
+  w, b = w.astype(dtype), b.astype(dtype)
+  cache_p = jsparse.neighbor_map(x, 3, implementation="pallas")
+  counts = np.asarray(cache_p.pair_lists().counts)
+  assert counts.max() > 2 * counts.min() > 0
+  cot = jnp.asarray(rng.standard_normal((x.capacity, c)).astype(np.float32))
+  x32 = x.replace(feats=x.feats.astype(jnp.float32))
+  _, gr = _grads(x32, w.astype(jnp.float32), b.astype(jnp.float32), cache_p, "xla", "highest", cot)
+  default = tuning.heuristic("weight_grad", x.capacity, c, c, 27, dtype)
+  assert default.masked and default.tiles.split > 1 and not default.tiles.balanced
+  balanced = dataclasses.replace(default, tiles=dataclasses.replace(default.tiles, balanced=True))
+  key = tuning.shape_key("weight_grad", x.capacity, c, c, 27, dtype)
+  dws = {}
+  for name, cfg in (("default", default), ("balanced", balanced), ("again", balanced)):
+    with tuning.ConfigTable({key: cfg}):
+      dws[name] = _grads(x, w, b, cache_p, "pallas", precision, cot)[1][1].astype(jnp.float32)
+  assert rel_err(dws["balanced"], gr[1]) < tol
+  assert rel_err(dws["balanced"], dws["default"]) < tol
+  np.testing.assert_array_equal(np.asarray(dws["again"]), np.asarray(dws["balanced"]))
+
 def test_gpu_strided_inverse_and_transposed_convs_match_xla():
   """The same GEMM kernels over rectangular maps (sparse_conv.py): values and gradients, 48^3 shell."""
   from jsparse.sparse_conv import sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d

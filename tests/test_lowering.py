@@ -84,3 +84,17 @@ def test_kernels_lower_inside_shard_map():
   text = lower_for_cuda(fn, _spec((m, 4), jnp.int32), _spec((1,), jnp.int32), _spec((m, cin), jnp.float16),
                         _spec((27, cin, cout), jnp.float16), _spec((m, cout), jnp.float16))
   assert text.count("__gpu$xla.gpu.triton") >= 6
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_balanced_weight_grad_lowers(dtype):
+  """The balanced weight gradient (work items read from small int32 arrays; float32 as bf16 hi/lo products)."""
+  from pallas_kernels.gemm_plan import pair_lists
+
+  m, v, cin, cout = 3000, 27, 64, 48
+  x, nbr, g = _spec((m, cin), dtype), _spec((m, v), jnp.int32), _spec((m, cout), dtype)
+  for cfg in (TileConfig(64, 32, 32, split=4, balanced=True), TileConfig(128, 64, 64, split=1, balanced=True)):
+    for precision in (None, "highest"):
+      text = lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, nbr, pairs=pair_lists(nbr), config=cfg,
+                                                          precision=precision), x, g, nbr)
+      assert "triton" in text

@@ -21,7 +21,8 @@ from reference import random_sparse, rel_err
 
 KEY_RE = re.compile(r"(forward|input_grad|weight_grad)/n(\d+)/ci(\d+)/co(\d+)/v(\d+)/(\w+)")
 # Every TileConfig field away from its default, so a field the JSON drops cannot round-trip by accident.
-ODD_TILES = TileConfig(block_m=32, block_n=128, block_k=16, num_warps=8, num_stages=3, split=4, columns_fastest=True)
+ODD_TILES = TileConfig(block_m=32, block_n=128, block_k=16, num_warps=8, num_stages=3, split=4, columns_fastest=True,
+                       balanced=True)
 
 
 def _check_consistent(cfg: tuning.PassConfig):
@@ -63,6 +64,7 @@ def test_config_table_json_round_trip(tmp_path):
   raw = json.loads(text)["entries"]
   assert raw["forward/n1024/ci32/co64/v27/float32"]["columns_fastest"] is True
   assert raw["forward/n1024/ci32/co64/v27/float32"]["split"] == 4
+  assert raw["forward/n1024/ci32/co64/v27/float32"]["balanced"] is True
   assert "block_m" not in raw["weight_grad/n1024/ci32/co64/v27/float32"]
 
   for back in (tuning.ConfigTable.from_json(text), None):
@@ -88,7 +90,7 @@ def test_config_json_older_entry_without_columns_fastest():
          "num_stages": 3, "split": 3}
   cfg = tuning.config_from_json(old)
   assert cfg == tuning.PassConfig("masked_splitk", TileConfig(128, 64, 32, 4, 3, 3, columns_fastest=False))
-  assert cfg.tiles.columns_fastest is False
+  assert cfg.tiles.columns_fastest is False and cfg.tiles.balanced is False
   table = tuning.ConfigTable.from_json(json.dumps({"entries": {"forward/n64/ci4/co8/v27/float32": old}}))
   assert table.device_kind is None
   assert table.get("forward/n64/ci4/co8/v27/float32").tiles.columns_fastest is False
@@ -289,6 +291,23 @@ def test_heuristic_names_agree_with_tiles(pass_name):
           assert cfg.algorithm == algo and cfg.tiles.split == 1
         elif gemm:
           assert cfg.algorithm == algo and cfg.tiles.split > 1
+
+
+def test_weight_grad_candidates_include_balanced():
+  """Where the sites are split, the tuner also times balanced weight gradients (masked: they need pair lists);
+  the heuristic itself never picks one."""
+  for shape in HEUR_SHAPES:
+    for dtype in (jnp.float32, jnp.float16):
+      cands = autotuning.weight_grad_candidates(*shape, dtype)
+      assert len(set(cands)) == len(cands)
+      for cfg in cands:
+        _check_consistent(cfg)
+      balanced = [c for c in cands if c.tiles.balanced]
+      assert all(c.masked for c in balanced)
+      splits = any(c.tiles.split > 1 for c in cands)
+      assert bool(balanced) == (splits and shape[3] > 1), (shape, cands)
+      assert not tuning.heuristic("weight_grad", *shape, dtype).tiles.balanced
+  assert any(c.tiles.balanced for c in autotuning.weight_grad_candidates(1 << 20, 128, 128, 27, jnp.float16))
 
 
 def test_heuristic_and_choose_reject_bad_names():

@@ -6,6 +6,7 @@ applied to their dense twins (and the other way round).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -40,7 +41,42 @@ def _triple(value, name: str, module: str) -> tuple[int, int, int]:
     raise type(e)(f"{module}: {e}") from None
 
 
-class SubMConv3d(nn.Module):
+class ConvParams(nn.Module):
+  """What every sparse convolution module shares with nn.Conv besides its geometry: the fields `use_bias,
+  dtype, param_dtype, precision, kernel_init, bias_init` (as nn.Conv) and `implementation` (None | "xla" |
+  "pallas", see `jsparse.submconv3d`), keyword-only so that each module lists just its own geometry fields
+  (features, kernel_size, strides, ...) in nn.Conv's positional order; and the creation of nn.Conv's
+  "kernel" (*kernel_size, in_features, features) and "bias" (features,) parameters."""
+
+  use_bias: bool = dataclasses.field(default=True, kw_only=True)
+  dtype: Dtype | None = dataclasses.field(default=None, kw_only=True)
+  param_dtype: Dtype = dataclasses.field(default=jnp.float32, kw_only=True)
+  precision: Any = dataclasses.field(default=None, kw_only=True)
+  kernel_init: Initializer = dataclasses.field(default=default_kernel_init, kw_only=True)
+  bias_init: Initializer = dataclasses.field(default=initializers.zeros_init(), kw_only=True)
+  implementation: str | None = dataclasses.field(default=None, kw_only=True)
+
+  def conv_params(self, x: SparseTensor, kernel_size) -> tuple[SparseTensor, jax.Array, jax.Array | None]:
+    """(x with promoted feats, kernel, bias) in the compute dtype (flax's promotion rule; `dtype` None
+    promotes the features' and the parameters' dtypes)."""
+    name = type(self).__name__
+    if not isinstance(self.features, int) or self.features <= 0:
+      raise ValueError(f"{name}: features must be a positive int, got {self.features!r}")
+    cin = x.num_channels
+    # flax would report a mismatch as "Initializer expected to generate shape ...": name the real problem.
+    if self.has_variable("params", "kernel"):
+      have = tuple(self.get_variable("params", "kernel").shape)
+      if len(have) == 5 and have[3] != cin:
+        where = f" '{'/'.join(self.path)}'" if self.path else ""
+        raise ValueError(f"{name}{where}: its kernel {have} expects {have[3]} input channels but the "
+                         f"input SparseTensor has {cin}")
+    kernel = self.param("kernel", self.kernel_init, (*kernel_size, cin, self.features), self.param_dtype)
+    bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+    feats, kernel, bias = flax_dtypes.promote_dtype(x.feats, kernel, bias, dtype=self.dtype)
+    return x.replace(feats=feats), kernel, bias
+
+
+class SubMConv3d(ConvParams):
   """Submanifold sparse 3D convolution (spconv's SubMConv3d) as a flax module.
 
   The output lives on the input's coordinates. It equals `nn.Conv(features, kernel_size, padding="SAME",
@@ -67,13 +103,6 @@ class SubMConv3d(nn.Module):
   strides: int | Sequence[int] = 1
   padding: str = "SAME"
   kernel_dilation: int | Sequence[int] = 1
-  use_bias: bool = True
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  precision: Any = None
-  kernel_init: Initializer = default_kernel_init
-  bias_init: Initializer = initializers.zeros_init()
-  implementation: str | None = None
   algorithm: str = "auto"
 
   def _checked_config(self):
@@ -89,28 +118,14 @@ class SubMConv3d(nn.Module):
       raise ValueError(f"{name}: padding must be 'SAME' (the output sites are the input sites), got "
                        f"{self.padding!r}")
     dilation = _triple(self.kernel_dilation, "kernel_dilation", name)
-    if not isinstance(self.features, int) or self.features <= 0:
-      raise ValueError(f"{name}: features must be a positive int, got {self.features!r}")
     return kernel_size, dilation
 
   @nn.compact
   def __call__(self, x: SparseTensor) -> SparseTensor:
-    name = type(self).__name__
-    _check_sparse(x, name)
+    _check_sparse(x, type(self).__name__)
     kernel_size, dilation = self._checked_config()
-    cin = x.num_channels
-    kernel_shape = (*kernel_size, cin, self.features)
-    # flax would report a mismatch as "Initializer expected to generate shape ...": name the real problem.
-    if self.has_variable("params", "kernel"):
-      have = tuple(self.get_variable("params", "kernel").shape)
-      if have[:3] == kernel_size and have[4:] == (self.features,) and have[3] != cin:
-        where = f" '{'/'.join(self.path)}'" if self.path else ""
-        raise ValueError(f"{name}{where}: its kernel {have} expects {have[3]} input channels but the "
-                         f"input SparseTensor has {cin}")
-    kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
-    bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
-    feats, kernel, bias = flax_dtypes.promote_dtype(x.feats, kernel, bias, dtype=self.dtype)
-    return submconv3d(x.replace(feats=feats), kernel, bias, dilation=dilation, implementation=self.implementation,
+    x, kernel, bias = self.conv_params(x, kernel_size)
+    return submconv3d(x, kernel, bias, dilation=dilation, implementation=self.implementation,
                       precision=self.precision, algorithm=self.algorithm)
 
 

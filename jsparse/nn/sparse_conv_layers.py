@@ -7,15 +7,12 @@ strided sparse convolution's output sites depend on it and explicit ints keep th
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import flax.linen as nn
-import jax.numpy as jnp
-from flax.linen import dtypes as flax_dtypes
-from flax.linen import initializers
 
 from jsparse import sparse_conv
-from jsparse.nn.layers import Dtype, Initializer, _check_sparse, default_kernel_init
+from jsparse.nn.layers import ConvParams, _check_sparse
 from jsparse.nn.layers import _triple as _triple_named
 from jsparse.sparse_tensor import SparseTensor
 
@@ -38,22 +35,7 @@ def _padding(value, module) -> tuple[int, int, int]:
   return _triple(value, "padding", module)
 
 
-class _ConvBase(nn.Module):
-  """Shared parameters: a (*kernel_size, in, features) "kernel" and a (features,) "bias", as nn.Conv."""
-
-  def _params(self, x: SparseTensor, kernel_size):
-    if not isinstance(self.features, int) or self.features <= 0:
-      raise ValueError(f"{type(self).__name__}: features must be a positive int, got {self.features!r}")
-    kernel = self.param("kernel", self.kernel_init, (*kernel_size, x.num_channels, self.features), self.param_dtype)
-    if kernel.shape[3] != x.num_channels:
-      raise ValueError(f"{type(self).__name__}: its kernel {kernel.shape} expects {kernel.shape[3]} input "
-                       f"channels but the input SparseTensor has {x.num_channels}")
-    bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
-    feats, kernel, bias = flax_dtypes.promote_dtype(x.feats, kernel, bias, dtype=self.dtype)
-    return x.replace(feats=feats), kernel, bias
-
-
-class SparseConv3d(_ConvBase):
+class SparseConv3d(ConvParams):
   """Strided sparse convolution (spconv's SparseConv3d): `jsparse.sparse_conv3d` with flax parameters.
 
   Equals nn.Conv(features, kernel_size, strides, padding=[(p, p)] * 3, kernel_dilation) on x.todense()
@@ -67,27 +49,20 @@ class SparseConv3d(_ConvBase):
   strides: int | Sequence[int] = 1
   padding: int | Sequence[int] | str = 0
   kernel_dilation: int | Sequence[int] = 1
-  use_bias: bool = True
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  precision: Any = None
-  kernel_init: Initializer = default_kernel_init
-  bias_init: Initializer = initializers.zeros_init()
   out_capacity: int | None = None
-  implementation: str | None = None
 
   @nn.compact
   def __call__(self, x: SparseTensor) -> SparseTensor:
     x = _sparse(x, self)
     ks = _triple(self.kernel_size, "kernel_size", self)
-    x, kernel, bias = self._params(x, ks)
+    x, kernel, bias = self.conv_params(x, ks)
     return sparse_conv.sparse_conv3d(
         x, kernel, bias, stride=_triple(self.strides, "strides", self), padding=_padding(self.padding, self),
         dilation=_triple(self.kernel_dilation, "kernel_dilation", self), out_capacity=self.out_capacity,
         implementation=self.implementation, precision=self.precision)
 
 
-class SparseInverseConv3d(_ConvBase):
+class SparseInverseConv3d(ConvParams):
   """spconv's SparseInverseConv3d: `jsparse.sparse_inverse_conv3d`, called as `module(y, like=x)` where y
   lives on the output coordinates of a SparseConv3d of x with the same kernel_size/strides/padding/dilation.
   The output is on x's coordinates. kernel: (*kernel_size, y channels, features)."""
@@ -97,47 +72,33 @@ class SparseInverseConv3d(_ConvBase):
   strides: int | Sequence[int] = 1
   padding: int | Sequence[int] | str = 0
   kernel_dilation: int | Sequence[int] = 1
-  use_bias: bool = True
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  precision: Any = None
-  kernel_init: Initializer = default_kernel_init
-  bias_init: Initializer = initializers.zeros_init()
-  implementation: str | None = None
 
   @nn.compact
   def __call__(self, y: SparseTensor, *, like: SparseTensor) -> SparseTensor:
     y = _sparse(y, self)
     like = _sparse(like, self)
     ks = _triple(self.kernel_size, "kernel_size", self)
-    y, kernel, bias = self._params(y, ks)
+    y, kernel, bias = self.conv_params(y, ks)
     return sparse_conv.sparse_inverse_conv3d(
         y, kernel, bias, like=like, stride=_triple(self.strides, "strides", self),
         padding=_padding(self.padding, self), dilation=_triple(self.kernel_dilation, "kernel_dilation", self),
         implementation=self.implementation, precision=self.precision)
 
 
-class SparseConvTranspose3d(_ConvBase):
+class SparseConvTranspose3d(ConvParams):
   """Generative upsampling (`jsparse.sparse_conv_transpose3d`): every site spawns its prod(strides)
   children; `module(x, mask=None)`, mask bool [x.capacity, prod(strides)] keeps a subset.
   kernel: (*strides, in, features); child t of c gets x[c] @ kernel[t]."""
 
   features: int
   strides: int | Sequence[int] = 2
-  use_bias: bool = True
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  precision: Any = None
-  kernel_init: Initializer = default_kernel_init
-  bias_init: Initializer = initializers.zeros_init()
   out_capacity: int | None = None
-  implementation: str | None = None
 
   @nn.compact
   def __call__(self, x: SparseTensor, mask=None) -> SparseTensor:
     x = _sparse(x, self)
     st = _triple(self.strides, "strides", self)
-    x, kernel, bias = self._params(x, st)
+    x, kernel, bias = self.conv_params(x, st)
     return sparse_conv.sparse_conv_transpose3d(x, kernel, bias, stride=st, out_capacity=self.out_capacity,
                                                mask=mask, implementation=self.implementation,
                                                precision=self.precision)

@@ -67,14 +67,15 @@ def conv_forward(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = No
   return gather_gemm(x, weight, nbr, num, bias, plan=plan, config=config, precision=precision, interpret=interpret)
 
 
-def _gather_gemm_kernel(num_ref, x_ref, w_ref, nbr_ref, *refs, num_offsets, k_dim, n_dim, block_m, block_n,
+def _gather_gemm_kernel(num_ref, x_ref, w_ref, *refs, num_rows, num_offsets, k_dim, n_dim, block_m, block_n,
                         block_k, split, transpose_weight, masked, skip_empty, has_bias, precision, columns_fastest):
   refs = list(refs)
   o_ref = refs.pop()
+  # The masked path reads only the plan (its gathered rows), not the neighbour map.
+  nbr_ref = None if masked else refs.pop(0)
   order_ref, offsets_ref, counts_ref, block_rows_ref = (
       (refs.pop(0), refs.pop(0), refs.pop(0), refs.pop(0)) if masked else (None,) * 4)
   bias_ref = refs.pop(0) if has_bias else None
-  num_rows = nbr_ref.shape[0]
   row_axis, col_axis = (1, 0) if columns_fastest else (0, 1)
   block = pl.program_id(row_axis)
   lanes = block * block_m + jnp.arange(block_m)
@@ -168,14 +169,15 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
     raise ValueError(f"gather_gemm: the plan was built for another block_m than config.block_m={cfg.block_m}")
   split = cfg.split
   kernel = functools.partial(
-      _gather_gemm_kernel, num_offsets=num_offsets, k_dim=k_dim, n_dim=n_dim, block_m=cfg.block_m,
+      _gather_gemm_kernel, num_rows=m, num_offsets=num_offsets, k_dim=k_dim, n_dim=n_dim, block_m=cfg.block_m,
       block_n=cfg.block_n, block_k=cfg.block_k, split=split, transpose_weight=transpose_weight,
       masked=plan is not None, skip_empty=skip_empty and plan is None, has_bias=bias is not None and split == 1,
       precision=dot_precision(precision, x.dtype), columns_fastest=cfg.columns_fastest)
   num = jnp.reshape(num, (1,)).astype(jnp.int32)
-  args = [num, x, weight.astype(x.dtype), nbr]
-  if plan is not None:
-    args += [plan.order, plan.block_offsets, plan.block_counts, plan.block_rows]
+  args = [num, x, weight.astype(x.dtype)]
+  # With a plan the kernel does not read nbr, so it is not an operand: a stack of layers sharing one map
+  # then does not keep the map alive once the plan is built (inference: V x rows int32 less at the peak).
+  args += [plan.order, plan.block_offsets, plan.block_counts, plan.block_rows] if plan is not None else [nbr]
   if bias is not None and split == 1:
     args.append(bias)
   args = same_vma(*args)

@@ -168,7 +168,26 @@ def main():
   assert min(jax.tree.leaves(jax.tree.map(rel_err, g_single[0], g_single[1]))) > 1e-2
 
   check_plans_inside_shard_map(mesh, xs)
+  check_pooled_statistics_offset_data(mesh, rng)
   print("OK")
+
+
+def check_pooled_statistics_offset_data(mesh, rng):
+  """norm.batch_statistics pooled over devices with different row counts, channel means far from zero and
+  unequal between devices (the one-psum parallel-variance formula's hard case) against float64 numpy."""
+  cap = jsparse.round_capacity(120)
+  xs = [make(rng, n, cap, channels=4) for n in (60, 110)]
+  xs = [x.replace(feats=x.feats * 0.5 + jnp.asarray([40.0, -25.0, 3.0, 0.0]) + 5.0 * i) for i, x in enumerate(xs)]
+
+  def stats(x):
+    mean, var = jsparse.norm.batch_statistics(jax.tree.map(lambda a: a[0], x), axis_name=AXIS)
+    return mean, var
+
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *xs)
+  mean, var = jax.jit(jax.shard_map(stats, mesh=mesh, in_specs=P(AXIS), out_specs=P()))(stacked)
+  rows = np.concatenate([np.asarray(x.feats[: int(x.num)], np.float64) for x in xs])
+  np.testing.assert_allclose(np.asarray(mean), rows.mean(0), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(var), rows.var(0), rtol=1e-4)
 
 
 def check_plans_inside_shard_map(mesh, xs):

@@ -121,9 +121,9 @@ def _check_groups(channels: int, num_groups: int) -> int:
   return channels // num_groups
 
 
-def group_statistics(x: SparseTensor, num_groups: int):
-  """(mean, var), float32 [batch_size, num_groups]: over the channels of each group and the valid rows of
-  each batch item. Batch items without valid rows get mean 0, var 0."""
+def _group_moments(x: SparseTensor, num_groups: int):
+  """(mean, var [batch_size, G], the valid rows centred on their item's group mean [capacity, G, group_size],
+  the item one-hot [capacity, batch_size]); padding rows of the centred array are zero."""
   group_size = _check_groups(x.num_channels, num_groups)
   one_hot = per_item.item_one_hot(x)  # sums per item as matmuls, not scatter-adds (see per_item.py)
   valid = x.valid_mask()
@@ -132,6 +132,13 @@ def group_statistics(x: SparseTensor, num_groups: int):
   mean = per_item.sum_per_item(one_hot, jnp.sum(f, axis=-1)) / denom
   centred = jnp.where(valid[:, None, None], f - per_item.per_row(one_hot, mean)[..., None], 0)
   var = per_item.sum_per_item(one_hot, jnp.sum(centred * centred, axis=-1)) / denom
+  return mean, var, centred, one_hot
+
+
+def group_statistics(x: SparseTensor, num_groups: int):
+  """(mean, var), float32 [batch_size, num_groups]: over the channels of each group and the valid rows of
+  each batch item. Batch items without valid rows get mean 0, var 0."""
+  mean, var, _, _ = _group_moments(x, num_groups)
   return mean, var
 
 
@@ -141,13 +148,10 @@ def group_norm(x: SparseTensor, num_groups: int, scale=None, bias=None, *, epsil
   group over the valid rows of the row's batch item (the sparse twin of flax's GroupNorm on [B, X, Y, Z, C],
   counting active sites only)."""
   c = x.num_channels
-  group_size = _check_groups(c, num_groups)
+  _check_groups(c, num_groups)
   _check_affine("scale", scale, c)
   _check_affine("bias", bias, c)
-  mean, var = group_statistics(x, num_groups)
-  one_hot = per_item.item_one_hot(x)  # padding rows get mean 0, scale 0; _finish zeroes them anyway
-  row_mean = per_item.per_row(one_hot, mean)
-  row_inv = per_item.per_row(one_hot, lax.rsqrt(var + epsilon))
-  f = x.feats.astype(jnp.float32).reshape(x.capacity, num_groups, group_size)
-  y = ((f - row_mean[..., None]) * row_inv[..., None]).reshape(x.capacity, c)
+  _, var, centred, one_hot = _group_moments(x, num_groups)
+  row_inv = per_item.per_row(one_hot, lax.rsqrt(var + epsilon))  # padding rows: 0 (and centred is 0 there)
+  y = (centred * row_inv[..., None]).reshape(x.capacity, c)
   return _finish(x, y, scale, bias, dtype)

@@ -508,9 +508,10 @@ def global_pool(x: SparseTensor, reduce: str = "mean") -> jax.Array:
   one_hot = per_item.item_one_hot(x)
   counts = per_item.count_per_item(one_hot)
   if reduce == "max":
-    # A masked max over the rows for each item (fused by XLA, no [capacity, batch, C] buffer).
-    member = one_hot[:, :, None] > 0
-    out = jnp.max(jnp.where(member, x.feats[:, None, :], -jnp.inf), axis=0)
+    # A scatter-max (no one-hot form for max: a masked max over [rows, batch, C] materialises that whole
+    # array in its gradient). Padding rows go to an extra segment that is dropped.
+    seg = jnp.where(x.valid_mask(), x.coords[:, 0], x.batch_size)
+    out = jax.ops.segment_max(x.feats, seg, num_segments=x.batch_size + 1)[:-1]
     out = jnp.where(counts[:, None] > 0, out, 0)
   else:
     out = per_item.sum_per_item(one_hot, x.feats)

@@ -24,3 +24,20 @@ def test_per_item_sums_match_numpy(seed):
   rows = np.asarray(per_item.per_row(one_hot, jnp.asarray(table)))
   np.testing.assert_array_equal(rows[:n], table[items])
   np.testing.assert_array_equal(rows[n:], 0)
+
+
+def test_global_pool_gradients_stay_row_sized():
+  """global_pool's gradients need O(rows x C) memory, not O(rows x batch x C): a masked max over a
+  [rows, batch, C] broadcast (once tried for "max") materialises that array in its gradient."""
+  import jax
+
+  import jsparse
+
+  n, b, c = 20_000, 32, 16
+  coords = np.stack([np.arange(n) % b, np.arange(n) // b % 32, np.arange(n) // b // 32, np.zeros(n)], -1)
+  x = jsparse.SparseTensor(jnp.asarray(coords, jnp.int32), jnp.ones((n, c), jnp.float32), jnp.asarray(n, jnp.int32),
+                           (32, 32, 32), b)
+  for reduce in ("max", "mean", "sum"):
+    loss = lambda f: jnp.sum(jsparse.global_pool(x.replace(feats=f), reduce) ** 2)  # noqa: E731
+    temp = jax.jit(jax.grad(loss)).lower(x.feats).compile().memory_analysis().temp_size_in_bytes
+    assert temp < n * b * c * 4 / 4, (reduce, temp)

@@ -27,8 +27,8 @@ import numpy as np  # noqa: E402
 import jsparse  # noqa: E402
 from benchmarks.probe_setup import open_log, shell_layer  # noqa: E402
 from jsparse.autotuning import _median_ms  # noqa: E402
-from pallas_kernels.gather_gemm import gather_gemm  # noqa: E402
-from pallas_kernels.gemm_plan import masked_plan, pair_lists  # noqa: E402
+from pallas_kernels.gather_gemm import conv_forward, gather_gemm  # noqa: E402
+from pallas_kernels.gemm_plan import gray_rank, masked_plan, pair_lists  # noqa: E402
 from pallas_kernels.tiling import TileConfig  # noqa: E402
 from pallas_kernels.weight_grad import weight_grad  # noqa: E402
 
@@ -91,9 +91,53 @@ def time_map_and_plan(log, x, repeats):
             (x.coords, x.num))]
   for bm in (64, 128):
     steps.append((f"masked plan (block {bm})", jax.jit(lambda nb, n, bm=bm: masked_plan(nb, n, bm)), (nbr, num)))
-  steps.append(("pair lists", jax.jit(pair_lists), (nbr,)))
+  steps.append(("pair lists (every offset packed)", jax.jit(pair_lists), (nbr,)))
+  steps.append(("pair lists (symmetric: half packed)", jax.jit(lambda nb: pair_lists(nb, True)), (nbr,)))
+
+  def sort_only(nb, n):  # the masked plan's Gray-code sort alone (bitmask, rank, stable argsort)
+    valid = jnp.arange(nb.shape[0]) < n
+    mask = jnp.sum(jnp.where(nb[:, :27] >= 0, jnp.left_shift(1, jnp.arange(min(27, nb.shape[1]))), 0), axis=1)
+    return jnp.argsort(jnp.where(valid, gray_rank(mask.astype(jnp.int32)), 2**31 - 1), stable=True)
+
+  steps.append(("masked plan: Gray-code sort alone", jax.jit(sort_only), (nbr, num)))
   for name, fn, args in steps:
     log(f"{name:44s} {_median_ms(fn, args, warmup=3, repeats=max(repeats, 5)):8.3f} ms")
+
+
+def small_row_probe(log, res_list, channels, repeats):
+  """Few rows, many channels (the suite's RES 8-32, C 1024 rows): where does a float32 forward's time go?
+
+  Times, per RES: the per-call K-major weight copy alone; conv_forward as the heuristic runs it; and the
+  gather-GEMM alone (weight already in each layout) over tiles x split-K, at float32 (TF32) and fp16.
+  """
+  T = TileConfig
+  for res in res_list:
+    x, w32, cache, flops = shell_layer(res, channels)
+    nbr, num = cache.nbr, x.num
+    log(f"-- small rows: RES {res}, {int(num)} voxels, C {channels}: {flops / 1e9:.1f} GFLOP per pass")
+    ref = jsparse.submconv_xla(x.feats, w32, None, nbr, num, precision="highest")
+    for dname, dt in (("f32", jnp.float32), ("f16", jnp.float16)):
+      w = w32.astype(dt)
+      wk = w[::-1].transpose(0, 2, 1)
+      copy = jax.jit(lambda w: jnp.flip(w, 0).transpose(0, 2, 1))
+      log(f"{'weight K-major copy ' + dname:44s} {_median_ms(copy, (w,), warmup=3, repeats=repeats):8.3f} ms")
+      heur = jsparse.tuning.heuristic("forward", x.capacity, channels, channels, 27, dt)
+      plan = masked_plan(nbr, num, heur.tiles.block_m)
+      fn = lambda f, w, t=heur.tiles, plan=plan: conv_forward(f, w, nbr, num, plan=plan, config=t, interpret=INTERPRET)
+      run_variant(log, f"conv_forward {dname} heuristic {heur.tiles}"[:44], fn, (x.feats.astype(dt), w), ref, flops,
+                  repeats)
+      for bm in ((32, 64) if dname == "f32" else (64,)):
+        plan = masked_plan(nbr, num, bm)
+        for bn, warps in ((64, 4), (128, 4), (256, 8)) if dname == "f32" else ((128, 4), (256, 8)):
+          bk = 32 if dname == "f32" else 64
+          for stages in (5,):
+            for split in (4, 8, 16, 32):
+              t = T(bm, bn, bk, warps, stages, split=split, columns_fastest=True)
+              for kmajor in ((True, False) if dname == "f32" and split == 16 else (True,)):
+                tag = f"{fwd_tag(dname, kmajor, t)}_split{split}"
+                fn = (lambda f, w, plan=plan, t=t, kmajor=kmajor:
+                      gather_gemm(f, w, nbr, num, plan=plan, config=t, transpose_weight=kmajor, interpret=INTERPRET))
+                run_variant(log, tag, fn, (x.feats.astype(dt), wk if kmajor else w), ref, flops, repeats)
 
 
 def main(argv=None):
@@ -104,8 +148,14 @@ def main(argv=None):
   p.add_argument("--only", default="", help="regex: run only the variants whose tag matches")
   p.add_argument("--repeats", type=int, default=20, help="0: run each variant twice, untimed (for a profiler)")
   p.add_argument("--plan", action="store_true", help="also time the neighbour map and the GEMM plans")
+  p.add_argument("--small", default="", help="comma-separated RES: run only the few-rows probe at those RES "
+                 "(with --channels)")
   a = p.parse_args(argv)
   log = open_log(a.out, "tf32_probe.log")
+  if a.small:
+    log(f"{jax.devices()[0].device_kind}; jax {jax.__version__}")
+    small_row_probe(log, [int(r) for r in a.small.split(",")], a.channels, a.repeats)
+    return 0
 
   log(f"{jax.devices()[0].device_kind}; jax {jax.__version__}")
   res, c = a.res, a.channels

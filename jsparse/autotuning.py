@@ -52,8 +52,13 @@ def record_call(call: ConvCall) -> None:
     rec.append(call)
 
 
-def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype) -> list[tuning.PassConfig]:
-  """Forward / input-gradient candidates: masked tiles of several shapes, each with and without split-K."""
+def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype,
+                    forward: bool = False) -> list[tuning.PassConfig]:
+  """Forward / input-gradient candidates: masked tiles of several shapes, each with and without split-K.
+
+  forward: also try the forward's other weight layout (TileConfig.weight_k_major) where it may win: on
+  few rows, where the per-call K-major copy of a float32 weight costs about what it saves.
+  """
   base = gather_gemm_lib.default_config(num_rows, k, n, dtype)
   n_cap = max(16, 1 << max(n - 1, 0).bit_length())
   k_cap = max(16, 1 << max(k - 1, 0).bit_length())
@@ -65,6 +70,13 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype) -> l
   else:
     shapes = [(128, 256, 32, 8, 5, True), (64, 256, 32, 4, 5, True), (128, 64, 32, 4, 5, True),
               (64, 128, 32, 4, 5, True)]
+  few_rows = num_rows <= 4096
+  layouts = [None]
+  if forward and few_rows and not half:
+    # 32-row blocks: on ~200-850 rows (RES 8-16, C 1024) these matched 64-row blocks reading the K-major copy
+    # without needing the copy (benchmarks/tf32_probe.py --small, H200).
+    shapes += [(32, 256, 32, 8, 5, True), (32, 128, 32, 4, 5, True)]
+    layouts = [None, False]
   out, seen = [], set()
   base_shape = (base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages, base.columns_fastest)
   sms = tuning.gpu_num_sms()
@@ -76,13 +88,17 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype) -> l
     if programs < sms:
       want = min(-(-2 * sms // programs), max(1, steps // 8), 16)
       splits |= {max(1, want // 2), want}
+      if few_rows:  # very few output tiles: deeper splits keep the weight stream spread over every SM
+        splits.add(max(1, min(2 * want, 32, steps // 8)))
     for split in sorted(splits):
-      cfg = (bm, bn, bk, warps, stages, split, cf)
-      if cfg in seen:
-        continue
-      seen.add(cfg)
-      name = "masked_splitk" if split > 1 else "masked"
-      out.append(tuning.PassConfig(name, TileConfig(bm, bn, bk, warps, stages, split, columns_fastest=cf)))
+      for layout in layouts:
+        cfg = (bm, bn, bk, warps, stages, split, cf, layout)
+        if cfg in seen:
+          continue
+        seen.add(cfg)
+        name = "masked_splitk" if split > 1 else "masked"
+        out.append(tuning.PassConfig(name, TileConfig(bm, bn, bk, warps, stages, split, columns_fastest=cf,
+                                                      weight_k_major=layout)))
   out.append(tuning.PassConfig("implicit", dataclasses.replace(base, split=1)))
   return out
 
@@ -116,15 +132,18 @@ def weight_grad_candidates(num_rows: int, cin: int, cout: int, num_offsets: int,
   return out
 
 
-def _median_ms(fn: Callable, args, warmup: int, repeats: int) -> float:
+def _median_ms(fn: Callable, args, warmup: int, repeats: int, inner: int = 4) -> float:
+  """Median over `repeats` of the time per call of `inner` back-to-back calls (then one device sync): a
+  single call's host dispatch (~0.1 ms) would otherwise swamp the kernels of few-row layers."""
   jax.block_until_ready(fn(*args))
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
+    outs = [fn(*args) for _ in range(inner)]
+    jax.block_until_ready(outs)
+    times.append((time.perf_counter() - t0) / inner)
   return 1e3 * float(np.median(times))
 
 
@@ -155,7 +174,7 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
   x = jnp.asarray(rng.standard_normal((m_in, call.cin)), call.dtype)
   g = jnp.asarray(rng.standard_normal((m, call.cout)), call.dtype)
   w = jnp.asarray(rng.standard_normal((v, call.cin, call.cout)) / np.sqrt(v * call.cin), call.dtype)
-  pairs = pair_lists(call.nbr)
+  pairs = pair_lists(call.nbr, symmetric=call.transposed is None)  # submanifold maps are symmetric
   plans: dict[tuple[str, int], object] = {}
   best = {}
   for pass_name in passes:
@@ -164,7 +183,7 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
       cands = weight_grad_candidates(m, call.cin, call.cout, v, call.dtype)
     else:
       k, n = (call.cin, call.cout) if pass_name == "forward" else (call.cout, call.cin)
-      cands = gemm_candidates(rows, k, n, v, call.dtype)
+      cands = gemm_candidates(rows, k, n, v, call.dtype, forward=pass_name == "forward")
     pass_map, pass_num = (t_map, t_num) if pass_name == "input_grad" else (call.nbr, call.num)
     results = []
     for cfg in cands:

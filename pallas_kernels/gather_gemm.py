@@ -43,13 +43,16 @@ def default_config(num_rows: int, k: int, n: int, dtype) -> TileConfig:
 
 
 def reads_weight_k_major(num_rows: int, config: TileConfig, dtype) -> bool:
-  """Whether `conv_forward` reads the weight through a K-contiguous copy.
+  """Whether `conv_forward` reads the weight through a K-contiguous copy (`config.weight_k_major`, or this rule).
 
   Tensor cores want the weight tile contiguous along the reduction. Hopper's TF32 MMA has no other mode
-  (an N-contiguous float32 tile is restaged through registers: 1.3-1.9x slower forwards on an H200, and
-  10x on a 848-row, 1024-channel layer), so float32 always reads the copy; half precision gains up to 1.1x,
-  worth the per-call transpose once there are enough row blocks re-reading the weight (docs/perf_notes.md).
+  (an N-contiguous float32 tile is restaged through registers: 1.3-1.9x slower forwards on an H200 once
+  there are many row blocks), so float32 reads the copy by default; half precision gains up to 1.1x, worth
+  the per-call transpose once there are enough row blocks re-reading the weight (docs/perf_notes.md). On a
+  few rows the copy costs about what it saves, so the tuner may choose either.
   """
+  if config.weight_k_major is not None:
+    return config.weight_k_major
   return jnp.dtype(dtype) == jnp.float32 or -(-num_rows // config.block_m) >= 16
 
 
@@ -57,18 +60,20 @@ def conv_forward(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = No
                  precision=None, interpret: bool = False):
   """The forward pass of a convolution, out[i] = sum_v x[nbr[i, v]] @ weight[v] (+ bias), weight [V, K, N].
 
-  `gather_gemm` with the weight in the layout `reads_weight_k_major` picks: W_v = w_k[V-1-v]^T with
-  w_k = flip(weight, 0) transposed, read through the transposed path.
+  `gather_gemm` with the weight in the layout `reads_weight_k_major` picks: straight, or W_v = w_k[v]^T with
+  w_k = weight transposed to [V, N, K] (a plain last-two-axes transpose: XLA's tiled transpose; flipping the
+  offsets as well made it a slow generic copy).
   """
   if reads_weight_k_major(nbr.shape[0], config, x.dtype):
-    w_k = jnp.flip(weight, 0).transpose(0, 2, 1)
-    return gather_gemm(x, w_k, nbr, num, bias, plan=plan, transpose_weight=True, config=config,
-                       precision=precision, interpret=interpret)
+    w_k = jnp.swapaxes(weight, 1, 2)
+    return gather_gemm(x, w_k, nbr, num, bias, plan=plan, transpose_weight=True, reverse_offsets=False,
+                       config=config, precision=precision, interpret=interpret)
   return gather_gemm(x, weight, nbr, num, bias, plan=plan, config=config, precision=precision, interpret=interpret)
 
 
 def _gather_gemm_kernel(num_ref, x_ref, w_ref, *refs, num_rows, num_offsets, k_dim, n_dim, block_m, block_n,
-                        block_k, split, transpose_weight, masked, skip_empty, has_bias, precision, columns_fastest):
+                        block_k, split, transpose_weight, reverse_offsets, masked, skip_empty, has_bias, precision,
+                        columns_fastest):
   refs = list(refs)
   o_ref = refs.pop()
   # The masked path reads only the plan (its gathered rows), not the neighbour map.
@@ -119,7 +124,7 @@ def _gather_gemm_kernel(num_ref, x_ref, w_ref, *refs, num_rows, num_offsets, k_d
       src = jnp.where(has, nb, 0)
       a = plgpu.load(x_ref.at[src[:, None], kk[None, :]], mask=has[:, None] & k_ok[None, :], other=0)
       if transpose_weight:
-        b = plgpu.load(w_ref.at[num_offsets - 1 - v, cols[None, :], kk[:, None]],
+        b = plgpu.load(w_ref.at[num_offsets - 1 - v if reverse_offsets else v, cols[None, :], kk[:, None]],
                        mask=k_ok[:, None] & col_ok[None, :], other=0)
       else:
         b = plgpu.load(w_ref.at[v, kk[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0)
@@ -140,13 +145,16 @@ def _gather_gemm_kernel(num_ref, x_ref, w_ref, *refs, num_rows, num_offsets, k_d
   plgpu.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=out_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("transpose_weight", "skip_empty", "config", "precision", "interpret"))
+@functools.partial(jax.jit, static_argnames=("transpose_weight", "reverse_offsets", "skip_empty", "config", "precision",
+                                             "interpret"))
 def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = None, transpose_weight: bool = False,
-                skip_empty: bool = True, config: TileConfig | None = None, precision=None, interpret: bool = False):
+                reverse_offsets: bool = True, skip_empty: bool = True, config: TileConfig | None = None,
+                precision=None, interpret: bool = False):
   """out[i] = sum_v x[nbr[i, v]] @ W_v (+ bias) for i < num, zero rows for i >= num.
 
   x: [R, K] rows to gather (nbr entries index them; -1 = none).
-  weight: [V, K, N] (W_v = weight[v]), or with transpose_weight [V, N, K] (W_v = weight[V-1-v]^T).
+  weight: [V, K, N] (W_v = weight[v]), or with transpose_weight [V, N, K] (W_v = weight[V-1-v]^T, the input
+    gradient's read; with reverse_offsets=False W_v = weight[v]^T, the forward's K-major read).
   nbr: int32 [M, V]; num: int32 scalar (rows >= num are written as zeros); bias: [N] or None.
   plan: a `gemm_plan.masked_plan(nbr, num, config.block_m)`: process rows in its order and, per block,
     only the offsets its rows use ("masked" implicit GEMM). None: every block loops over every offset
@@ -171,6 +179,7 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
   kernel = functools.partial(
       _gather_gemm_kernel, num_rows=m, num_offsets=num_offsets, k_dim=k_dim, n_dim=n_dim, block_m=cfg.block_m,
       block_n=cfg.block_n, block_k=cfg.block_k, split=split, transpose_weight=transpose_weight,
+      reverse_offsets=reverse_offsets,
       masked=plan is not None, skip_empty=skip_empty and plan is None, has_bias=bias is not None and split == 1,
       precision=dot_precision(precision, x.dtype), columns_fastest=cfg.columns_fastest)
   num = jnp.reshape(num, (1,)).astype(jnp.int32)

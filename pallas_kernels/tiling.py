@@ -16,6 +16,10 @@ class TileConfig:
   split: how many programs share the reduction (partial sums are added afterwards); 1 = no split.
   columns_fastest (gather-GEMM only): launch the column blocks of a row block next to each other, so they
     read its gathered rows while those are still in L2 (else every column block re-gathers them from DRAM).
+  weight_k_major (forward only): read the weight through a K-contiguous copy (True), straight from its
+    [V, Cin, Cout] layout (False), or as `gather_gemm.reads_weight_k_major` decides (None). The copy costs
+    a pass over the weight per call; it pays off where many row blocks re-read the weight (TF32 needs it
+    there), not on few rows, where the copy can take as long as the GEMM (docs/perf_notes.md).
   balanced (weight gradient only, needs pair lists): cut all offsets' pairs together into ~V * split equal
     chunks and give each program one chunk of one offset, instead of cutting every offset into `split`
     pieces: the full centre offset and a sparse corner one then get programs in proportion to their pairs,
@@ -30,6 +34,7 @@ class TileConfig:
   split: int = 1
   columns_fastest: bool = False
   balanced: bool = False
+  weight_k_major: bool | None = None
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):

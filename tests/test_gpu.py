@@ -100,6 +100,35 @@ def test_gpu_every_algorithm_matches_xla(algorithm):
 
 
 
+@pytest.mark.parametrize("dtype, precision, tol", [(jnp.float16, None, 5e-3), (jnp.float32, "tf32", 3e-3),
+                                                   (jnp.float32, "highest", 1e-5)],
+                         ids=["float16", "float32-tf32", "float32-highest"])
+def test_gpu_forward_weight_layouts_match_xla(dtype, precision, tol):
+  """The forward reading the weight straight and through its K-major copy (TileConfig.weight_k_major, a
+  tuner choice), with and without split-K, on few rows and many channels, against the XLA path."""
+  from jsparse.tuning import heuristic
+  from pallas_kernels.gather_gemm import conv_forward
+  from pallas_kernels.gemm_plan import masked_plan
+  from pallas_kernels.tiling import TileConfig
+
+  x = shell_tensor(16, 256, dtype, seed=4, pad=40)
+  rng = np.random.default_rng(14)
+  w = jnp.asarray(rng.standard_normal((27, 256, 192)) / np.sqrt(27 * 256), dtype)
+  cache = jsparse.neighbor_map(x, 3, implementation="pallas")
+  ref = jsparse.submconv_xla(x.feats.astype(jnp.float32), w.astype(jnp.float32), None, cache.nbr, x.num,
+                             precision="highest")
+  configs = [heuristic("forward", x.capacity, 256, 192, 27, dtype).tiles]
+  for k_major in (True, False):
+    for bm, bn, warps, split in ((32, 256, 8, 16), (64, 128, 4, 1), (32, 128, 4, 24)):
+      bk = 32 if dtype == jnp.float32 else 64
+      configs.append(TileConfig(bm, bn, bk, warps, 5, split, columns_fastest=True, weight_k_major=k_major))
+  for cfg in configs:
+    fn = jax.jit(lambda f, w, plan, cfg=cfg: conv_forward(f, w, cache.nbr, x.num, plan=plan, config=cfg,
+                                                          precision=precision))
+    y = fn(x.feats, w, masked_plan(cache.nbr, x.num, cfg.block_m))
+    assert rel_err(y, ref) < tol, cfg
+
+
 @pytest.mark.parametrize("dtype, precision, tol", [(jnp.float16, None, 5e-3), (jnp.float32, "tf32", 1e-4),
                                                    (jnp.float32, "highest", 1e-5)],
                          ids=["float16", "float32-tf32", "float32-highest"])

@@ -1,9 +1,11 @@
 """Every GEMM kernel lowers to Triton IR (checked on the CPU; catches lowering breaks in CI)."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.gather_gemm import gather_gemm
+from pallas_kernels.gather_gemm import conv_forward, gather_gemm
 from pallas_kernels.tiling import TileConfig
 from pallas_kernels.weight_grad import weight_grad
 from triton_lowering import lower_for_cuda
@@ -55,6 +57,10 @@ def test_masked_and_splitk_variants_lower(split, dtype):
     return y, dx
 
   lower_for_cuda(fwd_and_dgrad, x, w, nbr, num, b, g)
+  for k_major in (True, False):  # the forward's two weight reads (K-major copy: transposed, offsets not reversed)
+    kcfg = dataclasses.replace(cfg, weight_k_major=k_major)
+    lower_for_cuda(lambda x, w, nbr, num, b: conv_forward(x, w, nbr, num, b, plan=masked_plan(nbr, num, 64),
+                                                          config=kcfg), x, w, nbr, num, b)
   lower_for_cuda(lambda x, w, nbr, num, b: gather_gemm(x, w, nbr, num, b, config=cfg), x, w, nbr, num, b)
   lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, nbr, pairs=pair_lists(nbr), config=cfg), x, g, nbr)
 

@@ -58,6 +58,8 @@ def test_config_table_json_round_trip(tmp_path):
       "weight_grad/n1024/ci32/co64/v27/float32": tuning.PassConfig("explicit"),
       "forward/n256/ci16/co16/v1/float16": tuning.PassConfig(
           "implicit_splitk", TileConfig(16, 16, 16, 2, 2, split=7, columns_fastest=True)),
+      "forward/n512/ci16/co16/v27/float32": tuning.PassConfig(
+          "masked_splitk", TileConfig(32, 16, 16, 4, 5, split=9, weight_k_major=False)),
   }
   table = tuning.ConfigTable(entries, device_kind="Some GPU")
   text = table.to_json()
@@ -66,6 +68,8 @@ def test_config_table_json_round_trip(tmp_path):
   assert raw["forward/n1024/ci32/co64/v27/float32"]["split"] == 4
   assert raw["forward/n1024/ci32/co64/v27/float32"]["balanced"] is True
   assert "block_m" not in raw["weight_grad/n1024/ci32/co64/v27/float32"]
+  assert raw["forward/n512/ci16/co16/v27/float32"]["weight_k_major"] is False
+  assert raw["forward/n1024/ci32/co64/v27/float32"]["weight_k_major"] is None
 
   for back in (tuning.ConfigTable.from_json(text), None):
     if back is None:
@@ -293,6 +297,28 @@ def test_heuristic_names_agree_with_tiles(pass_name):
           assert cfg.algorithm == algo and cfg.tiles.split > 1
 
 
+def test_gemm_candidates_weight_layouts_and_splits():
+  """Few-row float32 forwards are also tried reading the weight straight (no per-call K-major copy), with
+  32-row blocks; the input gradient and half precision keep the default read. Splits stay within the
+  reduction (at least 8 steps a program) and at most 32."""
+  for rows, k, n, v in [(192, 1024, 1024, 27), (848, 1024, 1024, 27), (1 << 18, 256, 256, 27), (300, 8, 8, 1)]:
+    for dtype in (jnp.float32, jnp.float16):
+      for forward in (True, False):
+        cands = autotuning.gemm_candidates(rows, k, n, v, dtype, forward=forward)
+        assert len(set(cands)) == len(cands)
+        for cfg in cands:
+          _check_consistent(cfg)
+          steps = v * -(-k // cfg.tiles.block_k)
+          assert cfg.tiles.split <= max(1, min(32, steps // 8)), (rows, cfg)
+        straight = [c for c in cands if c.tiles.weight_k_major is False]
+        few_f32_forward = forward and dtype == jnp.float32 and rows <= 4096
+        assert bool(straight) == few_f32_forward, (rows, dtype, forward)
+        assert all(c.tiles.weight_k_major in (None, False) for c in cands)
+        if few_f32_forward:
+          assert any(c.tiles.block_m == 32 for c in straight)
+          assert any(c.tiles.split > 16 for c in cands) == (v * -(-k // 32) // 8 > 16)
+
+
 def test_weight_grad_candidates_include_balanced():
   """Where the sites are split, the tuner also times balanced weight gradients (masked: they need pair lists);
   the heuristic itself never picks one."""
@@ -355,7 +381,7 @@ def tuned():
   x, w, b = _problem()
   asked = []
 
-  def gemm(num_rows, k, n, num_offsets, dtype):
+  def gemm(num_rows, k, n, num_offsets, dtype, forward=False):
     asked.append(("gemm", num_rows, k, n, num_offsets, jnp.dtype(dtype)))
     return list(GEMM_CANDIDATES)
 
@@ -472,7 +498,7 @@ def test_autotune_tunes_strided_convolutions(monkeypatch):
   out_cap = jsparse.sparse_conv.pair_map(x, 3, stride=2, padding=1, implementation="xla").out_capacity
   asked = []
 
-  def gemm(num_rows, k, n, num_offsets, dtype):
+  def gemm(num_rows, k, n, num_offsets, dtype, forward=False):
     asked.append(("gemm", num_rows, k, n))
     return list(GEMM_CANDIDATES)
 

@@ -174,7 +174,7 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
   x = jnp.asarray(rng.standard_normal((m_in, call.cin)), call.dtype)
   g = jnp.asarray(rng.standard_normal((m, call.cout)), call.dtype)
   w = jnp.asarray(rng.standard_normal((v, call.cin, call.cout)) / np.sqrt(v * call.cin), call.dtype)
-  pairs = pair_lists(call.nbr, symmetric=call.transposed is None)  # submanifold maps are symmetric
+  pairs = pair_lists(call.nbr)
   plans: dict[tuple[str, int], object] = {}
   best = {}
   for pass_name in passes:

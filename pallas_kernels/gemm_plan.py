@@ -6,8 +6,7 @@
   (offset v of row i <-> offset V-1-v of its neighbour), so the input gradient, which reads the same map,
   reuses the same plan.
 - `pair_lists`: for every offset, the rows that have a neighbour there, packed to the front. The weight
-  gradient walks these instead of all rows. A submanifold map needs only half of them packed (its mirror
-  symmetry gives the rest).
+  gradient walks these instead of all rows.
 
 Both also store the gathered row indices the kernels read (`MaskedPlan.block_rows`, `PairLists.sources`), so
 that inside a kernel's loop every data load is one indirection away from the loop counter. Triton's software
@@ -79,28 +78,7 @@ def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int) -> MaskedPlan:
   return MaskedPlan(order, offsets, counts, block_rows)
 
 
-def pair_lists(nbr: jax.Array, symmetric: bool = False) -> PairLists:
-  """Per offset, the rows with a neighbour there, packed to the front, and those neighbours.
-
-  symmetric: nbr is a submanifold map (odd kernel, valid rows first): row i has neighbour j at offset v iff
-  j has i at V-1-v, and every valid row is its own centre neighbour. Then only the offsets before the
-  centre are packed (the cumsum + scatter that dominate the cost); the others are their mirror images
-  (rows and sources swapped) and the centre is the identity on the valid rows.
-  """
-  cap, v = nbr.shape
-  if not symmetric or v % 2 == 0:
-    return _packed_pair_lists(nbr)
-  half = v // 2
-  lo = _packed_pair_lists(nbr[:, :half])
-  centre_has = nbr[:, half] >= 0
-  centre = jnp.where(centre_has, jnp.arange(cap, dtype=jnp.int32), -1)[None]
-  rows = jnp.concatenate([lo.rows, centre, lo.sources[::-1]], axis=0)
-  sources = jnp.concatenate([lo.sources, centre, lo.rows[::-1]], axis=0)
-  counts = jnp.concatenate([lo.counts, jnp.sum(centre_has, dtype=jnp.int32)[None], lo.counts[::-1]])
-  return PairLists(rows, counts, sources)
-
-
-def _packed_pair_lists(nbr: jax.Array) -> PairLists:
+def pair_lists(nbr: jax.Array) -> PairLists:
   cap, v = nbr.shape
   has = nbr >= 0
   pos = jnp.cumsum(has, axis=0, dtype=jnp.int32) - 1  # [cap, V]: slot of row i in offset v's list

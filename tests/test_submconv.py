@@ -167,32 +167,6 @@ def test_masked_plan_and_pair_lists():
     assert np.all(np.asarray(pairs.sources[v, count:]) == -1)
 
 
-@pytest.mark.parametrize("kernel_size, dilation", [(3, 1), ((3, 1, 5), 1), (3, 2), (1, 1)])
-def test_symmetric_pair_lists_mirror_the_packed_ones(kernel_size, dilation):
-  """On a submanifold map the mirrored pair lists (half packed, half mirrored, centre = identity) hold the
-  same (row, source) pairs per offset as packing every offset, and drive the weight gradient to the same
-  values."""
-  from pallas_kernels.gemm_plan import pair_lists
-  from pallas_kernels.tiling import TileConfig
-  from pallas_kernels.weight_grad import weight_grad
-
-  rng = np.random.default_rng(21)
-  x = random_sparse(rng, (9, 8, 7), 6, batch_size=2, density=0.3, pad=13)
-  nbr = jsparse.neighbor_map(x, kernel_size, dilation, implementation="xla").nbr
-  packed, mirrored = pair_lists(nbr), jax.jit(pair_lists, static_argnums=1)(nbr, True)
-  np.testing.assert_array_equal(np.asarray(mirrored.counts), np.asarray(packed.counts))
-  for v in range(nbr.shape[1]):
-    count = int(packed.counts[v])
-    pairs = lambda pl: sorted(zip(np.asarray(pl.rows[v, :count]).tolist(), np.asarray(pl.sources[v, :count]).tolist()))
-    assert pairs(mirrored) == pairs(packed), v
-    assert np.all(np.asarray(mirrored.rows[v, count:]) == -1) and np.all(np.asarray(mirrored.sources[v, count:]) == -1)
-  g = jnp.where(x.valid_mask()[:, None], jnp.asarray(rng.standard_normal((x.capacity, 5)), jnp.float32), 0)
-  cfg = TileConfig(16, 16, 16, split=2)
-  dw_packed = weight_grad(x.feats, g, nbr, pairs=packed, config=cfg, precision="highest", interpret=True)
-  dw_mirrored = weight_grad(x.feats, g, nbr, pairs=mirrored, config=cfg, precision="highest", interpret=True)
-  np.testing.assert_allclose(np.asarray(dw_mirrored), np.asarray(dw_packed), rtol=1e-5, atol=1e-5)
-
-
 def test_pallas_kernels_direct_edge_shapes():
   """Channel counts that are not multiples of the tiles, more rows than one block, and num < rows."""
   from pallas_kernels.gather_gemm import gather_gemm

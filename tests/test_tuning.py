@@ -208,6 +208,23 @@ class _FakeH200:
   device_kind = "NVIDIA H200"
 
 
+@pytest.mark.parametrize("device_kind", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_shipped_tables_cover_the_suite_shapes(device_kind):
+  """Each shipped table (jsparse/tuned/, measured on that GPU) is found by its device kind and holds a
+  well-formed entry for every pass of every suite shape in fp16, and float32 entries for the forward."""
+  from benchmarks import workloads
+
+  table = tuning.shipped_table(device_kind)
+  assert isinstance(table, tuning.ConfigTable) and table.device_kind == device_kind
+  for key, cfg in table.entries.items():
+    assert KEY_RE.fullmatch(key), key
+    _check_consistent(cfg)
+  for row in workloads.SUITE:
+    for p in tuning.PASSES:
+      assert tuning.shape_key(p, row.voxels, row.channels, row.channels, 27, jnp.float16) in table.entries, (row, p)
+  assert sum(k.startswith("forward/") and k.endswith("float32") for k in table.entries) >= 6
+
+
 def test_no_shipped_table_off_the_gpu_but_h200_table_loads(monkeypatch):
   if jax.default_backend() == "gpu":
     pytest.skip("checks the CPU behaviour")

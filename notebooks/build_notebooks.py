@@ -107,7 +107,7 @@ print("backend:", jax.default_backend(), "| algorithms:", jsparse.ALGORITHMS)"""
     new_markdown_cell("""## 1. What runs for a given shape
 `algorithm="auto"` asks `tuning.choose` per pass: a tuned entry if an active `ConfigTable` (or the table
 shipped for this GPU model) has one for the shape bucket, else a heuristic. Here: 252k voxels, 256 channels,
-fp16, with no table and with the H200 table that ships in `jsparse/tuned/`."""),
+fp16, with no table and with the H200 table that ships in `jsparse/tuned/` (an H100 table ships too)."""),
     new_code_cell("""shape = dict(num_rows=252_392, cin=256, cout=256, num_offsets=27, dtype=jnp.float16)
 h200 = tuning.shipped_table("NVIDIA H200")
 print(h200)
@@ -156,8 +156,9 @@ for ax, dtype in zip(axes, ["fp16", "tf32"]):
 fig.tight_layout(); plt.close(fig)
 fig"""),
     new_markdown_cell("""On the H200 (2026-11-23) fp16 is ahead of FlexGEMM in both modes (1.41x inference, 1.73x training, as
-geometric means); float32 with TF32 trains 1.55x faster, but its inference is behind on the small rows
-(0.78x on average). `docs/perf_notes.md` says why and what changed. To reproduce on a GPU machine: `make bench`."""),
+geometric means); float32 with TF32 trains 1.81x faster (every row), but its inference is still behind
+(0.93x on average; ahead on the smallest and largest rows, 0.64-0.94x between). `docs/perf_notes.md` says
+why and what changed. To reproduce on a GPU machine: `make bench`."""),
 ]
 
 

@@ -77,6 +77,10 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype,
     # without needing the copy (benchmarks/tf32_probe.py --small, H200).
     shapes += [(32, 256, 32, 8, 5, True), (32, 128, 32, 4, 5, True)]
     layouts = [None, False]
+  elif forward and half and -(-num_rows // base.block_m) >= 16:
+    # Half precision copies the weight on many row blocks for up to 1.1x; the straight read saves the copy's
+    # memory (one layer's weight, live at the peak), and `pick_best` takes it when it is nearly as fast.
+    layouts = [None, False]
   out, seen = [], set()
   base_shape = (base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages, base.columns_fastest)
   sms = tuning.gpu_num_sms()
@@ -162,6 +166,22 @@ def _pass_fn(pass_name: str, cfg: tuning.PassConfig, precision):
       precision=precision, interpret=interpret))
 
 
+# A forward that reads the weight straight (no per-call K-major copy, which is live at the peak) is kept over a
+# faster one that copies when it is within this fraction of the fastest time.
+NO_COPY_SLACK = 0.03
+
+
+def pick_best(results: list[tuple[float, tuning.PassConfig]], pass_name: str, num_rows: int, dtype):
+  """The fastest (ms, config) of `results`, except that for the forward a config that does not copy the weight
+  wins when it is within NO_COPY_SLACK of the fastest (less memory for at most that much time)."""
+  fastest = min(results, key=lambda r: r[0])
+  if pass_name != "forward":
+    return fastest
+  lean = [r for r in results if r[1].tiles is not None and r[0] <= fastest[0] * (1 + NO_COPY_SLACK)
+          and not gather_gemm_lib.reads_weight_k_major(num_rows, r[1].tiles, dtype)]
+  return min(lean, key=lambda r: r[0]) if lean else fastest
+
+
 def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: int = 10,
               log: Callable[[str], None] | None = None) -> dict[str, tuning.PassConfig]:
   """Times the candidates of each pass for one recorded convolution; returns {shape key: best config}."""
@@ -205,7 +225,7 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
       if log:
         log(f"  {pass_name} {cfg.algorithm} {cfg.tiles}: {ms:.3f} ms")
     if results:
-      ms, cfg = min(results, key=lambda r: r[0])
+      ms, cfg = pick_best(results, pass_name, rows, call.dtype)
       key = tuning.shape_key(pass_name, rows, call.cin, call.cout, v, call.dtype)
       best[key] = cfg
       if log:

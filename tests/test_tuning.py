@@ -329,11 +329,31 @@ def test_gemm_candidates_weight_layouts_and_splits():
           assert cfg.tiles.split <= max(1, min(32, steps // 8)), (rows, cfg)
         straight = [c for c in cands if c.tiles.weight_k_major is False]
         few_f32_forward = forward and dtype == jnp.float32 and rows <= 4096
-        assert bool(straight) == few_f32_forward, (rows, dtype, forward)
+        half_copying_forward = forward and dtype == jnp.float16 and tuning.gather_gemm.reads_weight_k_major(
+            rows, tuning.gather_gemm.default_config(rows, k, n, dtype), dtype)
+        assert bool(straight) == (few_f32_forward or half_copying_forward), (rows, dtype, forward)
         assert all(c.tiles.weight_k_major in (None, False) for c in cands)
         if few_f32_forward:
           assert any(c.tiles.block_m == 32 for c in straight)
           assert any(c.tiles.split > 16 for c in cands) == (v * -(-k // 32) // 8 > 16)
+
+
+def test_pick_best_prefers_the_forward_without_a_weight_copy():
+  """Within NO_COPY_SLACK of the fastest, a forward reading the weight straight (no per-call copy, less peak
+  memory) wins; a slower one does not, and the other passes take the fastest."""
+  copy = tuning.PassConfig("masked", TileConfig(64, 64, 32, weight_k_major=True))
+  straight = tuning.PassConfig("masked", TileConfig(32, 64, 32, weight_k_major=False))
+  rule = tuning.PassConfig("masked", TileConfig(64, 64, 32))  # float32: the rule copies
+  near = 1.0 + autotuning.NO_COPY_SLACK / 2
+  far = 1.0 + autotuning.NO_COPY_SLACK * 2
+  assert autotuning.pick_best([(1.0, copy), (near, straight)], "forward", 1000, jnp.float32) == (near, straight)
+  assert autotuning.pick_best([(1.0, copy), (far, straight)], "forward", 1000, jnp.float32) == (1.0, copy)
+  assert autotuning.pick_best([(1.0, rule), (near, straight)], "forward", 1000, jnp.float32) == (near, straight)
+  assert autotuning.pick_best([(1.0, rule), (near, straight)], "input_grad", 1000, jnp.float32) == (1.0, rule)
+  # Half precision on few row blocks: the rule reads straight, so the fastest stands.
+  assert autotuning.pick_best([(1.0, rule), (near, straight)], "forward", 500, jnp.float16) == (1.0, rule)
+  explicit = tuning.PassConfig("explicit")
+  assert autotuning.pick_best([(1.0, explicit), (near, copy)], "forward", 1000, jnp.float32) == (1.0, explicit)
 
 
 def test_weight_grad_candidates_include_balanced():

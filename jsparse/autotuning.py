@@ -71,6 +71,10 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype,
     shapes = [(128, 256, 32, 8, 5, True), (64, 256, 32, 4, 5, True), (128, 64, 32, 4, 5, True),
               (64, 128, 32, 4, 5, True)]
   few_rows = num_rows <= 4096
+  if few_rows and not half:
+    # Few-row float32 GEMMs are bound by the latency of each reduction step, not by the MMA: 64-deep chunks
+    # halve the steps (fewer stages fit in shared memory). Added untimed (2026-11-23); the tuner decides.
+    shapes += [(32, 128, 64, 4, 4, True), (64, 128, 64, 4, 3, True)]
   layouts = [None]
   if forward and few_rows and not half:
     # 32-row blocks: on ~200-850 rows (RES 8-16, C 1024) these matched 64-row blocks reading the K-major copy
@@ -94,8 +98,10 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype,
       splits |= {max(1, want // 2), want}
       if few_rows:  # very few output tiles: deeper splits keep the weight stream spread over every SM
         splits.add(max(1, min(2 * want, 32, steps // 8)))
+    # Few-row float32: only 32-row blocks read the weight straight (64-row ones were 2-3x slower that way).
+    shape_layouts = [None] if (forward and not half and bm > 32) else layouts
     for split in sorted(splits):
-      for layout in layouts:
+      for layout in shape_layouts:
         cfg = (bm, bn, bk, warps, stages, split, cf, layout)
         if cfg in seen:
           continue

@@ -56,8 +56,9 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype,
                     forward: bool = False) -> list[tuning.PassConfig]:
   """Forward / input-gradient candidates: masked tiles of several shapes, each with and without split-K.
 
-  forward: also try the forward's other weight layout (TileConfig.weight_k_major) where it may win: on
-  few rows, where the per-call K-major copy of a float32 weight costs about what it saves.
+  forward: also try reading the weight straight (TileConfig.weight_k_major=False) where the default would
+  copy it: on few float32 rows the per-call K-major copy costs about what it saves, and in half precision
+  the copy's memory is worth a few percent of time (`pick_best`).
   """
   base = gather_gemm_lib.default_config(num_rows, k, n, dtype)
   n_cap = max(16, 1 << max(n - 1, 0).bit_length())

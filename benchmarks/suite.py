@@ -410,8 +410,13 @@ def run_workload(rec, row, dtype_name, mode, args, fg, why, checked_rows):
   if js.get("ok") and fgr.get("ok"):
     rec["ratio"] = fgr["median_ms"] / js["median_ms"]
   if js_check is not None and fg_check is not None:
+    # The norms too: a rel_err of exactly 0 (seen once, H100 2026-11-23) must be told apart from two equal
+    # degenerate arrays.
     rec["cross_check"] = {"what": "output" if mode == "inference" else "layer-0 weight gradient",
-                          "rel_err": rel_err(js_check, fg_check)}
+                          "rel_err": rel_err(js_check, fg_check),
+                          "jsparse_norm": float(np.linalg.norm(np.asarray(js_check, np.float64))),
+                          "flexgemm_norm": float(np.linalg.norm(np.asarray(fg_check, np.float64))),
+                          "shapes": [list(np.shape(js_check)), list(np.shape(fg_check))]}
   del js_check, fg_check
   summary = f"    jsparse {fmt_ms(js)}"
   summary += f" | FlexGEMM {fmt_ms(fgr)}" if fg else ""

@@ -76,16 +76,19 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype,
     # Few-row float32 GEMMs are bound by the latency of each reduction step, not by the MMA: 64-deep chunks
     # halve the steps (fewer stages fit in shared memory). Added untimed (2026-11-23); the tuner decides.
     shapes += [(32, 128, 64, 4, 4, True), (64, 128, 64, 4, 3, True)]
-  layouts = [None]
-  if forward and few_rows and not half:
-    # 32-row blocks: on ~200-850 rows (RES 8-16, C 1024) these matched 64-row blocks reading the K-major copy
-    # without needing the copy (benchmarks/tf32_probe.py --small, H200).
-    shapes += [(32, 256, 32, 8, 5, True), (32, 128, 32, 4, 5, True)]
-    layouts = [None, False]
-  elif forward and half and -(-num_rows // base.block_m) >= 16:
-    # Half precision copies the weight on many row blocks for up to 1.1x; the straight read saves the copy's
-    # memory (one layer's weight, live at the peak), and `pick_best` takes it when it is nearly as fast.
-    layouts = [None, False]
+    if forward:  # 32-row blocks read the weight straight as fast as 64-row ones read the copy (RES 8-16, C 1024)
+      shapes += [(32, 256, 32, 8, 5, True), (32, 128, 32, 4, 5, True)]
+
+  def layouts(bm: int) -> tuple:
+    """The forward's weight reads to try at this block height: the default, plus the straight read where the
+    default copies and the straight read may win (few float32 rows, 32-row blocks only: 64-row ones were
+    2-3x slower that way on 848 rows) or may cost a few percent for the copy's memory (half precision)."""
+    if not forward:
+      return (None,)
+    if half:
+      return (None, False) if gather_gemm_lib.reads_weight_k_major(num_rows, TileConfig(bm), dtype) else (None,)
+    return (None, False) if few_rows and bm == 32 else (None,)
+
   out, seen = [], set()
   base_shape = (base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages, base.columns_fastest)
   sms = tuning.gpu_num_sms()
@@ -99,10 +102,8 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype,
       splits |= {max(1, want // 2), want}
       if few_rows:  # very few output tiles: deeper splits keep the weight stream spread over every SM
         splits.add(max(1, min(2 * want, 32, steps // 8)))
-    # Few-row float32: only 32-row blocks read the weight straight (64-row ones were 2-3x slower that way).
-    shape_layouts = [None] if (forward and not half and bm > 32) else layouts
     for split in sorted(splits):
-      for layout in shape_layouts:
+      for layout in layouts(bm):
         cfg = (bm, bn, bk, warps, stages, split, cf, layout)
         if cfg in seen:
           continue

@@ -14,6 +14,7 @@ one variant under Nsight Compute with --repeats 0, e.g.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -139,6 +140,63 @@ def small_row_probe(log, res_list, channels, repeats):
                 run_variant(log, tag, fn, (x.feats.astype(dt), wk if kmajor else w), ref, flops, repeats)
 
 
+def sweep_variants(num_rows: int):
+  """(dtype, weight read, tiles) for `--sweep`. Reads: "copy" = through the K-major copy (what conv_forward
+  does for float32 by default), "straight" = the [V, Cin, Cout] weight as stored; "+swap" = the transposed
+  product (gather_gemm's swap_operands). Few rows (< 4096) get small
+  row blocks with split-K."""
+  T = TileConfig
+  out = []
+  if num_rows >= 4096:
+    for i, (bm, bn, bk, w, st) in enumerate([
+        (128, 128, 32, 4, 5), (128, 128, 32, 4, 4), (128, 128, 32, 4, 3), (128, 256, 32, 8, 3),
+        (128, 256, 32, 8, 4), (256, 128, 32, 8, 3), (64, 256, 32, 4, 5), (128, 128, 64, 4, 3),
+        (128, 128, 64, 8, 3), (128, 64, 32, 4, 5), (256, 64, 32, 4, 5)]):
+      for read in (("copy", "straight+swap", "copy+swap") if i < 2 else ("copy", "straight+swap")):
+        out.append(("f32", read, T(bm, bn, bk, w, st, columns_fastest=True)))
+    for read in ("copy", "straight", "straight+swap"):
+      out.append(("f16", read, T(128, 256, 64, 8, 5, columns_fastest=True)))
+  else:
+    for bm, bn, bk, w, st, splits, reads in [
+        (32, 128, 32, 4, 5, (8, 16), ("straight", "straight+swap")), (64, 128, 32, 4, 5, (16,), ("straight+swap",)),
+        (128, 256, 32, 8, 5, (16, 32), ("copy", "straight+swap")), (128, 128, 32, 4, 5, (16,), ("straight+swap",)),
+        (32, 256, 32, 8, 5, (8, 16), ("straight+swap",)), (16, 256, 32, 8, 5, (8,), ("straight+swap",)),
+        (64, 256, 32, 8, 5, (16,), ("copy", "straight+swap"))]:
+      for split in splits:
+        for read in reads:
+          out.append(("f32", read, T(bm, bn, bk, w, st, split=split, columns_fastest=True)))
+  return out
+
+
+def sweep_probe(log, res, channels, only, repeats):
+  """One forward layer over tiles x weight reads (`sweep_variants`), float32 (TF32) and fp16. The K-major
+  copy is timed once per dtype and not included in the GEMM times."""
+  x, w32, cache, flops = shell_layer(res, channels)
+  nbr, num = cache.nbr, x.num
+  log(f"-- sweep: RES {res}, {int(num)} voxels, C {channels}: {flops / 1e9:.1f} GFLOP per pass")
+  ref = jsparse.submconv_xla(x.feats, w32, None, nbr, num, precision="highest")
+  dtypes = {"f32": jnp.float32, "f16": jnp.float16}
+  plans, copied = {}, set()
+  for dname, read, t in sweep_variants(int(num)):
+    tag = f"{fwd_tag(dname, read.startswith('copy'), t)}_{read}" + (f"_split{t.split}" if t.split > 1 else "")
+    if not re.search(only, tag):
+      continue
+    dt = dtypes[dname]
+    w = w32.astype(dt)
+    if dname not in copied:
+      copied.add(dname)
+      copy = jax.jit(lambda w: jnp.swapaxes(w, 1, 2))
+      log(f"{'weight K-major copy ' + dname:44s} {_median_ms(copy, (w,), warmup=3, repeats=repeats):8.3f} ms")
+    if t.block_m not in plans:
+      plans[t.block_m] = masked_plan(nbr, num, t.block_m)
+    kmajor = read.startswith("copy")
+    t = dataclasses.replace(t, swap_operands=read.endswith("swap"))
+    fn = (lambda f, w, plan=plans[t.block_m], t=t, kmajor=kmajor:
+          gather_gemm(f, w, nbr, num, plan=plan, config=t, transpose_weight=kmajor, reverse_offsets=False,
+                      interpret=INTERPRET))
+    run_variant(log, tag, fn, (x.feats.astype(dt), jnp.swapaxes(w, 1, 2) if kmajor else w), ref, flops, repeats)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--out", default=os.environ.get("OUT", "/tmp/jsparse_bench"))
@@ -149,8 +207,14 @@ def main(argv=None):
   p.add_argument("--plan", action="store_true", help="also time the neighbour map and the GEMM plans")
   p.add_argument("--small", default="", help="comma-separated RES: run only the few-rows probe at those RES "
                  "(with --channels)")
+  p.add_argument("--sweep", action="store_true", help="only the forward sweep over tiles and weight reads "
+                 "(sweep_variants) at --res / --channels")
   a = p.parse_args(argv)
   log = open_log(a.out, "tf32_probe.log")
+  if a.sweep:
+    log(f"{jax.devices()[0].device_kind}; jax {jax.__version__}")
+    sweep_probe(log, a.res, a.channels, a.only, a.repeats)
+    return 0
   if a.small:
     log(f"{jax.devices()[0].device_kind}; jax {jax.__version__}")
     small_row_probe(log, [int(r) for r in a.small.split(",")], a.channels, a.repeats)

@@ -102,15 +102,19 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype,
       splits |= {max(1, want // 2), want}
       if few_rows:  # very few output tiles: deeper splits keep the weight stream spread over every SM
         splits.add(max(1, min(2 * want, 32, steps // 8)))
+    # Float32: the default shape also unswapped (the swapped product, `gather_gemm.swaps_operands`, won where
+    # measured, but not on every shape).
+    swaps = (None, False) if not half and (bm, bn, bk, warps, stages, cf) == base_shape else (None,)
     for split in sorted(splits):
       for layout in layouts(bm):
-        cfg = (bm, bn, bk, warps, stages, split, cf, layout)
-        if cfg in seen:
-          continue
-        seen.add(cfg)
-        name = "masked_splitk" if split > 1 else "masked"
-        out.append(tuning.PassConfig(name, TileConfig(bm, bn, bk, warps, stages, split, columns_fastest=cf,
-                                                      weight_k_major=layout)))
+        for swap in swaps:
+          cfg = (bm, bn, bk, warps, stages, split, cf, layout, swap)
+          if cfg in seen:
+            continue
+          seen.add(cfg)
+          name = "masked_splitk" if split > 1 else "masked"
+          out.append(tuning.PassConfig(name, TileConfig(bm, bn, bk, warps, stages, split, columns_fastest=cf,
+                                                        weight_k_major=layout, swap_operands=swap)))
   out.append(tuning.PassConfig("implicit", dataclasses.replace(base, split=1)))
   return out
 

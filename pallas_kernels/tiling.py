@@ -20,6 +20,8 @@ class TileConfig:
     [V, Cin, Cout] layout (False), or as `gather_gemm.reads_weight_k_major` decides (None). The copy costs
     a pass over the weight per call; it pays off where many row blocks re-read the weight (TF32 needs it
     there), not on few rows, where the copy can take as long as the GEMM (docs/perf_notes.md).
+  swap_operands (gather-GEMM only): accumulate the transposed product W^T x^T (the weight tile as the MMA's
+    left operand), True / False, or as `gather_gemm.swaps_operands` decides (None).
   balanced (weight gradient only, needs pair lists): cut all offsets' pairs together into ~V * split equal
     chunks and give each program one chunk of one offset, instead of cutting every offset into `split`
     pieces: the full centre offset and a sparse corner one then get programs in proportion to their pairs,
@@ -35,6 +37,7 @@ class TileConfig:
   columns_fastest: bool = False
   balanced: bool = False
   weight_k_major: bool | None = None
+  swap_operands: bool | None = None
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):

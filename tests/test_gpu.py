@@ -105,7 +105,8 @@ def test_gpu_every_algorithm_matches_xla(algorithm):
                          ids=["float16", "float32-tf32", "float32-highest"])
 def test_gpu_forward_weight_layouts_match_xla(dtype, precision, tol):
   """The forward reading the weight straight and through its K-major copy (TileConfig.weight_k_major, a
-  tuner choice), with and without split-K, on few rows and many channels, against the XLA path."""
+  tuner choice), both operand orders (TileConfig.swap_operands), with and without split-K, on few rows and
+  many channels, against the XLA path."""
   from jsparse.tuning import heuristic
   from pallas_kernels.gather_gemm import conv_forward
   from pallas_kernels.gemm_plan import masked_plan
@@ -121,7 +122,9 @@ def test_gpu_forward_weight_layouts_match_xla(dtype, precision, tol):
   for k_major in (True, False):
     for bm, bn, warps, split in ((32, 256, 8, 16), (64, 128, 4, 1), (32, 128, 4, 24)):
       bk = 32 if dtype == jnp.float32 else 64
-      configs.append(TileConfig(bm, bn, bk, warps, 5, split, columns_fastest=True, weight_k_major=k_major))
+      for swap in (None, not (k_major and dtype == jnp.float32)):  # the rule's operand order, and the other
+        configs.append(TileConfig(bm, bn, bk, warps, 5, split, columns_fastest=True, weight_k_major=k_major,
+                                  swap_operands=swap))
   for cfg in configs:
     fn = jax.jit(lambda f, w, plan, cfg=cfg: conv_forward(f, w, cache.nbr, x.num, plan=plan, config=cfg,
                                                           precision=precision))

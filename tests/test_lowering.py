@@ -58,9 +58,10 @@ def test_masked_and_splitk_variants_lower(split, dtype):
 
   lower_for_cuda(fwd_and_dgrad, x, w, nbr, num, b, g)
   for k_major in (True, False):  # the forward's two weight reads (K-major copy: transposed, offsets not reversed)
-    kcfg = dataclasses.replace(cfg, weight_k_major=k_major)
-    lower_for_cuda(lambda x, w, nbr, num, b: conv_forward(x, w, nbr, num, b, plan=masked_plan(nbr, num, 64),
-                                                          config=kcfg), x, w, nbr, num, b)
+    for swap in (True, False):  # and the two operand orders (TileConfig.swap_operands)
+      kcfg = dataclasses.replace(cfg, weight_k_major=k_major, swap_operands=swap)
+      lower_for_cuda(lambda x, w, nbr, num, b: conv_forward(x, w, nbr, num, b, plan=masked_plan(nbr, num, 64),
+                                                            config=kcfg), x, w, nbr, num, b)
   lower_for_cuda(lambda x, w, nbr, num, b: gather_gemm(x, w, nbr, num, b, config=cfg), x, w, nbr, num, b)
   lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, nbr, pairs=pair_lists(nbr), config=cfg), x, g, nbr)
 

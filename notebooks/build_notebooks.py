@@ -155,10 +155,10 @@ for ax, dtype in zip(axes, ["fp16", "tf32"]):
     ax.axhline(1.0, color="k", lw=0.8); ax.set_title(f"{dtype}: FlexGEMM time / jsparse time"); ax.legend()
 fig.tight_layout(); plt.close(fig)
 fig"""),
-    new_markdown_cell("""On the H200 (2026-11-23) fp16 is ahead of FlexGEMM in both modes (1.41x inference, 1.73x training, as
-geometric means); float32 with TF32 trains 1.81x faster (every row), but its inference is still behind
-(0.93x on average; ahead on the smallest and largest rows, 0.64-0.94x between). `docs/perf_notes.md` says
-why and what changed. To reproduce on a GPU machine: `make bench`."""),
+    new_markdown_cell("""On the H200 (2026-11-23) jsparse is ahead of FlexGEMM in every mode, as geometric means: fp16 1.41x
+for inference and 1.73x for training; float32 with TF32 1.32x for inference (one row, 16,1024,8, at parity)
+and 2.21x for training. `docs/perf_notes.md` says what changed to get there. To reproduce on a GPU machine:
+`make bench`."""),
 ]
 
 

@@ -143,8 +143,7 @@ def small_row_probe(log, res_list, channels, repeats):
 def sweep_variants(num_rows: int):
   """(dtype, weight read, tiles) for `--sweep`. Reads: "copy" = through the K-major copy (what conv_forward
   does for float32 by default), "straight" = the [V, Cin, Cout] weight as stored; "+swap" = the transposed
-  product (gather_gemm's swap_operands). Few rows (< 4096) get small
-  row blocks with split-K."""
+  product (TileConfig.swap_operands). Few rows (< 4096) get small row blocks with split-K."""
   T = TileConfig
   out = []
   if num_rows >= 4096:

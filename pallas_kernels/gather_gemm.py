@@ -62,7 +62,8 @@ def swaps_operands(config: TileConfig, dtype, transpose_weight: bool) -> bool:
 
   Float32 (TF32) reading a K-contiguous weight: the swapped product was 4-12% faster on an H200 (RES 64 C 1024:
   2.81 -> 2.50 ms; RES 256 C 256: 1.76 -> 1.69 ms; docs/perf_notes.md). Reading the weight straight, it is
-  3-5x slower (Hopper's TF32 MMA then restages the weight tile), and in half precision 10-25% slower.
+  3-5x slower (Hopper's TF32 MMA then restages the weight tile), and in half precision (straight read)
+  14-19% slower.
   """
   if config.swap_operands is not None:
     return config.swap_operands

@@ -7,7 +7,9 @@ memory into registers every step and writes the right one back, so the tensor co
 (docs/perf_notes.md). Triton itself, like FlexGEMM and PyTorch's allow_tf32, feeds float32 tiles straight to
 the TF32 MMA, which ignores the low mantissa bits. So float32 TF32 dots here go through a small primitive
 whose Triton lowering emits the `tt.dot` with the accumulator and that attribute. Everything else (half
-precision, full float32, interpret mode, the CPU) is the plain `acc + jnp.dot`.
+precision, full float32, interpret mode, the CPU) is the plain `acc + jnp.dot`. Every kernel's GEMM loop
+multiplies through `mma` (the weight gradient's float32 path runs as bf16 products, so it never takes the
+TF32 branch).
 
 This touches private Pallas modules (the Triton lowering-rule table): it is the one place to mend after a
 JAX upgrade, and `tests/test_mma.py` lowers it on the CPU so a break shows in CI.

@@ -32,6 +32,7 @@ from jax import lax
 
 from pallas_kernels.gemm_plan import PairLists
 from pallas_kernels.out_struct import out_struct, same_vma
+from pallas_kernels.mma import mma
 from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, gpu_num_sms
 
 
@@ -131,12 +132,12 @@ def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, balanced, spli
     def matmul(acc):
       a = plgpu.load(x_ref.at[src[:, None], ci[None, :]], mask=a_mask, other=0)
       b = plgpu.load(dy_ref.at[rows[:, None], co[None, :]], mask=b_mask, other=0)
-      acc = acc + jnp.dot(a.T, b, precision=precision, preferred_element_type=jnp.float32)
+      acc = mma(a.T, b, acc, precision)
       if bf16_split:
         a_lo = plgpu.load(x_lo_ref.at[src[:, None], ci[None, :]], mask=a_mask, other=0)
         b_lo = plgpu.load(dy_lo_ref.at[rows[:, None], co[None, :]], mask=b_mask, other=0)
-        acc = acc + jnp.dot(a.T, b_lo, preferred_element_type=jnp.float32)
-        acc = acc + jnp.dot(a_lo.T, b, preferred_element_type=jnp.float32)
+        acc = mma(a.T, b_lo, acc, precision)
+        acc = mma(a_lo.T, b, acc, precision)
       return acc
 
     if use_pairs:  # every listed row has a neighbour at v

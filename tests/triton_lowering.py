@@ -43,19 +43,8 @@ def lower_for_cuda(fn, *args_like) -> str:
 
 def triton_ir(fn, *args_like) -> list[str]:
   """The Triton IR (TTIR text) of every Pallas kernel in `jax.jit(fn)`, lowered for CUDA on the CPU."""
-  from jax._src.pallas.triton import pallas_call_registration as reg
+  from benchmarks.triton_ir_probe import capture_triton_modules
 
-  captured = []
-  original = reg.lowering.lower_jaxpr_to_triton_module
-
-  def hook(*args, **kwargs):
-    result = original(*args, **kwargs)
-    captured.append(result.module.operation.get_asm(enable_debug_info=False))
-    return result
-
-  reg.lowering.lower_jaxpr_to_triton_module = hook
-  try:
+  with capture_triton_modules() as captured:
     lower_for_cuda(fn, *args_like)
-  finally:
-    reg.lowering.lower_jaxpr_to_triton_module = original
-  return captured
+  return [ttir for ttir, _ in captured]

@@ -10,7 +10,7 @@
 - GEMM kernels on (RES, C) in --shapes, C -> C, 3x3x3, fp16 and tf32:
   forward      pallas_kernels.gather_gemm.conv_forward(x, w[V, Cin, Cout], nbr, num, bias) (the weight layout
                submconv3d reads: a K-major copy for float32)
-  input grad   gather_gemm(g, w, nbr, num, transpose_weight=True)
+  input grad   gather_gemm(g, w, nbr, num, weight_axes="vnk", flip_offsets=True)
   weight grad  pallas_kernels.weight_grad.weight_grad(x, g, nbr)
                and, for a masked config, beside it the same with TileConfig.balanced ("weight_grad_balanced")
   and FlexGEMM's forward layer (sparse_submanifold_conv3d with a prebuilt neighbour cache) beside them.
@@ -165,7 +165,7 @@ def pass_fn(pass_name, cfg, interpret):
                                               precision=prec, interpret=interpret)
   if pass_name == "input_grad":
     return lambda x, g, w, b, m: gather_gemm(g, w, m["nbr"], m["num"], plan=m["plan_input_grad"],
-                                             transpose_weight=True, config=tiles, precision=prec,
+                                             weight_axes="vnk", flip_offsets=True, config=tiles, precision=prec,
                                              interpret=interpret)
   return lambda x, g, w, b, m: weight_grad(x, g, m["nbr"], pairs=m["pairs"], config=tiles, precision=prec,
                                            interpret=interpret)

@@ -12,7 +12,8 @@ the timed function (as FlexGEMM's benchmark does), then L SubMConv3d C -> C laye
 - dtypes: fp16 (float16 features and weights), tf32 (float32, TF32 matmuls: jsparse precision=None,
   FlexGEMM allow_tf32), fp32 (float32 at full precision; not in the default set).
 Both libraries get the same sites (same row order), features, weights and biases (~N(0, 1/sqrt(27 C)), so
-fp16 values stay O(1)), and the same timing: `warmup` calls, then `repeats` calls each timed alone with
+fp16 values stay O(1)); jsparse holds its weights in --weight-layout (default ODHWI: (Cout, 3, 3, 3, Cin), the
+layout FlexGEMM holds them in; DHWIO is flax's (3, 3, 3, Cin, Cout)), and the same timing: `warmup` calls, then `repeats` calls each timed alone with
 time.perf_counter around the call plus a device synchronisation; median and min are reported. This counts
 each call's launch overhead and one synchronisation, like any eager user loop (FlexGEMM's own figures time
 20 back-to-back calls with CUDA events, which hides part of the launch overhead of small workloads).
@@ -195,13 +196,14 @@ def row_inputs(row: workloads.Row, seed: int = 0):
 # ---- jsparse -----------------------------------------------------------------------------------------
 
 
-def jsparse_fns(implementation, precision, algorithm="auto"):
-  """The two timed functions, (x, params) -> outputs; the neighbour map is built inside both."""
+def jsparse_fns(implementation, precision, algorithm="auto", weight_layout="DHWIO"):
+  """The two timed functions, (x, params) -> outputs; the neighbour map is built inside both. Weights in
+  `weight_layout` (see `jsparse_weight`)."""
 
   def layers(x, params, cache):
     for w, b in params:
       x = jsparse.submconv3d(x, w, b, cache=cache, implementation=implementation, precision=precision,
-                             algorithm=algorithm)
+                             algorithm=algorithm, weight_layout=weight_layout)
     return x.feats
 
   def inference(x, params):
@@ -219,6 +221,11 @@ def jsparse_fns(implementation, precision, algorithm="auto"):
   return {"inference": inference, "train": train}
 
 
+def jsparse_weight(w: np.ndarray, weight_layout: str) -> np.ndarray:
+  """row_inputs' (3, 3, 3, C, C) weight in jsparse's `weight_layout` ("ODHWI": (Cout, 3, 3, 3, Cin))."""
+  return np.ascontiguousarray(np.transpose(w, (4, 0, 1, 2, 3))) if weight_layout == "ODHWI" else w
+
+
 # The config table the suite's jsparse functions are traced under (--autotune / --tuned); None = defaults.
 TUNED: jsparse.ConfigTable | None = None
 TUNED_ROWS: set = set()
@@ -230,8 +237,8 @@ def bench_jsparse(row, dtype_name, mode, args):
   jdtype, precision, _ = DTYPES[dtype_name]
   x = jsparse.SparseTensor.from_coords(coords, jnp.asarray(feats, jdtype), spatial_shape=(row.res,) * 3,
                                        batch_size=1)
-  params = [(jnp.asarray(w, jdtype), jnp.asarray(b, jdtype)) for w, b in wb]
-  fns = jsparse_fns(args.impl, precision, args.algorithm)
+  params = [(jnp.asarray(jsparse_weight(w, args.weight_layout), jdtype), jnp.asarray(b, jdtype)) for w, b in wb]
+  fns = jsparse_fns(args.impl, precision, args.algorithm, args.weight_layout)
   res = {}
   if TUNED is not None and args.autotune and (row.name, dtype_name) not in TUNED_ROWS:
     # Like FlexGEMM's Triton autotuning on its first calls: outside the timed region. The train function
@@ -262,6 +269,8 @@ def bench_jsparse(row, dtype_name, mode, args):
   # Cross-check value: the output (inference) or the first layer's weight gradient (train, which depends on
   # every layer's backward pass).
   check = np.asarray(out if mode == "inference" else out[1][0][0], np.float32)
+  if mode == "train" and args.weight_layout == "ODHWI":  # compared in (3, 3, 3, Cin, Cout)
+    check = np.transpose(check, (1, 2, 3, 4, 0))
   return res, check
 
 
@@ -345,7 +354,8 @@ def run_suite(args, rows, out_dir):
   data = {
       "meta": metadata(),
       "settings": {k: getattr(args, k) for k in ("dtypes", "modes", "repeats", "warmup", "seed", "impl", "algorithm",
-                                                 "smoke", "flexgemm_input_grad", "time_budget", "autotune", "tuned")},
+                                                 "weight_layout", "smoke", "flexgemm_input_grad", "time_budget",
+                                                 "autotune", "tuned")},
       "results": [],
   }
   data["settings"]["rows"] = [r.name for r in rows]
@@ -477,7 +487,8 @@ def render_markdown(data) -> str:
       f"- device: {meta.get('device_kind')} ({meta.get('platform')}); date {meta.get('date')}; "
       f"jax {meta.get('jax')}; torch {meta.get('torch', '-')}; commit {meta.get('commit')}",
       f"- FlexGEMM: {meta.get('flexgemm')} (masked implicit GEMM + split-K, allow_tf32 as its benchmark)",
-      f"- jsparse: implementation {settings.get('impl') or 'default'}, algorithm {settings.get('algorithm', 'auto')}",
+      f"- jsparse: implementation {settings.get('impl') or 'default'}, algorithm {settings.get('algorithm', 'auto')}, "
+      f"weights {settings.get('weight_layout', 'DHWIO')}",
       f"- timing: {settings.get('timing')}; warmup {settings.get('warmup')}, repeats {settings.get('repeats')}; "
       "ms = median",
       "- train: jsparse differentiates w.r.t. input features, weights and biases; FlexGEMM "
@@ -635,6 +646,9 @@ def parse_args(argv=None):
                   help="jsparse implementation (default: Pallas on a GPU, XLA elsewhere)")
   ap.add_argument("--algorithm", default="auto", choices=tuning.ALGORITHMS,
                   help="jsparse submconv3d algorithm (Pallas only; auto = chosen per pass)")
+  ap.add_argument("--weight-layout", default="ODHWI", choices=("ODHWI", "DHWIO"),
+                  help="jsparse's weight layout: ODHWI = (Cout, 3, 3, 3, Cin), as FlexGEMM holds its weights; "
+                       "DHWIO = flax's (3, 3, 3, Cin, Cout) (runs before 2026-11-23's fifth session)")
   ap.add_argument("--flexgemm-input-grad", action="store_true",
                   help="train: FlexGEMM also computes the input-feature gradient (its benchmark does not)")
   ap.add_argument("--time-budget", type=float, default=0,

@@ -136,7 +136,8 @@ def small_row_probe(log, res_list, channels, repeats):
               for kmajor in ((True, False) if dname == "f32" and split == 16 else (True,)):
                 tag = f"{fwd_tag(dname, kmajor, t)}_split{split}"
                 fn = (lambda f, w, plan=plan, t=t, kmajor=kmajor:
-                      gather_gemm(f, w, nbr, num, plan=plan, config=t, transpose_weight=kmajor, interpret=INTERPRET))
+                      gather_gemm(f, w, nbr, num, plan=plan, config=t, weight_axes="vnk" if kmajor else "vkn",
+                                  flip_offsets=kmajor, interpret=INTERPRET))
                 run_variant(log, tag, fn, (x.feats.astype(dt), wk if kmajor else w), ref, flops, repeats)
 
 
@@ -191,7 +192,7 @@ def sweep_probe(log, res, channels, only, repeats):
     kmajor = read.startswith("copy")
     t = dataclasses.replace(t, swap_operands=read.endswith("swap"))
     fn = (lambda f, w, plan=plans[t.block_m], t=t, kmajor=kmajor:
-          gather_gemm(f, w, nbr, num, plan=plan, config=t, transpose_weight=kmajor, reverse_offsets=False,
+          gather_gemm(f, w, nbr, num, plan=plan, config=t, weight_axes="vnk" if kmajor else "vkn",
                       interpret=INTERPRET))
     run_variant(log, tag, fn, (x.feats.astype(dt), jnp.swapaxes(w, 1, 2) if kmajor else w), ref, flops, repeats)
 
@@ -242,7 +243,8 @@ def main(argv=None):
     plan = plans[t.block_m]
     tag = fwd_tag(dname, kmajor, t)
     fn = (lambda f, w, plan=plan, t=t, kmajor=kmajor:
-          gather_gemm(f, w, nbr, num, plan=plan, config=t, transpose_weight=kmajor, interpret=INTERPRET))
+          gather_gemm(f, w, nbr, num, plan=plan, config=t, weight_axes="vnk" if kmajor else "vkn",
+                                  flip_offsets=kmajor, interpret=INTERPRET))
     run_variant(log, tag, fn, (x.feats.astype(dt), wa), ref_fwd, flops, a.repeats)
 
   wgv = [(d, t) for d, t in weight_grad_variants()

@@ -99,7 +99,7 @@ def main(argv=None):
     w = (w32[::-1].transpose(0, 2, 1) if kmajor else w32).astype(dtype)
     feats = x.feats.astype(dtype)
     fn = jax.jit(lambda f, w, plan=plan, tiles=tiles, kmajor=kmajor: gather_gemm(
-        f, w, nbr, num, plan=plan, config=tiles, transpose_weight=kmajor))
+        f, w, nbr, num, plan=plan, config=tiles, weight_axes="vnk" if kmajor else "vkn", flip_offsets=kmajor))
     with capture_triton_modules() as mods:
       out_xla = jax.block_until_ready(fn(feats, w))
     ms_xla = _median_ms(fn, (feats, w), warmup=3, repeats=a.repeats)

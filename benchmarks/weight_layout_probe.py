@@ -35,7 +35,8 @@ def main():
         plan = masked_plan(cache.nbr, x.num, tiles.block_m)
         wt = w[::-1].transpose(0, 2, 1)
         f_n = jax.jit(lambda f, w: gather_gemm(f, w, cache.nbr, x.num, plan=plan, config=tiles))
-        f_k = jax.jit(lambda f, w: gather_gemm(f, w, cache.nbr, x.num, plan=plan, config=tiles, transpose_weight=True))
+        f_k = jax.jit(lambda f, w: gather_gemm(f, w, cache.nbr, x.num, plan=plan, config=tiles, weight_axes="vnk",
+                                               flip_offsets=True))
         for name, fn, wa in (("N-contig", f_n, w), ("K-contig", f_k, wt)):
           out = fn(x.feats, wa)
           err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))

@@ -44,6 +44,7 @@ class ConvCall(NamedTuple):
   precision: object
   transposed: jax.Array | None = None
   num_in: jax.Array | None = None
+  weight_layout: str = "vio"  # the kernels' layout of the weight: "vio" [V, Cin, Cout] or "ovi" [Cout, V, Cin]
 
 
 def record_call(call: ConvCall) -> None:
@@ -52,14 +53,16 @@ def record_call(call: ConvCall) -> None:
     rec.append(call)
 
 
-def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype,
-                    forward: bool = False) -> list[tuning.PassConfig]:
+def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype, forward: bool = False,
+                    weight_layout: str = "vio") -> list[tuning.PassConfig]:
   """Forward / input-gradient candidates: masked tiles of several shapes, each with and without split-K.
 
-  forward: also try reading the weight straight (TileConfig.weight_k_major=False) where the default would
-  copy it: on few float32 rows the per-call K-major copy costs about what it saves, and in half precision
-  the copy's memory is worth a few percent of time (`pick_best`).
+  Where the pass finds its weight stored N-contiguous (the forward of a "vio" weight, the input gradient of an
+  "ovi" one), also try reading it straight (TileConfig.weight_k_major=False) where the default would copy it:
+  on few float32 rows the per-call K-major copy costs about what it saves, and in half precision the copy's
+  memory is worth a few percent of time (`pick_best`).
   """
+  n_contiguous = forward == (weight_layout == "vio")
   base = gather_gemm_lib.default_config(num_rows, k, n, dtype)
   n_cap = max(16, 1 << max(n - 1, 0).bit_length())
   k_cap = max(16, 1 << max(k - 1, 0).bit_length())
@@ -76,14 +79,14 @@ def gemm_candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype,
     # Few-row float32 GEMMs are bound by the latency of each reduction step, not by the MMA: 64-deep chunks
     # halve the steps (fewer stages fit in shared memory). Added untimed (2026-11-23); the tuner decides.
     shapes += [(32, 128, 64, 4, 4, True), (64, 128, 64, 4, 3, True)]
-    if forward:  # 32-row blocks read the weight straight as fast as 64-row ones read the copy (RES 8-16, C 1024)
+    if n_contiguous:  # 32-row blocks read the weight straight as fast as 64-row ones read the copy (RES 8-16, C 1024)
       shapes += [(32, 256, 32, 8, 5, True), (32, 128, 32, 4, 5, True)]
 
   def layouts(bm: int) -> tuple:
     """The forward's weight reads to try at this block height: the default, plus the straight read where the
     default copies and the straight read may win (few float32 rows, 32-row blocks only: 64-row ones were
     2-3x slower that way on 848 rows) or may cost a few percent for the copy's memory (half precision)."""
-    if not forward:
+    if not n_contiguous:
       return (None,)
     if half:
       return (None, False) if gather_gemm_lib.reads_weight_k_major(num_rows, TileConfig(bm), dtype) else (None,)
@@ -163,19 +166,19 @@ def _median_ms(fn: Callable, args, warmup: int, repeats: int, inner: int = 4) ->
   return 1e3 * float(np.median(times))
 
 
-def _pass_fn(pass_name: str, cfg: tuning.PassConfig, precision):
-  """A jitted function running one pass with `cfg` (plans built outside, as the cache holds them)."""
+def _pass_fn(pass_name: str, cfg: tuning.PassConfig, precision, weight_layout: str = "vio"):
+  """A jitted function running one pass with `cfg` (plans built outside, as the cache holds them), as the
+  convolution runs it (weight layout and the copy rule included); w in `weight_layout`."""
   tiles = cfg.tiles
   interpret = not dispatch.on_gpu()  # off the GPU only the logic can be exercised, not the speed
   if pass_name == "weight_grad":
     return jax.jit(lambda x, g, nbr, num, aux: weight_grad_lib.weight_grad(
-        x, g, nbr, pairs=aux if cfg.masked else None, config=tiles, precision=precision, interpret=interpret))
-  if pass_name == "forward":  # (as the convolution runs it, weight layout choice included)
-    return jax.jit(lambda x, w, nbr, num, aux: gather_gemm_lib.conv_forward(
-        x, w, nbr, num, plan=aux if cfg.masked else None, config=tiles, precision=precision, interpret=interpret))
-  return jax.jit(lambda x, w, nbr, num, aux: gather_gemm_lib.gather_gemm(
-      x, w, nbr, num, plan=aux if cfg.masked else None, transpose_weight=True, config=tiles,
-      precision=precision, interpret=interpret))
+        x, g, nbr, pairs=aux if cfg.masked else None, config=tiles, precision=precision, interpret=interpret,
+        weight_layout=weight_layout))
+  gemm_pass = gather_gemm_lib.conv_forward if pass_name == "forward" else gather_gemm_lib.conv_input_grad
+  return jax.jit(lambda x, w, nbr, num, aux: gemm_pass(
+      x, w, nbr, num, plan=aux if cfg.masked else None, config=tiles, precision=precision, interpret=interpret,
+      weight_layout=weight_layout))
 
 
 # A forward that reads the weight straight (no per-call K-major copy, which is live at the peak) is kept over a
@@ -183,11 +186,13 @@ def _pass_fn(pass_name: str, cfg: tuning.PassConfig, precision):
 NO_COPY_SLACK = 0.03
 
 
-def pick_best(results: list[tuple[float, tuning.PassConfig]], pass_name: str, num_rows: int, dtype):
-  """The fastest (ms, config) of `results`, except that for the forward a config that does not copy the weight
-  wins when it is within NO_COPY_SLACK of the fastest (less memory for at most that much time)."""
+def pick_best(results: list[tuple[float, tuning.PassConfig]], pass_name: str, num_rows: int, dtype,
+              weight_layout: str = "vio"):
+  """The fastest (ms, config) of `results`, except that for the forward of a "vio" weight a config that does not
+  copy the weight wins when it is within NO_COPY_SLACK of the fastest (less memory for at most that much time;
+  an "ovi" forward never copies)."""
   fastest = min(results, key=lambda r: r[0])
-  if pass_name != "forward":
+  if pass_name != "forward" or weight_layout != "vio":
     return fastest
   lean = [r for r in results if r[1].tiles is not None and r[0] <= fastest[0] * (1 + NO_COPY_SLACK)
           and not gather_gemm_lib.reads_weight_k_major(num_rows, r[1].tiles, dtype)]
@@ -206,6 +211,8 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
   x = jnp.asarray(rng.standard_normal((m_in, call.cin)), call.dtype)
   g = jnp.asarray(rng.standard_normal((m, call.cout)), call.dtype)
   w = jnp.asarray(rng.standard_normal((v, call.cin, call.cout)) / np.sqrt(v * call.cin), call.dtype)
+  if call.weight_layout == "ovi":
+    w = jnp.transpose(w, (2, 0, 1))
   pairs = pair_lists(call.nbr)
   plans: dict[tuple[str, int], object] = {}
   best = {}
@@ -215,7 +222,8 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
       cands = weight_grad_candidates(m, call.cin, call.cout, v, call.dtype)
     else:
       k, n = (call.cin, call.cout) if pass_name == "forward" else (call.cout, call.cin)
-      cands = gemm_candidates(rows, k, n, v, call.dtype, forward=pass_name == "forward")
+      cands = gemm_candidates(rows, k, n, v, call.dtype, forward=pass_name == "forward",
+                              weight_layout=call.weight_layout)
     pass_map, pass_num = (t_map, t_num) if pass_name == "input_grad" else (call.nbr, call.num)
     results = []
     for cfg in cands:
@@ -228,7 +236,7 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
         aux = plans.get(plan_key) if cfg.masked else None
         args = ((x if pass_name == "forward" else g), w, pass_map, pass_num, aux)
       try:
-        ms = _median_ms(_pass_fn(pass_name, cfg, call.precision), args, warmup, repeats)
+        ms = _median_ms(_pass_fn(pass_name, cfg, call.precision, call.weight_layout), args, warmup, repeats)
       except Exception as e:  # a config that fails to compile (e.g. out of shared memory) is skipped
         if log:
           log(f"  {pass_name} {cfg}: failed ({type(e).__name__}: {str(e)[:120]})")
@@ -237,7 +245,7 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
       if log:
         log(f"  {pass_name} {cfg.algorithm} {cfg.tiles}: {ms:.3f} ms")
     if results:
-      ms, cfg = pick_best(results, pass_name, rows, call.dtype)
+      ms, cfg = pick_best(results, pass_name, rows, call.dtype, call.weight_layout)
       key = tuning.shape_key(pass_name, rows, call.cin, call.cout, v, call.dtype)
       best[key] = cfg
       if log:
@@ -261,7 +269,7 @@ def autotune(fn: Callable, *args, passes=tuning.PASSES, warmup: int = 2, repeats
   done = set()
   for call in calls:
     key = (call.nbr.shape, None if call.transposed is None else call.transposed.shape, call.cin, call.cout,
-           jnp.dtype(call.dtype).name)
+           jnp.dtype(call.dtype).name, call.weight_layout)
     if key in done:
       continue
     done.add(key)

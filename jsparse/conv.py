@@ -15,8 +15,14 @@ from pallas_kernels import weight_grad as weight_grad_lib
 from pallas_kernels.tiling import dot_precision
 
 
+# A convolution weight's two layouts: flax / lax's (Kx, Ky, Kz, Cin, Cout), and PyTorch / spconv / FlexGEMM's
+# (Cout, Kx, Ky, Kz, Cin); the kernels' names for them, once the kernel axes are flattened into V.
+WEIGHT_LAYOUTS = {"DHWIO": "vio", "ODHWI": "ovi"}
+
+
 def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: NeighborCache | None = None,
-               implementation: str | None = None, precision=None, algorithm: str = "auto") -> SparseTensor:
+               implementation: str | None = None, precision=None, algorithm: str = "auto",
+               weight_layout: str = "DHWIO") -> SparseTensor:
   """Submanifold 3D convolution: a SparseTensor on the same coordinates as `x`.
 
   At every valid site u: y[u] = sum_i weight[i]^T x[u + (i - centre) * dilation] + bias, summing over the
@@ -24,7 +30,11 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
   `lax.conv_general_dilated(x.todense(), weight, (1, 1, 1), "SAME", rhs_dilation=dilation,
   dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))` read at the valid sites.
 
-  weight: (Kx, Ky, Kz, Cin, Cout), odd kernel sizes (flax's layout). bias: (Cout,) or None.
+  weight: (Kx, Ky, Kz, Cin, Cout), odd kernel sizes (flax's layout), or with weight_layout="ODHWI"
+    (Cout, Kx, Ky, Kz, Cin) (PyTorch / spconv / FlexGEMM's layout: their checkpoints load without a
+    transpose). Both give the same results. On the GPU the forward reads an ODHWI weight in place, where a
+    float32 DHWIO forward reads a transposed copy (one layer's weight, live at the inference peak); the input
+    gradient is the other way round. bias: (Cout,) or None.
   cache: a NeighborCache for x's coordinates from `neighbor_map(x, kernel_size, dilation)`. If None, the map
     that x carries for this kernel (x.caches, attached by an earlier convolution on these coordinates) is
     used, or a new one is built; the output carries it on, so a stack of layers builds it once.
@@ -35,11 +45,12 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
     "_splitk" variants (the reduction split across programs). All give the same result.
   The output has x's dtype; the weight is cast to it; products accumulate in float32.
   """
-  kernel_size, w, b = check_weight(x, weight, bias)
+  kernel_size, w, b = check_weight(x, weight, bias, weight_layout)
   kernel_size = check_kernel_size(kernel_size)
   dil = check_dilation(dilation)
   tuning.check_algorithm(algorithm)
-  num_offsets, cin, cout = w.shape
+  layout = WEIGHT_LAYOUTS[weight_layout]
+  num_offsets, cin, cout = weight_dims(w, layout)
   key = cache_key(kernel_size, dil, implementation)
   if cache is None:
     cache = x.caches.get(key)
@@ -52,45 +63,70 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
   impl = dispatch.resolve(implementation)
   x = x.with_cache(key, cache)  # the output shares x's coordinates, so it carries the map on
   if not impl.is_pallas:
-    return x.replace(feats=submconv_xla(x.feats, w, b, cache.nbr, x.num, precision=precision))
+    return x.replace(feats=submconv_xla(x.feats, w, b, cache.nbr, x.num, precision=precision,
+                                        weight_layout=weight_layout))
   # Under jsparse.autotune (eager), report this call's shapes and map so its passes can be tuned.
   autotuning.record_call(autotuning.ConvCall(x.capacity, cin, cout, num_offsets, jnp.dtype(x.dtype), cache.nbr,
-                                             x.num, precision))
+                                             x.num, precision, weight_layout=layout))
   configs = [tuning.choose(p, x.capacity, cin, cout, num_offsets, x.dtype, algorithm) for p in tuning.PASSES]
-  opts = _PallasOptions(precision, impl.interpret, *configs)
+  opts = _PallasOptions(precision, impl.interpret, *configs, weight_layout=layout)
   maps = _MapArrays(cache.nbr, x.num, _plan_for(cache, configs[0]), _plan_for(cache, configs[1]),
                     cache.pair_lists() if configs[2].masked else None)
   return x.replace(feats=_submconv_pallas(x.feats, w, b, maps, opts))
 
 
-def check_weight(x: SparseTensor, weight, bias):
-  """Validates a (Kx, Ky, Kz, Cin, Cout) weight and (Cout,) bias against x; returns
-  (kernel_size, weight as [V, Cin, Cout] in x's dtype, bias in x's dtype or None)."""
+def check_weight(x: SparseTensor, weight, bias, weight_layout: str = "DHWIO"):
+  """Validates a (Kx, Ky, Kz, Cin, Cout) weight ("DHWIO"; or (Cout, Kx, Ky, Kz, Cin), "ODHWI") and a (Cout,)
+  bias against x; returns (kernel_size, the weight with its kernel axes flattened, [V, Cin, Cout] or
+  [Cout, V, Cin], in x's dtype, bias in x's dtype or None)."""
+  if weight_layout not in WEIGHT_LAYOUTS:
+    raise ValueError(f"weight_layout must be one of {tuple(WEIGHT_LAYOUTS)}, got {weight_layout!r}")
   weight = jnp.asarray(weight)
+  cout_major = weight_layout == "ODHWI"
   if weight.ndim != 5:
-    raise ValueError(f"weight must be (Kx, Ky, Kz, Cin, Cout), got shape {weight.shape}")
-  cin, cout = weight.shape[3], weight.shape[4]
+    want = "(Cout, Kx, Ky, Kz, Cin)" if cout_major else "(Kx, Ky, Kz, Cin, Cout)"
+    raise ValueError(f"weight must be {want} (weight_layout={weight_layout!r}), got shape {weight.shape}")
+  if cout_major:
+    cout, kernel_size, cin = weight.shape[0], tuple(weight.shape[1:4]), weight.shape[4]
+  else:
+    kernel_size, cin, cout = tuple(weight.shape[:3]), weight.shape[3], weight.shape[4]
   if cin != x.num_channels:
-    raise ValueError(f"weight expects {cin} input channels but the features have {x.num_channels}")
+    raise ValueError(f"weight expects {cin} input channels but the features have {x.num_channels} "
+                     f"(weight shape {weight.shape}, weight_layout={weight_layout!r})")
   if bias is not None:
     bias = jnp.asarray(bias)
     if bias.shape != (cout,):
       raise ValueError(f"bias must have shape ({cout},), got {bias.shape}")
     bias = bias.astype(x.dtype)
-  return tuple(weight.shape[:3]), weight.reshape(-1, cin, cout).astype(x.dtype), bias
+  flat = weight.reshape(cout, -1, cin) if cout_major else weight.reshape(-1, cin, cout)
+  return kernel_size, flat.astype(x.dtype), bias
+
+
+def weight_dims(w, layout: str) -> tuple[int, int, int]:
+  """(V, Cin, Cout) of a flattened weight in the kernels' layout "vio" ([V, Cin, Cout]) or "ovi" ([Cout, V, Cin])."""
+  if layout == "ovi":
+    return w.shape[1], w.shape[2], w.shape[0]
+  return tuple(w.shape)
 
 
 def _plan_for(cache: NeighborCache, config: tuning.PassConfig):
   return cache.plan(config.tiles.block_m) if config.masked else None
 
 
-def submconv_xla(feats, w, bias, nbr, num, *, precision=None):
-  """Explicit gather + one matmul: [M, V*Cin] @ [V*Cin, Cout]. Works on every backend; JAX differentiates it."""
+def submconv_xla(feats, w, bias, nbr, num, *, precision=None, weight_layout: str = "DHWIO"):
+  """Explicit gather + one matmul: [M, V*Cin] @ [V*Cin, Cout]. Works on every backend; JAX differentiates it.
+
+  w: [V, Cin, Cout], or [Cout, V, Cin] with weight_layout="ODHWI" (the 5-D layouts with the kernel axes flattened).
+  """
   m, v = nbr.shape
   has = nbr >= 0
-  gathered = jnp.where(has[..., None], feats[jnp.maximum(nbr, 0)], 0)
-  out = jnp.dot(gathered.reshape(m, v * feats.shape[1]), w.reshape(-1, w.shape[-1]),
-                precision=dot_precision(precision, feats.dtype), preferred_element_type=jnp.float32)
+  gathered = jnp.where(has[..., None], feats[jnp.maximum(nbr, 0)], 0).reshape(m, v * feats.shape[1])
+  if WEIGHT_LAYOUTS[weight_layout] == "ovi":  # contract with [Cout, V*Cin]'s second axis: no transpose
+    out = jax.lax.dot_general(gathered, w.reshape(w.shape[0], -1), (((1,), (1,)), ((), ())),
+                              precision=dot_precision(precision, feats.dtype), preferred_element_type=jnp.float32)
+  else:
+    out = jnp.dot(gathered, w.reshape(-1, w.shape[-1]), precision=dot_precision(precision, feats.dtype),
+                  preferred_element_type=jnp.float32)
   if bias is not None:
     out = out + bias.astype(jnp.float32)
   valid = jnp.arange(m) < num
@@ -120,15 +156,22 @@ class _PallasOptions(NamedTuple):
   forward: tuning.PassConfig
   input_grad: tuning.PassConfig
   weight_grad: tuning.PassConfig
+  weight_layout: str = "vio"  # the kernels' name of w's layout: "vio" [V, Cin, Cout] or "ovi" [Cout, V, Cin]
+
+  @property
+  def xla_weight_layout(self) -> str:
+    return "ODHWI" if self.weight_layout == "ovi" else "DHWIO"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _submconv_pallas(feats, w, bias, maps: _MapArrays, opts: _PallasOptions):
   cfg = opts.forward
   if cfg.algorithm == "explicit":
-    return submconv_xla(feats, w, bias, maps.nbr, maps.num, precision=opts.precision)
+    return submconv_xla(feats, w, bias, maps.nbr, maps.num, precision=opts.precision,
+                        weight_layout=opts.xla_weight_layout)
   return gather_gemm_lib.conv_forward(feats, w, maps.nbr, maps.num, bias, plan=maps.forward_plan, config=cfg.tiles,
-                                      precision=opts.precision, interpret=opts.interpret)
+                                      precision=opts.precision, interpret=opts.interpret,
+                                      weight_layout=opts.weight_layout)
 
 
 def _submconv_pallas_fwd(feats, w, bias, maps, opts):
@@ -140,24 +183,25 @@ def _submconv_pallas_bwd(opts, residuals, g):
   # Outputs at padding rows are constant zeros, so g there must not count: the maps never point at
   # padding rows and never list them, and the bias gradient masks them.
   if "explicit" in (opts.input_grad.algorithm, opts.weight_grad.algorithm):
-    _, xla_vjp = jax.vjp(lambda f, w: submconv_xla(f, w, None, maps.nbr, maps.num, precision=opts.precision),
-                         feats, w)
+    _, xla_vjp = jax.vjp(lambda f, w: submconv_xla(f, w, None, maps.nbr, maps.num, precision=opts.precision,
+                                                   weight_layout=opts.xla_weight_layout), feats, w)
     xla_d_feats, xla_d_w = xla_vjp(g)
   if opts.input_grad.algorithm == "explicit":
     d_feats = xla_d_feats
   else:
     # The same gather-GEMM over the transposed map (for submanifold maps, the map itself), reading
-    # weight[V-1-v]^T.
+    # offset V-1-v's matrix transposed.
     t_map = maps.nbr if maps.transposed is None else maps.transposed
     t_num = maps.num if maps.num_in is None else maps.num_in
-    d_feats = gather_gemm_lib.gather_gemm(g, w, t_map, t_num, plan=maps.input_grad_plan,
-                                          transpose_weight=True, config=opts.input_grad.tiles,
-                                          precision=opts.precision, interpret=opts.interpret)
+    d_feats = gather_gemm_lib.conv_input_grad(g, w, t_map, t_num, plan=maps.input_grad_plan,
+                                              config=opts.input_grad.tiles, precision=opts.precision,
+                                              interpret=opts.interpret, weight_layout=opts.weight_layout)
   if opts.weight_grad.algorithm == "explicit":
     d_w = xla_d_w
   else:
     d_w = weight_grad_lib.weight_grad(feats, g, maps.nbr, pairs=maps.pairs, config=opts.weight_grad.tiles,
-                                      precision=opts.precision, interpret=opts.interpret, out_dtype=w.dtype)
+                                      precision=opts.precision, interpret=opts.interpret, out_dtype=w.dtype,
+                                      weight_layout=opts.weight_layout)
   d_bias = None
   if bias is not None:
     valid = jnp.arange(g.shape[0]) < maps.num

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse import autotuning, dispatch, per_item, tuning
-from jsparse.conv import _MapArrays, _PallasOptions, _submconv_pallas, check_weight, submconv_xla
+from jsparse.conv import (WEIGHT_LAYOUTS, _MapArrays, _PallasOptions, _submconv_pallas, check_weight, submconv_xla,
+                          weight_dims)
 from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
 from jsparse.sparse_tensor import MAX_KEYS, SparseTensor
 from pallas_kernels import gemm_plan, unique_keys
@@ -275,19 +276,21 @@ def strided_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, o
 
 
 def _map_gemm(feats, w, bias, nbr, num, transposed, num_in, impl: dispatch.Implementation, precision,
-              algorithm: str = "auto"):
+              algorithm: str = "auto", weight_layout: str = "DHWIO"):
   """out[i] = sum_v feats[nbr[i, v]] @ w[v] + bias for i < num, differentiable in feats, w, bias.
 
   transposed: [rows of feats, V] with transposed[j, V-1-v] = i iff nbr[i, v] = j (the input gradient's map);
   num_in: valid rows of feats. XLA: gather + one matmul. Pallas: conv.py's gather-GEMM custom_vjp.
+  w: [V, Cin, Cout], or [Cout, V, Cin] for weight_layout "ODHWI" (check_weight's flattened weight).
   """
   if not impl.is_pallas:
-    return submconv_xla(feats, w, bias, nbr, num, precision=precision)
+    return submconv_xla(feats, w, bias, nbr, num, precision=precision, weight_layout=weight_layout)
   m, v = nbr.shape
-  cin, cout = w.shape[1], w.shape[2]
+  layout = WEIGHT_LAYOUTS[weight_layout]
+  _, cin, cout = weight_dims(w, layout)
   # Under jsparse.autotune (eager), report this map so its passes can be tuned too.
   autotuning.record_call(autotuning.ConvCall(m, cin, cout, v, jnp.dtype(feats.dtype), nbr, num, precision,
-                                             transposed, num_in))
+                                             transposed, num_in, layout))
   configs = [tuning.choose("forward", m, cin, cout, v, feats.dtype, algorithm),
              tuning.choose("input_grad", feats.shape[0], cin, cout, v, feats.dtype, algorithm),
              tuning.choose("weight_grad", m, cin, cout, v, feats.dtype, algorithm)]
@@ -295,7 +298,8 @@ def _map_gemm(feats, w, bias, nbr, num, transposed, num_in, impl: dispatch.Imple
   grad_plan = gemm_plan.masked_plan(transposed, num_in, configs[1].tiles.block_m) if configs[1].masked else None
   pairs = gemm_plan.pair_lists(nbr) if configs[2].masked else None
   maps = _MapArrays(nbr, num, fwd_plan, grad_plan, pairs, transposed, num_in)
-  return _submconv_pallas(feats, w, bias, maps, _PallasOptions(precision, impl.interpret, *configs))
+  return _submconv_pallas(feats, w, bias, maps, _PallasOptions(precision, impl.interpret, *configs,
+                                                                weight_layout=layout))
 
 
 # ---- convolutions -----------------------------------------------------------------------------------
@@ -303,7 +307,7 @@ def _map_gemm(feats, w, bias, nbr, num, transposed, num_in, impl: dispatch.Imple
 
 def sparse_conv3d(x: SparseTensor, weight, bias=None, *, stride=1, padding=0, dilation=1,
                   out_capacity: int | None = None, cache: PairMap | None = None, implementation: str | None = None,
-                  precision=None, algorithm: str = "auto", with_overflow: bool = False):
+                  precision=None, algorithm: str = "auto", with_overflow: bool = False, weight_layout: str = "DHWIO"):
   """Strided (non-submanifold) sparse 3D convolution, spconv's SparseConv3d.
 
   Output sites: every output position whose receptive field holds a valid input (`pair_map`), sorted by
@@ -311,14 +315,15 @@ def sparse_conv3d(x: SparseTensor, weight, bias=None, *, stride=1, padding=0, di
   `lax.conv_general_dilated(x.todense(), weight, stride, [(p, p)] * 3, rhs_dilation=dilation,
   dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))` (+ bias) read at the output sites.
 
-  weight: (Kx, Ky, Kz, Cin, Cout), any kernel sizes >= 1. out_capacity: output rows (None: counted on the
+  weight: (Kx, Ky, Kz, Cin, Cout), any kernel sizes >= 1, or (Cout, Kx, Ky, Kz, Cin) with
+  weight_layout="ODHWI" (as submconv3d). out_capacity: output rows (None: counted on the
   host, outside jit only; under jit pass e.g. round_capacity of an upper bound). cache: a PairMap of x for
   this geometry (else built). The output carries its PairMap in `caches` for `sparse_inverse_conv3d`.
   with_overflow: return (output, overflow); see the module docstring (outside jit an overflow raises).
   implementation / precision / algorithm: as submconv3d; implementation also picks how the output sites are
   found (`pair_map`).
   """
-  ks, w, b = check_weight(x, weight, bias)
+  ks, w, b = check_weight(x, weight, bias, weight_layout)
   tuning.check_algorithm(algorithm)
   impl = dispatch.resolve(implementation)
   if cache is None:
@@ -327,7 +332,7 @@ def sparse_conv3d(x: SparseTensor, weight, bias=None, *, stride=1, padding=0, di
         or cache.in_capacity != x.capacity):
     raise ValueError("cache was built for another geometry or input capacity than this convolution")
   feats = _map_gemm(x.feats, w, b, cache.nbr, cache.out_num, jnp.flip(cache.inv, 1), x.num, impl, precision,
-                    algorithm)
+                    algorithm, weight_layout)
   out = cache.output(feats)
   return (out, cache.overflow) if with_overflow else out
 
@@ -356,7 +361,8 @@ def _inverse_maps(y: SparseTensor, like: SparseTensor, geom: Geometry):
 
 
 def sparse_inverse_conv3d(y: SparseTensor, weight, bias=None, *, like: SparseTensor, stride=1, padding=0,
-                          dilation=1, implementation: str | None = None, precision=None, algorithm: str = "auto"):
+                          dilation=1, implementation: str | None = None, precision=None, algorithm: str = "auto",
+                          weight_layout: str = "DHWIO"):
   """spconv's SparseInverseConv3d: the transposed convolution from y back onto like's coordinates.
 
   `y` is on the coordinates of `sparse_conv3d(like, ..., stride, padding, dilation)` with a kernel of
@@ -365,12 +371,13 @@ def sparse_inverse_conv3d(y: SparseTensor, weight, bias=None, *, like: SparseTen
   `jax.vjp(lambda d: conv_general_dilated(d, weight.swapaxes(3, 4), stride, [(p, p)]*3, rhs_dilation=dil),
   like_dense)` applied to y.todense(), read at like's sites (i.e. lax.conv_transpose with transpose_kernel).
 
-  weight: (Kx, Ky, Kz, C_y, Cout). The map comes from y.caches when y (or a submanifold stack on it)
-  came out of that sparse_conv3d on like's coordinates, else it is recomputed (module docstring). Under jit
-  a cached map is trusted when its shapes fit: pass the `like` the forward convolution saw.
+  weight: (Kx, Ky, Kz, C_y, Cout), or (Cout, Kx, Ky, Kz, C_y) with weight_layout="ODHWI". The map comes from
+  y.caches when y (or a submanifold stack on it) came out of that sparse_conv3d on like's coordinates, else
+  it is recomputed (module docstring). Under jit a cached map is trusted when its shapes fit: pass the `like`
+  the forward convolution saw.
   The output has like's coordinates and caches.
   """
-  ks, w, b = check_weight(y, weight, bias)
+  ks, w, b = check_weight(y, weight, bias, weight_layout)
   tuning.check_algorithm(algorithm)
   geom = geometry(like.spatial_shape, ks, stride, padding, dilation)
   if y.spatial_shape != geom.out_shape or y.batch_size != like.batch_size:
@@ -380,13 +387,14 @@ def sparse_inverse_conv3d(y: SparseTensor, weight, bias=None, *, like: SparseTen
   impl = dispatch.resolve(implementation)
   inv, nbr = _inverse_maps(y, like, geom)
   # The forward map of the inverse is the transposed map of the convolution, and vice versa.
-  feats = _map_gemm(y.feats, w, b, inv, like.num, jnp.flip(nbr, 1), y.num, impl, precision, algorithm)
+  feats = _map_gemm(y.feats, w, b, inv, like.num, jnp.flip(nbr, 1), y.num, impl, precision, algorithm,
+                    weight_layout)
   return like.replace(feats=feats)
 
 
 def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out_capacity: int | None = None,
                             mask=None, implementation: str | None = None, precision=None, algorithm: str = "auto",
-                            with_overflow: bool = False):
+                            with_overflow: bool = False, weight_layout: str = "DHWIO"):
   """Generative upsampling: every valid site c spawns its children c*stride + t, t in [0, stride)^3.
 
   The kernel size equals the stride, so every child has exactly one parent and child t of c gets
@@ -395,7 +403,8 @@ def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out
   "DHWIO", "NDHWC"))` read at the children (the gradient of a kernel==stride convolution; torch/spconv's
   ConvTranspose3d weight convention). Output grid: spatial_shape * stride.
 
-  weight: (sx, sy, sz, Cin, Cout) with (sx, sy, sz) == stride.
+  weight: (sx, sy, sz, Cin, Cout) with (sx, sy, sz) == stride; or (Cout, sx, sy, sz, Cin) with
+    weight_layout="ODHWI".
   mask: None (all children) or bool [x.capacity, sx*sy*sz]: mask[j, t] keeps child t of row j, t the C-order
     index of the child offset (a, b, c); prunes children for coarse-to-fine generation. Rows >= x.num are
     ignored.
@@ -405,10 +414,10 @@ def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out
   st = as_triple(stride, "stride")
   if min(st) < 1:
     raise ValueError(f"stride must be >= 1, got {st}")
-  weight = jnp.asarray(weight)
-  if weight.ndim != 5 or tuple(weight.shape[:3]) != st:
-    raise ValueError(f"weight must be (*stride, Cin, Cout) = ({st}, Cin, Cout), got shape {weight.shape}")
-  ks, w, b = check_weight(x, weight, bias)
+  ks, w, b = check_weight(x, weight, bias, weight_layout)
+  if ks != st:
+    raise ValueError(f"the weight's kernel size {ks} must equal the stride {st} (weight shape {jnp.shape(weight)}, "
+                     f"weight_layout={weight_layout!r})")
   tuning.check_algorithm(algorithm)
   impl = dispatch.resolve(implementation)
   t_count = math.prod(st)
@@ -442,12 +451,14 @@ def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out
     nbr = jnp.full((out_capacity, t_count), -1, jnp.int32).at[jnp.arange(out_capacity), child].set(
         jnp.where(filled, parent, -1))
     inv = _scatter_transpose(nbr, x.capacity)
-    feats = _map_gemm(x.feats, w, b, nbr, out_num, jnp.flip(inv, 1), x.num, impl, precision, algorithm)
+    feats = _map_gemm(x.feats, w, b, nbr, out_num, jnp.flip(inv, 1), x.num, impl, precision, algorithm,
+                      weight_layout)
   else:
     # All children of every row in one matmul (no zero-padded gather), then pick the kept ones.
     from pallas_kernels.tiling import dot_precision
 
-    everything = jnp.einsum("jc,tco->jto", x.feats, w, precision=dot_precision(precision, x.dtype),
+    spec = "jc,otc->jto" if weight_layout == "ODHWI" else "jc,tco->jto"
+    everything = jnp.einsum(spec, x.feats, w, precision=dot_precision(precision, x.dtype),
                             preferred_element_type=jnp.float32)
     feats = everything[parent, child]
     if b is not None:

@@ -1,9 +1,14 @@
 """Implicit GEMM with the gather fused in: out[i] = sum_v x[nbr[i, v]] @ W[v] (+ bias).
 
 One kernel serves two passes of a submanifold convolution:
-- forward: x = input features, W[v] = weight[v] ([Cin, Cout]);
-- input gradient: x = output gradient, and the weight is read as W[V-1-v]^T (`transpose_weight=True`):
+- forward: x = input features, W_v = the [Cin, Cout] matrix of offset v;
+- input gradient: x = output gradient, W_v = the transpose of offset V-1-v's matrix (`flip_offsets=True`):
   if j is i's neighbour at offset v then i is j's at V-1-v, so the same map serves both passes.
+The kernel reads W_v out of a weight stored in any axis order (`weight_axes`), so both of the layouts a
+convolution weight comes in serve both passes without a copy where the read is K-contiguous:
+- "vio" ([V, Cin, Cout], flax's (Kx, Ky, Kz, Cin, Cout) kernel): K-contiguous for the input gradient;
+- "ovi" ([Cout, V, Cin], PyTorch / spconv / FlexGEMM's (Cout, Kx, Ky, Kz, Cin)): K-contiguous for the forward.
+`conv_forward` / `conv_input_grad` pick the read (or a K-contiguous copy, `reads_weight_k_major`) per layout.
 
 The reduction runs over (offset, channel chunk) pairs flattened into one loop so that Triton pipelines
 the loads across offsets. Sparse inputs save work by skipping offsets: with a masked plan
@@ -43,8 +48,18 @@ def default_config(num_rows: int, k: int, n: int, dtype) -> TileConfig:
   return TileConfig(block_m, block_n, block_k, num_warps=warps, num_stages=5, columns_fastest=True)
 
 
+WEIGHT_LAYOUTS = ("vio", "ovi")
+
+
+def check_weight_layout(weight_layout: str) -> str:
+  if weight_layout not in WEIGHT_LAYOUTS:
+    raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+  return weight_layout
+
+
 def reads_weight_k_major(num_rows: int, config: TileConfig, dtype) -> bool:
-  """Whether `conv_forward` reads the weight through a K-contiguous copy (`config.weight_k_major`, or this rule).
+  """Whether a pass whose stored weight is N-contiguous (the forward of a "vio" weight, the input gradient of an
+  "ovi" one) reads it through a K-contiguous copy (`config.weight_k_major`, or this rule).
 
   Tensor cores want the weight tile contiguous along the reduction. Hopper's TF32 MMA has no other mode
   (an N-contiguous float32 tile is restaged through registers: 1.3-1.9x slower forwards on an H200 once
@@ -57,7 +72,7 @@ def reads_weight_k_major(num_rows: int, config: TileConfig, dtype) -> bool:
   return jnp.dtype(dtype) == jnp.float32 or -(-num_rows // config.block_m) >= 16
 
 
-def swaps_operands(config: TileConfig, dtype, transpose_weight: bool) -> bool:
+def swaps_operands(config: TileConfig, dtype, k_contiguous: bool) -> bool:
   """Whether `gather_gemm` accumulates the transposed product W^T x^T (`config.swap_operands`, or this rule).
 
   Float32 (TF32) reading a K-contiguous weight: the swapped product was 4-12% faster on an H200 (RES 64 C 1024:
@@ -67,26 +82,43 @@ def swaps_operands(config: TileConfig, dtype, transpose_weight: bool) -> bool:
   """
   if config.swap_operands is not None:
     return config.swap_operands
-  return jnp.dtype(dtype) == jnp.float32 and transpose_weight
+  return jnp.dtype(dtype) == jnp.float32 and k_contiguous
 
 
 def conv_forward(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = None, config: TileConfig,
-                 precision=None, interpret: bool = False):
-  """The forward pass of a convolution, out[i] = sum_v x[nbr[i, v]] @ weight[v] (+ bias), weight [V, K, N].
+                 precision=None, interpret: bool = False, weight_layout: str = "vio"):
+  """The forward pass of a convolution, out[i] = sum_v x[nbr[i, v]] @ W_v (+ bias), W_v [Cin, Cout].
 
-  `gather_gemm` with the weight in the layout `reads_weight_k_major` picks: straight, or W_v = w_k[v]^T with
-  w_k = weight transposed to [V, N, K] (a plain last-two-axes transpose: XLA's tiled transpose; flipping the
-  offsets as well made it a slow generic copy).
+  weight_layout "ovi" (weight [Cout, V, Cin]): read K-contiguous in place. "vio" (weight [V, Cin, Cout]): read
+  straight, or through w_k = weight transposed to [V, Cout, Cin] as `reads_weight_k_major` picks (a plain
+  last-two-axes transpose: XLA's tiled transpose; flipping the offsets as well made it a slow generic copy).
   """
+  kw = dict(plan=plan, config=config, precision=precision, interpret=interpret)
+  if check_weight_layout(weight_layout) == "ovi":
+    return gather_gemm(x, weight, nbr, num, bias, weight_axes="nvk", **kw)
   if reads_weight_k_major(nbr.shape[0], config, x.dtype):
-    w_k = jnp.swapaxes(weight, 1, 2)
-    return gather_gemm(x, w_k, nbr, num, bias, plan=plan, transpose_weight=True, reverse_offsets=False,
-                       config=config, precision=precision, interpret=interpret)
-  return gather_gemm(x, weight, nbr, num, bias, plan=plan, config=config, precision=precision, interpret=interpret)
+    return gather_gemm(x, jnp.swapaxes(weight, 1, 2), nbr, num, bias, weight_axes="vnk", **kw)
+  return gather_gemm(x, weight, nbr, num, bias, weight_axes="vkn", **kw)
+
+
+def conv_input_grad(g, weight, t_map, t_num, *, plan: MaskedPlan | None = None, config: TileConfig, precision=None,
+                    interpret: bool = False, weight_layout: str = "vio"):
+  """The input gradient of a convolution: dx[j] = sum_v g[t_map[j, v]] @ W_{V-1-v}^T over the transposed map
+  (for a submanifold map, the map itself), W_v [Cin, Cout] as in `conv_forward`.
+
+  weight_layout "vio": read K-contiguous in place. "ovi": straight, or through a [V, Cin, Cout] copy as
+  `reads_weight_k_major` picks (the mirror of the forward's rule).
+  """
+  kw = dict(plan=plan, config=config, precision=precision, interpret=interpret, flip_offsets=True)
+  if check_weight_layout(weight_layout) == "vio":
+    return gather_gemm(g, weight, t_map, t_num, weight_axes="vnk", **kw)
+  if reads_weight_k_major(t_map.shape[0], config, g.dtype):
+    return gather_gemm(g, jnp.transpose(weight, (1, 2, 0)), t_map, t_num, weight_axes="vnk", **kw)
+  return gather_gemm(g, weight, t_map, t_num, weight_axes="kvn", **kw)
 
 
 def _gather_gemm_kernel(num_ref, x_ref, w_ref, *refs, num_rows, num_offsets, k_dim, n_dim, block_m, block_n,
-                        block_k, split, transpose_weight, reverse_offsets, masked, skip_empty, has_bias, precision,
+                        block_k, split, weight_axes, flip_offsets, masked, skip_empty, has_bias, precision,
                         columns_fastest, swap_operands):
   refs = list(refs)
   o_ref = refs.pop()
@@ -137,11 +169,10 @@ def _gather_gemm_kernel(num_ref, x_ref, w_ref, *refs, num_rows, num_offsets, k_d
       k_ok = kk < k_dim
       src = jnp.where(has, nb, 0)
       a = plgpu.load(x_ref.at[src[:, None], kk[None, :]], mask=has[:, None] & k_ok[None, :], other=0)
-      if transpose_weight:
-        b = plgpu.load(w_ref.at[num_offsets - 1 - v if reverse_offsets else v, cols[None, :], kk[:, None]],
-                       mask=k_ok[:, None] & col_ok[None, :], other=0)
-      else:
-        b = plgpu.load(w_ref.at[v, kk[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0)
+      # The [block_k, block_n] tile of W_v, whatever the weight's axis order.
+      index = {"v": num_offsets - 1 - v if flip_offsets else v, "k": kk[:, None], "n": cols[None, :]}
+      b = plgpu.load(w_ref.at[tuple(index[a] for a in weight_axes)], mask=k_ok[:, None] & col_ok[None, :],
+                     other=0)
       if swap_operands:  # acc^T += W^T a^T: the weight tile becomes the MMA's left operand (see gather_gemm)
         return mma(b.T, a.T, acc, precision)
       return mma(a, b, acc, precision)
@@ -164,16 +195,18 @@ def _gather_gemm_kernel(num_ref, x_ref, w_ref, *refs, num_rows, num_offsets, k_d
   plgpu.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=out_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("transpose_weight", "reverse_offsets", "skip_empty", "config", "precision",
+@functools.partial(jax.jit, static_argnames=("weight_axes", "flip_offsets", "skip_empty", "config", "precision",
                                              "interpret"))
-def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = None, transpose_weight: bool = False,
-                reverse_offsets: bool = True, skip_empty: bool = True, config: TileConfig | None = None,
+def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = None, weight_axes: str = "vkn",
+                flip_offsets: bool = False, skip_empty: bool = True, config: TileConfig | None = None,
                 precision=None, interpret: bool = False):
   """out[i] = sum_v x[nbr[i, v]] @ W_v (+ bias) for i < num, zero rows for i >= num.
 
   x: [R, K] rows to gather (nbr entries index them; -1 = none).
-  weight: [V, K, N] (W_v = weight[v]), or with transpose_weight [V, N, K] (W_v = weight[V-1-v]^T, the input
-    gradient's read; with reverse_offsets=False W_v = weight[v]^T, the forward's K-major read).
+  weight: W_v for every offset, its axes named by weight_axes, a permutation of "vkn" (offset, reduction,
+    output column): "vkn" = [V, K, N] (W_v = weight[v]), "vnk" = [V, N, K] (W_v = weight[v]^T), "nvk" =
+    [N, V, K], "kvn" = [K, V, N], ... A K-contiguous read ("..k") is what tensor cores want.
+  flip_offsets: W_v is the matrix stored for offset V-1-v (the input gradient's read).
   nbr: int32 [M, V]; num: int32 scalar (rows >= num are written as zeros); bias: [N] or None.
   plan: a `gemm_plan.masked_plan(nbr, num, config.block_m)`: process rows in its order and, per block,
     only the offsets its rows use ("masked" implicit GEMM). None: every block loops over every offset
@@ -186,12 +219,14 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
   """
   m, num_offsets = nbr.shape
   k_dim = x.shape[1]
-  if transpose_weight:
-    v_w, n_dim, k_w = weight.shape
-  else:
-    v_w, k_w, n_dim = weight.shape
-  if v_w != num_offsets or k_w != k_dim:
-    raise ValueError(f"gather_gemm: weight {weight.shape} does not match x {x.shape} and nbr {nbr.shape}")
+  if sorted(weight_axes) != ["k", "n", "v"] or weight.ndim != 3:
+    raise ValueError(f"gather_gemm: weight_axes must order 'v', 'k', 'n' for a 3-D weight, got {weight_axes!r} "
+                     f"for shape {weight.shape}")
+  dims = dict(zip(weight_axes, weight.shape))
+  n_dim = dims["n"]
+  if dims["v"] != num_offsets or dims["k"] != k_dim:
+    raise ValueError(f"gather_gemm: weight {weight.shape} ({weight_axes}) does not match x {x.shape} and nbr "
+                     f"{nbr.shape}")
   cfg = config or default_config(m, k_dim, n_dim, x.dtype)
   num_blocks = pl.cdiv(m, cfg.block_m)
   if plan is not None and plan.block_counts.shape[0] != num_blocks:
@@ -199,11 +234,10 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
   split = cfg.split
   kernel = functools.partial(
       _gather_gemm_kernel, num_rows=m, num_offsets=num_offsets, k_dim=k_dim, n_dim=n_dim, block_m=cfg.block_m,
-      block_n=cfg.block_n, block_k=cfg.block_k, split=split, transpose_weight=transpose_weight,
-      reverse_offsets=reverse_offsets,
+      block_n=cfg.block_n, block_k=cfg.block_k, split=split, weight_axes=weight_axes, flip_offsets=flip_offsets,
       masked=plan is not None, skip_empty=skip_empty and plan is None, has_bias=bias is not None and split == 1,
       precision=dot_precision(precision, x.dtype), columns_fastest=cfg.columns_fastest,
-      swap_operands=swaps_operands(cfg, x.dtype, transpose_weight))
+      swap_operands=swaps_operands(cfg, x.dtype, weight_axes[-1] == "k"))
   num = jnp.reshape(num, (1,)).astype(jnp.int32)
   args = [num, x, weight.astype(x.dtype)]
   # With a plan the kernel does not read nbr, so it is not an operand: a stack of layers sharing one map
@@ -222,7 +256,7 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
             (num_blocks, pl.cdiv(n_dim, cfg.block_n), split)),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
-      name="gather_gemm_t" if transpose_weight else "gather_gemm",
+      name="gather_gemm_t" if flip_offsets else "gather_gemm",
   )(*args)
   if split == 1:
     return out

@@ -89,7 +89,7 @@ def balanced_work(counts: jax.Array, split: int, block_k: int) -> WorkList:
 
 
 def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, balanced, split, cin, cout, block_m, block_n,
-                        block_k, bf16_split, precision):
+                        block_k, bf16_split, precision, cout_major):
   refs = list(refs)
   o_ref = refs.pop()
   x_lo_ref, dy_lo_ref = (refs.pop(0), refs.pop(0)) if bf16_split else (None, None)
@@ -145,14 +145,20 @@ def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, balanced, spli
     return lax.cond(jnp.max(has.astype(jnp.int32)) > 0, matmul, lambda acc: acc, acc)
 
   acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-  plgpu.store(o_ref.at[out, ci[:, None], co[None, :]], acc, mask=ci_ok[:, None] & co_ok[None, :])
+  if cout_major:  # partials [.., Cout, .., Cin]: the "ovi" weight's own layout, no transpose afterwards
+    where = (out, co[None, :], ci[:, None]) if balanced else (s, co[None, :], v, ci[:, None])
+  else:
+    where = (out, ci[:, None], co[None, :])
+  plgpu.store(o_ref.at[where], acc, mask=ci_ok[:, None] & co_ok[None, :])
 
 
-def _sum_by_offset(partial: jax.Array, offset: jax.Array, num_offsets: int) -> jax.Array:
+def _sum_by_offset(partial: jax.Array, offset: jax.Array, num_offsets: int, cout_major: bool = False) -> jax.Array:
   """sum_w [offset[w] == v] partial[w], as a product with a one-hot matrix rather than a segment_sum: XLA's
   GPU scatter-add adds in a run-dependent order, and the weight gradient should not change between runs.
   (Exact: every product is by 0 or 1; a non-finite partial would spread to every offset, as NaN.)"""
   onehot = jax.nn.one_hot(offset, num_offsets, dtype=jnp.float32)
+  if cout_major:  # partial [W, Cout, Cin] -> [Cout, V, Cin]
+    return jnp.einsum("wv,wnk->nvk", onehot, partial, precision=lax.Precision.HIGHEST)
   return jnp.einsum("wv,wkn->vkn", onehot, partial, precision=lax.Precision.HIGHEST)
 
 
@@ -174,9 +180,9 @@ def uses_bf16_split(dtype, precision) -> bool:
                                                                                lax.Precision.HIGH)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision", "interpret", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("config", "precision", "interpret", "out_dtype", "weight_layout"))
 def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfig | None = None, precision=None,
-                interpret: bool = False, out_dtype=None):
+                interpret: bool = False, out_dtype=None, weight_layout: str = "vio"):
   """dW [V, Cin, Cout] = per offset v, sum over sites i with nbr[i, v] >= 0 of outer(x[nbr[i, v]], dy[i]).
 
   x: [R, Cin] (gathered through nbr), dy: [M, Cout] (rows >= num must have nbr == -1), nbr: int32 [M, V].
@@ -184,8 +190,13 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
     rows, skipping chunks with none at run time). Required by a `config.balanced` config.
   precision: for float32, None/"tf32" (run as bf16 hi/lo products, see the module doc) or "highest"
     (full float32 products).
+  weight_layout: "vio" returns [V, Cin, Cout]; "ovi" returns [Cout, V, Cin] (the programs store their tiles
+    there, so no transpose follows).
   Accumulates in float32; returns out_dtype (default x.dtype).
   """
+  if weight_layout not in ("vio", "ovi"):
+    raise ValueError(f"weight_grad: weight_layout must be 'vio' or 'ovi', got {weight_layout!r}")
+  cout_major = weight_layout == "ovi"
   m, num_offsets = nbr.shape
   cin, cout = x.shape[1], dy.shape[1]
   if dy.shape[0] != m:
@@ -201,7 +212,7 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   kernel = functools.partial(
       _weight_grad_kernel, use_pairs=pairs is not None, balanced=cfg.balanced, split=cfg.split, cin=cin,
       cout=cout, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, bf16_split=bf16_split,
-      precision=dot_precision(precision, x.dtype))
+      precision=dot_precision(precision, x.dtype), cout_major=cout_major)
   args = [x, dy, nbr]
   if bf16_split:
     args += [x_lo, dy_lo]
@@ -211,20 +222,24 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   if cfg.balanced:
     work = balanced_work(pairs.counts, cfg.split, cfg.block_k)
     args += list(work)
-    num_partials, grid = work.offset.shape[0], (work.offset.shape[0],) + tiles
+    grid = (work.offset.shape[0],) + tiles
+    partial_shape = (work.offset.shape[0],) + ((cout, cin) if cout_major else (cin, cout))
   else:
-    num_partials, grid = cfg.split * num_offsets, (num_offsets,) + tiles + (cfg.split,)
+    grid = (num_offsets,) + tiles + (cfg.split,)
+    partial_shape = (cfg.split, cout, num_offsets, cin) if cout_major else (cfg.split * num_offsets, cin, cout)
   args = same_vma(*args)
   partial = pl.pallas_call(
       kernel,
-      out_shape=out_struct((num_partials, cin, cout), jnp.float32, *args),
+      out_shape=out_struct(partial_shape, jnp.float32, *args),
       grid=grid,
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="weight_grad",
   )(*args)
   if cfg.balanced:
-    dw = _sum_by_offset(partial, work.offset, num_offsets)
+    dw = _sum_by_offset(partial, work.offset, num_offsets, cout_major)
+  elif cout_major:
+    dw = jnp.sum(partial, axis=0)
   else:
     dw = jnp.sum(partial.reshape(cfg.split, num_offsets, cin, cout), axis=0)
   return dw.astype(out_dtype or in_dtype)

@@ -28,7 +28,8 @@ def test_gemm_kernels_lower_to_triton(shape, dtype):
     text = lower_for_cuda(lambda x, w, nbr, num, b: gather_gemm(x, w, nbr, num, b, precision=precision),
                           x, w, nbr, num, b)
     assert "triton" in text
-  lower_for_cuda(lambda g, w, nbr, num: gather_gemm(g, w, nbr, num, transpose_weight=True), g, w, nbr, num)
+  lower_for_cuda(lambda g, w, nbr, num: gather_gemm(g, w, nbr, num, weight_axes="vnk", flip_offsets=True),
+                 g, w, nbr, num)
   lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, nbr), x, g, nbr)
 
 
@@ -53,7 +54,7 @@ def test_masked_and_splitk_variants_lower(split, dtype):
   def fwd_and_dgrad(x, w, nbr, num, b, g):
     plan = masked_plan(nbr, num, cfg.block_m)
     y = gather_gemm(x, w, nbr, num, b, plan=plan, config=cfg)
-    dx = gather_gemm(g, w, nbr, num, plan=plan, transpose_weight=True, config=cfg)
+    dx = gather_gemm(g, w, nbr, num, plan=plan, weight_axes="vnk", flip_offsets=True, config=cfg)
     return y, dx
 
   lower_for_cuda(fwd_and_dgrad, x, w, nbr, num, b, g)
@@ -82,7 +83,7 @@ def test_kernels_lower_inside_shard_map():
   def step(coords, num, x, w, g):
     nbr, _ = neighbor_map_hashed(coords, num[0], spatial_shape=(8, 8, 8), offsets=offsets)
     y = gather_gemm(x, w, nbr, num[0], plan=masked_plan(nbr, num[0], 64))
-    dx = gather_gemm(g, w, nbr, num[0], transpose_weight=True)
+    dx = gather_gemm(g, w, nbr, num[0], weight_axes="vnk", flip_offsets=True)
     dw = weight_grad(x, g, nbr, pairs=pair_lists(nbr))
     return y, dx, jax.lax.psum(dw, "data")
 

@@ -78,7 +78,7 @@ def test_swapped_product_matches_xla(weight_k_major, dtype):
       cfg = TileConfig(32, 16, 16, split=split, weight_k_major=weight_k_major, swap_operands=swap)
       y = gather_gemm_lib.conv_forward(feats, w, nbr, x.num, plan=plan, config=cfg, interpret=True)
       assert rel_err(y, ref) < tol, cfg
-      dx = gather_gemm_lib.gather_gemm(g, w, nbr, x.num, plan=plan, transpose_weight=True, config=cfg,
+      dx = gather_gemm_lib.gather_gemm(g, w, nbr, x.num, plan=plan, weight_axes="vnk", flip_offsets=True, config=cfg,
                                        interpret=True)
       assert rel_err(dx, ref_dx) < tol, cfg
 

@@ -189,7 +189,8 @@ def test_pallas_kernels_direct_edge_shapes():
   assert rel_err(out, ref) < 1e-6
   # transposed weight read: W_v = weight[V-1-v]^T with weight [V, N, K]
   wt = jnp.asarray(rng.standard_normal((v, n, k)).astype(np.float32))
-  out_t = gather_gemm(x, wt, nbr, num, transpose_weight=True, config=cfg, precision="highest", interpret=True)
+  out_t = gather_gemm(x, wt, nbr, num, weight_axes="vnk", flip_offsets=True, config=cfg, precision="highest",
+                      interpret=True)
   ref_t = jnp.einsum("mvk,vnk->mn", gathered, wt[::-1], precision="highest")
   ref_t = jnp.where((jnp.arange(m) < num)[:, None], ref_t, 0)
   assert rel_err(out_t, ref_t) < 1e-6

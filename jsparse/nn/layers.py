@@ -46,7 +46,13 @@ class ConvParams(nn.Module):
   dtype, param_dtype, precision, kernel_init, bias_init` (as nn.Conv) and `implementation` (None | "xla" |
   "pallas", see `jsparse.submconv3d`), keyword-only so that each module lists just its own geometry fields
   (features, kernel_size, strides, ...) in nn.Conv's positional order; and the creation of nn.Conv's
-  "kernel" (*kernel_size, in_features, features) and "bias" (features,) parameters."""
+  "kernel" (*kernel_size, in_features, features) and "bias" (features,) parameters.
+
+  kernel_layout: "DHWIO" (default, nn.Conv's (*kernel_size, in_features, features)) or "ODHWI" ((features,
+  *kernel_size, in_features): PyTorch / spconv / FlexGEMM's layout, so their checkpoints load as they are;
+  on the GPU its forward reads the kernel in place, where a float32 "DHWIO" forward reads a transposed copy,
+  so inference peaks lower). The same initialiser fan-in/fan-out either way (flax reads them off the shape:
+  for "ODHWI" it is given the "DHWIO" shape and the result is transposed once, at init)."""
 
   use_bias: bool = dataclasses.field(default=True, kw_only=True)
   dtype: Dtype | None = dataclasses.field(default=None, kw_only=True)
@@ -55,6 +61,7 @@ class ConvParams(nn.Module):
   kernel_init: Initializer = dataclasses.field(default=default_kernel_init, kw_only=True)
   bias_init: Initializer = dataclasses.field(default=initializers.zeros_init(), kw_only=True)
   implementation: str | None = dataclasses.field(default=None, kw_only=True)
+  kernel_layout: str = dataclasses.field(default="DHWIO", kw_only=True)
 
   def conv_params(self, x: SparseTensor, kernel_size) -> tuple[SparseTensor, jax.Array, jax.Array | None]:
     """(x with promoted feats, kernel, bias) in the compute dtype (flax's promotion rule; `dtype` None
@@ -62,15 +69,22 @@ class ConvParams(nn.Module):
     name = type(self).__name__
     if not isinstance(self.features, int) or self.features <= 0:
       raise ValueError(f"{name}: features must be a positive int, got {self.features!r}")
+    if self.kernel_layout not in ("DHWIO", "ODHWI"):
+      raise ValueError(f"{name}: kernel_layout must be 'DHWIO' or 'ODHWI', got {self.kernel_layout!r}")
     cin = x.num_channels
+    cout_major = self.kernel_layout == "ODHWI"
     # flax would report a mismatch as "Initializer expected to generate shape ...": name the real problem.
     if self.has_variable("params", "kernel"):
       have = tuple(self.get_variable("params", "kernel").shape)
-      if len(have) == 5 and have[3] != cin:
+      if len(have) == 5 and have[4 if cout_major else 3] != cin:
         where = f" '{'/'.join(self.path)}'" if self.path else ""
-        raise ValueError(f"{name}{where}: its kernel {have} expects {have[3]} input channels but the "
-                         f"input SparseTensor has {cin}")
-    kernel = self.param("kernel", self.kernel_init, (*kernel_size, cin, self.features), self.param_dtype)
+        raise ValueError(f"{name}{where}: its kernel {have} ({self.kernel_layout}) expects "
+                         f"{have[4 if cout_major else 3]} input channels but the input SparseTensor has {cin}")
+    if cout_major:
+      init = lambda key, shape, dtype: jnp.moveaxis(self.kernel_init(key, (*shape[1:], shape[0]), dtype), -1, 0)
+      kernel = self.param("kernel", init, (self.features, *kernel_size, cin), self.param_dtype)
+    else:
+      kernel = self.param("kernel", self.kernel_init, (*kernel_size, cin, self.features), self.param_dtype)
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
     feats, kernel, bias = flax_dtypes.promote_dtype(x.feats, kernel, bias, dtype=self.dtype)
     return x.replace(feats=feats), kernel, bias
@@ -126,7 +140,7 @@ class SubMConv3d(ConvParams):
     kernel_size, dilation = self._checked_config()
     x, kernel, bias = self.conv_params(x, kernel_size)
     return submconv3d(x, kernel, bias, dilation=dilation, implementation=self.implementation,
-                      precision=self.precision, algorithm=self.algorithm)
+                      precision=self.precision, algorithm=self.algorithm, weight_layout=self.kernel_layout)
 
 
 class SparseBatchNorm(nn.Module):

@@ -1,7 +1,8 @@
 """flax.linen modules for the non-submanifold sparse ops (jsparse/sparse_conv.py).
 
 Parameters are named and laid out as flax's nn.Conv: "kernel" (*kernel_size, in_features, features) and
-"bias" (features,). `padding` is an int or 3 ints (explicit symmetric padding per axis, as
+"bias" (features,); or "kernel" (features, *kernel_size, in_features) with kernel_layout="ODHWI" (ConvParams).
+`padding` is an int or 3 ints (explicit symmetric padding per axis, as
 lax.conv_general_dilated's [(p, p)] * 3), or "VALID" (= 0); "SAME"-style padding is not offered because a
 strided sparse convolution's output sites depend on it and explicit ints keep that visible.
 """
@@ -59,7 +60,7 @@ class SparseConv3d(ConvParams):
     return sparse_conv.sparse_conv3d(
         x, kernel, bias, stride=_triple(self.strides, "strides", self), padding=_padding(self.padding, self),
         dilation=_triple(self.kernel_dilation, "kernel_dilation", self), out_capacity=self.out_capacity,
-        implementation=self.implementation, precision=self.precision)
+        implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
 
 
 class SparseInverseConv3d(ConvParams):
@@ -82,7 +83,7 @@ class SparseInverseConv3d(ConvParams):
     return sparse_conv.sparse_inverse_conv3d(
         y, kernel, bias, like=like, stride=_triple(self.strides, "strides", self),
         padding=_padding(self.padding, self), dilation=_triple(self.kernel_dilation, "kernel_dilation", self),
-        implementation=self.implementation, precision=self.precision)
+        implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
 
 
 class SparseConvTranspose3d(ConvParams):
@@ -101,7 +102,7 @@ class SparseConvTranspose3d(ConvParams):
     x, kernel, bias = self.conv_params(x, st)
     return sparse_conv.sparse_conv_transpose3d(x, kernel, bias, stride=st, out_capacity=self.out_capacity,
                                                mask=mask, implementation=self.implementation,
-                                               precision=self.precision)
+                                               precision=self.precision, weight_layout=self.kernel_layout)
 
 
 class SparseMaxPool3d(nn.Module):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one script a GPU call runs, from the repo root:
-#   bash scripts/gpu_session.sh [smoke] [tests] [suite] [kernels] [tune] [dataparallel]
+#   bash scripts/gpu_session.sh [smoke] [tests] [memory] [suite] [kernels] [tune] [dataparallel]
 #                                                                     (no argument: tests suite kernels)
+# memory: benchmarks.memory_probe (what is live at the suite's peaks, compile only);
 # tune: benchmarks.tune_table (a shipped tuning table for this GPU, no FlexGEMM); dataparallel:
 # benchmarks.data_parallel (weak scaling over all GPUs of the machine).
 # Steps run in the order given, each under its own `timeout`, all within SESSION_BUDGET seconds (default 560,
@@ -10,6 +11,7 @@
 #   KERNELS_ARGS="--sections gemm"            extra arguments of python -m benchmarks.kernels
 #   TESTS_ARGS="-k hash"                      extra pytest arguments
 #   TUNE_ARGS="--dtypes fp16"                 extra arguments of python -m benchmarks.tune_table
+#   MEMORY_ARGS="--rows 1,2"                  extra arguments of python -m benchmarks.memory_probe
 #   TESTS_TIMEOUT / SMOKE_TIMEOUT / SUITE_TIMEOUT / KERNELS_TIMEOUT   per-step limits in seconds
 #   JSPARSE_COMMIT                            commit id recorded in the results (the device gets no .git)
 # FlexGEMM is built first if .anchors/install_flexgemm.sh exists (carry .anchors; see shared/anchors/README.md).
@@ -106,11 +108,15 @@ for i in "${!steps[@]}"; do
       # shellcheck disable=SC2086
       run_step tune "$OUT/tune.log" "$secs" \
         "$PY" -m benchmarks.tune_table --out "$OUT" --time-budget $((secs > 120 ? secs - 60 : secs / 2)) $TUNE_ARGS ;;
+    memory)
+      # shellcheck disable=SC2086
+      run_step memory "$OUT/memory.log" "$(limit "${MEMORY_TIMEOUT:-150}")" \
+        "$PY" -m benchmarks.memory_probe $MEMORY_ARGS ;;
     dataparallel)
       run_step dataparallel "$OUT/data_parallel.log" "$(limit "${DP_TIMEOUT:-200}")" \
         "$PY" -m benchmarks.data_parallel --out "$OUT" ;;
     *)
-      log "unknown step '$step' (choose from smoke tests suite kernels tune dataparallel)"; STATUS+=("$step: unknown") ;;
+      log "unknown step '$step' (choose from smoke tests memory suite kernels tune dataparallel)"; STATUS+=("$step: unknown") ;;
   esac
 done
 

@@ -338,6 +338,49 @@ def test_gemm_candidates_weight_layouts_and_splits():
           assert any(c.tiles.split > 16 for c in cands) == (v * -(-k // 32) // 8 > 16)
 
 
+def test_gemm_candidates_follow_the_weight_layout():
+  """The straight-read candidates go to whichever pass finds its weight stored N-contiguous: the forward of a
+  "vio" weight, the input gradient of an "ovi" one (whose forward reads in place, never copying)."""
+  for forward in (True, False):
+    for layout in ("vio", "ovi"):
+      cands = autotuning.gemm_candidates(848, 1024, 1024, 27, jnp.float32, forward=forward, weight_layout=layout)
+      straight = [c for c in cands if c.tiles.weight_k_major is False]
+      assert bool(straight) == (forward == (layout == "vio")), (forward, layout)
+  fast, lean = (tuning.PassConfig("masked", TileConfig(64, 64, 32, weight_k_major=k)) for k in (True, False))
+  near = 1.0 + autotuning.NO_COPY_SLACK / 2
+  assert autotuning.pick_best([(1.0, fast), (near, lean)], "forward", 1000, jnp.float32, "ovi") == (1.0, fast)
+
+
+def test_autotune_tunes_an_odhwi_convolution_with_its_layout(monkeypatch):
+  """autotune records the convolution's weight layout and times every candidate reading the weight that way."""
+  x, w, b = _problem()
+  seen = []
+  real_pass_fn = autotuning._pass_fn
+
+  def gemm(num_rows, k, n, num_offsets, dtype, forward=False, weight_layout="vio"):
+    seen.append(("candidates", forward, weight_layout))
+    return list(GEMM_CANDIDATES)
+
+  def pass_fn(pass_name, cfg, precision, weight_layout="vio"):
+    seen.append((pass_name, weight_layout))
+    return real_pass_fn(pass_name, cfg, precision, weight_layout)
+
+  monkeypatch.setattr(autotuning, "gemm_candidates", gemm)
+  monkeypatch.setattr(autotuning, "weight_grad_candidates", lambda *a: list(WG_CANDIDATES))
+  monkeypatch.setattr(autotuning, "_pass_fn", pass_fn)
+  w_odhwi = jnp.transpose(w, (4, 0, 1, 2, 3))
+  fn = lambda f, w, b: jsparse.submconv3d(x.replace(feats=f), w, b, implementation="pallas", precision="highest",
+                                          weight_layout="ODHWI").feats
+  table = jsparse.autotune(fn, x.feats, w_odhwi, b, warmup=0, repeats=1)
+  assert len(table) == 3
+  assert {s[-1] for s in seen} == {"ovi"}
+  assert {s[0] for s in seen} >= {"candidates", "forward", "input_grad", "weight_grad"}
+  with table:  # the tuned configs drive the ODHWI convolution, which still matches the flax-layout one
+    y = jax.jit(fn)(x.feats, w_odhwi, b)
+  ref = jsparse.submconv3d(x, w, b, implementation="xla", precision="highest").feats
+  assert rel_err(y, ref) < 1e-5
+
+
 def test_pick_best_prefers_the_forward_without_a_weight_copy():
   """Within NO_COPY_SLACK of the fastest, a forward reading the weight straight (no per-call copy, less peak
   memory) wins; a slower one does not, and the other passes take the fastest."""
@@ -418,7 +461,7 @@ def tuned():
   x, w, b = _problem()
   asked = []
 
-  def gemm(num_rows, k, n, num_offsets, dtype, forward=False):
+  def gemm(num_rows, k, n, num_offsets, dtype, forward=False, weight_layout="vio"):
     asked.append(("gemm", num_rows, k, n, num_offsets, jnp.dtype(dtype)))
     return list(GEMM_CANDIDATES)
 
@@ -535,7 +578,7 @@ def test_autotune_tunes_strided_convolutions(monkeypatch):
   out_cap = jsparse.sparse_conv.pair_map(x, 3, stride=2, padding=1, implementation="xla").out_capacity
   asked = []
 
-  def gemm(num_rows, k, n, num_offsets, dtype, forward=False):
+  def gemm(num_rows, k, n, num_offsets, dtype, forward=False, weight_layout="vio"):
     asked.append(("gemm", num_rows, k, n))
     return list(GEMM_CANDIDATES)
 

@@ -221,3 +221,24 @@ def test_odhwi_kernels_lower_for_triton(dtype):
   for c in (TileConfig(64, 64, 32, split=2), TileConfig(64, 64, 32, split=2, balanced=True)):
     lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, nbr, pairs=pair_lists(nbr) if c.balanced else None, config=c,
                                                  weight_layout="ovi"), x, g, nbr)
+
+
+@pytest.mark.parametrize("weight_layout", ["vio", "ovi"])
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32])
+def test_half_precision_weight_grad_dtype_and_values(weight_layout, split, out_dtype):
+  """One piece per offset (split 1) writes the gradient in its final dtype directly; split pieces add float32
+  partials first. Both give the reference within half precision, in the asked dtype and layout."""
+  rng = np.random.default_rng(split)
+  m, v, cin, cout, num = 120, 5, 24, 40, 110
+  x = jnp.asarray(rng.standard_normal((m, cin)), jnp.float16)
+  dy = jnp.asarray(rng.standard_normal((m, cout)), jnp.float16)
+  nbr = _random_map(rng, m, num, v, num)
+  gathered = jnp.where(nbr[..., None] >= 0, x.astype(jnp.float32)[jnp.maximum(nbr, 0)], 0)
+  ref = jnp.einsum("mvk,mn->vkn", gathered, dy.astype(jnp.float32), precision="highest")
+  if weight_layout == "ovi":
+    ref = jnp.transpose(ref, (2, 0, 1))
+  cfg = TileConfig(block_m=16, block_n=32, block_k=32, split=split)
+  dw = weight_grad(x, dy, nbr, config=cfg, interpret=True, out_dtype=out_dtype, weight_layout=weight_layout)
+  assert dw.dtype == (out_dtype or jnp.float16) and dw.shape == ref.shape
+  assert rel_err(dw, ref) < (1e-6 if out_dtype == jnp.float32 else 1e-3)

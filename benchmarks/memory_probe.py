@@ -16,24 +16,18 @@ import re
 import sys
 import tempfile
 
-DUMP = tempfile.mkdtemp(prefix="jsparse_xla_dump_")
-# Before jax is imported: XLA writes each compiled module's buffer assignment here.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} "
-                           "--xla_dump_hlo_module_re=.*(inference|train).*").strip()
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import jsparse  # noqa: E402
-from benchmarks import suite, workloads  # noqa: E402
+import jsparse
+from benchmarks import suite, workloads
 
 _ALLOC = re.compile(r"^allocation (\d+): size (\d+)(.*)$")
 _VALUE = re.compile(r"^\s+value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
 
 
-def newest_buffer_assignment(before: set[str]) -> str | None:
-  files = set(glob.glob(os.path.join(DUMP, "*buffer-assignment.txt"))) - before
+def newest_buffer_assignment(dump: str, before: set[str]) -> str | None:
+  files = set(glob.glob(os.path.join(dump, "*buffer-assignment.txt"))) - before
   return max(files, key=os.path.getmtime) if files else None
 
 
@@ -68,8 +62,14 @@ def main(argv=None):
   ap.add_argument("--layouts", default="DHWIO,ODHWI")
   ap.add_argument("--tuned", default=None, help="a ConfigTable JSON (default: the shipped table for this GPU)")
   args = ap.parse_args(argv)
+  # Before the first computation initialises the backend: XLA then writes each compiled module's buffer
+  # assignment into `dump` (the flag is read once, at start-up).
+  dump = tempfile.mkdtemp(prefix="jsparse_xla_dump_")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} "
+                             "--xla_dump_hlo_module_re=.*(inference|train).*").strip()
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   table = jsparse.ConfigTable.load(args.tuned) if args.tuned else jsparse.ConfigTable()
-  print(f"device: {jax.devices()[0].device_kind}; dump {DUMP}", flush=True)
+  print(f"device: {jax.devices()[0].device_kind}; dump {dump}", flush=True)
   with table:
     for i in (int(r) for r in args.rows.split(",")):
       row = workloads.SUITE[i]
@@ -81,7 +81,7 @@ def main(argv=None):
           for layout in args.layouts.split(","):
             params = [(jnp.asarray(suite.jsparse_weight(w, layout), jdtype), jnp.asarray(b, jdtype)) for w, b in wb]
             fn = suite.jsparse_fns(None, precision, "auto", layout)[mode]
-            before = set(glob.glob(os.path.join(DUMP, "*buffer-assignment.txt")))
+            before = set(glob.glob(os.path.join(dump, "*buffer-assignment.txt")))
             compiled = jax.jit(fn).lower(x, params).compile()
             m = compiled.memory_analysis()
             arg, out, tmp = m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes
@@ -89,7 +89,7 @@ def main(argv=None):
             print(f"\n{row.name} {dtype_name} {mode} {layout}: peak {(arg + out + tmp - alias) / 1e6:.1f} MB = "
                   f"args {arg / 1e6:.1f} + out {out / 1e6:.1f} + temp {tmp / 1e6:.1f} - alias {alias / 1e6:.1f}",
                   flush=True)
-            path = newest_buffer_assignment(before)
+            path = newest_buffer_assignment(dump, before)
             print("\n".join(summarise(path)) if path else "  (no buffer assignment dumped)", flush=True)
             del params, compiled
   return 0

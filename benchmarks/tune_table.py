@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jsparse  # noqa: E402
 from benchmarks import workloads  # noqa: E402
-from benchmarks.suite import DTYPES, SMOKE_ROW, jsparse_fns, row_inputs  # noqa: E402
+from benchmarks.suite import DTYPES, SMOKE_ROW, jsparse_fns, jsparse_weight, row_inputs  # noqa: E402
 
 
 def table_file_name(device_kind: str) -> str:
@@ -39,6 +39,9 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--time-budget", type=float, default=0, help="seconds; start no new row after this (0: none)")
   ap.add_argument("--smoke", action="store_true")
+  ap.add_argument("--weight-layout", default="DHWIO", choices=("DHWIO", "ODHWI"),
+                  help="the weight layout tuned with (the shipped tables: DHWIO); entries serve both layouts, "
+                       "but only a pass that reads its weight N-contiguous tries the straight-read candidates")
   args = ap.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   on_gpu = jax.default_backend() == "gpu"
@@ -52,14 +55,15 @@ def main(argv=None) -> int:
   implementation = None if on_gpu else "pallas"  # off the GPU: interpret mode, a harness check only
   for dtype_name in args.dtypes.split(","):
     jdtype, precision, _ = DTYPES[dtype_name]
-    fns = jsparse_fns(implementation, precision)
+    fns = jsparse_fns(implementation, precision, weight_layout=args.weight_layout)
     for row in rows:
       if args.time_budget and time.perf_counter() - start > args.time_budget:
         print(f"time budget reached: {row.name} {dtype_name} and later rows not tuned", flush=True)
         break
       coords, feats, params = row_inputs(dataclasses.replace(row, layers=1) if not smoke else row)
       x = jsparse.SparseTensor.from_coords(coords, jnp.asarray(feats, jdtype), (row.res,) * 3, batch_size=1)
-      params = [(jnp.asarray(w, jdtype), jnp.asarray(b, jdtype)) for w, b in params[:1]]
+      params = [(jnp.asarray(jsparse_weight(w, args.weight_layout), jdtype), jnp.asarray(b, jdtype))
+                for w, b in params[:1]]
       t0 = time.perf_counter()
       table = jsparse.autotune(fns["train"], x, params, warmup=1, repeats=args.repeats)
       entries.update(table.entries)

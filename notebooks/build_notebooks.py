@@ -141,7 +141,7 @@ inside the timed region) for jsparse and FlexGEMM in one process on one GPU. rat
 time, so > 1 means jsparse is faster. The file below is the H200 result summarised in BENCHMARKS.md."""),
     new_code_cell("""root = os.path.join(os.path.dirname(os.path.abspath(jsparse.__file__)), "..", "benchmarks", "results")
 
-path = os.path.join(root, "2026-11-23_h200_merged.json")   # the latest runs, merged (BENCHMARKS.md)
+path = os.path.join(root, "2026-11-23_h200_odhwi_merged.json")   # the latest runs, merged (BENCHMARKS.md)
 rows = {}
 if os.path.exists(path):
     rows = {(r["dtype"], r["mode"], r["row"]): r for r in json.load(open(path))["results"] if "ratio" in r}
@@ -155,10 +155,10 @@ for ax, dtype in zip(axes, ["fp16", "tf32"]):
     ax.axhline(1.0, color="k", lw=0.8); ax.set_title(f"{dtype}: FlexGEMM time / jsparse time"); ax.legend()
 fig.tight_layout(); plt.close(fig)
 fig"""),
-    new_markdown_cell("""On the H200 (2026-11-23) jsparse is ahead of FlexGEMM in every mode, as geometric means: fp16 1.41x
-for inference and 1.73x for training; float32 with TF32 1.32x for inference (one row, 16,1024,8, at parity)
-and 2.21x for training. `docs/perf_notes.md` says what changed to get there. To reproduce on a GPU machine:
-`make bench`."""),
+    new_markdown_cell("""On the H200 (2026-11-23, weights held Cout-first as FlexGEMM holds them: `weight_layout="ODHWI"`)
+jsparse is ahead of FlexGEMM on every row, as geometric means: fp16 1.35x for inference and 1.83x for
+training; float32 with TF32 1.28x for inference and 2.27x for training. `docs/perf_notes.md` says what changed
+to get there. To reproduce on a GPU machine: `make bench`."""),
 ]
 
 

@@ -171,7 +171,7 @@ def _gather_gemm_kernel(num_ref, x_ref, w_ref, *refs, num_rows, num_offsets, k_d
       a = plgpu.load(x_ref.at[src[:, None], kk[None, :]], mask=has[:, None] & k_ok[None, :], other=0)
       # The [block_k, block_n] tile of W_v, whatever the weight's axis order.
       index = {"v": num_offsets - 1 - v if flip_offsets else v, "k": kk[:, None], "n": cols[None, :]}
-      b = plgpu.load(w_ref.at[tuple(index[a] for a in weight_axes)], mask=k_ok[:, None] & col_ok[None, :],
+      b = plgpu.load(w_ref.at[tuple(index[axis] for axis in weight_axes)], mask=k_ok[:, None] & col_ok[None, :],
                      other=0)
       if swap_operands:  # acc^T += W^T a^T: the weight tile becomes the MMA's left operand (see gather_gemm)
         return mma(b.T, a.T, acc, precision)

@@ -16,10 +16,11 @@ class TileConfig:
   split: how many programs share the reduction (partial sums are added afterwards); 1 = no split.
   columns_fastest (gather-GEMM only): launch the column blocks of a row block next to each other, so they
     read its gathered rows while those are still in L2 (else every column block re-gathers them from DRAM).
-  weight_k_major (forward only): read the weight through a K-contiguous copy (True), straight from its
-    [V, Cin, Cout] layout (False), or as `gather_gemm.reads_weight_k_major` decides (None). The copy costs
-    a pass over the weight per call; it pays off where many row blocks re-read the weight (TF32 needs it
-    there), not on few rows, where the copy can take as long as the GEMM (docs/perf_notes.md).
+  weight_k_major (the gather-GEMM pass that finds its weight stored N-contiguous: the forward of a flax-layout
+    weight, the input gradient of a Cout-first one; ignored by the other): read the weight through a
+    K-contiguous copy (True), straight (False), or as `gather_gemm.reads_weight_k_major` decides (None). The
+    copy costs a pass over the weight per call; it pays off where many row blocks re-read the weight (TF32
+    needs it there), not on few rows, where the copy can take as long as the GEMM (docs/perf_notes.md).
   swap_operands (gather-GEMM only): accumulate the transposed product W^T x^T (the weight tile as the MMA's
     left operand), True / False, or as `gather_gemm.swaps_operands` decides (None).
   balanced (weight gradient only, needs pair lists): cut all offsets' pairs together into ~V * split equal

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 import jsparse  # noqa: E402
 from benchmarks.probe_setup import open_log, shell_layer  # noqa: E402
-from jsparse.autotuning import _median_ms  # noqa: E402
+from jsparse.autotuning import median_ms  # noqa: E402
 from pallas_kernels.gather_gemm import conv_forward, gather_gemm  # noqa: E402
 from pallas_kernels.gemm_plan import gray_rank, masked_plan, pair_lists  # noqa: E402
 from pallas_kernels.tiling import TileConfig  # noqa: E402
@@ -45,7 +45,7 @@ def run_variant(log, tag, fn, args, ref, flops, repeats):
       jax.block_until_ready(jitted(*args))
       log(f"{tag:44s} ran once more; err {err:.1e}")
       return
-    ms = _median_ms(jitted, args, warmup=3, repeats=repeats)
+    ms = median_ms(jitted, args, warmup=3, repeats=repeats)
   except Exception as e:  # noqa: BLE001 (a tile shape that does not compile: record, go on)
     log(f"{tag:44s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     return
@@ -101,7 +101,7 @@ def time_map_and_plan(log, x, repeats):
 
   steps.append(("masked plan: Gray-code sort alone", jax.jit(sort_only), (nbr, num)))
   for name, fn, args in steps:
-    log(f"{name:44s} {_median_ms(fn, args, warmup=3, repeats=max(repeats, 5)):8.3f} ms")
+    log(f"{name:44s} {median_ms(fn, args, warmup=3, repeats=max(repeats, 5)):8.3f} ms")
 
 
 def small_row_probe(log, res_list, channels, repeats):
@@ -120,7 +120,7 @@ def small_row_probe(log, res_list, channels, repeats):
       w = w32.astype(dt)
       wk = w[::-1].transpose(0, 2, 1)
       copy = jax.jit(lambda w: jnp.flip(w, 0).transpose(0, 2, 1))
-      log(f"{'weight K-major copy ' + dname:44s} {_median_ms(copy, (w,), warmup=3, repeats=repeats):8.3f} ms")
+      log(f"{'weight K-major copy ' + dname:44s} {median_ms(copy, (w,), warmup=3, repeats=repeats):8.3f} ms")
       heur = jsparse.tuning.heuristic("forward", x.capacity, channels, channels, 27, dt)
       plan = masked_plan(nbr, num, heur.tiles.block_m)
       fn = lambda f, w, t=heur.tiles, plan=plan: conv_forward(f, w, nbr, num, plan=plan, config=t, interpret=INTERPRET)
@@ -186,7 +186,7 @@ def sweep_probe(log, res, channels, only, repeats):
     if dname not in copied:
       copied.add(dname)
       copy = jax.jit(lambda w: jnp.swapaxes(w, 1, 2))
-      log(f"{'weight K-major copy ' + dname:44s} {_median_ms(copy, (w,), warmup=3, repeats=repeats):8.3f} ms")
+      log(f"{'weight K-major copy ' + dname:44s} {median_ms(copy, (w,), warmup=3, repeats=repeats):8.3f} ms")
     if t.block_m not in plans:
       plans[t.block_m] = masked_plan(nbr, num, t.block_m)
     kmajor = read.startswith("copy")

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.probe_setup import open_log, shell_layer  # noqa: E402
-from jsparse.autotuning import _median_ms  # noqa: E402
+from jsparse.autotuning import median_ms  # noqa: E402
 from pallas_kernels.gather_gemm import gather_gemm  # noqa: E402
 from pallas_kernels.gemm_plan import masked_plan  # noqa: E402
 from pallas_kernels.tiling import TileConfig  # noqa: E402
@@ -102,7 +102,7 @@ def main(argv=None):
         f, w, nbr, num, plan=plan, config=tiles, weight_axes="vnk" if kmajor else "vkn", flip_offsets=kmajor))
     with capture_triton_modules() as mods:
       out_xla = jax.block_until_ready(fn(feats, w))
-    ms_xla = _median_ms(fn, (feats, w), warmup=3, repeats=a.repeats)
+    ms_xla = median_ms(fn, (feats, w), warmup=3, repeats=a.repeats)
     log(f"{tag}: Pallas via XLA {ms_xla:7.3f} ms {flops / ms_xla / 1e9:6.1f} TFLOP/s")
     if len(mods) != 1:
       log(f"  expected one Triton module, captured {len(mods)}; skipping the Triton-package compile")

@@ -11,7 +11,7 @@ import numpy as np
 
 import jsparse
 from benchmarks.workloads import sphere_shell_coords
-from jsparse.autotuning import _median_ms
+from jsparse.autotuning import median_ms
 from pallas_kernels.gather_gemm import gather_gemm
 from pallas_kernels.gemm_plan import masked_plan
 from pallas_kernels.tiling import TileConfig
@@ -40,7 +40,7 @@ def main():
         for name, fn, wa in (("N-contig", f_n, w), ("K-contig", f_k, wt)):
           out = fn(x.feats, wa)
           err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
-          ms = _median_ms(fn, (x.feats, wa), warmup=2, repeats=20)
+          ms = median_ms(fn, (x.feats, wa), warmup=2, repeats=20)
           print(f"RES {res} C {c} {jnp.dtype(dtype).name} {tiles.block_m}x{tiles.block_n}x{tiles.block_k} "
                 f"w{tiles.num_warps}: {name}: {ms:.3f} ms, {2 * pairs * c * c / ms / 1e9:.0f} TFLOP/s, "
                 f"rel err {err:.1e}", flush=True)

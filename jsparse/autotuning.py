@@ -151,7 +151,7 @@ def weight_grad_candidates(num_rows: int, cin: int, cout: int, num_offsets: int,
   return out
 
 
-def _median_ms(fn: Callable, args, warmup: int, repeats: int, inner: int = 4) -> float:
+def median_ms(fn: Callable, args, warmup: int, repeats: int, inner: int = 4) -> float:
   """Median over `repeats` of the time per call of `inner` back-to-back calls (then one device sync): a
   single call's host dispatch (~0.1 ms) would otherwise swamp the kernels of few-row layers."""
   jax.block_until_ready(fn(*args))
@@ -236,7 +236,7 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
         aux = plans.get(plan_key) if cfg.masked else None
         args = ((x if pass_name == "forward" else g), w, pass_map, pass_num, aux)
       try:
-        ms = _median_ms(_pass_fn(pass_name, cfg, call.precision, call.weight_layout), args, warmup, repeats)
+        ms = median_ms(_pass_fn(pass_name, cfg, call.precision, call.weight_layout), args, warmup, repeats)
       except Exception as e:  # a config that fails to compile (e.g. out of shared memory) is skipped
         if log:
           log(f"  {pass_name} {cfg}: failed ({type(e).__name__}: {str(e)[:120]})")

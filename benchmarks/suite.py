@@ -13,8 +13,9 @@ the timed function (as FlexGEMM's benchmark does), then L SubMConv3d C -> C laye
   FlexGEMM allow_tf32), fp32 (float32 at full precision; not in the default set).
 Both libraries get the same sites (same row order), features, weights and biases (~N(0, 1/sqrt(27 C)), so
 fp16 values stay O(1)); jsparse holds its weights in --weight-layout (default ODHWI: (Cout, 3, 3, 3, Cin), the
-layout FlexGEMM holds them in; DHWIO is flax's (3, 3, 3, Cin, Cout)), and the same timing: `warmup` calls, then `repeats` calls each timed alone with
-time.perf_counter around the call plus a device synchronisation; median and min are reported. This counts
+layout FlexGEMM holds them in; DHWIO is flax's (3, 3, 3, Cin, Cout)), and the same timing: `warmup` calls,
+then `repeats` calls each timed alone with time.perf_counter around the call plus a device synchronisation;
+median and min are reported. This counts
 each call's launch overhead and one synchronisation, like any eager user loop (FlexGEMM's own figures time
 20 back-to-back calls with CUDA events, which hides part of the launch overhead of small workloads).
 

@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.gemm_plan import MaskedPlan, default_block_m
 from pallas_kernels.mma import mma
 from pallas_kernels.out_struct import out_struct, same_vma
-from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, is_half
+from pallas_kernels.tiling import TileConfig, check_weight_layout, clamp_pow2, dot_precision, is_half
 
 
 def default_config(num_rows: int, k: int, n: int, dtype) -> TileConfig:
@@ -46,15 +46,6 @@ def default_config(num_rows: int, k: int, n: int, dtype) -> TileConfig:
   block_k = clamp_pow2(k, 16, 64 if half else 32)
   warps = 8 if half and block_m * block_n >= 128 * 128 else 4
   return TileConfig(block_m, block_n, block_k, num_warps=warps, num_stages=5, columns_fastest=True)
-
-
-WEIGHT_LAYOUTS = ("vio", "ovi")
-
-
-def check_weight_layout(weight_layout: str) -> str:
-  if weight_layout not in WEIGHT_LAYOUTS:
-    raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
-  return weight_layout
 
 
 def reads_weight_k_major(num_rows: int, config: TileConfig, dtype) -> bool:

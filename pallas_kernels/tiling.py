@@ -49,6 +49,17 @@ class TileConfig:
       raise ValueError(f"split must be >= 1, got {self.split}")
 
 
+# How the GEMM kernels take a convolution weight, its kernel axes flattened into V: "vio" [V, Cin, Cout] (flax's
+# (Kx, Ky, Kz, Cin, Cout)) or "ovi" [Cout, V, Cin] (PyTorch / spconv / FlexGEMM's (Cout, Kx, Ky, Kz, Cin)).
+WEIGHT_LAYOUTS = ("vio", "ovi")
+
+
+def check_weight_layout(weight_layout: str) -> str:
+  if weight_layout not in WEIGHT_LAYOUTS:
+    raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+  return weight_layout
+
+
 def next_pow2(n: int) -> int:
   return 1 << max(int(n) - 1, 0).bit_length()
 

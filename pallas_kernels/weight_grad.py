@@ -33,7 +33,7 @@ from jax import lax
 from pallas_kernels.gemm_plan import PairLists
 from pallas_kernels.out_struct import out_struct, same_vma
 from pallas_kernels.mma import mma
-from pallas_kernels.tiling import TileConfig, clamp_pow2, dot_precision, gpu_num_sms
+from pallas_kernels.tiling import TileConfig, check_weight_layout, clamp_pow2, dot_precision, gpu_num_sms
 
 
 def default_config(num_rows: int, cin: int, cout: int, num_offsets: int, dtype) -> TileConfig:
@@ -195,9 +195,7 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
     there, so no transpose follows).
   Accumulates in float32; returns out_dtype (default x.dtype).
   """
-  if weight_layout not in ("vio", "ovi"):
-    raise ValueError(f"weight_grad: weight_layout must be 'vio' or 'ovi', got {weight_layout!r}")
-  cout_major = weight_layout == "ovi"
+  cout_major = check_weight_layout(weight_layout) == "ovi"
   m, num_offsets = nbr.shape
   cin, cout = x.shape[1], dy.shape[1]
   if dy.shape[0] != m:

@@ -16,7 +16,7 @@ from flax.linen import dtypes as flax_dtypes
 from flax.linen import initializers
 
 from jsparse import norm
-from jsparse.conv import submconv3d
+from jsparse.conv import WEIGHT_LAYOUTS, submconv3d
 from jsparse.neighbors import as_triple
 from jsparse.sparse_tensor import SparseTensor
 
@@ -69,8 +69,9 @@ class ConvParams(nn.Module):
     name = type(self).__name__
     if not isinstance(self.features, int) or self.features <= 0:
       raise ValueError(f"{name}: features must be a positive int, got {self.features!r}")
-    if self.kernel_layout not in ("DHWIO", "ODHWI"):
-      raise ValueError(f"{name}: kernel_layout must be 'DHWIO' or 'ODHWI', got {self.kernel_layout!r}")
+    if self.kernel_layout not in WEIGHT_LAYOUTS:
+      raise ValueError(f"{name}: kernel_layout must be one of {tuple(WEIGHT_LAYOUTS)}, got "
+                       f"{self.kernel_layout!r}")
     cin = x.num_channels
     cout_major = self.kernel_layout == "ODHWI"
     # flax would report a mismatch as "Initializer expected to generate shape ...": name the real problem.

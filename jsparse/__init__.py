@@ -9,8 +9,8 @@ from jsparse.autotuning import autotune
 from jsparse.conv import submconv3d, submconv_xla
 from jsparse.dispatch import IMPLEMENTATIONS
 from jsparse.neighbors import NeighborCache, kernel_offsets, neighbor_map
-from jsparse.sparse_conv import (concat, global_pool, sparse_avg_pool3d, sparse_conv3d, sparse_conv_transpose3d,
-                                 sparse_inverse_conv3d, sparse_max_pool3d, strided_map)
+from jsparse.pool import global_pool, sparse_avg_pool3d, sparse_max_pool3d
+from jsparse.sparse_conv import concat, sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d, strided_map
 from jsparse.sparse_tensor import SparseTensor, round_capacity
 from jsparse.tuning import ALGORITHMS, ConfigTable, PassConfig
 from jsparse import nn, norm, plot, sampling, serialize, shapes, voxelize  # noqa: E402  (submodules)

@@ -1,4 +1,5 @@
-"""Non-submanifold sparse ops: strided convolution, its inverse, generative upsampling, pooling, concat.
+"""Non-submanifold sparse ops: strided convolution, its inverse, generative upsampling, concat (pooling over the
+same pair maps: jsparse/pool.py).
 
 Maps. Every op here is a gather-GEMM over an int32 map between two coordinate sets (see `PairMap`):
 - `nbr` [out_capacity, V]: nbr[i, v] = the input row read by output i at kernel offset v, or -1;
@@ -38,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse import autotuning, dispatch, per_item, tuning
+from jsparse import autotuning, dispatch, tuning
 from jsparse.conv import (WEIGHT_LAYOUTS, _MapArrays, _PallasOptions, _submconv_pallas, check_weight, submconv_xla,
                           weight_dims)
 from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
@@ -46,7 +47,6 @@ from jsparse.sparse_tensor import MAX_KEYS, SparseTensor
 from pallas_kernels import gemm_plan, unique_keys
 
 _BIG = int(np.iinfo(np.int32).max)
-_REDUCE = ("mean", "max", "sum")
 
 
 def _is_traced(*arrays) -> bool:
@@ -468,67 +468,7 @@ def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out
   return (out, overflow) if with_overflow else out
 
 
-# ---- pooling and combining ----------------------------------------------------------------------------
-
-
-def _pool(x: SparseTensor, kernel_size, stride, padding, dilation, out_capacity, reduce: str, with_overflow,
-          implementation):
-  st = kernel_size if stride is None else stride
-  pm = pair_map(x, kernel_size, st, padding, dilation, out_capacity, implementation=implementation)
-  has = pm.nbr >= 0
-  gathered = x.feats[jnp.maximum(pm.nbr, 0)]  # [M, V, C]
-  if reduce == "max":
-    out = jnp.max(jnp.where(has[..., None], gathered, -jnp.inf), axis=1)
-  else:
-    total = jnp.sum(jnp.where(has[..., None], gathered, 0), axis=1, dtype=jnp.float32)
-    out = total / jnp.maximum(jnp.sum(has, axis=1), 1)[:, None]
-  valid = jnp.arange(pm.out_capacity) < pm.out_num
-  out = pm.output(jnp.where(valid[:, None], out, 0).astype(x.dtype))
-  return (out, pm.overflow) if with_overflow else out
-
-
-def sparse_max_pool3d(x: SparseTensor, kernel_size, stride=None, padding=0, dilation=1, *,
-                      out_capacity: int | None = None, with_overflow: bool = False,
-                      implementation: str | None = None) -> SparseTensor:
-  """Max over the valid inputs in each window (inactive sites do not count as zeros).
-
-  Output sites and grid as sparse_conv3d (stride defaults to kernel_size); the output carries the pair map,
-  so `sparse_inverse_conv3d(..., like=x)` can scatter back through it. Equals a dense reduce_window max with
-  -inf at inactive sites and in the padding, read at the output sites. implementation: how the output sites are
-  found (`pair_map`); the pooling itself is XLA.
-  """
-  return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "max", with_overflow, implementation)
-
-
-def sparse_avg_pool3d(x: SparseTensor, kernel_size, stride=None, padding=0, dilation=1, *,
-                      out_capacity: int | None = None, with_overflow: bool = False,
-                      implementation: str | None = None) -> SparseTensor:
-  """Mean over the valid inputs in each window: sum of the active inputs / their number (not / window size,
-  which is what a dense average pool over zero-filled inactive sites would give). Sites as sparse_max_pool3d."""
-  return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "mean", with_overflow, implementation)
-
-
-def global_pool(x: SparseTensor, reduce: str = "mean") -> jax.Array:
-  """[batch_size, C]: per batch item, the "mean" | "max" | "sum" of the feats of its valid rows.
-
-  Batch items without sites give zeros (also for "max"). Accumulates in float32; returns x's dtype.
-  """
-  if reduce not in _REDUCE:
-    raise ValueError(f"reduce must be one of {_REDUCE}, got {reduce!r}")
-  # Per-item sums as one-hot matmuls, not segment sums (scatter-adds into batch_size slots: see per_item.py).
-  one_hot = per_item.item_one_hot(x)
-  counts = per_item.count_per_item(one_hot)
-  if reduce == "max":
-    # A scatter-max (no one-hot form for max: a masked max over [rows, batch, C] materialises that whole
-    # array in its gradient). Padding rows go to an extra segment that is dropped.
-    seg = jnp.where(x.valid_mask(), x.coords[:, 0], x.batch_size)
-    out = jax.ops.segment_max(x.feats, seg, num_segments=x.batch_size + 1)[:-1]
-    out = jnp.where(counts[:, None] > 0, out, 0)
-  else:
-    out = per_item.sum_per_item(one_hot, x.feats)
-    if reduce == "mean":
-      out = out / jnp.maximum(counts, 1)[:, None]
-  return out.astype(x.dtype)
+# ---- combining -------------------------------------------------------------------------------------
 
 
 def concat(a: SparseTensor, b: SparseTensor) -> SparseTensor:

@@ -8,9 +8,9 @@ from jax import lax
 import jsparse
 from jsparse import dispatch
 from jsparse.neighbors import as_triple
+from jsparse.pool import global_pool, sparse_avg_pool3d, sparse_max_pool3d
 from jsparse.sparse_conv import (
-    _map_gemm, concat, global_pool, pair_map, sparse_avg_pool3d, sparse_conv3d, sparse_conv_transpose3d,
-    sparse_inverse_conv3d, sparse_max_pool3d, strided_map)
+    _map_gemm, concat, pair_map, sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d, strided_map)
 from reference import random_sparse, rel_err
 
 DN = ("NDHWC", "DHWIO", "NDHWC")

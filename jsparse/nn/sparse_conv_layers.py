@@ -12,7 +12,7 @@ from typing import Sequence
 
 import flax.linen as nn
 
-from jsparse import sparse_conv
+from jsparse import pool, sparse_conv
 from jsparse.nn.layers import ConvParams, _check_sparse
 from jsparse.nn.layers import _triple as _triple_named
 from jsparse.sparse_tensor import SparseTensor
@@ -114,7 +114,7 @@ class SparseMaxPool3d(nn.Module):
   out_capacity: int | None = None
 
   def __call__(self, x: SparseTensor) -> SparseTensor:
-    return sparse_conv.sparse_max_pool3d(_sparse(x, self), self.kernel_size, self.strides,
+    return pool.sparse_max_pool3d(_sparse(x, self), self.kernel_size, self.strides,
                                          _padding(self.padding, self), out_capacity=self.out_capacity)
 
 
@@ -127,5 +127,5 @@ class SparseAvgPool3d(nn.Module):
   out_capacity: int | None = None
 
   def __call__(self, x: SparseTensor) -> SparseTensor:
-    return sparse_conv.sparse_avg_pool3d(_sparse(x, self), self.kernel_size, self.strides,
+    return pool.sparse_avg_pool3d(_sparse(x, self), self.kernel_size, self.strides,
                                          _padding(self.padding, self), out_capacity=self.out_capacity)

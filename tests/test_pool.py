@@ -1,0 +1,139 @@
+"""Window and global pooling (jsparse/pool.py): values and gradients against dense reduce_window references,
+half precision, ties, both gradient routes, and no scatter in the backward pass."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import jsparse
+from jsparse import pool
+from jsparse.neighbors import as_triple
+from jsparse.sparse_conv import pair_map
+from reference import random_sparse, rel_err
+
+
+def _at(dense, t):
+  valid = t.valid_mask()
+  c = jnp.where(valid[:, None], t.coords, 0)
+  return jnp.where(valid[:, None], dense[c[:, 0], c[:, 1], c[:, 2], c[:, 3]], 0)
+
+
+def _dense_pool(x, feats, ks, st_, pad, reduce):
+  """reduce_window over the dense tensor (inactive sites -inf for max, not counted for mean), float32."""
+  ks3, st3, pad3 = (as_triple(v, "") for v in (ks, st_, pad))
+  window = dict(window_dimensions=(1,) + ks3 + (1,), window_strides=(1,) + st3 + (1,),
+                padding=((0, 0),) + tuple((p, p) for p in pad3) + ((0, 0),))
+  active = x.replace(feats=jnp.ones((x.capacity, 1), jnp.float32)).todense() > 0  # padding rows are dropped
+  d = x.replace(feats=feats.astype(jnp.float32)).todense()
+  if reduce == "max":
+    return lax.reduce_window(jnp.where(active, d, -jnp.inf), -jnp.inf, lax.max, **window)
+  s = lax.reduce_window(d, 0.0, lax.add, **window)
+  n = lax.reduce_window(active.astype(jnp.float32), 0.0, lax.add, **window)
+  return s / jnp.maximum(n, 1)
+
+
+POOLS = {"max": jsparse.sparse_max_pool3d, "mean": jsparse.sparse_avg_pool3d}
+GEOMETRIES = [(2, 2, 0), (3, 2, 1), ((2, 3, 1), (2, 3, 1), 0), ((3, 1, 2), (1, 1, 2), (1, 0, 0))]
+
+
+CASES = [(g, jnp.float32) for g in GEOMETRIES] + [(g, d) for g in GEOMETRIES[:2] for d in (jnp.float16, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("geom,dtype", CASES, ids=[f"{g}-{jnp.dtype(d).name}" for g, d in CASES])
+def test_window_pool_values_and_grads_match_dense(geom, dtype):
+  ks, st_, pad = geom
+  rng = np.random.default_rng(hash((str(geom), str(dtype))) % 2**32)
+  x32 = random_sparse(rng, (7, 6, 5), 4, batch_size=2, density=0.35, pad=3)
+  x = x32.replace(feats=x32.feats.astype(dtype))
+  tol = {jnp.float32: 1e-6, jnp.float16: 2e-3, jnp.bfloat16: 1e-2}[dtype]
+  for reduce, fn in POOLS.items():
+    y = fn(x, ks, st_, pad)
+    assert y.dtype == dtype
+    want = _at(_dense_pool(x, x.feats, ks, st_, pad, reduce), y)
+    assert rel_err(y.feats, want) < tol
+    assert np.all(np.asarray(y.feats[int(y.num):]) == 0)
+    cot = jnp.asarray(rng.standard_normal(y.feats.shape), jnp.float32)
+
+    def sparse_loss(f):
+      return jnp.sum(fn(x.replace(feats=f), ks, st_, pad, out_capacity=y.capacity).feats * cot)
+
+    def dense_loss(f):
+      return jnp.sum(_at(_dense_pool(x, f, ks, st_, pad, reduce), y) * cot)
+
+    g = jax.jit(jax.grad(sparse_loss))(x.feats)
+    g_ref = jax.jit(jax.grad(dense_loss))(x.feats.astype(jnp.float32))
+    assert g.dtype == dtype
+    assert rel_err(g, g_ref) < tol, reduce
+    assert np.all(np.asarray(g[int(x.num):]) == 0)  # padding rows get no gradient
+
+
+def test_max_pool_ties_send_each_gradient_to_one_input():
+  """After a ReLU most windows tie at 0: each (output, channel) gradient lands on exactly one input, the first
+  in offset order, so the gradients sum to the cotangents' sum and nothing is split."""
+  rng = np.random.default_rng(3)
+  x = random_sparse(rng, (8, 8, 6), 3, batch_size=2, density=0.5, pad=2)
+  x = x.replace(feats=jnp.maximum(x.feats, 0))  # ties at zero
+  for ks, st_ in ((2, 2), (3, 2)):
+    y = jsparse.sparse_max_pool3d(x, ks, st_)
+    cot = jnp.asarray(rng.integers(1, 5, y.feats.shape), jnp.float32)
+    cot = jnp.where(y.valid_mask()[:, None], cot, 0)
+    g = jax.grad(lambda f: jnp.sum(jsparse.sparse_max_pool3d(x.replace(feats=f), ks, st_,
+                                                             out_capacity=y.capacity).feats * cot))(x.feats)
+    np.testing.assert_allclose(float(jnp.sum(g)), float(jnp.sum(cot)))
+    # Every nonzero gradient entry is a sum of whole cotangents (integers): nothing was divided among ties.
+    np.testing.assert_array_equal(np.asarray(g), np.round(np.asarray(g)))
+    # The winner's value is the window's max.
+    pm = pair_map(x, ks, st_)
+    nbr = np.asarray(pm.nbr)
+    f = np.asarray(x.feats)
+    gi = np.asarray(g)
+    for i in range(int(pm.out_num)):
+      rows = nbr[i][nbr[i] >= 0]
+      for c in range(3):
+        first = rows[np.argmax(f[rows, c])]
+        assert f[first, c] == f[rows, c].max()
+        if ks == st_:  # disjoint windows: the gradient of (i, c) sits exactly on the first winner
+          assert gi[first, c] == cot[i, c]
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), reduce=st.sampled_from(["max", "mean"]), ks=st.integers(1, 3))
+def test_disjoint_and_overlapping_gradient_routes_agree(seed, reduce, ks):
+  """The one-gather route (disjoint windows) and the V-gather route give the same gradient where both apply."""
+  rng = np.random.default_rng(seed)
+  x = random_sparse(rng, (6, 5, 6), 3, batch_size=2, density=0.4, pad=2)
+  pm = pair_map(x, ks, ks)
+  window = pool._window_max if reduce == "max" else pool._window_mean
+  cot = jnp.asarray(rng.standard_normal((pm.out_capacity, 3)), jnp.float32)
+  grads = [jax.grad(lambda f: jnp.sum(window(f, pm.nbr, pm.inv, disjoint) * cot))(x.feats)
+           for disjoint in (True, False)]
+  np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(grads[1]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduce", ["max", "mean"])
+def test_pool_backward_has_no_scatter(reduce):
+  """The backward is gathers only (a scatter-add there serialises on half-precision atomics on a GPU)."""
+  rng = np.random.default_rng(0)
+  x = random_sparse(rng, (6, 6, 6), 4, density=0.4, pad=2)
+  x = x.replace(feats=x.feats.astype(jnp.float16))
+  y = POOLS[reduce](x, 2)
+  loss = lambda f: jnp.sum(POOLS[reduce](x.replace(feats=f), 2, out_capacity=y.capacity).feats)  # noqa: E731
+  text = jax.jit(jax.grad(loss)).lower(x.feats).as_text()
+  # The site search scatters int32 maps (not a gradient); no floating-point scatter may appear.
+  for line in text.splitlines():
+    if "scatter" in line:
+      assert "f16" not in line and "f32" not in line, line
+
+
+def test_pool_empty_and_all_padding():
+  x = jsparse.SparseTensor.from_coords(np.zeros((0, 4), np.int32), np.zeros((0, 2), np.float32), (4, 4, 4), 1,
+                                       capacity=5)
+  for fn in POOLS.values():
+    y = fn(x, 2, out_capacity=3)
+    assert int(y.num) == 0 and y.feats.shape == (3, 2)
+    np.testing.assert_array_equal(np.asarray(y.feats), 0)
+    g = jax.grad(lambda f: jnp.sum(fn(x.replace(feats=f), 2, out_capacity=3).feats))(x.feats)
+    np.testing.assert_array_equal(np.asarray(g), 0)

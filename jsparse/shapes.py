@@ -5,6 +5,11 @@ Shapes are generated on the host with numpy. Geometry is in voxel units on a cub
 shape. `*_mask` functions return the dense bool occupancy [R, R, R]; the others return a SparseTensor
 (batch of one) with `channels` feature channels of ones. Random shapes take a jax.random key and are
 deterministic per key (a numpy Generator is seeded from the key's bits).
+
+LiDAR benchmark input (in metres, not voxel units): `street_scene` builds a random street of analytic
+primitives, `lidar_scan` ray-casts a spinning multi-beam sensor driving along it (optionally several
+sweeps), `lidar_voxels` turns the points into unique voxel coordinates with mean features, and
+`lidar_batch` does all three for a batch with named presets (LIDAR_PRESETS).
 """
 from __future__ import annotations
 
@@ -265,7 +270,9 @@ class StreetScene:
   ellipsoid_reflectivity: np.ndarray | None = None
 
   def __post_init__(self):
-    put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
+    def put(name, value):  # a frozen dataclass normalises its own fields through object.__setattr__
+      object.__setattr__(self, name, value)
+
     f64, i32, f32 = np.float64, np.int32, np.float32
     for kind, geometry, default_label in (
         ("box", (("lo", 3), ("hi", 3)), BUILDING),
@@ -331,8 +338,8 @@ def street_scene(key_or_seed, *, extent_m: float = 100.0, uneven_ground: bool = 
   Both sides have kerbed sidewalk slabs, building blocks (with alleys, cross streets and some balconies),
   parked cars and vans along the kerbs, street lights and trees (trunk cylinder and crown ellipsoid), and
   bushes; moving cars drive in both lanes and pedestrians stand or walk on the sidewalks. The sensor
-  lane (y = -1.75) is kept clear near x in [-20, 12] so that scans with a few sweeps never start inside a
-  car. uneven_ground=False gives the flat plane z = 0 (no slope, no road camber).
+  lane (y = -1.75) is kept clear for x in [-30, 9] so that scans of up to a second of driving never start
+  inside a car. uneven_ground=False gives the flat plane z = 0 (no slope, no road camber).
   About 200 primitives with the default extent.
   """
   rng = _as_rng(key_or_seed)
@@ -342,7 +349,10 @@ def street_scene(key_or_seed, *, extent_m: float = 100.0, uneven_ground: bool = 
   camber = rng.uniform(0.04, 0.12) if uneven_ground else 0.0
   kerb = rng.uniform(0.1, 0.18)
   sidewalk = rng.uniform(2.5, 5.0)
-  level = lambda x: slope * x - camber  # ground height beyond the kerbs  # noqa: E731
+
+  def level(x):  # ground height beyond the kerbs
+    return slope * x - camber
+
   boxes, cylinders, ellipsoids = [], [], []  # rows of (geometry..., label, reflectivity[, velocity])
 
   def add_box(lo, hi, label, refl=None, velocity=0.0):
@@ -793,10 +803,11 @@ def lidar_batch(seed: int, batch_size: int | None = None, *, preset: str = "100k
   preset names an entry of LIDAR_PRESETS (its batch_size and lidar_scan settings); batch_size and
   scan_options (lidar_scan keywords) override it, scene_options go to street_scene. N is the total over
   the batch:
-  - "100k": one scan, 128 beams, 0.1 deg azimuth step, 1 sweep, 0.05 x 0.05 x 0.1 m voxels: about 90k
-    voxels (70k to 110k by seed).
-  - "1m": four scans, 128 beams, 0.1 deg, 10 sweeps (1 s of driving at 10 m/s) each, same voxels: about
-    1M voxels (about 250k per scan; more sweeps add little, since the near surfaces are already full).
+  - "100k": one scan, 128 beams, 0.08 deg azimuth step, 1 sweep, 0.05 x 0.05 x 0.1 m voxels: about 100k
+    voxels (75k to 120k by seed).
+  - "1m": eight scans, 128 beams, 0.1 deg, 2 sweeps each, same voxels: about 1M voxels (about 120k per
+    scan). One scan saturates well below 1M in this grid: ten sweeps give about 250k, since further
+    sweeps mostly land in the near surfaces' voxels that are already occupied.
   - A 64-beam, 0.2 deg single sweep (KITTI's HDL-64E; beams=64, azimuth_step_deg=0.2) gives about 40k.
   """
   if preset not in LIDAR_PRESETS:

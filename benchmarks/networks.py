@@ -1,0 +1,960 @@
+"""Real networks: jsparse against spconv 2.3.8 (and optionally spconv-triton), side by side in one process.
+
+Each network is written once, as a function of a backend (`JaxBackend` runs jsparse's functional ops, the ones
+its flax modules call; `TorchBackend` runs spconv's modules), so both libraries compute the same network with
+the same weights: parameters are drawn once in numpy, in spconv's (Cout, *kernel, Cin) layout, which is
+jsparse's weight_layout="ODHWI". Networks:
+- second: SECOND / VoxelNet's sparse backbone (OpenPCDet VoxelBackBone8x): SubMConv3d + BN + ReLU, three
+  SparseConv3d k3 s2 downsamplings, 16 -> 128 channels, on KITTI's anisotropic grid (1408, 1600, 41).
+- second_pool: the same stages with SparseMaxPool3d(2, 2) between them (after a ReLU, where spconv's max pool,
+  which starts from 0, is a true max pool).
+- minkunet: a MinkUNet-style segmentation UNet: residual SubMConv3d blocks, k2 s2 SparseConv3d down,
+  SparseInverseConv3d up, concatenated skips, 32 -> 256 channels.
+- decoder: a generative sparse-structure decoder (TRELLIS-like): wide residual blocks of GroupNorm + SiLU +
+  SubMConv3d, SparseConvTranspose3d(2, 2) children pruned to the target shape's occupancy, 512 -> 128
+  channels, on jsparse.shapes shapes.
+Inputs: LiDAR networks read ray-cast street scans (jsparse.shapes.lidar_batch); the decoder reads shapes
+(jsparse.shapes.random_shapes) at a quarter of the final resolution.
+
+Timed as a user runs them: the neighbour maps / indice pairs are built inside every call (jsparse: inside the
+jitted function; spconv: a new SparseConvTensor per call). inference = forward; train = forward + backward to
+the input features, every weight and every norm parameter. Medians after warm-up, device-synchronised.
+Outputs are cross-checked by coordinates (the two libraries order rows differently). Peak memory: jsparse's
+compiled program (arguments + outputs + temporaries, XLA's buffer assignment), spconv's
+torch.cuda.max_memory_allocated over one call.
+
+  python -m benchmarks.networks --networks second,minkunet --sizes small --dtypes fp16,tf32 --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import gzip
+import json
+import math
+import os
+import re
+import tempfile
+import time
+import zlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jsparse
+from jsparse import norm
+from benchmarks import suite
+
+DTYPES = {"fp16": jnp.float16, "tf32": jnp.float32}
+MODES = ("inference", "train")
+LIDAR_CHANNELS = 4  # voxel mean (x, y, z) and mean intensity
+
+
+# ---- parameters ---------------------------------------------------------------------------------------
+
+
+class Params:
+  """Named float32 numpy parameters, drawn on first use from a generator seeded by (seed, name)."""
+
+  def __init__(self, seed: int = 0):
+    self.seed = seed
+    self.arrays: dict[str, np.ndarray] = {}
+
+  def get(self, name: str, shape, kind: str = "conv") -> np.ndarray:
+    if name not in self.arrays:
+      rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+      if kind == "scale":
+        a = 1.0 + 0.1 * rng.standard_normal(shape)
+      elif kind == "shift":
+        a = 0.1 * rng.standard_normal(shape)
+      else:  # He-style fan-in scaling keeps activations O(1) through deep stacks
+        fan_in = math.prod(shape[1:])
+        a = rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)
+      self.arrays[name] = a.astype(np.float32)
+    have = self.arrays[name].shape
+    if have != tuple(shape):
+      raise ValueError(f"parameter {name}: shape {have} requested again as {tuple(shape)}")
+    return self.arrays[name]
+
+
+# The loss is sum(out * probe(coords)): a fixed pseudo-random weight per (site, channel), the same on both sides
+# whatever their row order (a plain sum would have about zero gradient through a final batch norm).
+PROBE_AXES = (0.37, 1.31, 0.73, 2.17)
+PROBE_CHANNEL_STEP = 0.113
+
+
+def probe(xp, coords, channels: int):
+  """xp: jax.numpy or torch; coords int [N, 4] -> float32 [N, channels]."""
+  c = coords.astype(xp.float32) if xp is jnp else coords.float()
+  axes = xp.asarray(PROBE_AXES, dtype=xp.float32) if xp is jnp else xp.tensor(PROBE_AXES, device=coords.device)
+  steps = xp.arange(channels, dtype=xp.float32)
+  steps = steps if xp is jnp else steps.to(coords.device)
+  return xp.sin((c @ axes + 0.5)[:, None] * (1.0 + steps[None, :] * PROBE_CHANNEL_STEP))
+
+
+# ---- the networks, each written once over a backend ----------------------------------------------------
+
+
+def second(b, x, channels=(16, 32, 64, 64), out_channels=128):
+  """OpenPCDet's VoxelBackBone8x in (x, y, z) order: the z axis (last here) is the short one."""
+  c0, c1, c2, c3 = channels
+  x = b.relu(b.bn(b.subm(x, "conv_input", c0, key="subm1"), "bn_input"))
+  x = b.relu(b.bn(b.subm(x, "conv1", c0, key="subm1"), "bn1"))
+  stages = [(c1, "2", (1, 1, 1)), (c2, "3", (1, 1, 1)), (c3, "4", (1, 1, 0))]
+  for c, s, pad in stages:
+    x = b.relu(b.bn(b.down(x, f"down{s}", c, 3, 2, pad, key=f"spconv{s}"), f"bn_down{s}"))
+    for i in range(2):
+      x = b.relu(b.bn(b.subm(x, f"conv{s}_{i}", c, key=f"subm{s}"), f"bn{s}_{i}"))
+  x = b.relu(b.bn(b.down(x, "conv_out", out_channels, (1, 1, 3), (1, 1, 2), 0, key="spconv_down2"), "bn_out"))
+  return x
+
+
+def second_pool(b, x, channels=(16, 32, 64, 128)):
+  """SECOND's stages with max pooling instead of strided convolutions between them."""
+  x = b.relu(b.bn(b.subm(x, "conv_input", channels[0], key="subm1"), "bn_input"))
+  for s, c in enumerate(channels):
+    if s:
+      x = b.maxpool(x, f"pool{s}", 2, 2, key=f"pool{s}")
+    for i in range(2):
+      x = b.relu(b.bn(b.subm(x, f"conv{s}_{i}", c, key=f"subm{s}"), f"bn{s}_{i}"))
+  return x
+
+
+def _res_block(b, x, name, c, key, norm_kind="bn"):
+  """Two 3x3x3 SubMConv3d with normalisation, a residual (1x1x1 projection when the width changes)."""
+  if norm_kind == "bn":
+    h = b.relu(b.bn(b.subm(x, f"{name}_a", c, key=key), f"{name}_bn_a"))
+    h = b.bn(b.subm(h, f"{name}_b", c, key=key), f"{name}_bn_b")
+    skip = x if b.channels(x) == c else b.bn(b.linear(x, f"{name}_proj", c), f"{name}_bn_proj")
+    return b.relu(b.add(h, skip))
+  h = b.subm(b.silu(b.gn(x, f"{name}_gn_a")), f"{name}_a", c, key=key)
+  h = b.subm(b.silu(b.gn(h, f"{name}_gn_b")), f"{name}_b", c, key=key)
+  skip = x if b.channels(x) == c else b.linear(x, f"{name}_proj", c)
+  return b.add(h, skip)
+
+
+def minkunet(b, x, enc=(32, 64, 128, 256), dec=(128, 96, 96, 96), classes=20):
+  """MinkUNet-style: stem, four (k2 s2 down + residual block) stages, four (inverse up + concat + residual
+  block) stages, a per-voxel classifier."""
+  x = b.relu(b.bn(b.subm(x, "stem_a", enc[0], key="subm0"), "stem_bn_a"))
+  x = b.relu(b.bn(b.subm(x, "stem_b", enc[0], key="subm0"), "stem_bn_b"))
+  skips = [x]
+  for s, c in enumerate(enc, start=1):
+    x = b.relu(b.bn(b.down(x, f"down{s}", b.channels(x), 2, 2, 0, key=f"down{s}"), f"down{s}_bn"))
+    x = _res_block(b, x, f"enc{s}", c, key=f"subm{s}")
+    skips.append(x)
+  for s, c in zip(range(len(enc), 0, -1), dec):
+    like = skips[s - 1]
+    x = b.relu(b.bn(b.up(x, like, f"up{s}", c, 2, 2, 0, key=f"down{s}"), f"up{s}_bn"))
+    x = _res_block(b, b.concat(x, like), f"dec{s}", c, key=f"subm{s - 1}")
+  return b.linear(x, "classifier", classes)
+
+
+def decoder(b, x, channels=(512, 256, 128), out_channels=8):
+  """A sparse-structure decoder: at each level a wide residual block, then every site spawns its 8 children
+  and only those inside the target's occupancy at the next level are kept (teacher-forced pruning, as in
+  training; the occupancy logits are computed and enter the loss)."""
+  x = b.linear(x, "in", channels[0])
+  for level, c in enumerate(channels):
+    x = _res_block(b, x, f"level{level}", c, key=f"subm{level}", norm_kind="gn")
+    if level + 1 < len(channels):
+      x = b.upsample(x, f"up{level}", channels[level + 1], level + 1, key=f"up{level}")
+  logits = b.linear(b.silu(b.gn(x, "out_gn")), "out", out_channels)
+  return logits
+
+
+NETWORKS: dict[str, Callable] = {"second": second, "second_pool": second_pool, "minkunet": minkunet,
+                                 "decoder": decoder}
+
+
+# ---- inputs ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  network: str
+  size: str         # "small" (~100k voxels, batch 1) | "large" (~1M, batch 4) | "tiny" (CPU harness tests)
+  batch_size: int
+  # decoder only: the final resolution (inputs at resolution // 4)
+  resolution: int = 0
+
+  @property
+  def name(self) -> str:
+    return f"{self.network}/{self.size}"
+
+
+SIZES = {"tiny": 0, "small": 1, "large": 2}
+
+
+def workload(network: str, size: str) -> Workload:
+  if network == "decoder":
+    res, batch = {"tiny": (16, 1), "small": (128, 1), "large": (256, 4)}[size]
+    return Workload(network, size, batch, res)
+  batch = {"tiny": 1, "small": 1, "large": 4}[size]
+  return Workload(network, size, batch)
+
+
+@dataclasses.dataclass
+class Inputs:
+  coords: np.ndarray            # int32 [N, 4] (batch, x, y, z)
+  feats: np.ndarray             # float32 [N, C]
+  spatial_shape: tuple
+  batch_size: int
+  targets: list = dataclasses.field(default_factory=list)  # decoder: sorted int64 keys of each finer level
+
+
+def lidar_inputs(w: Workload, seed: int) -> Inputs:
+  if w.size == "tiny":
+    rng = np.random.default_rng(seed)
+    shape = (24, 20, 41)  # SECOND's z extent, so its four z reductions fit
+    occ = rng.random((w.batch_size,) + shape) < 0.03
+    coords = np.argwhere(occ).astype(np.int32)
+    feats = rng.standard_normal((len(coords), LIDAR_CHANNELS)).astype(np.float32)
+    return Inputs(coords, feats, shape, w.batch_size)
+  # small: one 128-beam scan (~100k voxels); large: four scans of ten sweeps each (~250k voxels each)
+  options = {} if w.size == "small" else dict(sweeps=10, azimuth_step_deg=0.08)
+  coords, feats, shape = jsparse.shapes.lidar_batch(seed, w.batch_size, preset="100k", **options)
+  shape = (shape[0], shape[1], shape[2] + 1)  # SECOND's grid has one more z layer (41) than the voxel range
+  return Inputs(coords.astype(np.int32), feats, shape, w.batch_size)
+
+
+def decoder_inputs(w: Workload, seed: int, latent_channels: int = 8) -> Inputs:
+  """Coarse sites of random shapes at resolution // 4 with random latents; targets: the sorted linear keys of
+  the shapes' occupancy at resolution // 2 and resolution (restricted to children of kept parents)."""
+  res = w.resolution
+  masks = np.stack([jsparse.shapes.random_union_mask(seed * 1000 + i, res, num_shapes=(2, 3))
+                    for i in range(w.batch_size)])  # [B, R, R, R] at the final resolution
+  levels = [masks]
+  for _ in range(2):
+    m = levels[-1]
+    b_, r = m.shape[0], m.shape[1] // 2
+    levels.append(m.reshape(b_, r, 2, r, 2, r, 2).any(axis=(2, 4, 6)))
+  coarse, mid, fine = levels[2], levels[1], levels[0]
+  coords = np.argwhere(coarse).astype(np.int32)
+  rng = np.random.default_rng(seed)
+  feats = rng.standard_normal((len(coords), latent_channels)).astype(np.float32)
+  targets = []
+  for m in (mid, fine):
+    keys = np.flatnonzero(m.reshape(-1)).astype(np.int64)  # linear keys (b, x, y, z), sorted
+    targets.append(keys)
+  return Inputs(coords, feats, coarse.shape[1:], w.batch_size, targets)
+
+
+def make_inputs(w: Workload, seed: int = 0) -> Inputs:
+  return decoder_inputs(w, seed) if w.network == "decoder" else lidar_inputs(w, seed)
+
+
+# ---- per-op attribution ----------------------------------------------------------------------------------
+
+OP_KINDS = ("subm", "down", "up", "upsample", "maxpool", "bn", "gn", "relu", "silu", "add", "concat", "linear")
+
+
+def scoped(kind: str, enter: Callable[[str], Any]):
+  """Runs a backend method inside `enter("op:<kind>")` (a jax.named_scope or a torch record_function), so a
+  profile can attribute every kernel, forward and backward, to the network op that issued it."""
+
+  def wrap(method):
+    def run(self, *a, **kw):
+      with enter(f"op:{kind}"):
+        return method(self, *a, **kw)
+    run.__name__ = method.__name__
+    return run
+  return wrap
+
+
+def _jax_scope(name):
+  return jax.named_scope(name)
+
+
+def _torch_scope(name):
+  import torch
+  return torch.profiler.record_function(name)
+
+
+# ---- jsparse backend ----------------------------------------------------------------------------------
+
+
+class JaxBackend:
+  """jsparse's functional ops. params: name -> array (already in the compute dtype); capacities: the static
+  output rows of every site-creating op, by layer name (recorded by a planning run, `plan_capacities`)."""
+
+  def __init__(self, params: Params | dict, dtype, train: bool, capacities: dict | None = None,
+               targets=None, implementation=None):
+    self.params, self.dtype, self.train = params, dtype, train
+    self.capacities = capacities if capacities is not None else {}
+    self.recording = capacities is None
+    self.targets = targets or []
+    self.impl = implementation
+
+  def _p(self, name, shape, kind="conv"):
+    if isinstance(self.params, Params):
+      return jnp.asarray(self.params.get(name, shape, kind), self.dtype)
+    return self.params[name].astype(self.dtype)
+
+  def _cap(self, name):
+    return None if self.recording else self.capacities[name]
+
+  def _record(self, name, y):
+    if self.recording:
+      self.capacities[name] = jsparse.round_capacity(int(y.num))
+
+  def channels(self, x):
+    return x.num_channels
+
+  @scoped("subm", _jax_scope)
+  def subm(self, x, name, cout, k=3, key=None):
+    w = self._p(name, (cout, k, k, k, x.num_channels))
+    return jsparse.submconv3d(x, w, None, weight_layout="ODHWI", implementation=self.impl)
+
+  @scoped("down", _jax_scope)
+  def down(self, x, name, cout, k, s, pad, key=None):
+    ks = (k,) * 3 if isinstance(k, int) else tuple(k)
+    w = self._p(name, (cout, *ks, x.num_channels))
+    y = jsparse.sparse_conv3d(x, w, None, stride=s, padding=pad, out_capacity=self._cap(name),
+                              weight_layout="ODHWI", implementation=self.impl)
+    self._record(name, y)
+    return y
+
+  @scoped("up", _jax_scope)
+  def up(self, y, like, name, cout, k, s, pad, key=None):
+    ks = (k,) * 3 if isinstance(k, int) else tuple(k)
+    w = self._p(name, (cout, *ks, y.num_channels))
+    return jsparse.sparse_inverse_conv3d(y, w, None, like=like, stride=s, padding=pad, weight_layout="ODHWI",
+                                         implementation=self.impl)
+
+  @scoped("upsample", _jax_scope)
+  def upsample(self, x, name, cout, level, key=None):
+    """All 8 children, kept where the target occupancy of `level` has them."""
+    w = self._p(name, (cout, 2, 2, 2, x.num_channels))
+    target = self.targets[level - 1]
+    off = jnp.asarray(np.array(np.unravel_index(np.arange(8), (2, 2, 2))).T, jnp.int32)  # [8, 3], C order
+    child = x.coords[:, None, 1:] * 2 + off[None]
+    sx, sy, sz = (2 * n for n in x.spatial_shape)
+    keys = ((x.coords[:, None, 0] * sx + child[..., 0]) * sy + child[..., 1]) * sz + child[..., 2]
+    pos = jnp.clip(jnp.searchsorted(target, keys), 0, target.shape[0] - 1)
+    mask = (target[pos] == keys) & x.valid_mask()[:, None]
+    y = jsparse.sparse_conv_transpose3d(x, w, None, stride=2, mask=mask, out_capacity=self._cap(name),
+                                        weight_layout="ODHWI", implementation=self.impl)
+    self._record(name, y)
+    return y
+
+  @scoped("maxpool", _jax_scope)
+  def maxpool(self, x, name, k, s, key=None):
+    y = jsparse.sparse_max_pool3d(x, k, s, out_capacity=self._cap(name), implementation=self.impl)
+    self._record(name, y)
+    return y
+
+  @scoped("bn", _jax_scope)
+  def bn(self, x, name):
+    c = x.num_channels
+    scale, shift = self._p(f"{name}/scale", (c,), "scale"), self._p(f"{name}/bias", (c,), "shift")
+    if self.train:
+      return norm.batch_norm(x, scale, shift)
+    return norm.batch_norm(x, scale, shift, mean=jnp.zeros(c, jnp.float32), var=jnp.ones(c, jnp.float32))
+
+  @scoped("gn", _jax_scope)
+  def gn(self, x, name, groups=32):
+    c = x.num_channels
+    scale, shift = self._p(f"{name}/scale", (c,), "scale"), self._p(f"{name}/bias", (c,), "shift")
+    return norm.group_norm(x, groups, scale, shift, epsilon=1e-5)
+
+  @scoped("relu", _jax_scope)
+  def relu(self, x):
+    return norm.activation(x, jax.nn.relu)
+
+  @scoped("silu", _jax_scope)
+  def silu(self, x):
+    return norm.activation(x, jax.nn.silu)
+
+  @scoped("add", _jax_scope)
+  def add(self, a, b):
+    return a.replace(feats=a.feats + b.feats)
+
+  @scoped("concat", _jax_scope)
+  def concat(self, a, b):
+    return jsparse.concat(a, b)
+
+  @scoped("linear", _jax_scope)
+  def linear(self, x, name, cout):
+    w = self._p(name, (cout, x.num_channels))
+    y = jnp.dot(x.feats, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+    return x.replace(feats=y)  # padding rows: 0 @ w = 0
+
+
+def jax_input(inp: Inputs, dtype) -> jsparse.SparseTensor:
+  return jsparse.SparseTensor.from_coords(inp.coords, jnp.asarray(inp.feats, dtype), inp.spatial_shape,
+                                          inp.batch_size, capacity=jsparse.round_capacity(len(inp.coords)))
+
+
+def plan_capacities(network: Callable, inp: Inputs, params: Params, dtype, implementation=None) -> dict:
+  """One eager forward that draws every parameter and records each site-creating op's output rows."""
+  backend = JaxBackend(params, dtype, train=False, capacities=None,
+                       targets=[jnp.asarray(t, jnp.int32) for t in inp.targets], implementation=implementation)
+  network(backend, jax_input(inp, dtype))
+  return backend.capacities
+
+
+def jax_functions(network: Callable, inp: Inputs, capacities: dict, dtype, implementation=None):
+  """(inference(params, x), train(params, x), probe): jitted-ready functions over a params dict."""
+  targets = [jnp.asarray(t, jnp.int32) for t in inp.targets]
+
+  def forward(params, x, train):
+    b = JaxBackend(params, dtype, train, capacities, targets, implementation)
+    return network(b, x)
+
+  def inference(params, x):
+    y = forward(params, x, False)
+    return y.coords, y.feats, y.num
+
+  def loss(params, feats, x):
+    y = forward(params, x.replace(feats=feats), True)
+    valid = y.valid_mask()[:, None]
+    return jnp.sum(jnp.where(valid, y.feats.astype(jnp.float32) * probe(jnp, y.coords, y.num_channels), 0))
+
+  def train(params, x):
+    value, grads = jax.value_and_grad(loss, argnums=(0, 1))(params, x.feats, x)
+    return value, grads
+
+  return inference, train
+
+
+# ---- spconv backend -----------------------------------------------------------------------------------
+
+
+class TorchBackend:
+  """spconv's modules, created on first use with the shared parameters and reused on later calls."""
+
+  def __init__(self, spconv, torch, params: Params, dtype, targets=None):
+    self.spconv, self.torch, self.params, self.dtype = spconv, torch, params, dtype
+    self.modules: dict[str, Any] = {}
+    self.train = False
+    self.targets = [torch.from_numpy(t).cuda() for t in (targets or [])]
+
+  def _tensor(self, a):
+    return self.torch.nn.Parameter(self.torch.from_numpy(np.ascontiguousarray(a)).cuda().to(self.dtype))
+
+  def _module(self, name, make, weight_shape=None):
+    if name not in self.modules:
+      m = make()
+      if weight_shape is not None:
+        have = tuple(m.weight.shape)
+        if have != tuple(weight_shape):
+          raise ValueError(f"spconv {name}: weight {have}, expected {tuple(weight_shape)}")
+        m.weight = self._tensor(self.params.get(name, weight_shape))
+      self.modules[name] = m.cuda()
+    m = self.modules[name]
+    m.train(self.train)
+    return m
+
+  def channels(self, x):
+    return x.features.shape[1]
+
+  @scoped("subm", _torch_scope)
+  def subm(self, x, name, cout, k=3, key=None):
+    cin = self.channels(x)
+    m = self._module(name, lambda: self.spconv.SubMConv3d(cin, cout, k, bias=False, indice_key=key),
+                     (cout, k, k, k, cin))
+    return m(x)
+
+  @scoped("down", _torch_scope)
+  def down(self, x, name, cout, k, s, pad, key=None):
+    cin = self.channels(x)
+    ks = (k,) * 3 if isinstance(k, int) else tuple(k)
+    m = self._module(name, lambda: self.spconv.SparseConv3d(cin, cout, ks, s, pad, bias=False, indice_key=key),
+                     (cout, *ks, cin))
+    return m(x)
+
+  @scoped("up", _torch_scope)
+  def up(self, y, like, name, cout, k, s, pad, key=None):
+    cin = self.channels(y)
+    ks = (k,) * 3 if isinstance(k, int) else tuple(k)
+    m = self._module(name, lambda: self.spconv.SparseInverseConv3d(cin, cout, ks, indice_key=key, bias=False),
+                     (cout, *ks, cin))
+    return m(y)
+
+  @scoped("upsample", _torch_scope)
+  def upsample(self, x, name, cout, level, key=None):
+    torch = self.torch
+    cin = self.channels(x)
+    m = self._module(name, lambda: self.spconv.SparseConvTranspose3d(cin, cout, 2, 2, bias=False),
+                     (cout, 2, 2, 2, cin))
+    y = m(x)
+    idx = y.indices.long()
+    sx, sy, sz = y.spatial_shape
+    keys = ((idx[:, 0] * sx + idx[:, 1]) * sy + idx[:, 2]) * sz + idx[:, 3]
+    keep = torch.isin(keys, self.targets[level - 1])
+    return self.spconv.SparseConvTensor(y.features[keep], y.indices[keep], y.spatial_shape, y.batch_size)
+
+  @scoped("maxpool", _torch_scope)
+  def maxpool(self, x, name, k, s, key=None):
+    return self._module(name, lambda: self.spconv.SparseMaxPool3d(k, s, indice_key=key))(x)
+
+  def _norm_params(self, m, name, c):
+    m.weight = self._tensor(self.params.get(f"{name}/scale", (c,), "scale"))
+    m.bias = self._tensor(self.params.get(f"{name}/bias", (c,), "shift"))
+    return m
+
+  @scoped("bn", _torch_scope)
+  def bn(self, x, name):
+    c = self.channels(x)
+    m = self._module(name, lambda: self._norm_params(self.torch.nn.BatchNorm1d(c, eps=1e-5).to(self.dtype), name, c))
+    return x.replace_feature(m(x.features))
+
+  @scoped("gn", _torch_scope)
+  def gn(self, x, name, groups=32):
+    """Per batch item, torch's GroupNorm over that item's rows (as TRELLIS's sparse GroupNorm does)."""
+    torch = self.torch
+    c = self.channels(x)
+    m = self._module(name, lambda: self._norm_params(torch.nn.GroupNorm(groups, c, eps=1e-5).to(self.dtype), name,
+                                                     c))
+    out = torch.empty_like(x.features)
+    for item in range(x.batch_size):
+      rows = x.indices[:, 0] == item
+      f = x.features[rows]
+      out[rows] = m(f.t().unsqueeze(0)).squeeze(0).t()
+    return x.replace_feature(out)
+
+  @scoped("relu", _torch_scope)
+  def relu(self, x):
+    return x.replace_feature(self.torch.relu(x.features))
+
+  @scoped("silu", _torch_scope)
+  def silu(self, x):
+    return x.replace_feature(self.torch.nn.functional.silu(x.features))
+
+  @scoped("add", _torch_scope)
+  def add(self, a, b):
+    return a.replace_feature(a.features + b.features)
+
+  @scoped("concat", _torch_scope)
+  def concat(self, a, b):
+    return a.replace_feature(self.torch.cat([a.features, b.features], dim=1))
+
+  @scoped("linear", _torch_scope)
+  def linear(self, x, name, cout):
+    cin = self.channels(x)
+    if name not in self.modules:
+      lin = self.torch.nn.Linear(cin, cout, bias=False)
+      lin.weight = self._tensor(self.params.get(name, (cout, cin)))
+      self.modules[name] = lin.cuda()
+    return x.replace_feature(self.modules[name](x.features))
+
+
+def import_spconv(which: str = "spconv"):
+  """(spconv.pytorch-like module, torch, spconv constants module or None), or raises ImportError."""
+  import torch
+  if not torch.cuda.is_available():
+    raise ImportError("torch sees no CUDA device")
+  if which == "spconv":
+    import spconv.constants as constants
+    import spconv.pytorch as sp
+    return sp, torch, constants
+  import spconv_triton.pytorch as sp
+  return sp, torch, None
+
+
+# ---- timing, memory, cross-check --------------------------------------------------------------------
+
+
+def sorted_by_key(coords: np.ndarray, feats: np.ndarray, spatial_shape):
+  c = coords.astype(np.int64)
+  keys = ((c[:, 0] * spatial_shape[0] + c[:, 1]) * spatial_shape[1] + c[:, 2]) * spatial_shape[2] + c[:, 3]
+  order = np.argsort(keys, kind="stable")
+  return keys[order], feats[order]
+
+
+def cross_check(a, b, spatial_shape) -> dict:
+  """a, b: (coords [N, 4], feats [N, C]) in any row order. Same site set, and the relative error."""
+  ka, fa = sorted_by_key(*a, spatial_shape)
+  kb, fb = sorted_by_key(*b, spatial_shape)
+  if ka.shape != kb.shape or not np.array_equal(ka, kb):
+    return {"same_sites": False, "rows": [int(ka.shape[0]), int(kb.shape[0])]}
+  return {"same_sites": True, "rows": int(ka.shape[0]), "rel_err": suite.rel_err(fa, fb)}
+
+
+def bench_jsparse(w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
+  network = NETWORKS[w.network]
+  dtype = DTYPES[dtype_name]
+  params = Params(args.seed)
+  t0 = time.perf_counter()
+  caps = plan_capacities(network, inp, params, dtype, args.impl)
+  plan_s = time.perf_counter() - t0
+  p = {k: jnp.asarray(v) for k, v in params.arrays.items()}
+  x = jax_input(inp, dtype)
+  inference, train = jax_functions(network, inp, caps, dtype, args.impl)
+  out = {"plan_s": plan_s, "params": int(sum(v.size for v in params.arrays.values()))}
+  for mode, fn in (("inference", inference), ("train", train)):
+    if mode not in args.modes:
+      continue
+    res = {}
+    try:
+      t0 = time.perf_counter()
+      compiled = jax.jit(fn).lower(p, x).compile()
+      res["compile_s"] = time.perf_counter() - t0
+      m = compiled.memory_analysis()
+      res["peak_bytes"] = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                              - m.alias_size_in_bytes)
+      res.update(suite.time_calls(lambda: compiled(p, x), jax.block_until_ready, args.warmup, args.repeats))
+      if args.profile and mode == "train":
+        res["profile"] = guarded_profile(lambda: profile_jax(compiled, (p, x), 3, tempfile.mkdtemp()))
+      result = compiled(p, x)
+      if mode == "inference":
+        coords, feats, num = (np.asarray(a) for a in result)
+        res["check"] = (coords[: int(num)], feats[: int(num)].astype(np.float32))
+      else:
+        value, (gp, gx) = result
+        first = "conv_input" if "conv_input" in gp else ("stem_a" if "stem_a" in gp else "in")
+        res["check"] = {"loss": float(value), "input_grad": np.asarray(gx[: len(inp.coords)], np.float32),
+                        "first_weight_grad": np.asarray(gp[first], np.float32), "first": first}
+      res["ok"] = True
+    except Exception as e:  # one failing cell must not stop the run
+      res = {"ok": False, "error": suite.short_error(e)}
+    out[mode] = res
+  return out
+
+
+def bench_spconv(lib, w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
+  sp, torch, constants = lib
+  tdtype = {"fp16": torch.float16, "tf32": torch.float32}[dtype_name]
+  if constants is not None:
+    constants.SPCONV_ALLOW_TF32 = dtype_name == "tf32"
+  torch.backends.cuda.matmul.allow_tf32 = dtype_name == "tf32"
+  torch.backends.cudnn.allow_tf32 = dtype_name == "tf32"
+  network = NETWORKS[w.network]
+  params = Params(args.seed)
+  backend = TorchBackend(sp, torch, params, tdtype, inp.targets)
+  coords = torch.from_numpy(inp.coords).cuda().int()
+  feats = torch.from_numpy(inp.feats).cuda().to(tdtype)
+
+  def forward(f):
+    x = sp.SparseConvTensor(f, coords, list(inp.spatial_shape), inp.batch_size)
+    return network(backend, x)
+
+  def inference():
+    with torch.no_grad():
+      return forward(feats)
+
+  def train():
+    f = feats.detach().requires_grad_(True)
+    y = forward(f)
+    loss = (y.features.float() * probe(torch, y.indices, y.features.shape[1])).sum()
+    params_ = [q for m in backend.modules.values() for q in m.parameters()]
+    for q in params_:
+      q.grad = None
+    loss.backward()
+    return loss, f
+
+  out = {}
+  for mode in args.modes:
+    res = {}
+    try:
+      backend.train = mode == "train"
+      call = inference if mode == "inference" else train
+      call()  # creates the modules
+      torch.cuda.synchronize()
+      res.update(suite.time_calls(call, lambda _: torch.cuda.synchronize(), args.warmup, args.repeats))
+      torch.cuda.synchronize()
+      torch.cuda.reset_peak_memory_stats()
+      result = call()
+      torch.cuda.synchronize()
+      res["peak_bytes"] = int(torch.cuda.max_memory_allocated())
+      if args.profile and mode == "train":
+        res["profile"] = guarded_profile(lambda: profile_torch(torch, call, 3))
+      if mode == "inference":
+        res["check"] = (result.indices.cpu().numpy(), result.features.float().cpu().numpy())
+      else:
+        loss, f = result
+        first = "conv_input" if "conv_input" in backend.modules else ("stem_a" if "stem_a" in backend.modules
+                                                                      else "in")
+        res["check"] = {"loss": float(loss), "input_grad": f.grad.float().cpu().numpy(),
+                        "first_weight_grad": backend.modules[first].weight.grad.float().cpu().numpy(),
+                        "first": first}
+      res["ok"] = True
+    except Exception as e:
+      res = {"ok": False, "error": suite.short_error(e)}
+    out[mode] = res
+  return out
+
+
+def compare(js: dict, ref: dict, mode: str, spatial_shape) -> dict:
+  a, b = js.get("check"), ref.get("check")
+  if a is None or b is None:
+    return {}
+  if mode == "inference":
+    return cross_check(a, b, spatial_shape)
+  return {"loss_rel_err": abs(a["loss"] - b["loss"]) / max(abs(b["loss"]), 1e-30),
+          "input_grad_rel_err": suite.rel_err(a["input_grad"], b["input_grad"]),
+          "first_weight_grad_rel_err": suite.rel_err(a["first_weight_grad"], b["first_weight_grad"])}
+
+
+# ---- per-op profiles of a training step --------------------------------------------------------------
+
+CONV_KINDS = ("subm", "down", "up", "upsample")
+GEMM_NAME_PARTS = ("gather_gemm", "weight_grad", "gemm", "cutlass", "xmma", "cublas", "wgmma", "sm90_", "sm80_")
+# torch's autograd nodes of the backward pass, by the network op they belong to (the forward's record_function
+# ranges do not cover the backward).
+TORCH_BACKWARD_KINDS = (("batchnorm", "bn"), ("groupnorm", "gn"), ("relu", "relu"), ("threshold", "relu"),
+                        ("silu", "silu"), ("maxpool", "maxpool"), ("cat", "concat"), ("addbackward", "add"),
+                        ("mmbackward", "linear"), ("conv", "conv"), ("implicitgemm", "conv"), ("sparse", "conv"))
+
+
+def op_group(kind: str, kernel: str) -> str:
+  """The profile row of a kernel: convolutions split into their GEMMs and everything else (maps, gathers)."""
+  if kind in CONV_KINDS + ("conv",):
+    gemm = any(part in kernel.lower() for part in GEMM_NAME_PARTS)
+    return "conv: GEMM" if gemm else "conv: maps and other"
+  return kind
+
+
+def hlo_op_names(hlo_text: str) -> dict:
+  """HLO instruction name -> its metadata op_name (which carries the jax.named_scope path)."""
+  found = re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text, re.M)
+  return dict(found)
+
+
+def _scope_kind(op_name: str) -> str:
+  m = re.search(r"op:(\w+)", op_name or "")
+  return m.group(1) if m else "other"
+
+
+def _trace_events(trace_dir: str):
+  paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+  if not paths:
+    raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
+  with gzip.open(max(paths, key=os.path.getmtime)) as f:
+    data = json.load(f)
+  return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_kernel_events(events) -> tuple[list, list]:
+  """Kernel events on the GPU's stream tracks (not the derived per-op tracks, which would count twice), and
+  the thread names seen (for the log)."""
+  procs = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  threads = {(e["pid"], e["tid"]): e["args"].get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  gpu = {pid for pid, name in procs.items() if "GPU" in name or "gpu" in name}
+  names = sorted({threads.get(k, "") for k in threads if k[0] in gpu})
+  stream = {k for k, name in threads.items() if k[0] in gpu and name.lower().startswith("stream")}
+  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu
+             and (not stream or (e["pid"], e["tid"]) in stream)]
+  return kernels, names
+
+
+def guarded_profile(fn) -> dict:
+  try:
+    return fn()
+  except Exception as e:  # a profile is extra information: never lose the timings over it
+    return {"error": suite.short_error(e)}
+
+
+def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
+  """ms per call by profile row, from a trace of `calls` calls of a compiled function."""
+  jax.block_until_ready(compiled(*call_args))
+  jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+  for _ in range(calls):
+    out = compiled(*call_args)
+  jax.block_until_ready(out)
+  jax.profiler.stop_trace()
+  kernels, thread_names = device_kernel_events(_trace_events(trace_dir))
+  meta = hlo_op_names(compiled.as_text())
+  rows: dict[str, float] = {}
+  for e in kernels:
+    args = e.get("args", {})
+    op_name = meta.get(args.get("hlo_op", e["name"]), "") or args.get("tf_op", "") or args.get("long_name", "")
+    group = op_group(_scope_kind(op_name), e["name"])
+    rows[group] = rows.get(group, 0.0) + e.get("dur", 0.0) / 1e3 / calls
+  return {"ms": rows, "kernels": len(kernels) // calls, "threads": thread_names}
+
+
+def _torch_kind(event) -> str:
+  """The network op a torch CPU event (and so the kernels it launched) belongs to."""
+  e = event
+  while e is not None:
+    if e.name.startswith("op:"):
+      return e.name[3:]
+    low = e.name.lower()
+    if "backward" in low or "evaluate_function" in low:
+      for part, kind in TORCH_BACKWARD_KINDS:
+        if part in low:
+          return kind
+    e = e.cpu_parent
+  return "other"
+
+
+def profile_torch(torch, call, calls: int) -> dict:
+  call()
+  torch.cuda.synchronize()
+  acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+  with torch.profiler.profile(activities=acts) as prof:
+    for _ in range(calls):
+      call()
+    torch.cuda.synchronize()
+  rows: dict[str, float] = {}
+  count = 0
+  for ev in prof.events():
+    for k in getattr(ev, "kernels", []):
+      group = op_group(_torch_kind(ev), k.name)
+      rows[group] = rows.get(group, 0.0) + k.duration / 1e3 / calls
+      count += 1
+  return {"ms": rows, "kernels": count // calls}
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+
+
+def run(args) -> dict:
+  libs = {}
+  for name in args.anchors:
+    try:
+      libs[name] = import_spconv(name)
+    except Exception as e:
+      print(f"{name} not available: {suite.short_error(e, 160)}", flush=True)
+  results = []
+  for net in args.networks:
+    for size in args.sizes:
+      w = workload(net, size)
+      t0 = time.perf_counter()
+      inp = make_inputs(w, args.seed)
+      gen_s = time.perf_counter() - t0
+      print(f"== {w.name}: {len(inp.coords)} input sites, batch {w.batch_size}, grid {inp.spatial_shape} "
+            f"(inputs {gen_s:.1f} s)", flush=True)
+      for dname in args.dtypes:
+        rec = {"network": net, "size": size, "batch_size": w.batch_size, "sites": int(len(inp.coords)),
+               "spatial_shape": list(inp.spatial_shape), "dtype": dname, "jsparse": {}, "anchors": {}}
+        try:
+          rec["jsparse"] = bench_jsparse(w, inp, dname, args)
+        except Exception as e:
+          rec["jsparse"] = {"error": suite.short_error(e)}
+        for lname, lib in libs.items():
+          try:
+            rec["anchors"][lname] = bench_spconv(lib, w, inp, dname, args)
+          except Exception as e:
+            rec["anchors"][lname] = {"error": suite.short_error(e)}
+        for mode in args.modes:
+          js = rec["jsparse"].get(mode, {})
+          line = f"  {dname:5s} {mode:9s} jsparse {_ms(js)}"
+          for lname in rec["anchors"]:
+            an = rec["anchors"][lname].get(mode, {})
+            cmp_ = compare(js, an, mode, inp.spatial_shape)
+            an["cross_check"] = cmp_
+            speed = an.get("median_ms", float("nan")) / js.get("median_ms", float("nan"))
+            line += f" | {lname} {_ms(an)} ({speed:.2f}x) check {_fmt_check(cmp_)}"
+          print(line + f" | mem {_mb(js)}" + "".join(f"/{_mb(rec['anchors'][l].get(mode, {}))}"
+                                                     for l in rec["anchors"]), flush=True)
+        if args.profile:
+          print(render_profile(rec), flush=True)
+        _strip_checks(rec)
+        results.append(rec)
+  return {"meta": suite.metadata(), "args": {k: v for k, v in vars(args).items() if k != "func"},
+          "results": results}
+
+
+def _strip_checks(rec):
+  for side in [rec["jsparse"]] + list(rec["anchors"].values()):
+    for mode in MODES:
+      if isinstance(side.get(mode), dict):
+        side[mode].pop("check", None)
+        side[mode].pop("times_ms", None)
+
+
+def _ms(r) -> str:
+  return f"{r['median_ms']:.2f} ms" if r.get("ok") and "median_ms" in r else ("FAIL" if r else "-")
+
+
+def _mb(r) -> str:
+  return f"{r['peak_bytes'] / 2**20:.0f}" if r.get("peak_bytes") else "-"
+
+
+def _fmt_check(c) -> str:
+  if not c:
+    return "-"
+  if "same_sites" in c:
+    return f"sites {'=' if c['same_sites'] else '!='} err {c.get('rel_err', float('nan')):.1e}"
+  return f"loss {c['loss_rel_err']:.1e} dx {c['input_grad_rel_err']:.1e} dw {c['first_weight_grad_rel_err']:.1e}"
+
+
+def render_markdown(data) -> str:
+  meta = data["meta"]
+  lines = [f"Networks benchmark, {meta['device_kind']}, {meta['date']}, jsparse {meta.get('commit')}, "
+           f"jax {meta['jax']}. Times: median ms per call (maps built inside every call). Speed-up = anchor time / "
+           "jsparse time. Memory: peak MB.", ""]
+  anchors = sorted({a for r in data["results"] for a in r["anchors"]})
+  head = "| network | size | sites | dtype | mode | jsparse ms |" + "".join(
+      f" {a} ms | speed-up vs {a} | check vs {a} |" for a in anchors) + " jsparse MB |" + "".join(
+      f" {a} MB |" for a in anchors)
+  lines += [head, "|" + "---|" * (head.count("|") - 1)]
+  for r in data["results"]:
+    for mode in MODES:
+      js = r["jsparse"].get(mode)
+      if not js:
+        continue
+      row = f"| {r['network']} | {r['size']} (b{r['batch_size']}) | {r['sites']} | {r['dtype']} | {mode} | {_ms(js)} |"
+      for a in anchors:
+        an = r["anchors"].get(a, {}).get(mode, {})
+        sp = (an["median_ms"] / js["median_ms"]) if an.get("ok") and js.get("ok") else float("nan")
+        row += f" {_ms(an)} | {sp:.2f}x | {_fmt_check(an.get('cross_check'))} |"
+      row += f" {_mb(js)} |" + "".join(f" {_mb(r['anchors'].get(a, {}).get(mode, {}))} |" for a in anchors)
+      lines.append(row)
+  return "\n".join(lines) + "\n"
+
+
+def render_profile(rec) -> str:
+  """One training step's GPU time by network op: jsparse and each anchor, ms per call."""
+  sides = {"jsparse": rec["jsparse"].get("train", {}).get("profile", {})}
+  sides.update({a: r.get("train", {}).get("profile", {}) for a, r in rec["anchors"].items()})
+  groups = sorted({g for p in sides.values() for g in p.get("ms", {})},
+                  key=lambda g: -max(p.get("ms", {}).get(g, 0.0) for p in sides.values()))
+  head = f"Per-op GPU time of one training step, {rec['network']}/{rec['size']} {rec['dtype']} (ms)"
+  lines = [head, "", "| op | " + " | ".join(sides) + " |", "|---|" + "---|" * len(sides)]
+  for g in groups:
+    lines.append(f"| {g} | " + " | ".join(f"{p.get('ms', {}).get(g, 0.0):.3f}" for p in sides.values()) + " |")
+  lines.append("| total (kernels) | " + " | ".join(f"{sum(p.get('ms', {}).values()):.3f}" for p in sides.values())
+               + " |")
+  errors = {k: p["error"] for k, p in sides.items() if "error" in p}
+  if errors:
+    lines.append(f"profile errors: {errors}")
+  return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  csv = lambda s: [t for t in s.split(",") if t]  # noqa: E731
+  ap.add_argument("--networks", type=csv, default=list(NETWORKS))
+  ap.add_argument("--sizes", type=csv, default=["small", "large"])
+  ap.add_argument("--dtypes", type=csv, default=list(DTYPES))
+  ap.add_argument("--modes", type=csv, default=list(MODES))
+  ap.add_argument("--anchors", type=csv, default=["spconv"], help="spconv and/or spconv-triton ('' for none)")
+  ap.add_argument("--impl", default=None, help="jsparse implementation (None: pallas on a GPU, xla elsewhere)")
+  ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--repeats", type=int, default=10)
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--profile", action="store_true", help="per-op GPU time of each training step (traces)")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  for n in args.networks:
+    if n not in NETWORKS:
+      ap.error(f"unknown network {n!r}; have {list(NETWORKS)}")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  data = run(args)
+  md = render_markdown(data)
+  if args.profile:
+    md += "\n" + "\n".join(render_profile(r) for r in data["results"])
+  print(md)
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "networks.json"), "w") as f:
+      json.dump(data, f, indent=1, default=str)
+    with open(os.path.join(args.out, "networks.md"), "w") as f:
+      f.write(md)
+  return data
+
+
+if __name__ == "__main__":
+  main()

@@ -48,7 +48,8 @@ import jsparse
 from jsparse import norm
 from benchmarks import suite
 
-DTYPES = {"fp16": jnp.float16, "tf32": jnp.float32}
+# name -> (jax dtype, jsparse precision). "fp32" (no TF32 on either side) is for exact cross-checks.
+DTYPES = {"fp16": (jnp.float16, None), "tf32": (jnp.float32, None), "fp32": (jnp.float32, "highest")}
 MODES = ("inference", "train")
 LIDAR_CHANNELS = 4  # voxel mean (x, y, z) and mean intensity
 
@@ -114,7 +115,7 @@ def second(b, x, channels=(16, 32, 64, 64), out_channels=128):
 
 def second_pool(b, x, channels=(16, 32, 64, 128)):
   """SECOND's stages with max pooling instead of strided convolutions between them."""
-  x = b.relu(b.bn(b.subm(x, "conv_input", channels[0], key="subm1"), "bn_input"))
+  x = b.relu(b.bn(b.subm(x, "conv_input", channels[0], key="subm0"), "bn_input"))
   for s, c in enumerate(channels):
     if s:
       x = b.maxpool(x, f"pool{s}", 2, 2, key=f"pool{s}")
@@ -282,8 +283,8 @@ class JaxBackend:
   output rows of every site-creating op, by layer name (recorded by a planning run, `plan_capacities`)."""
 
   def __init__(self, params: Params | dict, dtype, train: bool, capacities: dict | None = None,
-               targets=None, implementation=None):
-    self.params, self.dtype, self.train = params, dtype, train
+               targets=None, implementation=None, precision=None):
+    self.params, self.dtype, self.train, self.precision = params, dtype, train, precision
     self.capacities = capacities if capacities is not None else {}
     self.recording = capacities is None
     self.targets = targets or []
@@ -307,14 +308,14 @@ class JaxBackend:
   @scoped("subm", _jax_scope)
   def subm(self, x, name, cout, k=3, key=None):
     w = self._p(name, (cout, k, k, k, x.num_channels))
-    return jsparse.submconv3d(x, w, None, weight_layout="ODHWI", implementation=self.impl)
+    return jsparse.submconv3d(x, w, None, weight_layout="ODHWI", implementation=self.impl, precision=self.precision)
 
   @scoped("down", _jax_scope)
   def down(self, x, name, cout, k, s, pad, key=None):
     ks = (k,) * 3 if isinstance(k, int) else tuple(k)
     w = self._p(name, (cout, *ks, x.num_channels))
     y = jsparse.sparse_conv3d(x, w, None, stride=s, padding=pad, out_capacity=self._cap(name),
-                              weight_layout="ODHWI", implementation=self.impl)
+                              weight_layout="ODHWI", implementation=self.impl, precision=self.precision)
     self._record(name, y)
     return y
 
@@ -323,7 +324,7 @@ class JaxBackend:
     ks = (k,) * 3 if isinstance(k, int) else tuple(k)
     w = self._p(name, (cout, *ks, y.num_channels))
     return jsparse.sparse_inverse_conv3d(y, w, None, like=like, stride=s, padding=pad, weight_layout="ODHWI",
-                                         implementation=self.impl)
+                                         implementation=self.impl, precision=self.precision)
 
   @scoped("upsample", _jax_scope)
   def upsample(self, x, name, cout, level, key=None):
@@ -337,7 +338,7 @@ class JaxBackend:
     pos = jnp.clip(jnp.searchsorted(target, keys), 0, target.shape[0] - 1)
     mask = (target[pos] == keys) & x.valid_mask()[:, None]
     y = jsparse.sparse_conv_transpose3d(x, w, None, stride=2, mask=mask, out_capacity=self._cap(name),
-                                        weight_layout="ODHWI", implementation=self.impl)
+                                        weight_layout="ODHWI", implementation=self.impl, precision=self.precision)
     self._record(name, y)
     return y
 
@@ -380,7 +381,8 @@ class JaxBackend:
   @scoped("linear", _jax_scope)
   def linear(self, x, name, cout):
     w = self._p(name, (cout, x.num_channels))
-    y = jnp.dot(x.feats, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+    prec = jax.lax.Precision.HIGHEST if self.precision == "highest" else None
+    y = jnp.dot(x.feats, w.T, precision=prec, preferred_element_type=jnp.float32).astype(x.dtype)
     return x.replace(feats=y)  # padding rows: 0 @ w = 0
 
 
@@ -389,20 +391,22 @@ def jax_input(inp: Inputs, dtype) -> jsparse.SparseTensor:
                                           inp.batch_size, capacity=jsparse.round_capacity(len(inp.coords)))
 
 
-def plan_capacities(network: Callable, inp: Inputs, params: Params, dtype, implementation=None) -> dict:
+def plan_capacities(network: Callable, inp: Inputs, params: Params, dtype, implementation=None,
+                    precision=None) -> dict:
   """One eager forward that draws every parameter and records each site-creating op's output rows."""
   backend = JaxBackend(params, dtype, train=False, capacities=None,
-                       targets=[jnp.asarray(t, jnp.int32) for t in inp.targets], implementation=implementation)
+                       targets=[jnp.asarray(t, jnp.int32) for t in inp.targets], implementation=implementation,
+                       precision=precision)
   network(backend, jax_input(inp, dtype))
   return backend.capacities
 
 
-def jax_functions(network: Callable, inp: Inputs, capacities: dict, dtype, implementation=None):
+def jax_functions(network: Callable, inp: Inputs, capacities: dict, dtype, implementation=None, precision=None):
   """(inference(params, x), train(params, x), probe): jitted-ready functions over a params dict."""
   targets = [jnp.asarray(t, jnp.int32) for t in inp.targets]
 
   def forward(params, x, train):
-    b = JaxBackend(params, dtype, train, capacities, targets, implementation)
+    b = JaxBackend(params, dtype, train, capacities, targets, implementation, precision)
     return network(b, x)
 
   def inference(params, x):
@@ -577,14 +581,14 @@ def cross_check(a, b, spatial_shape) -> dict:
 
 def bench_jsparse(w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
   network = NETWORKS[w.network]
-  dtype = DTYPES[dtype_name]
+  dtype, precision = DTYPES[dtype_name]
   params = Params(args.seed)
   t0 = time.perf_counter()
-  caps = plan_capacities(network, inp, params, dtype, args.impl)
+  caps = plan_capacities(network, inp, params, dtype, args.impl, precision)
   plan_s = time.perf_counter() - t0
   p = {k: jnp.asarray(v) for k, v in params.arrays.items()}
   x = jax_input(inp, dtype)
-  inference, train = jax_functions(network, inp, caps, dtype, args.impl)
+  inference, train = jax_functions(network, inp, caps, dtype, args.impl, precision)
   out = {"plan_s": plan_s, "params": int(sum(v.size for v in params.arrays.values()))}
   for mode, fn in (("inference", inference), ("train", train)):
     if mode not in args.modes:
@@ -618,7 +622,7 @@ def bench_jsparse(w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
 
 def bench_spconv(lib, w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
   sp, torch, constants = lib
-  tdtype = {"fp16": torch.float16, "tf32": torch.float32}[dtype_name]
+  tdtype = {"fp16": torch.float16, "tf32": torch.float32, "fp32": torch.float32}[dtype_name]
   if constants is not None:
     constants.SPCONV_ALLOW_TF32 = dtype_name == "tf32"
   torch.backends.cuda.matmul.allow_tf32 = dtype_name == "tf32"
@@ -661,7 +665,7 @@ def bench_spconv(lib, w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
       result = call()
       torch.cuda.synchronize()
       res["peak_bytes"] = int(torch.cuda.max_memory_allocated())
-      if args.profile and mode == "train":
+      if args.profile and args.skip_jsparse and mode == "train":
         res["profile"] = guarded_profile(lambda: profile_torch(torch, call, 3))
       if mode == "inference":
         res["check"] = (result.indices.cpu().numpy(), result.features.float().cpu().numpy())
@@ -701,18 +705,27 @@ TORCH_BACKWARD_KINDS = (("batchnorm", "bn"), ("groupnorm", "gn"), ("relu", "relu
                         ("mmbackward", "linear"), ("conv", "conv"), ("implicitgemm", "conv"), ("sparse", "conv"))
 
 
+MAP_KERNEL_PREFIXES = ("hash_", "unique_")  # jsparse's Pallas hash tables (neighbour maps, output sites)
+
+
 def op_group(kind: str, kernel: str) -> str:
-  """The profile row of a kernel: convolutions split into their GEMMs and everything else (maps, gathers)."""
+  """The profile row of a kernel: convolution GEMMs, jsparse's hash-table kernels (whichever op built the map),
+  the rest of the convolutions (plans, map transposes, indexing), and every other op by kind."""
+  if kernel.startswith(MAP_KERNEL_PREFIXES):
+    return "maps: hash tables"
   if kind in CONV_KINDS + ("conv",):
     gemm = any(part in kernel.lower() for part in GEMM_NAME_PARTS)
-    return "conv: GEMM" if gemm else "conv: maps and other"
+    return "conv: GEMM" if gemm else "conv: other"
   return kind
 
 
 def hlo_op_names(hlo_text: str) -> dict:
-  """HLO instruction name -> its metadata op_name (which carries the jax.named_scope path)."""
+  """HLO instruction name -> its metadata op_name (which carries the jax.named_scope path). Keys are also stored
+  with '.' and '-' as '_': a fusion's kernel is named that way (input_fusion.14 runs as input_fusion_14)."""
   found = re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text, re.M)
-  return dict(found)
+  names = dict(found)
+  names.update({k.replace(".", "_").replace("-", "_"): v for k, v in found})
+  return names
 
 
 def _scope_kind(op_name: str) -> str:
@@ -763,10 +776,13 @@ def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
   rows: dict[str, float] = {}
   for e in kernels:
     args = e.get("args", {})
-    op_name = meta.get(args.get("hlo_op", e["name"]), "") or args.get("tf_op", "") or args.get("long_name", "")
+    # Inside a command buffer (CUDA graph) hlo_op names the buffer, so the kernel's own name comes first.
+    op_name = meta.get(e["name"], "") or meta.get(args.get("hlo_op", ""), "")
     group = op_group(_scope_kind(op_name), e["name"])
     rows[group] = rows.get(group, 0.0) + e.get("dur", 0.0) / 1e3 / calls
-  return {"ms": rows, "kernels": len(kernels) // calls, "threads": thread_names}
+  unattributed = sorted({e["name"] for e in kernels if not meta.get(e["name"]) and not e["name"].startswith(
+      MAP_KERNEL_PREFIXES) and not any(p in e["name"] for p in GEMM_NAME_PARTS)})
+  return {"ms": rows, "kernels": len(kernels) // calls, "threads": thread_names, "unattributed": unattributed[:30]}
 
 
 def _torch_kind(event) -> str:
@@ -825,7 +841,8 @@ def run(args) -> dict:
         rec = {"network": net, "size": size, "batch_size": w.batch_size, "sites": int(len(inp.coords)),
                "spatial_shape": list(inp.spatial_shape), "dtype": dname, "jsparse": {}, "anchors": {}}
         try:
-          rec["jsparse"] = bench_jsparse(w, inp, dname, args)
+          if not args.skip_jsparse:
+            rec["jsparse"] = bench_jsparse(w, inp, dname, args)
         except Exception as e:
           rec["jsparse"] = {"error": suite.short_error(e)}
         for lname, lib in libs.items():
@@ -924,14 +941,17 @@ def parse_args(argv=None):
   csv = lambda s: [t for t in s.split(",") if t]  # noqa: E731
   ap.add_argument("--networks", type=csv, default=list(NETWORKS))
   ap.add_argument("--sizes", type=csv, default=["small", "large"])
-  ap.add_argument("--dtypes", type=csv, default=list(DTYPES))
+  ap.add_argument("--dtypes", type=csv, default=["fp16", "tf32"], help=f"of {list(DTYPES)}")
   ap.add_argument("--modes", type=csv, default=list(MODES))
   ap.add_argument("--anchors", type=csv, default=["spconv"], help="spconv and/or spconv-triton ('' for none)")
   ap.add_argument("--impl", default=None, help="jsparse implementation (None: pallas on a GPU, xla elsewhere)")
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--profile", action="store_true", help="per-op GPU time of each training step (traces)")
+  ap.add_argument("--skip-jsparse", action="store_true",
+                  help="anchors only (torch's profiler and JAX's cannot both hold CUPTI in one process)")
+  ap.add_argument("--profile", action="store_true",
+                  help="per-op GPU time of each training step (traces): jsparse's, or the anchors' with --skip-jsparse")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   for n in args.networks:

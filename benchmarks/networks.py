@@ -440,11 +440,13 @@ class TorchBackend:
     self.modules: dict[str, Any] = {}
     self.train = False
     self.targets = [torch.from_numpy(t).cuda() for t in (targets or [])]
+    self.trace: list = []  # (layer, output rows) of the last call, for error reports
 
   def _tensor(self, a):
     return self.torch.nn.Parameter(self.torch.from_numpy(np.ascontiguousarray(a)).cuda().to(self.dtype))
 
   def _module(self, name, make, weight_shape=None):
+    self.trace.append(name)
     if name not in self.modules:
       m = make()
       if weight_shape is not None:
@@ -494,7 +496,9 @@ class TorchBackend:
     sx, sy, sz = y.spatial_shape
     keys = ((idx[:, 0] * sx + idx[:, 1]) * sy + idx[:, 2]) * sz + idx[:, 3]
     keep = torch.isin(keys, self.targets[level - 1])
-    return self.spconv.SparseConvTensor(y.features[keep], y.indices[keep], y.spatial_shape, y.batch_size)
+    out = self.spconv.SparseConvTensor(y.features[keep], y.indices[keep], y.spatial_shape, y.batch_size)
+    self.trace.append(f"{name}: {y.features.shape[0]} children, {out.features.shape[0]} kept")
+    return out
 
   @scoped("maxpool", _torch_scope)
   def maxpool(self, x, name, k, s, key=None):
@@ -638,6 +642,7 @@ def bench_spconv(lib, w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
   feats = torch.from_numpy(inp.feats).cuda().to(tdtype)
 
   def forward(f):
+    backend.trace = []
     x = sp.SparseConvTensor(f, coords, list(inp.spatial_shape), inp.batch_size)
     return network(backend, x)
 
@@ -682,7 +687,8 @@ def bench_spconv(lib, w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
                         "first": first}
       res["ok"] = True
     except Exception as e:
-      res = {"ok": False, "error": suite.short_error(e), "error_text": str(e)[:3000]}
+      res = {"ok": False, "error": suite.short_error(e), "error_text": str(e)[:3000],
+             "last_layers": backend.trace[-6:]}
     out[mode] = res
   return out
 
@@ -787,15 +793,20 @@ def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
   kernels, thread_names = device_kernel_events(_trace_events(trace_dir))
   meta = hlo_op_names(compiled.as_text())
   rows: dict[str, float] = {}
+  by_name: dict[str, float] = {}
   for e in kernels:
     args = e.get("args", {})
     # Inside a command buffer (CUDA graph) hlo_op names the buffer, so the kernel's own name comes first.
     op_name = meta.get(e["name"], "") or meta.get(args.get("hlo_op", ""), "")
     group = op_group(_scope_kind(op_name), e["name"])
     rows[group] = rows.get(group, 0.0) + e.get("dur", 0.0) / 1e3 / calls
+    key = f"{group} :: {e['name'][:60]} :: {op_name[-90:]}"
+    by_name[key] = by_name.get(key, 0.0) + e.get("dur", 0.0) / 1e3 / calls
   unattributed = sorted({e["name"] for e in kernels if not meta.get(e["name"]) and not e["name"].startswith(
       MAP_KERNEL_PREFIXES) and not any(p in e["name"] for p in GEMM_NAME_PARTS)})
-  return {"ms": rows, "kernels": len(kernels) // calls, "threads": thread_names, "unattributed": unattributed[:30]}
+  top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:40])
+  return {"ms": rows, "kernels": len(kernels) // calls, "threads": thread_names, "unattributed": unattributed[:30],
+          "top_kernels": top}
 
 
 def _torch_kind(event) -> str:

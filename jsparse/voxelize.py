@@ -3,18 +3,30 @@
 `voxelize` quantises points on the host, validates them and merges points falling into the same voxel;
 `voxelize_jit` does the same inside `jax.jit` with a static capacity and reports overflow instead of
 raising. Both are differentiable with respect to the point features (the voxel assignment is not).
+
+The merge has two steps. A plan sorts the points by linear voxel key (the sorted order, each point's voxel,
+where each voxel's run of points starts); a jitted reduction then merges each voxel's features, in float32
+for sums and means. `voxelize` pads the points to a bucketed count (`round_capacity`) with the padding rows
+marked as dropped, so a stream of clouds of varying size reuses a handful of compiled programs instead of
+compiling one per point count. Its plan runs in numpy when JAX's default backend is the CPU (numpy's
+integer sort is the faster one there) and with XLA otherwise; `voxelize_jit`'s always runs with XLA.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, _as_spatial_shape, round_capacity
 
 REDUCTIONS = ("mean", "sum", "max", "first")
+DEDUPS = ("numpy", "xla")
+# Key of padding rows and of points dropped under jit: it sorts after every real key (those are < MAX_KEYS).
+DROPPED_KEY = np.iinfo(np.int32).max
 
 
 def _as_vec3(v, name):
@@ -31,9 +43,15 @@ def _check_reduce(reduce):
     raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
 
 
+def _check_key_range(batch_size, spatial_shape):
+  total = batch_size * math.prod(spatial_shape)
+  if total > MAX_KEYS:
+    raise ValueError(
+        f"batch_size * X * Y * Z = {batch_size} * {' * '.join(map(str, spatial_shape))} = {total} >= 2**31: "
+        "jsparse keys voxels by int32 linear index, which would wrap and merge distant voxels")
+
+
 def _prepare_feats(feats, n):
-  if feats is None:
-    return jnp.ones((n, 1), jnp.float32)  # occupancy channel
   feats = jnp.asarray(feats)
   if feats.ndim == 1:
     feats = feats[:, None]
@@ -44,42 +62,164 @@ def _prepare_feats(feats, n):
   return feats
 
 
-def _merge(coords, keys, inside, feats, capacity, reduce):
-  """Merges rows with equal keys into at most `capacity` voxels, in increasing key order.
+# ---- the plan: the points sorted by voxel ------------------------------------------------------------
 
-  coords int32 [N, 4], keys int32 [N] (any value where not inside), inside bool [N], feats [N, C].
-  Returns (coords [capacity, 4], feats [capacity, C], num, overflow). Traceable.
+class _Plan(NamedTuple):
+  """Which voxel each point falls in, as a pytree of arrays over P (padded) point rows.
+
+  order: int32 [P], the input row at each sorted position (sorted by voxel key; within a voxel the input
+    order is kept, which makes "first" the earliest point).
+  inverse: int32 [P], the voxel of each input row, or DROPPED_KEY for padding and dropped rows.
+  starts: int32 [P + 1], the sorted position where voxel s's run of points begins for s < count, and the
+    number of kept rows for s >= count, so run s is order[starts[s] : starts[s + 1]].
+  voxel_coords: int32 [P, 4], (batch, x, y, z) of voxel s for s < count, -1 after.
+  count: int32 scalar, the number of distinct voxels.
   """
-  n = keys.shape[0]
-  big = jnp.iinfo(jnp.int32).max
-  keys = jnp.where(inside, keys, big)
-  # Stable sort: within a voxel the original point order survives, which makes "first" well defined.
-  order = jnp.argsort(keys, stable=True)
-  sk = keys[order]
-  ok = inside[order]
-  new = jnp.concatenate([jnp.ones((1,), bool), sk[1:] != sk[:-1]]) if n else jnp.zeros((0,), bool)
-  seg = jnp.cumsum(new.astype(jnp.int32)) - 1
-  count = jnp.sum(new & ok, dtype=jnp.int32)
-  # Points outside the grid, and voxels past the capacity, go to segment `capacity`: dropped by mode="drop".
-  seg = jnp.where(ok & (seg < capacity), seg, capacity)
-  num = jnp.minimum(count, capacity)
-  valid = jnp.arange(capacity) < num
-  first_seg = jnp.where(new, seg, capacity)
-  out_coords = jnp.full((capacity, 4), -1, jnp.int32).at[first_seg].set(coords[order], mode="drop")
-  f = feats[order]
-  c = f.shape[1]
-  if reduce == "first":
-    out = jnp.zeros((capacity, c), f.dtype).at[first_seg].set(f, mode="drop")
-  elif reduce == "max":
-    out = jnp.full((capacity, c), -jnp.inf, f.dtype).at[seg].max(f, mode="drop")
-  else:
-    out = jnp.zeros((capacity, c), f.dtype).at[seg].add(f, mode="drop")
-    if reduce == "mean":
-      cnt = jnp.zeros((capacity,), f.dtype).at[seg].add(jnp.ones((n,), f.dtype), mode="drop")
-      out = out / jnp.maximum(cnt, 1)[:, None]
-  out = jnp.where(valid[:, None], out, 0)
-  return out_coords, out, num, count > capacity
 
+  order: jax.Array
+  inverse: jax.Array
+  starts: jax.Array
+  voxel_coords: jax.Array
+  count: jax.Array
+
+
+def _host_plan(keys: np.ndarray, padded: int, spatial_shape) -> _Plan:
+  """The plan on the host (numpy) for int64 keys [n] < 2**31, padded to `padded` >= n rows."""
+  n = keys.shape[0]
+  # One plain int64 sort of key * 2**32 + row: numpy's vectorised integer sort is several times faster
+  # than a stable argsort, and the row in the low bits keeps equal keys in input order.
+  packed = (keys.astype(np.int64) << 32) | np.arange(n, dtype=np.int64)
+  packed.sort()
+  order = np.arange(padded, dtype=np.int32)
+  order[:n] = packed & 0xFFFFFFFF
+  sorted_keys = (packed >> 32).astype(np.int32)
+  heads = np.empty(n, bool)
+  heads[:1] = True
+  np.not_equal(sorted_keys[1:], sorted_keys[:-1], out=heads[1:])
+  run_starts = np.flatnonzero(heads)
+  count = run_starts.size
+  inverse = np.full(padded, DROPPED_KEY, np.int32)
+  inverse[order[:n]] = np.cumsum(heads, dtype=np.int32) - 1
+  starts = np.full(padded + 1, n, np.int32)
+  starts[:count] = run_starts
+  voxel_coords = np.full((padded, 4), -1, np.int32)
+  voxel_keys = sorted_keys[run_starts]
+  for axis, size in zip((3, 2, 1), spatial_shape[::-1]):
+    voxel_keys, voxel_coords[:count, axis] = np.divmod(voxel_keys, size)
+  voxel_coords[:count, 0] = voxel_keys
+  return _Plan(order, inverse, starts, voxel_coords, np.int32(count))
+
+
+def _device_plan(keys, dims) -> _Plan:
+  """The plan with XLA ops (traceable) for int32 keys [P >= 1], DROPPED_KEY marking rows to drop.
+
+  dims: int32 (X, Y, Z), traced so that one program serves every grid.
+  """
+  p = keys.shape[0]
+  rows = lax.iota(jnp.int32, p)
+  sorted_keys, order = lax.sort((keys, rows), num_keys=1, is_stable=True)
+  kept = sorted_keys != DROPPED_KEY
+  previous = jnp.concatenate([jnp.full((1,), -1, jnp.int32), sorted_keys[:-1]])
+  heads = (sorted_keys != previous) & kept
+  run_index = jnp.where(kept, jnp.cumsum(heads, dtype=jnp.int32) - 1, DROPPED_KEY)
+  # Scatters of distinct indices (plain stores, no atomics). The permutation's inverse:
+  inverse = jnp.zeros((p,), jnp.int32).at[order].set(run_index, unique_indices=True)
+  # Stream compaction: each run's first row writes its position to slot run_index; the others aim past the
+  # end and are dropped.
+  slot = jnp.where(heads, run_index, p + 1 + rows)
+  starts = jnp.full((p + 1,), jnp.sum(kept, dtype=jnp.int32)).at[slot].set(rows, mode="drop", unique_indices=True)
+  count = jnp.sum(heads, dtype=jnp.int32)
+  voxel_keys = sorted_keys[jnp.minimum(starts[:-1], p - 1)]
+  z = voxel_keys % dims[2]
+  rest = voxel_keys // dims[2]
+  y = rest % dims[1]
+  rest = rest // dims[1]
+  voxel_coords = jnp.stack([rest // dims[0], rest % dims[0], y, z], axis=1)
+  voxel_coords = jnp.where((jnp.arange(p) < count)[:, None], voxel_coords, -1)
+  return _Plan(order, inverse, starts, voxel_coords, count)
+
+
+_device_plan_jit = jax.jit(_device_plan)
+
+
+# ---- the reduction over each voxel's points ----------------------------------------------------------
+
+def _segmented_scan(values, heads, combine):
+  """Inclusive scan of values [P, C] along rows that restarts where heads [P] is True."""
+
+  def step(left, right):
+    left_head, left_value = left
+    right_head, right_value = right
+    return left_head | right_head, jnp.where(right_head[:, None], right_value, combine(left_value, right_value))
+
+  return lax.associative_scan(step, (heads, values))[1]
+
+
+def _voxel_reduce(values, plan: _Plan, run_stops, capacity, reduce, segment_impl):
+  """Sum or max of the rows of values [P, C] (input order) over each of the first `capacity` voxels.
+
+  On the CPU an unsorted segment_sum / segment_max over plan.inverse: a serial loop there, faster than
+  gathering the rows into sorted order first. Elsewhere the rows are gathered into sorted order and
+  reduced by a segmented scan read at each run's last row: no atomics, and each run is summed on its own,
+  so its error does not grow with the rows before it (a cumulative-sum difference's would).
+  """
+  p = values.shape[0]
+  combine = jnp.add if reduce == "sum" else jnp.maximum
+
+  def by_scatter(values, order, inverse):
+    segment = jax.ops.segment_sum if reduce == "sum" else jax.ops.segment_max
+    return segment(values, inverse, num_segments=capacity)
+
+  def by_scan(values, order, inverse):
+    # A permutation: distinct indices let the gradient's scatter store without atomics.
+    sorted_values = values.at[order].get(unique_indices=True, mode="promise_in_bounds")
+    sorted_voxels = inverse.at[order].get(unique_indices=True, mode="promise_in_bounds")
+    heads = sorted_voxels != jnp.concatenate([jnp.full((1,), -1, jnp.int32), sorted_voxels[:-1]])
+    return _segmented_scan(sorted_values, heads, combine)[jnp.clip(run_stops - 1, 0, p - 1)]
+
+  args = (values, plan.order, plan.inverse)
+  if segment_impl == "scatter":
+    return by_scatter(*args)
+  if segment_impl == "scan":
+    return by_scan(*args)
+  return lax.platform_dependent(*args, cpu=by_scatter, default=by_scan)
+
+
+def _reduce(plan: _Plan, feats, *, capacity, reduce, segment_impl=None):
+  """The first `capacity` voxels of a plan: (coords int32 [capacity, 4], feats [capacity, C], num).
+
+  feats: [P, C] in input row order, or None for a channel of ones (occupancy). Sums and means accumulate
+  in float32 (or wider) and are cast back to the features' dtype. segment_impl: None picks by platform;
+  "scatter" or "scan" force one (tests).
+  """
+  p = plan.order.shape[0]
+  starts, coords = plan.starts[: capacity + 1], plan.voxel_coords[:capacity]
+  if capacity > p:  # more rows than points: the extra voxels are empty
+    starts = jnp.concatenate([starts, jnp.broadcast_to(starts[-1:], (capacity - p,))])
+    coords = jnp.concatenate([coords, jnp.full((capacity - p, 4), -1, jnp.int32)])
+  run_starts, run_stops = starts[:-1], starts[1:]
+  num = jnp.minimum(plan.count, capacity)
+  valid = jnp.arange(capacity) < num
+  counts = run_stops - run_starts
+  if feats is None:
+    out = (counts if reduce == "sum" else jnp.ones_like(counts)).astype(jnp.float32)[:, None]
+  elif reduce == "first":
+    out = feats[plan.order[jnp.minimum(run_starts, p - 1)]]
+  elif reduce == "max":
+    out = _voxel_reduce(feats, plan, run_stops, capacity, "max", segment_impl)
+  else:
+    accumulate = jnp.promote_types(feats.dtype, jnp.float32)
+    out = _voxel_reduce(feats.astype(accumulate), plan, run_stops, capacity, "sum", segment_impl)
+    if reduce == "mean":
+      out = out / jnp.maximum(counts, 1).astype(accumulate)[:, None]
+    out = out.astype(feats.dtype)
+  return coords, jnp.where(valid[:, None], out, 0), num
+
+
+_reduce_jit = jax.jit(_reduce, static_argnames=("capacity", "reduce", "segment_impl"))
+
+
+# ---- public API --------------------------------------------------------------------------------------
 
 def _batch_ids(batch, n, batch_size):
   if batch is None:
@@ -91,44 +231,100 @@ def _batch_ids(batch, n, batch_size):
   return b
 
 
+def _check_capacity(capacity):
+  if capacity is None or (isinstance(capacity, str) and capacity == "exact"):
+    return capacity
+  if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+    raise TypeError(f"capacity must be None, 'exact' or a non-negative int, got {capacity!r}")
+  if capacity < 0:
+    raise ValueError(f"capacity must be non-negative, got {capacity}")
+  return int(capacity)
+
+
+def _choose_dedup(dedup):
+  if dedup is None:
+    return "numpy" if jax.default_backend() == "cpu" else "xla"
+  if dedup not in DEDUPS:
+    raise ValueError(f"dedup must be None or one of {DEDUPS}, got {dedup!r}")
+  return dedup
+
+
+def _padded_feats(feats, n, padded):
+  """feats as [padded, C] with zero padding rows, or None; padded on the host unless traced."""
+  if feats is None:
+    return None
+  if isinstance(feats, jax.core.Tracer):  # differentiated (or traced by an outer jit): pad where it lives
+    f = _prepare_feats(feats, n)
+    return jnp.pad(f, ((0, padded - n), (0, 0)))
+  # Padding a host copy compiles nothing; padding on the device would compile once per point count.
+  f = np.asarray(feats)
+  if f.ndim == 1:
+    f = f[:, None]
+  if f.ndim != 2 or f.shape[0] != n:
+    raise ValueError(f"feats must be [N={n}, C], got shape {f.shape}")
+  if not jnp.issubdtype(f.dtype, jnp.inexact):
+    f = f.astype(np.float32)
+  out = np.zeros((padded, f.shape[1]), f.dtype)
+  out[:n] = f
+  return out
+
+
 def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None, batch=None,
-             batch_size=None, reduce="mean", capacity=None) -> SparseTensor:
+             batch_size=None, reduce="mean", capacity=None, dedup=None) -> SparseTensor:
   """Quantises points [N, 3] into a SparseTensor (host-side validation; call outside jit).
 
-  Voxel of a point: floor((p - origin) / voxel_size), per axis.
+  Voxel of a point: floor((p - origin) / voxel_size), per axis, in float64.
   feats: [N, C] (or [N]) per-point features, or None for a single channel of ones (occupancy; with
     reduce="sum" it counts the points per voxel).
   voxel_size: scalar or 3 values. origin: world position of the grid corner; None uses the points'
     minimum (per axis, over all batches).
   spatial_shape: grid size; None takes the smallest grid holding every point. Points outside it raise
-    ValueError (with how many there are).
+    ValueError (with how many there are). batch_size * X * Y * Z must be < 2**31 (int32 keys).
   batch: [N] integer batch ids (default all 0); batch_size defaults to max(batch) + 1.
   reduce: how the feats of points sharing a voxel are merged: "mean", "sum", "max" or "first" (the
-    earliest point in input order).
-  capacity: rows of the result (>= number of voxels); None gives round_capacity(number of voxels).
+    earliest point in input order). Sums and means accumulate in float32 for half-precision feats.
+  capacity: rows of the result: None gives round_capacity(number of voxels) (a bucket, so that the
+    jitted code downstream compiles once per bucket), "exact" the number of voxels, an int that many
+    (ValueError if fewer than the voxels).
+  dedup: where the points are sorted into voxels: "numpy" (on the host), "xla" (on JAX's default device),
+    or None: "numpy" when JAX's default backend is the CPU (numpy's integer sort is the faster one there),
+    else "xla".
 
+  The points are padded to round_capacity(N) rows, so clouds of varying N compile once per bucket of N
+  (and of capacity). Feats that are jax Arrays are padded through a host copy; traced feats (under
+  jax.grad) are padded where they are, which compiles the padding once per N.
   Rows are ordered by linear key (batch, x, y, z). Differentiable with respect to feats.
   """
   if isinstance(points, jax.core.Tracer):
     raise TypeError("voxelize validates on the host; under jax.jit use voxelize_jit with a static capacity")
   _check_reduce(reduce)
-  p = np.asarray(points, np.float64)
+  capacity = _check_capacity(capacity)
+  dedup = _choose_dedup(dedup)
+  p = np.asarray(points)
   if p.ndim != 2 or p.shape[1] != 3:
     raise ValueError(f"points must be [N, 3], got shape {p.shape}")
+  if not np.issubdtype(p.dtype, np.floating):
+    p = p.astype(np.float64)
   n = p.shape[0]
-  if not np.all(np.isfinite(p)):
-    raise ValueError(f"{int((~np.isfinite(p)).any(axis=1).sum())} points have non-finite coordinates")
   vs = _as_vec3(voxel_size, "voxel_size")
   if np.any(vs <= 0):
     raise ValueError(f"voxel_size must be positive, got {voxel_size!r}")
-  org = (p.min(axis=0) if n else np.zeros(3)) if origin is None else _as_vec3(origin, "origin")
-  idx = np.floor((p - org) / vs).astype(np.int64)
+  # Column by column: numpy reduces a column far faster than axis 0 of an [N, 3] array. min and max
+  # propagate NaN and inf, so these passes also check that every coordinate is finite.
+  columns = [p[:, axis] for axis in range(3)]
+  lo = np.array([c.min() if n else 0.0 for c in columns], np.float64)
+  hi = np.array([c.max() if n else 0.0 for c in columns], np.float64)
+  if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
+    raise ValueError(f"{int((~np.isfinite(p)).any(axis=1).sum())} points have non-finite coordinates")
+  org = lo if origin is None else _as_vec3(origin, "origin")
+  # The voxel index is monotone in the coordinate, so the extreme points give its range exactly.
+  grid_lo, grid_hi = np.floor((lo - org) / vs), np.floor((hi - org) / vs)
   if spatial_shape is None:
-    spatial_shape = tuple(int(s) for s in (idx.max(axis=0) + 1)) if n else (1, 1, 1)
-    spatial_shape = tuple(max(s, 1) for s in spatial_shape)
+    spatial_shape = tuple(max(int(s), 1) for s in grid_hi + 1)
   spatial_shape = _as_spatial_shape(spatial_shape)
-  outside = ((idx < 0) | (idx >= np.array(spatial_shape))).any(axis=1)
-  if outside.any():
+  if n and (np.any(grid_lo < 0) or np.any(grid_hi >= np.array(spatial_shape))):
+    index = np.floor((p - org) / vs)
+    outside = ((index < 0) | (index >= np.array(spatial_shape))).any(axis=1)
     raise ValueError(
         f"{int(outside.sum())} of {n} points fall outside the grid spatial_shape={spatial_shape} "
         f"(origin={org.tolist()}, voxel_size={vs.tolist()}); first at row {int(np.argmax(outside))}: "
@@ -142,20 +338,34 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
     batch_size = int(b.max()) + 1 if n else 1
   if n and b.max() >= batch_size:
     raise ValueError(f"batch id {int(b.max())} >= batch_size={batch_size}")
-  if batch_size * math.prod(spatial_shape) > MAX_KEYS:
-    raise ValueError("batch_size * X * Y * Z exceeds 2**31 - 1: jsparse keys sites by int32 linear index")
-  coords = np.concatenate([b[:, None], idx], axis=1)
-  X, Y, Z = spatial_shape
-  keys = ((coords[:, 0] * X + coords[:, 1]) * Y + coords[:, 2]) * Z + coords[:, 3]
-  nvox = len(np.unique(keys))
+  _check_key_range(batch_size, spatial_shape)
+  keys = b.astype(np.int64)
+  for column, size, axis_origin, axis_size in zip(columns, spatial_shape, org, vs):
+    index = np.subtract(column, axis_origin, dtype=np.float64)
+    index /= axis_size
+    np.floor(index, out=index)
+    keys *= size
+    keys += index.astype(np.int64)
+  padded = round_capacity(n)
+  if dedup == "numpy":
+    plan = _host_plan(keys, padded, spatial_shape)
+  else:
+    padded_keys = np.full(padded, DROPPED_KEY, np.int32)
+    padded_keys[:n] = keys
+    dims = np.array(spatial_shape, np.int32)
+    plan = _device_plan_jit(padded_keys, dims)
+    if isinstance(plan.count, jax.core.Tracer):  # an outer jit traces the call: find the voxels now instead
+      with jax.ensure_compile_time_eval():
+        plan = _device_plan_jit(padded_keys, dims)
+  nvox = int(plan.count)
   if capacity is None:
     capacity = round_capacity(nvox)
-  if capacity < nvox:
+  elif capacity == "exact":
+    capacity = nvox
+  elif capacity < nvox:
     raise ValueError(f"capacity {capacity} is smaller than the number of occupied voxels {nvox}")
-  f = _prepare_feats(feats, n)
-  oc, of, num, _ = _merge(jnp.asarray(coords, jnp.int32), jnp.asarray(keys, jnp.int32),
-                          jnp.ones((n,), bool), f, int(capacity), reduce)
-  return SparseTensor(oc, of, num, spatial_shape, int(batch_size))
+  coords, out, num = _reduce_jit(plan, _padded_feats(feats, n, padded), capacity=capacity, reduce=reduce)
+  return SparseTensor(coords, out, num, spatial_shape, int(batch_size))
 
 
 def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capacity, batch=None,
@@ -163,14 +373,19 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   """`voxelize` usable under jax.jit: returns (SparseTensor, overflow).
 
   spatial_shape, capacity, batch_size, reduce are static; origin is required (no data-dependent default)
-  and voxel_size/origin may be traced. overflow is a bool scalar, True when more voxels were occupied than
-  `capacity` (the voxels with the largest keys are dropped). Points outside the grid or with a batch id
-  outside [0, batch_size) are dropped silently (check beforehand if that matters).
+  and voxel_size/origin may be traced. batch_size * X * Y * Z must be < 2**31 (int32 keys; ValueError).
+  overflow is a bool scalar, True when more voxels were occupied than `capacity` (the voxels with the
+  largest keys are dropped). Points outside the grid or with a batch id outside [0, batch_size) are dropped
+  silently (check beforehand if that matters).
   The quantisation runs in the points' dtype (voxelize uses float64 on the host), so a point within
   rounding error of a voxel face may land in the neighbouring voxel compared with voxelize.
+  Sums and means accumulate in float32 for half-precision feats.
   """
   _check_reduce(reduce)
   spatial_shape = _as_spatial_shape(spatial_shape)
+  batch_size = int(batch_size)
+  _check_key_range(batch_size, spatial_shape)
+  capacity = int(capacity)
   p = jnp.asarray(points)
   if p.ndim != 2 or p.shape[1] != 3:
     raise ValueError(f"points must be [N, 3], got shape {p.shape}")
@@ -180,17 +395,20 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   vs = jnp.broadcast_to(jnp.asarray(voxel_size, p.dtype), (3,))
   org = jnp.broadcast_to(jnp.asarray(origin, p.dtype), (3,))
   # The voxel index is piecewise constant in the points: stop_gradient keeps NaN-free zero cotangents.
-  idx = jnp.floor((jax.lax.stop_gradient(p) - org) / vs)
+  idx = jnp.floor((lax.stop_gradient(p) - org) / vs)
   shape = jnp.asarray(spatial_shape, p.dtype)
   b = _batch_ids(batch, n, batch_size)
   inside = jnp.all((idx >= 0) & (idx < shape), axis=1) & (b >= 0) & (b < batch_size)
   idx = jnp.where(inside[:, None], idx, 0).astype(jnp.int32)
-  coords = jnp.concatenate([b[:, None], idx], axis=1)
   X, Y, Z = spatial_shape
-  keys = ((coords[:, 0] * X + coords[:, 1]) * Y + coords[:, 2]) * Z + coords[:, 3]
-  f = _prepare_feats(feats, n)
-  oc, of, num, overflow = _merge(coords, keys, inside, f, int(capacity), reduce)
-  return SparseTensor(oc, of, num, spatial_shape, int(batch_size)), overflow
+  keys = jnp.where(inside, ((b * X + idx[:, 0]) * Y + idx[:, 1]) * Z + idx[:, 2], DROPPED_KEY)
+  f = None if feats is None else _prepare_feats(feats, n)
+  if n == 0:  # one dropped row keeps every array non-empty
+    keys = jnp.full((1,), DROPPED_KEY, jnp.int32)
+    f = None if f is None else jnp.zeros((1, f.shape[1]), f.dtype)
+  plan = _device_plan(keys, jnp.asarray(spatial_shape, jnp.int32))
+  coords, out, num = _reduce(plan, f, capacity=capacity, reduce=reduce)
+  return SparseTensor(coords, out, num, spatial_shape, batch_size), plan.count > capacity
 
 
 def devoxelize(x: SparseTensor, *, voxel_size=1.0, origin=0.0):

@@ -61,3 +61,11 @@ allocation 2: size 1000000, output shape is |f32[250,1000]|, maybe-live-out:
   assert memory_probe.newest_buffer_assignment(str(tmp_path), set()) == str(path)
   assert memory_probe.newest_buffer_assignment(str(tmp_path), {str(path)}) is None
   assert np.isclose(float(lines[1].split()[0]), 2.0)
+
+
+def test_voxelize_cpu_benchmark_smoke(capsys):
+  """The voxelize benchmark runs and checks jsparse against its numpy reference."""
+  from benchmarks import voxelize_cpu
+  assert voxelize_cpu.main(["--sizes", "2000", "--repeats", "1", "--stream", "2"]) == 0
+  out = capsys.readouterr().out
+  assert "compilations" in out and "2000" in out

@@ -9,7 +9,9 @@ from jax.test_util import check_grads
 
 from jsparse import SparseTensor
 from jsparse import serialize, shapes
+from jsparse import voxelize as voxelize_lib
 from jsparse.sampling import grid_sample, lookup_rows
+from jsparse.sparse_tensor import round_capacity
 from jsparse.voxelize import devoxelize, voxelize, voxelize_jit
 
 
@@ -108,6 +110,132 @@ def test_voxelize_jit_matches_and_flags_overflow(reduce):
   far = np.concatenate([pts, [[5.0, 0, 0]]]).astype(np.float32)
   t2, overflow = voxelize_jit(far, None, capacity=n + 5, **{**kw, "batch_size": 1})
   assert not bool(overflow) and int(t2.num) == len(np.unique(np.floor((pts + 1) / 0.25), axis=0))
+
+
+def _count_compiles(fn):
+  """(fn's result, the number of XLA backend compilations while it ran)."""
+  compiles = []
+  listener = lambda event, duration, **kw: compiles.append(event) if event == _COMPILE_EVENT else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    out = fn()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  return out, len(compiles)
+
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@pytest.mark.parametrize("dedup", ["numpy", "xla"])
+def test_voxelize_compiles_once_per_size_bucket(dedup):
+  """20 clouds of distinct sizes (and grids) share a few programs: one per bucket of N and of capacity."""
+  rng = np.random.default_rng(7)
+  sizes = rng.choice(np.arange(3000, 4000), 20, replace=False)
+  extents = rng.uniform(0.9, 1.0, 20)
+  clouds = [(rng.uniform(0, e, (n, 3)).astype(np.float32), rng.normal(size=(n, 2)).astype(np.float32))
+            for n, e in zip(sizes, extents)]
+
+  def stream():
+    return [jax.block_until_ready(voxelize(p, f, voxel_size=0.02, dedup=dedup)) for p, f in clouds]
+
+  tensors, compiles = _count_compiles(stream)
+  point_buckets = {round_capacity(n) for n in sizes}
+  programs = {(round_capacity(n), t.capacity) for n, t in zip(sizes, tensors)}  # (points, voxels) buckets
+  print(f"{compiles} compilations; buckets: {len(point_buckets)} of N, {len(programs)} of (N, capacity)")
+  assert len(point_buckets) == 3 and len(programs) <= 6
+  assert compiles <= len(programs) + (len(point_buckets) if dedup == "xla" else 0)
+  assert len({t.spatial_shape for t in tensors}) > 1  # the grid is not part of the compiled program
+  # Still right: the last cloud against the plain reference.
+  (p, f), t = clouds[-1], tensors[-1]
+  ref = _voxelize_ref(p, f, np.zeros(len(p), int), 0.02, p.min(axis=0).astype(np.float64), "mean")
+  got = _as_dict(t)
+  assert got.keys() == ref.keys()
+  np.testing.assert_allclose(np.stack([got[k] for k in ref]), np.stack(list(ref.values())), rtol=1e-5, atol=1e-6)
+
+
+def test_voxelize_capacity_and_dedup_options():
+  pts, feats, batch = _cloud(3, 1000)
+  kw = dict(voxel_size=0.5, batch=batch, reduce="sum")
+  t = voxelize(pts, feats, **kw)
+  n = int(t.num)
+  assert t.capacity == round_capacity(n)
+  exact = voxelize(pts, feats, capacity="exact", **kw)
+  assert exact.capacity == n
+  wide = voxelize(pts, feats, capacity=5000, **kw)  # more rows than points
+  assert wide.capacity == 5000 and int(wide.num) == n and np.all(np.asarray(wide.coords[n:]) == -1)
+  on_device = voxelize(pts, feats, dedup="xla", **kw)
+  for other in (exact, wide, on_device):
+    np.testing.assert_array_equal(np.asarray(other.coords[:n]), np.asarray(t.coords[:n]))
+    np.testing.assert_allclose(np.asarray(other.feats[:n]), np.asarray(t.feats[:n]), rtol=1e-6)
+  with pytest.raises(ValueError, match="capacity 3 is smaller"):
+    voxelize(pts, feats, capacity=3, **kw)
+  with pytest.raises(TypeError, match="capacity"):
+    voxelize(pts, feats, capacity="auto", **kw)
+  with pytest.raises(ValueError, match="dedup"):
+    voxelize(pts, feats, dedup="cuda", **kw)
+  # Under an outer jit that traces only the feats, both dedups still find the voxels concretely.
+  for dedup in ("numpy", "xla"):
+    traced = jax.jit(lambda f: voxelize(pts, f, dedup=dedup, **kw).feats)(feats)
+    np.testing.assert_allclose(np.asarray(traced), np.asarray(t.feats), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,reduce,values,expected", [
+    (jnp.bfloat16, "mean", np.r_[np.zeros(300), np.ones(300)], 0.5),  # bf16 partial sums stall at 256
+    (jnp.float16, "sum", np.ones(3000), 3000.0),  # fp16 partial sums stall at 2048
+])
+def test_voxelize_half_precision_accumulates_in_float32(dtype, reduce, values, expected):
+  pts = np.full((len(values), 3), 0.5, np.float32)  # all in one voxel
+  feats = jnp.asarray(values, dtype)
+  t = voxelize(pts, feats, voxel_size=1.0, reduce=reduce)
+  t_jit, _ = jax.jit(lambda p, f: voxelize_jit(p, f, voxel_size=1.0, origin=0.0, spatial_shape=(2, 2, 2),
+                                               capacity=4, reduce=reduce))(pts, feats)
+  for x in (t, t_jit):
+    assert x.feats.dtype == dtype and float(x.feats[0, 0]) == expected
+  # Both reduction paths (the GPU's segmented scan too).
+  plan = jax.device_put(voxelize_lib._host_plan(np.zeros(len(values), np.int64), len(values), (1, 1, 1)))
+  for segment_impl in ("scatter", "scan"):
+    _, out, _ = voxelize_lib._reduce_jit(plan, feats[:, None], capacity=1, reduce=reduce, segment_impl=segment_impl)
+    assert out.dtype == dtype and float(out[0, 0]) == expected, segment_impl
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max", "first"])
+def test_voxel_reductions_scan_matches_scatter(reduce):
+  """The segmented scan (GPU) and the segment_sum/max (CPU) reductions agree, with their gradients, when
+  the capacity cuts voxels off and when it exceeds the points."""
+  rng = np.random.default_rng(4)
+  keys = rng.integers(0, 60, 500).astype(np.int32)
+  keys[rng.random(500) < 0.1] = voxelize_lib.DROPPED_KEY  # points outside the grid under jit
+  feats = jnp.asarray(rng.normal(size=(500, 3)).astype(np.float32))
+  plan = voxelize_lib._device_plan_jit(keys, np.array([60, 1, 1], np.int32))
+  count = len(np.unique(keys[keys != voxelize_lib.DROPPED_KEY]))
+  assert int(plan.count) == count
+  for capacity in (count - 7, 600):
+    def loss(f, segment_impl):
+      coords, out, num = voxelize_lib._reduce(plan, f, capacity=capacity, reduce=reduce, segment_impl=segment_impl)
+      return jnp.sum(out * jnp.arange(1.0, 4.0)), (coords, out, num)
+
+    (_, (c1, o1, n1)), g1 = jax.value_and_grad(loss, has_aux=True)(feats, "scatter")
+    (_, (c2, o2, n2)), g2 = jax.value_and_grad(loss, has_aux=True)(feats, "scan")
+    assert int(n1) == int(n2) == min(count, capacity)
+    np.testing.assert_array_equal(np.asarray(c1), np.asarray(c2))
+    np.testing.assert_allclose(np.asarray(o1), np.asarray(o2), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-6, atol=1e-6)
+    # Rows of points that were dropped get no gradient.
+    assert np.all(np.asarray(g1)[keys == voxelize_lib.DROPPED_KEY] == 0)
+
+
+def test_voxelize_rejects_grids_past_int32_keys():
+  """2048^3 voxels need 33-bit keys: two points 1024 voxels apart used to merge silently under jit."""
+  pts = np.array([[0.5, 0.5, 0.5], [1024.5, 0.5, 0.5]], np.float32)
+  with pytest.raises(ValueError, match=r"spatial_shape|2\*\*31"):
+    voxelize_jit(pts, voxel_size=1.0, origin=0.0, spatial_shape=(2048, 2048, 2048), capacity=4)
+  with pytest.raises(ValueError, match=r"2\*\*31"):
+    voxelize(pts, voxel_size=1.0, origin=0.0, spatial_shape=(2048, 2048, 2048))
+  with pytest.raises(ValueError, match=r"2\*\*31"):  # batch * X * Y * Z == 2**31 exactly
+    voxelize_jit(pts, voxel_size=1.0, origin=0.0, spatial_shape=(1024, 1024, 1024), capacity=4, batch_size=2)
+  t, overflow = voxelize_jit(pts, voxel_size=1.0, origin=0.0, spatial_shape=(2047, 1024, 1024), capacity=4)
+  assert int(t.num) == 2 and not bool(overflow)
 
 
 def test_devoxelize():

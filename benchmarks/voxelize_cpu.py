@@ -1,0 +1,121 @@
+"""Time jsparse.voxelize against a numpy host path (np.unique based), and count compilations over a stream.
+
+    python benchmarks/voxelize_cpu.py [--sizes 100000 300000 1000000] [--channels 4] [--repeats 11]
+        [--stream 20]
+
+Scene: N points uniform in a 10 m cube, 0.1 m voxels (a 100^3 grid), C float32 features, reduce="mean".
+Both sides start from the same host arrays and end with the merged voxels (coords, features): the numpy
+side quantises in float64, then np.unique(keys, return_inverse, return_counts) and one np.bincount per
+channel; jsparse runs `voxelize` (dedup None, i.e. "numpy" on a CPU backend, and dedup="xla") and waits
+for the device. Each is warmed up, then timed as the median of --repeats calls. The stream part voxelizes
+--stream clouds of distinct N (around 100k), from cold caches, and counts XLA backend compilations.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import monitoring  # noqa: E402
+
+from jsparse.voxelize import voxelize  # noqa: E402
+
+VOXEL = 0.1
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def numpy_voxelize(points, feats, voxel_size):
+  """The host reference: (coords int64 [M, 3], mean feats float32 [M, C]), rows in key order."""
+  p = np.asarray(points, np.float64)
+  idx = np.floor((p - p.min(axis=0)) / voxel_size).astype(np.int64)
+  X, Y, Z = idx.max(axis=0) + 1
+  keys = (idx[:, 0] * Y + idx[:, 1]) * Z + idx[:, 2]
+  uniq, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+  sums = np.stack([np.bincount(inverse, feats[:, c], minlength=uniq.size) for c in range(feats.shape[1])], 1)
+  coords = np.stack([uniq // (Y * Z), uniq // Z % Y, uniq % Z], axis=1)
+  return coords, (sums / counts[:, None]).astype(np.float32)
+
+
+def interleaved_medians(fns, repeats, warmup=2):
+  """{name: (median wall ms, median process CPU ms)}, calling the functions in turn each round so that
+  all of them see the same machine load."""
+  for _ in range(warmup):
+    for fn in fns.values():
+      jax.block_until_ready(fn())
+  wall, cpu = {name: [] for name in fns}, {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      w0, c0 = time.perf_counter(), time.process_time()
+      jax.block_until_ready(fn())
+      wall[name].append(time.perf_counter() - w0)
+      cpu[name].append(time.process_time() - c0)
+  return {name: (1e3 * float(np.median(wall[name])), 1e3 * float(np.median(cpu[name]))) for name in fns}
+
+
+def cloud(n, channels, seed):
+  rng = np.random.default_rng(seed)
+  return rng.uniform(0, 10, (n, 3)).astype(np.float32), rng.normal(size=(n, channels)).astype(np.float32)
+
+
+def count_compiles(fn):
+  """(fn's result, the number of XLA backend compilations while it ran)."""
+  events = []
+  listener = lambda event, duration, **kw: events.append(event) if event == COMPILE_EVENT else None
+  monitoring.register_event_duration_secs_listener(listener)
+  try:
+    out = fn()
+  finally:
+    monitoring.unregister_event_duration_listener(listener)
+  return out, len(events)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 300_000, 1_000_000])
+  ap.add_argument("--channels", type=int, default=4)
+  ap.add_argument("--repeats", type=int, default=11)
+  ap.add_argument("--stream", type=int, default=20)
+  args = ap.parse_args(argv)
+  print(f"jax {jax.__version__}, numpy {np.__version__}, backend {jax.default_backend()}, "
+        f"{os.cpu_count()} CPUs")
+  print("median ms per call, wall (process CPU time in brackets)")
+  print(f"{'N':>9} {'voxels':>8} {'numpy':>15} {'jsparse':>15} {'dedup=xla':>15}")
+  for n in args.sizes:
+    pts, feats = cloud(n, args.channels, n)
+    ref_coords, ref_feats = numpy_voxelize(pts, feats, VOXEL)
+    t = voxelize(pts, feats, voxel_size=VOXEL)
+    m = int(t.num)
+    assert m == len(ref_coords)
+    np.testing.assert_array_equal(np.asarray(t.coords[:m, 1:]), ref_coords)
+    np.testing.assert_allclose(np.asarray(t.feats[:m]), ref_feats, rtol=1e-5, atol=1e-5)
+    times = interleaved_medians({
+        "numpy": lambda: numpy_voxelize(pts, feats, VOXEL),
+        "jsparse": lambda: voxelize(pts, feats, voxel_size=VOXEL).feats,
+        "xla": lambda: voxelize(pts, feats, voxel_size=VOXEL, dedup="xla").feats}, args.repeats)
+    cells = " ".join(f"{f'{w:.1f} ({c:.1f})':>15}" for w, c in times.values())
+    print(f"{n:>9} {m:>8} {cells}")
+
+  rng = np.random.default_rng(1)
+  sizes = rng.choice(np.arange(90_000, 110_000), args.stream, replace=False)
+  for dedup in (None, "xla"):
+    jax.clear_caches()  # count from cold
+
+    def stream():
+      start = time.perf_counter()
+      for i, n in enumerate(sizes):
+        pts, feats = cloud(int(n), args.channels, 100 + i)
+        jax.block_until_ready(voxelize(pts, feats, voxel_size=VOXEL, dedup=dedup).feats)
+      return time.perf_counter() - start
+    seconds, compiles = count_compiles(stream)
+    print(f"stream of {args.stream} clouds, N in [{sizes.min()}, {sizes.max()}], dedup={dedup}: "
+          f"{compiles} compilations, {seconds:.2f} s in all")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jsparse import autotuning, dispatch, tuning
 from jsparse.neighbors import NeighborCache, cache_key, check_dilation, check_kernel_size, neighbor_map
-from jsparse.sparse_tensor import SparseTensor
+from jsparse.sparse_tensor import SparseTensor, check_sparse_tensor
 from pallas_kernels import gather_gemm as gather_gemm_lib
 from pallas_kernels import weight_grad as weight_grad_lib
 from pallas_kernels.tiling import dot_precision
@@ -45,6 +45,7 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
     "_splitk" variants (the reduction split across programs). All give the same result.
   The output has x's dtype; the weight is cast to it; products accumulate in float32.
   """
+  check_sparse_tensor(x)
   kernel_size, w, b = check_weight(x, weight, bias, weight_layout)
   kernel_size = check_kernel_size(kernel_size)
   dil = check_dilation(dilation)
@@ -82,10 +83,13 @@ def check_weight(x: SparseTensor, weight, bias, weight_layout: str = "DHWIO"):
   if weight_layout not in WEIGHT_LAYOUTS:
     raise ValueError(f"weight_layout must be one of {tuple(WEIGHT_LAYOUTS)}, got {weight_layout!r}")
   weight = jnp.asarray(weight)
+  _check_real("weight", weight)
   cout_major = weight_layout == "ODHWI"
   if weight.ndim != 5:
     want = "(Cout, Kx, Ky, Kz, Cin)" if cout_major else "(Kx, Ky, Kz, Cin, Cout)"
     raise ValueError(f"weight must be {want} (weight_layout={weight_layout!r}), got shape {weight.shape}")
+  if 0 in weight.shape:
+    raise ValueError(f"weight must have nonzero kernel sizes and channel counts, got shape {weight.shape}")
   if cout_major:
     cout, kernel_size, cin = weight.shape[0], tuple(weight.shape[1:4]), weight.shape[4]
   else:
@@ -95,11 +99,18 @@ def check_weight(x: SparseTensor, weight, bias, weight_layout: str = "DHWIO"):
                      f"(weight shape {weight.shape}, weight_layout={weight_layout!r})")
   if bias is not None:
     bias = jnp.asarray(bias)
+    _check_real("bias", bias)
     if bias.shape != (cout,):
       raise ValueError(f"bias must have shape ({cout},), got {bias.shape}")
     bias = bias.astype(x.dtype)
   flat = weight.reshape(cout, -1, cin) if cout_major else weight.reshape(-1, cin, cout)
   return kernel_size, flat.astype(x.dtype), bias
+
+
+def _check_real(name: str, value: jax.Array) -> None:
+  # The cast to the features' dtype would drop a complex value's imaginary part without a word.
+  if not (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
+    raise TypeError(f"{name} must be real (floating point or integer), got dtype {value.dtype}")
 
 
 def weight_dims(w, layout: str) -> tuple[int, int, int]:

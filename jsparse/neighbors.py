@@ -10,16 +10,14 @@ import jax.numpy as jnp
 
 from jsparse import dispatch, tuning
 from pallas_kernels import gemm_plan
-from jsparse.sparse_tensor import SparseTensor, linear_keys
+from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int, linear_keys
 
 
 def as_triple(value, name: str) -> tuple[int, int, int]:
-  if isinstance(value, int):
-    value = (value,) * 3
-  try:
-    triple = tuple(int(v) for v in value)
-  except TypeError:
-    raise TypeError(f"{name} must be an int or 3 ints, got {value!r}") from None
+  """An int or 3 ints as a tuple of 3 Python ints; floats, bools and strings ("333" is a sequence) raise."""
+  if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+    return (as_int(value, name),) * 3
+  triple = tuple(as_int(v, name) for v in value)
   if len(triple) != 3:
     raise ValueError(f"{name} must be an int or 3 ints, got {value!r}")
   return triple
@@ -36,6 +34,8 @@ def check_dilation(dilation) -> tuple[int, int, int]:
   d = as_triple(dilation, "dilation")
   if any(v < 1 for v in d):
     raise ValueError(f"dilation must be >= 1, got {d}")
+  if any(v > MAX_KEYS for v in d):  # kernel offsets are int32, and no int32-keyed grid is that wide
+    raise ValueError(f"dilation must be < 2**31, got {d}")
   return d
 
 
@@ -46,6 +46,8 @@ def kernel_offsets(kernel_size, dilation=1) -> tuple[tuple[int, int, int], ...]:
   """
   ks = check_kernel_size(kernel_size)
   d = check_dilation(dilation)
+  if any((k // 2) * s > MAX_KEYS for k, s in zip(ks, d)):
+    raise ValueError(f"kernel_size {ks} with dilation {d} reaches offsets past int32 (2**31 - 1)")
   return tuple(
       tuple((i - k // 2) * s for i, k, s in zip(idx, ks, d))
       for idx in itertools.product(*(range(k) for k in ks)))

@@ -11,10 +11,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jsparse import per_item
-from jsparse.sparse_tensor import SparseTensor
+from jsparse.sparse_tensor import SparseTensor, as_int, check_sparse_tensor
 
 __all__ = ["activation", "batch_statistics", "batch_norm", "layer_norm", "group_norm", "group_statistics"]
 
@@ -40,6 +41,7 @@ def _check_affine(name: str, value, channels: int):
 
 def activation(x: SparseTensor, fn: Callable[[jax.Array], jax.Array]) -> SparseTensor:
   """`fn` applied to the features of the valid rows; padding rows stay zero even where fn(0) != 0."""
+  check_sparse_tensor(x)
   return x.replace(feats=jnp.where(_mask(x), fn(x.feats), 0).astype(x.dtype))
 
 
@@ -49,30 +51,49 @@ def activation(x: SparseTensor, fn: Callable[[jax.Array], jax.Array]) -> SparseT
 def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None):
   """(mean, var), float32 [C]: per channel over the valid rows of the whole batch.
 
-  axis_name: a mapped axis (shard_map / pmap) to pool the rows of every device over. Counts and sums are
-    psum'd, so the result is the statistic of the union of all devices' valid rows even when their row
-    counts differ (a pmean of per-device means would weight them equally).
-  The variance is the biased one. Each device centres its rows on its own mean first (two passes, for
-  accuracy); with axis_name the devices' (count, sum, centred sum of squares + count * own mean^2) then
-  travel in one psum, and var = pooled second moment about zero of the device means + pooled within-device
-  part (Chan et al.'s parallel formula): one cross-device reduction per call instead of two dependent ones
-  (the centred pass needed the pooled mean), each a synchronisation point of a data-parallel step. Only the
-  between-device part is a difference of squares; its float32 rounding is ~1e-7 * mean^2 / var relative.
+  axis_name: a mapped axis (shard_map / pmap) to pool the rows of every device over. The result is the
+    statistic of the union of all devices' valid rows even when their row counts differ (a pmean of
+    per-device means would weight them equally).
+  The variance is the biased one. Each device centres its rows on its own float32 mean first (two passes,
+  for accuracy). With axis_name every device's (count, mean, mean of its centred rows, centred sum of
+  squares) goes into its own slot of a [devices, 3C + 1] array that one psum fills in everywhere (a gather
+  that stays replicated, which shard_map's out_specs=P() needs); each device then combines the slots with
+  Chan et al.'s parallel formula, var = (sum of within-device parts + sum_d count_d (mean_d - mean)^2) /
+  count, every term centred. So one cross-device reduction per call (a synchronisation point of a
+  data-parallel step) and no difference of squares: pooling sum x^2 - count mean^2 instead lost everything
+  for means far above the spread (mean 1000, std 0.1 gave var 0). The device means enter as offsets from
+  one device's mean, each with the mean of its centred rows (what float32 rounding of the mean left out)
+  added back, so their rounding does not reach the between-device part either: as accurate as one device.
   """
+  check_sparse_tensor(x)
   mask = _mask(x)
   f = jnp.where(mask, x.feats.astype(jnp.float32), 0)
   count = jnp.asarray(x.num, jnp.float32)
   local_mean = jnp.sum(f, axis=0) / jnp.maximum(count, 1.0)  # an all-padding batch gives mean 0, var 0
+  # One value of the mean for every use below: XLA may otherwise recompute the sum inside each consumer's
+  # fusion in another order, and the residual would then measure a different rounding than the one sent.
+  local_mean = lax.optimization_barrier(local_mean)
   centred = jnp.where(mask, f - local_mean, 0)
   m2 = jnp.sum(centred * centred, axis=0)
   if axis_name is None:
     return local_mean, m2 / jnp.maximum(count, 1.0)
-  count, total, second = lax.psum((count, count * local_mean, m2 + count * local_mean * local_mean), axis_name,
-                                  axis_index_groups=axis_index_groups)
-  denom = jnp.maximum(count, 1.0)
-  mean = total / denom
-  var = jnp.maximum(second / denom - mean * mean, 0.0)  # >= 0 up to rounding; clamp that away
-  return mean, var
+  residual = jnp.sum(centred, axis=0) / jnp.maximum(count, 1.0)  # the exact mean is ~ local_mean + residual
+  mine = jnp.concatenate([count[None], local_mean, residual, m2])
+  # Slots by the index along the whole axis: with axis_index_groups the other groups' slots stay zero
+  # (count 0), which the combination ignores.
+  slot = jnp.arange(lax.axis_size(axis_name)) == lax.axis_index(axis_name)
+  slots = lax.psum(jnp.where(slot[:, None], mine[None], 0.0), axis_name, axis_index_groups=axis_index_groups)
+  counts = slots[:, 0]
+  means, residuals, m2s = jnp.split(slots[:, 1:], 3, axis=1)
+  denom = jnp.maximum(jnp.sum(counts), 1.0)
+  reference = means[jnp.argmax(counts > 0)]  # a device with rows: its mean is near the data
+  offsets = (means - reference) + residuals  # each device's mean relative to the reference, small and exact
+  shift = jnp.sum(counts[:, None] * offsets, axis=0) / denom
+  spread = offsets - shift
+  # Within-device parts about the exact device means (m2 is about the rounded one: minus count * residual^2).
+  within = m2s - counts[:, None] * residuals * residuals
+  var = jnp.sum(within + counts[:, None] * spread * spread, axis=0) / denom
+  return reference + shift, jnp.maximum(var, 0.0)
 
 
 def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, epsilon: float = 1e-5,
@@ -83,6 +104,7 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
     pass running averages for inference.
   scale, bias: [C] or None.
   """
+  check_sparse_tensor(x)
   c = x.num_channels
   _check_affine("scale", scale, c)
   _check_affine("bias", bias, c)
@@ -92,6 +114,9 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
     mean, var = batch_statistics(x, axis_name=axis_name, axis_index_groups=axis_index_groups)
   _check_affine("mean", mean, c)
   _check_affine("var", var, c)
+  # numpy, not jnp: inside jit a jnp comparison of even a concrete array is traced and cannot be tested.
+  if not isinstance(var, jax.core.Tracer) and np.any(np.asarray(var) < 0):
+    raise ValueError(f"var must be >= 0 (running variances are), got {var}")
   y = (x.feats.astype(jnp.float32) - mean) * lax.rsqrt(jnp.asarray(var, jnp.float32) + epsilon)
   return _finish(x, y, scale, bias, dtype)
 
@@ -101,6 +126,7 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
 
 def layer_norm(x: SparseTensor, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None) -> SparseTensor:
   """Normalises each valid row over its channels (rows are independent, so padding cannot leak in)."""
+  check_sparse_tensor(x)
   c = x.num_channels
   _check_affine("scale", scale, c)
   _check_affine("bias", bias, c)
@@ -114,8 +140,7 @@ def layer_norm(x: SparseTensor, scale=None, bias=None, *, epsilon: float = 1e-6,
 
 
 def _check_groups(channels: int, num_groups: int) -> int:
-  if not isinstance(num_groups, int) or num_groups <= 0:
-    raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+  num_groups = as_int(num_groups, "num_groups", minimum=1)
   if channels % num_groups:
     raise ValueError(f"the number of channels ({channels}) must be divisible by num_groups ({num_groups})")
   return channels // num_groups
@@ -124,6 +149,7 @@ def _check_groups(channels: int, num_groups: int) -> int:
 def _group_moments(x: SparseTensor, num_groups: int):
   """(mean, var [batch_size, G], the valid rows centred on their item's group mean [capacity, G, group_size],
   the item one-hot [capacity, batch_size]); padding rows of the centred array are zero."""
+  check_sparse_tensor(x)
   group_size = _check_groups(x.num_channels, num_groups)
   one_hot = per_item.item_one_hot(x)  # sums per item as matmuls, not scatter-adds (see per_item.py)
   valid = x.valid_mask()
@@ -147,6 +173,7 @@ def group_norm(x: SparseTensor, num_groups: int, scale=None, bias=None, *, epsil
   """Group normalisation per batch item: each group of channels is normalised with the statistics of that
   group over the valid rows of the row's batch item (the sparse twin of flax's GroupNorm on [B, X, Y, Z, C],
   counting active sites only)."""
+  check_sparse_tensor(x)
   c = x.num_channels
   _check_groups(c, num_groups)
   _check_affine("scale", scale, c)

@@ -1,11 +1,21 @@
 """Reductions per batch item of a SparseTensor's rows, and their broadcast back to the rows.
 
-Written as products with a one-hot [capacity, batch_size] matrix rather than `jax.ops.segment_sum` or
-`table[coords[:, 0]]`: on a GPU those lower to scatter-adds whose hundreds of thousands of rows all add into
-batch_size x C slots, and the atomics on so few addresses serialise. Measured on an H100 (2026-11-23,
-benchmarks/profile_layers.py, 835k rows, 32 items, 4 groups): group norm forward + backward 5.8 s with
-segment sums, 0.94 ms as one-hot products. The products are exact sums of float32 values (precision
-HIGHEST; the one-hot entries are 0 or 1) and deterministic.
+Sums are products with a one-hot [capacity, batch_size] matrix rather than `jax.ops.segment_sum`, and no
+gradient here is the automatic one of `table[item]`: on a GPU both lower to scatter-adds whose hundreds of
+thousands of rows all add into batch_size x C slots, and the atomics on so few addresses serialise. Measured
+on an H100 (2026-11-23, benchmarks/profile_layers.py, 835k rows, 32 items, 4 groups): group norm forward +
+backward 5.8 s with segment sums, 0.94 ms as one-hot products. The products are exact sums of float32 values
+(precision HIGHEST; the one-hot entries are 0 or 1) and deterministic. The broadcast back (`per_row`) is a
+gather from the small [batch_size, ...] table, which is cheap; the two have custom gradients that are each
+other (a sum's gradient is a broadcast and vice versa), so no scatter-add appears in the backward pass.
+
+Batch items stay independent when values are not finite, as in a dense GroupNorm. A plain product would
+multiply an inf of item 1 by item 0's one-hot zero, and 0 * inf = NaN would reach item 0 (padding rows, whose
+one-hot rows are all zero, would poison every item the same way). So the product runs over the values with
+their non-finite entries zeroed, next to two 0/1 flag columns ("+inf or NaN", "-inf or NaN") in the same
+product (the one-hot is read once), which count each item's non-finite entries; adding +inf, -inf or NaN back
+where the counts say so gives what a sum over the item's own rows gives. The gradients keep the items apart
+the same way (a non-finite cotangent of item 1 does not reach item 0's rows).
 """
 from __future__ import annotations
 
@@ -22,14 +32,73 @@ def item_one_hot(x: SparseTensor) -> jax.Array:
   return jax.nn.one_hot(item, x.batch_size, dtype=jnp.float32)  # index -1: a zero row
 
 
+def _sum_rows(one_hot: jax.Array, values: jax.Array) -> jax.Array:
+  """[batch_size, ...]: per item, the float32 sum of its rows of values; a non-finite value reaches only its
+  own item's sum (see the module docstring)."""
+  nan = jnp.isnan(values)
+  # One product over [finite values | "+inf or NaN" | "-inf or NaN"]: the one-hot is read once.
+  operand = jnp.stack([jnp.where(jnp.isfinite(values), values, 0), ((values == jnp.inf) | nan).astype(jnp.float32),
+                       ((values == -jnp.inf) | nan).astype(jnp.float32)], axis=-1)
+  product = jnp.tensordot(one_hot, operand, axes=(0, 0), precision=lax.Precision.HIGHEST)
+  up, down = product[..., 1] > 0, product[..., 2] > 0
+  non_finite = jnp.where(up & down, jnp.nan, jnp.where(up, jnp.inf, jnp.where(down, -jnp.inf, 0.0)))
+  return product[..., 0] + non_finite
+
+
+def _gather_rows(one_hot: jax.Array, table: jax.Array) -> jax.Array:
+  """[capacity, ...]: each row's entry of table, zeros for padding rows; a gather from the small table (only
+  its gradient would scatter-add, and the custom gradient below is a one-hot product instead)."""
+  batch_size = one_hot.shape[1]
+  # 1 + the row's item, or 0 for padding rows (a one-hot row of zeros): exact small integers.
+  slot = jnp.dot(one_hot, jnp.arange(1, batch_size + 1, dtype=jnp.float32), precision=lax.Precision.HIGHEST)
+  padded = jnp.concatenate([jnp.zeros((1,) + table.shape[1:], table.dtype), table])
+  return jnp.take(padded, slot.astype(jnp.int32), axis=0)
+
+
+@jax.custom_vjp
+def _sum_per_item(one_hot: jax.Array, values: jax.Array) -> jax.Array:
+  return _sum_rows(one_hot, values)
+
+
+@jax.custom_vjp
+def _per_row(one_hot: jax.Array, table: jax.Array) -> jax.Array:
+  return _gather_rows(one_hot, table)
+
+
+def _sum_per_item_fwd(one_hot, values):
+  return _sum_per_item(one_hot, values), one_hot
+
+
+def _sum_per_item_bwd(one_hot, g):
+  return jnp.zeros_like(one_hot), _per_row(one_hot, g)  # the coordinates' one-hot takes no gradient
+
+
+def _per_row_fwd(one_hot, table):
+  return _per_row(one_hot, table), one_hot
+
+
+def _per_row_bwd(one_hot, g):
+  return jnp.zeros_like(one_hot), _sum_per_item(one_hot, g)
+
+
+_sum_per_item.defvjp(_sum_per_item_fwd, _sum_per_item_bwd)
+_per_row.defvjp(_per_row_fwd, _per_row_bwd)
+
+
 def sum_per_item(one_hot: jax.Array, values: jax.Array) -> jax.Array:
-  """[batch_size, ...]: the sum of values [capacity, ...] over each item's rows (float32)."""
-  return jnp.tensordot(one_hot, values.astype(jnp.float32), axes=(0, 0), precision=lax.Precision.HIGHEST)
+  """[batch_size, ...]: the sum of values [capacity, ...] over each item's rows (float32).
+
+  A non-finite value affects only its own item's sum (padding rows none): items stay independent.
+  """
+  return _sum_per_item(one_hot, values.astype(jnp.float32))
 
 
 def per_row(one_hot: jax.Array, table: jax.Array) -> jax.Array:
-  """[capacity, ...]: each row's entry of table [batch_size, ...] (zeros for padding rows)."""
-  return jnp.tensordot(one_hot, table.astype(jnp.float32), axes=(1, 0), precision=lax.Precision.HIGHEST)
+  """[capacity, ...]: each row's entry of table [batch_size, ...] (zeros for padding rows).
+
+  A non-finite table entry reaches only its own item's rows.
+  """
+  return _per_row(one_hot, table.astype(jnp.float32))
 
 
 def count_per_item(one_hot: jax.Array) -> jax.Array:

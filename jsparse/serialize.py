@@ -5,6 +5,9 @@ Keys are int32 (JAX runs without x64 by default): with `bits` bits per axis (coo
 can be folded above the key (`fold_batch`) while batch < 2**(31 - 3 * bits) (e.g. 2 batches at bits=10,
 16 at bits=9, 128 at bits=8); `sort_by` does not need that, it sorts on (batch, key) pairs.
 
+Out-of-range input is never aliased onto a valid key (masking 1024 to 10 bits would give 0's key): outside
+jit it raises ValueError, under jit its key is -1, which no valid input produces.
+
 Bit layout: bit 3*i+2 of a Morton key is bit i of x, 3*i+1 of y, 3*i of z (x most significant). The
 Hilbert key is the Morton interleave of the "transposed" Hilbert index of Skilling (2004), "Programming
 the Hilbert curve", AIP Conf. Proc. 707; consecutive Hilbert keys are face-adjacent voxels.
@@ -15,18 +18,33 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jsparse.sparse_tensor import SparseTensor, linear_keys
+from jsparse.sparse_tensor import SparseTensor, as_int, linear_keys
 
 MAX_BITS = 10
 ORDERS = ("morton", "hilbert", "linear")
 
 
 def _check_bits(bits):
-  bits = int(bits)
+  bits = as_int(bits, "bits")
   if not 1 <= bits <= MAX_BITS:
     raise ValueError(f"bits per axis must be in [1, {MAX_BITS}] (int32 keys), got {bits}")
   return bits
+
+
+def _integers(name: str, value) -> jax.Array:
+  value = jnp.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.integer):
+    raise TypeError(f"{name} must be integers, got dtype {value.dtype}")
+  return value
+
+
+def _check_in_range(name: str, inside: jax.Array, limit: str) -> None:
+  """Raises ValueError if a concrete `inside` mask has a False entry (traced masks are handled by the caller)."""
+  if not isinstance(inside, jax.core.Tracer) and not bool(jnp.all(inside)):
+    first = tuple(int(i) for i in np.argwhere(~np.asarray(inside))[0])
+    raise ValueError(f"{name} out of range at index {first}: must be in {limit} (it would alias another key)")
 
 
 def bits_for(spatial_shape) -> int:
@@ -54,12 +72,25 @@ def _compact(v):
 
 
 def encode_morton(xyz, bits: int = MAX_BITS) -> jax.Array:
-  """int32 [...] Morton keys of integer coordinates xyz [..., 3] in [0, 2**bits). Jit-able."""
-  _check_bits(bits)
-  xyz = jnp.asarray(xyz)
+  """int32 [...] Morton keys of integer coordinates xyz [..., 3] in [0, 2**bits). Jit-able.
+
+  Coordinates outside [0, 2**bits) raise ValueError outside jit and get key -1 under jit.
+  """
+  bits = _check_bits(bits)
+  xyz, inside = _coords_in_cube(xyz, bits)
   mask = (1 << bits) - 1
   k = (_spread(xyz[..., 0] & mask) << 2) | (_spread(xyz[..., 1] & mask) << 1) | _spread(xyz[..., 2] & mask)
-  return k.astype(jnp.int32)
+  return jnp.where(inside, k.astype(jnp.int32), -1)
+
+
+def _coords_in_cube(xyz, bits: int) -> tuple[jax.Array, jax.Array]:
+  """(xyz as an integer array, bool [...]: the point lies in [0, 2**bits)^3); raises outside jit if not."""
+  xyz = _integers("xyz", xyz)
+  if xyz.ndim < 1 or xyz.shape[-1] != 3:
+    raise ValueError(f"xyz must be [..., 3], got shape {xyz.shape}")
+  inside = jnp.all((xyz >= 0) & (xyz < (1 << bits)), axis=-1)
+  _check_in_range("xyz", inside, f"[0, 2**{bits}) per axis")
+  return xyz, inside
 
 
 def decode_morton(keys, bits: int = MAX_BITS) -> jax.Array:
@@ -124,9 +155,10 @@ def encode_hilbert(xyz, bits: int = MAX_BITS) -> jax.Array:
   The curve covers the cube [0, 2**bits)^3; keys for a different `bits` are a different curve.
   """
   bits = _check_bits(bits)
-  xyz = jnp.asarray(xyz).astype(jnp.uint32) & ((1 << bits) - 1)
+  xyz, inside = _coords_in_cube(xyz, bits)
+  xyz = xyz.astype(jnp.uint32) & ((1 << bits) - 1)
   tr = _axes_to_transpose([xyz[..., 0], xyz[..., 1], xyz[..., 2]], bits)
-  return encode_morton(jnp.stack(tr, axis=-1), bits)
+  return jnp.where(inside, encode_morton(jnp.stack(tr, axis=-1).astype(jnp.int32), bits), -1)
 
 
 def decode_hilbert(keys, bits: int = MAX_BITS) -> jax.Array:
@@ -138,9 +170,20 @@ def decode_hilbert(keys, bits: int = MAX_BITS) -> jax.Array:
 
 
 def fold_batch(batch, keys, bits: int) -> jax.Array:
-  """int32 batch * 2**(3*bits) + keys: one sortable key per (batch, site). Needs batch < 2**(31-3*bits)."""
+  """int32 batch * 2**(3*bits) + keys: one sortable key per (batch, site).
+
+  Needs 0 <= batch < max_folded_batch(bits) and 0 <= keys < 2**(3*bits); else ValueError outside jit and -1
+  under jit (a batch past the maximum would shift into the sign bit and give negative keys).
+  """
   bits = _check_bits(bits)
-  return (jnp.asarray(batch).astype(jnp.int32) << (3 * bits)) | jnp.asarray(keys).astype(jnp.int32)
+  batch = _integers("batch", batch)
+  keys = _integers("keys", keys)
+  batch_ok = (batch >= 0) & (batch < max_folded_batch(bits))
+  keys_ok = (keys >= 0) & (keys < (1 << (3 * bits)))
+  _check_in_range("batch", batch_ok, f"[0, max_folded_batch({bits}) = {max_folded_batch(bits)})")
+  _check_in_range("keys", keys_ok, f"[0, 2**{3 * bits})")
+  folded = (batch.astype(jnp.int32) << (3 * bits)) | keys.astype(jnp.int32)
+  return jnp.where(batch_ok & keys_ok, folded, -1)
 
 
 def max_folded_batch(bits: int) -> int:

@@ -43,7 +43,7 @@ from jsparse import autotuning, dispatch, tuning
 from jsparse.conv import (WEIGHT_LAYOUTS, _MapArrays, _PallasOptions, _submconv_pallas, check_weight, submconv_xla,
                           weight_dims)
 from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
-from jsparse.sparse_tensor import MAX_KEYS, SparseTensor
+from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int
 from pallas_kernels import gemm_plan, unique_keys
 
 _BIG = int(np.iinfo(np.int32).max)
@@ -184,6 +184,8 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   host (outside jit only). check: raise ValueError outside jit when the sites overflow out_capacity.
   implementation: None (GPU hash table on a GPU, XLA sort elsewhere), "pallas" or "xla"; same result.
   """
+  if out_capacity is not None:
+    out_capacity = as_int(out_capacity, "out_capacity", minimum=0)
   geom = geometry(x.spatial_shape, kernel_size, stride, padding, dilation)
   _check_keys(x.batch_size, geom.out_shape)
   impl = dispatch.resolve(implementation)
@@ -411,6 +413,8 @@ def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out
   out_capacity: output rows (None: counted on the host, outside jit only). Overflow as sparse_conv3d.
   Output rows are ordered by (parent row, child index), not by linear key.
   """
+  if out_capacity is not None:
+    out_capacity = as_int(out_capacity, "out_capacity", minimum=0)
   st = as_triple(stride, "stride")
   if min(st) < 1:
     raise ValueError(f"stride must be >= 1, got {st}")

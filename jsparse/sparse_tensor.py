@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Sequence
 
 import jax
@@ -14,23 +15,58 @@ MAX_KEYS = 2**31 - 1
 _REDUCTIONS = ("sum", "mean", "max", "first")
 
 
+def as_int(value, name: str, minimum: int | None = None) -> int:
+  """`value` as a Python int, for static sizes and counts.
+
+  Python and numpy integers (and concrete integer 0-d arrays) pass; floats, bools, strings and traced values
+  raise TypeError (int() would truncate 5.7 to 5 silently), and values below `minimum` raise ValueError.
+  """
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{name} must be a static int, got a traced value (pass a Python int under jax.jit)")
+  if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", None) == np.bool_:
+    raise TypeError(f"{name} must be an int, got the bool {value!r}")
+  try:
+    out = operator.index(value)
+  except TypeError:
+    raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}") from None
+  if minimum is not None and out < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {out}")
+  return out
+
+
+def check_sparse_tensor(x, name: str = "x") -> None:
+  """Raises TypeError unless x is a SparseTensor (a dense array passed by mistake fails here, clearly)."""
+  if not isinstance(x, SparseTensor):
+    hint = " (build one with SparseTensor.from_dense or from_coords)" if hasattr(x, "shape") else ""
+    raise TypeError(f"{name} must be a jsparse.SparseTensor, got {type(x).__name__}{hint}")
+
+
+def _check_feats_dtype(dtype, name: str = "feats") -> None:
+  # Complex features would lose their imaginary part in the float32 accumulations, ints and bools are not
+  # features a convolution can produce: reject both rather than coerce.
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{name} must be real floating point (float16, bfloat16, float32), got dtype {dtype}")
+
+
 def round_capacity(n: int, steps_per_octave: int = 4, minimum: int = 128) -> int:
   """Rounds a site count up to a bucket (4 per power of two, multiples of 128).
 
   Jitted code compiles once per capacity, so bucketing keeps the number of compilations small while the
   padding stays under ~19%.
   """
-  n = max(int(n), minimum)
+  steps_per_octave = as_int(steps_per_octave, "steps_per_octave", minimum=1)
+  minimum = as_int(minimum, "minimum", minimum=1)
+  n = max(as_int(n, "n", minimum=0), minimum)
   octave = 2 ** math.floor(math.log2(n))
   step = max(octave // steps_per_octave, minimum)
   return int(-(-n // step) * step)
 
 
 def _as_spatial_shape(spatial_shape) -> tuple[int, int, int]:
-  try:
-    shape = tuple(int(s) for s in spatial_shape)
-  except TypeError:
-    raise TypeError(f"spatial_shape must be a sequence of 3 ints, got {spatial_shape!r}") from None
+  # A string is a sequence too: "888" must not pass as (8, 8, 8).
+  if isinstance(spatial_shape, (str, bytes)) or not hasattr(spatial_shape, "__iter__"):
+    raise TypeError(f"spatial_shape must be a sequence of 3 ints, got {spatial_shape!r}")
+  shape = tuple(as_int(s, "spatial_shape entries") for s in spatial_shape)
   if len(shape) != 3 or min(shape) <= 0:
     raise ValueError(f"spatial_shape must be 3 positive ints (X, Y, Z), got {spatial_shape!r}")
   return shape
@@ -101,8 +137,9 @@ class SparseTensor:
       feats_arr = feats_arr[:, None]
     if feats_arr.ndim != 2:
       raise ValueError(f"feats must be [N, C], got shape {feats_arr.shape}")
-    if not jnp.issubdtype(feats_arr.dtype, jnp.inexact):
-      raise TypeError(f"feats must be floating point, got dtype {feats_arr.dtype}")
+    _check_feats_dtype(feats_arr.dtype)
+    if feats_arr.shape[1] == 0:
+      raise ValueError(f"feats must have at least one channel, got shape {feats_arr.shape}")
     n = coords.shape[0]
     if feats_arr.shape[0] != n:
       raise ValueError(f"feats has {feats_arr.shape[0]} rows but coords has {n}: they must match")
@@ -112,9 +149,9 @@ class SparseTensor:
       raise ValueError(f"negative coordinate in row {bad[0]}: {coords[bad[0]].tolist()}")
     if batch_size is None:
       batch_size = int(coords[:, 0].max()) + 1 if n else 1
-    batch_size = int(batch_size)
-    if batch_size <= 0:
-      raise ValueError(f"batch_size must be positive, got {batch_size}")
+    batch_size = as_int(batch_size, "batch_size", minimum=1)
+    if capacity is not None:
+      capacity = as_int(capacity, "capacity", minimum=0)
     limits = np.array((batch_size,) + spatial_shape)
     outside = (coords >= limits).any(axis=1)
     if outside.any():
@@ -144,18 +181,19 @@ class SparseTensor:
       elif reduce == "max":
         feats_arr = jax.ops.segment_max(feats_arr, inv, num_segments=m)
       else:
-        summed = jax.ops.segment_sum(feats_arr, inv, num_segments=m)
+        # Accumulate in float32 at least: fp16 sums of many duplicates stall (2048 + 1 == 2048) or overflow.
+        acc_dtype = jnp.promote_types(feats_arr.dtype, jnp.float32)
+        summed = jax.ops.segment_sum(feats_arr.astype(acc_dtype), inv, num_segments=m)
         if reduce == "mean":
-          counts = jnp.asarray(np.bincount(inverse.reshape(-1), minlength=m), summed.dtype)
+          counts = jnp.asarray(np.bincount(inverse.reshape(-1), minlength=m), acc_dtype)
           summed = summed / counts[:, None]
-        feats_arr = summed
+        feats_arr = summed.astype(feats_arr.dtype)
       coords = coords[first]
       n = m
     elif reduce is not None and reduce not in _REDUCTIONS:
       raise ValueError(f"reduce must be one of {_REDUCTIONS} or None, got {reduce!r}")
     if capacity is None:
       capacity = n
-    capacity = int(capacity)
     if capacity < n:
       raise ValueError(f"capacity {capacity} is smaller than the number of sites {n}")
     pad = capacity - n
@@ -175,7 +213,12 @@ class SparseTensor:
     dense = jnp.asarray(dense)
     if dense.ndim != 5:
       raise ValueError(f"dense must be [B, X, Y, Z, C], got shape {dense.shape}")
+    _check_feats_dtype(dense.dtype, "dense")  # as from_coords: no int / bool / complex features
+    if min(dense.shape) == 0:
+      raise ValueError(f"dense must have nonzero extents [B, X, Y, Z, C], got shape {dense.shape}")
     b, x, y, z, _ = dense.shape
+    if capacity is not None:
+      capacity = as_int(capacity, "capacity", minimum=0)
     active = jnp.any(dense != 0, axis=-1).reshape(-1)
     count = jnp.sum(active, dtype=jnp.int32)
     if capacity is None:
@@ -219,10 +262,27 @@ class SparseTensor:
     New feats keep the padding convention only if they are zero at padding rows; elementwise functions
     with f(0) != 0 need `x.replace(feats=jnp.where(x.valid_mask()[:, None], f(x.feats), 0))`.
     """
+    capacity = self.capacity
+    if "coords" in changes:
+      coords = changes["coords"]
+      if not (hasattr(coords, "shape") and hasattr(coords, "dtype")):
+        raise TypeError(f"coords must be an array, got {type(coords).__name__}")
+      if len(coords.shape) != 2 or coords.shape[1] != 4 or not jnp.issubdtype(coords.dtype, jnp.integer):
+        raise ValueError(f"coords must be integer [capacity, 4], got {coords.dtype} {tuple(coords.shape)}")
+      capacity = coords.shape[0]
+      if "feats" not in changes and capacity != self.capacity:
+        raise ValueError(f"new coords have {capacity} rows but feats {self.capacity}: replace both together")
     if "feats" in changes:
       f = changes["feats"]
-      if f.ndim != 2 or f.shape[0] != self.capacity:
-        raise ValueError(f"feats must be [capacity={self.capacity}, C], got shape {f.shape}")
+      if not (hasattr(f, "shape") and hasattr(f, "dtype")):
+        raise TypeError(f"feats must be an array (jax or numpy), got {type(f).__name__}")
+      if len(f.shape) != 2 or f.shape[0] != capacity:
+        raise ValueError(f"feats must be [capacity={capacity}, C], got shape {tuple(f.shape)}")
+      _check_feats_dtype(f.dtype)
+    if "num" in changes and not isinstance(changes["num"], jax.core.Tracer):
+      num = np.asarray(changes["num"])
+      if num.shape != () or not np.issubdtype(num.dtype, np.integer) or not 0 <= int(num) <= capacity:
+        raise ValueError(f"num must be an integer scalar in [0, capacity={capacity}], got {changes['num']!r}")
     if ("coords" in changes or "num" in changes) and "caches" not in changes:
       changes["caches"] = {}  # maps belong to the old coordinates
     return dataclasses.replace(self, **changes)

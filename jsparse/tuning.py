@@ -47,10 +47,59 @@ def config_to_json(cfg: PassConfig) -> dict:
   return out
 
 
-def config_from_json(d: dict) -> PassConfig:
+# Tile fields every tuned (non-"explicit") entry must give; the others have defaults (older tables lack them).
+REQUIRED_TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split")
+_OPTIONAL_BOOLS = ("weight_k_major", "swap_operands")  # True / False / None (decided per call)
+
+
+def config_from_json(d: dict, key: str = "entry") -> PassConfig:
+  """A PassConfig from its JSON form, validated (`key` names the entry in error messages)."""
+  if not isinstance(d, dict):
+    raise ValueError(f"{key}: a config must be a JSON object, got {type(d).__name__}")
   d = dict(d)
+  if "algorithm" not in d:
+    raise ValueError(f"{key}: missing field 'algorithm' (one of {ALGORITHMS[:-1]})")
   algorithm = check_algorithm(d.pop("algorithm"))
-  return PassConfig(algorithm, TileConfig(**d) if d else None)
+  if algorithm == "auto":
+    raise ValueError(f"{key}: a tuned entry names a concrete algorithm, not 'auto'")
+  fields = {f.name: f for f in dataclasses.fields(TileConfig)}
+  unknown = sorted(set(d) - set(fields))
+  if unknown:
+    raise TypeError(f"{key}: unknown tile fields {unknown} (TileConfig has {sorted(fields)})")
+  if algorithm == "explicit":
+    if d:
+      raise ValueError(f"{key}: algorithm 'explicit' takes no tile fields, got {sorted(d)}")
+    return PassConfig(algorithm)
+  for name, value in d.items():
+    if name in _OPTIONAL_BOOLS:
+      ok = value is None or isinstance(value, bool)
+    elif fields[name].type in (bool, "bool"):
+      ok = isinstance(value, bool)
+    else:
+      ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if not ok:
+      raise ValueError(f"{key}: tile field {name} has the invalid value {value!r}")
+  try:
+    tiles = TileConfig(**d)  # its own range checks (block sizes powers of two >= 16)
+  except ValueError as e:
+    raise ValueError(f"{key}: {e}") from None
+  missing = [name for name in REQUIRED_TILE_FIELDS if name not in d]
+  if missing:
+    raise ValueError(f"{key}: algorithm {algorithm!r} needs the tile fields {missing}")
+  return PassConfig(algorithm, tiles)
+
+
+def _check_entry(key, cfg) -> None:
+  """A table entry must be a PassConfig whose tuned algorithms carry tiles (a convolution reads them)."""
+  if not isinstance(key, str) or key.split("/", 1)[0] not in PASSES:
+    raise ValueError(f"table keys look like shape_key()'s 'forward/n1024/ci32/co64/v27/float32', got {key!r}")
+  if not isinstance(cfg, PassConfig):
+    raise TypeError(f"{key}: entries must be PassConfig, got {type(cfg).__name__}")
+  check_algorithm(cfg.algorithm)
+  if cfg.algorithm == "auto":
+    raise ValueError(f"{key}: a tuned entry names a concrete algorithm, not 'auto'")
+  if cfg.algorithm != "explicit" and not isinstance(cfg.tiles, TileConfig):
+    raise ValueError(f"{key}: algorithm {cfg.algorithm!r} needs tiles (a TileConfig), got {cfg.tiles!r}")
 
 
 class ConfigTable:
@@ -60,6 +109,10 @@ class ConfigTable:
 
   def __init__(self, entries: dict[str, PassConfig] | None = None, device_kind: str | None = None):
     self.entries = dict(entries or {})
+    for key, cfg in self.entries.items():
+      _check_entry(key, cfg)
+    if device_kind is not None and not isinstance(device_kind, str):
+      raise TypeError(f"device_kind must be a str or None, got {device_kind!r}")
     self.device_kind = device_kind
     self._tokens = []
 
@@ -85,14 +138,24 @@ class ConfigTable:
       f.write(self.to_json())
 
   @classmethod
-  def from_json(cls, text: str) -> "ConfigTable":
-    d = json.loads(text)
-    return cls({k: config_from_json(v) for k, v in d["entries"].items()}, d.get("device_kind"))
+  def from_json(cls, text: str, source: str = "table") -> "ConfigTable":
+    """Parses and validates a table; any bad field raises ValueError naming `source` and the entry."""
+    try:
+      d = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{source}: not valid JSON ({e})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("entries"), dict):
+      raise ValueError(f"{source}: a config table is a JSON object with an 'entries' object")
+    try:
+      entries = {k: config_from_json(v, key=k) for k, v in d["entries"].items()}
+      return cls(entries, d.get("device_kind"))
+    except (TypeError, ValueError) as e:
+      raise type(e)(f"{source}: {e}") from None
 
   @classmethod
   def load(cls, path: str) -> "ConfigTable":
     with open(path) as f:
-      return cls.from_json(f.read())
+      return cls.from_json(f.read(), source=path)
 
   def __repr__(self):
     return f"ConfigTable({len(self.entries)} entries, device_kind={self.device_kind!r})"

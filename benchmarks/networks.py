@@ -103,32 +103,32 @@ def probe(xp, coords, channels: int):
 def second(b, x, channels=(16, 32, 64, 64), out_channels=128):
   """OpenPCDet's VoxelBackBone8x in (x, y, z) order: the z axis (last here) is the short one."""
   c0, c1, c2, c3 = channels
-  x = b.relu(b.bn(b.subm(x, "conv_input", c0, key="subm1"), "bn_input"))
-  x = b.relu(b.bn(b.subm(x, "conv1", c0, key="subm1"), "bn1"))
+  x = b.bn_relu(b.subm(x, "conv_input", c0, key="subm1"), "bn_input")
+  x = b.bn_relu(b.subm(x, "conv1", c0, key="subm1"), "bn1")
   stages = [(c1, "2", (1, 1, 1)), (c2, "3", (1, 1, 1)), (c3, "4", (1, 1, 0))]
   for c, s, pad in stages:
-    x = b.relu(b.bn(b.down(x, f"down{s}", c, 3, 2, pad, key=f"spconv{s}"), f"bn_down{s}"))
+    x = b.bn_relu(b.down(x, f"down{s}", c, 3, 2, pad, key=f"spconv{s}"), f"bn_down{s}")
     for i in range(2):
-      x = b.relu(b.bn(b.subm(x, f"conv{s}_{i}", c, key=f"subm{s}"), f"bn{s}_{i}"))
-  x = b.relu(b.bn(b.down(x, "conv_out", out_channels, (1, 1, 3), (1, 1, 2), 0, key="spconv_down2"), "bn_out"))
+      x = b.bn_relu(b.subm(x, f"conv{s}_{i}", c, key=f"subm{s}"), f"bn{s}_{i}")
+  x = b.bn_relu(b.down(x, "conv_out", out_channels, (1, 1, 3), (1, 1, 2), 0, key="spconv_down2"), "bn_out")
   return x
 
 
 def second_pool(b, x, channels=(16, 32, 64, 128)):
   """SECOND's stages with max pooling instead of strided convolutions between them."""
-  x = b.relu(b.bn(b.subm(x, "conv_input", channels[0], key="subm0"), "bn_input"))
+  x = b.bn_relu(b.subm(x, "conv_input", channels[0], key="subm0"), "bn_input")
   for s, c in enumerate(channels):
     if s:
       x = b.maxpool(x, f"pool{s}", 2, 2, key=f"pool{s}")
     for i in range(2):
-      x = b.relu(b.bn(b.subm(x, f"conv{s}_{i}", c, key=f"subm{s}"), f"bn{s}_{i}"))
+      x = b.bn_relu(b.subm(x, f"conv{s}_{i}", c, key=f"subm{s}"), f"bn{s}_{i}")
   return x
 
 
 def _res_block(b, x, name, c, key, norm_kind="bn"):
   """Two 3x3x3 SubMConv3d with normalisation, a residual (1x1x1 projection when the width changes)."""
   if norm_kind == "bn":
-    h = b.relu(b.bn(b.subm(x, f"{name}_a", c, key=key), f"{name}_bn_a"))
+    h = b.bn_relu(b.subm(x, f"{name}_a", c, key=key), f"{name}_bn_a")
     h = b.bn(b.subm(h, f"{name}_b", c, key=key), f"{name}_bn_b")
     skip = x if b.channels(x) == c else b.bn(b.linear(x, f"{name}_proj", c), f"{name}_bn_proj")
     return b.relu(b.add(h, skip))
@@ -141,16 +141,16 @@ def _res_block(b, x, name, c, key, norm_kind="bn"):
 def minkunet(b, x, enc=(32, 64, 128, 256), dec=(128, 96, 96, 96), classes=20):
   """MinkUNet-style: stem, four (k2 s2 down + residual block) stages, four (inverse up + concat + residual
   block) stages, a per-voxel classifier."""
-  x = b.relu(b.bn(b.subm(x, "stem_a", enc[0], key="subm0"), "stem_bn_a"))
-  x = b.relu(b.bn(b.subm(x, "stem_b", enc[0], key="subm0"), "stem_bn_b"))
+  x = b.bn_relu(b.subm(x, "stem_a", enc[0], key="subm0"), "stem_bn_a")
+  x = b.bn_relu(b.subm(x, "stem_b", enc[0], key="subm0"), "stem_bn_b")
   skips = [x]
   for s, c in enumerate(enc, start=1):
-    x = b.relu(b.bn(b.down(x, f"down{s}", b.channels(x), 2, 2, 0, key=f"down{s}"), f"down{s}_bn"))
+    x = b.bn_relu(b.down(x, f"down{s}", b.channels(x), 2, 2, 0, key=f"down{s}"), f"down{s}_bn")
     x = _res_block(b, x, f"enc{s}", c, key=f"subm{s}")
     skips.append(x)
   for s, c in zip(range(len(enc), 0, -1), dec):
     like = skips[s - 1]
-    x = b.relu(b.bn(b.up(x, like, f"up{s}", c, 2, 2, 0, key=f"down{s}"), f"up{s}_bn"))
+    x = b.bn_relu(b.up(x, like, f"up{s}", c, 2, 2, 0, key=f"down{s}"), f"up{s}_bn")
     x = _res_block(b, b.concat(x, like), f"dec{s}", c, key=f"subm{s - 1}")
   return b.linear(x, "classifier", classes)
 
@@ -254,7 +254,8 @@ def make_inputs(w: Workload, seed: int = 0) -> Inputs:
 
 # ---- per-op attribution ----------------------------------------------------------------------------------
 
-OP_KINDS = ("subm", "down", "up", "upsample", "maxpool", "bn", "gn", "relu", "silu", "add", "concat", "linear")
+OP_KINDS = ("subm", "down", "up", "upsample", "maxpool", "bn", "bn_relu", "gn", "relu", "silu", "add", "concat",
+            "linear")
 
 
 def scoped(kind: str, enter: Callable[[str], Any]):
@@ -360,6 +361,16 @@ class JaxBackend:
       return norm.batch_norm(x, scale, shift)
     return norm.batch_norm(x, scale, shift, mean=jnp.zeros(c, jnp.float32), var=jnp.ones(c, jnp.float32))
 
+  @scoped("bn_relu", _jax_scope)
+  def bn_relu(self, x, name):
+    """Batch norm and ReLU in one pass (norm.batch_norm's activation)."""
+    c = x.num_channels
+    scale, shift = self._p(f"{name}/scale", (c,), "scale"), self._p(f"{name}/bias", (c,), "shift")
+    if self.train:
+      return norm.batch_norm(x, scale, shift, activation=jax.nn.relu)
+    return norm.batch_norm(x, scale, shift, mean=jnp.zeros(c, jnp.float32), var=jnp.ones(c, jnp.float32),
+                           activation=jax.nn.relu)
+
   @scoped("gn", _jax_scope)
   def gn(self, x, name, groups=32):
     c = x.num_channels
@@ -386,7 +397,7 @@ class JaxBackend:
   def linear(self, x, name, cout):
     w = self._p(name, (cout, x.num_channels))
     prec = jax.lax.Precision.HIGHEST if self.precision == "highest" else None
-    y = jnp.dot(x.feats, w.T, precision=prec, preferred_element_type=jnp.float32).astype(x.dtype)
+    y = jnp.dot(x.feats, w.T, precision=prec)  # float32 accumulation inside, written in x's dtype
     return x.replace(feats=y)  # padding rows: 0 @ w = 0
 
 
@@ -487,17 +498,24 @@ class TorchBackend:
 
   @scoped("upsample", _torch_scope)
   def upsample(self, x, name, cout, level, key=None):
+    """Every site's 8 children (child t gets x @ W[t]: one dense matmul), kept where the target has them.
+    spconv's SparseConvTranspose3d(2, 2) is not used: on these inputs it returned 8 rows for 3530 sites (spconv
+    2.3.8, H100, 2026-11-24) and the next layer failed."""
     torch = self.torch
     cin = self.channels(x)
-    m = self._module(name, lambda: self.spconv.SparseConvTranspose3d(cin, cout, 2, 2, bias=False),
-                     (cout, 2, 2, 2, cin))
-    y = m(x)
-    idx = y.indices.long()
-    sx, sy, sz = y.spatial_shape
-    keys = ((idx[:, 0] * sx + idx[:, 1]) * sy + idx[:, 2]) * sz + idx[:, 3]
+    if name not in self.modules:
+      w = self._tensor(self.params.get(name, (cout, 2, 2, 2, cin)))
+      self.modules[name] = torch.nn.ParameterList([w])
+    w = self.modules[name][0]
+    children = torch.einsum("nc,otc->nto", x.features, w.reshape(cout, 8, cin))  # [N, 8, Cout]
+    off = torch.tensor(np.array(np.unravel_index(np.arange(8), (2, 2, 2))).T, device=x.indices.device)
+    idx = x.indices.long()
+    child = torch.cat([idx[:, None, :1].expand(-1, 8, 1), idx[:, None, 1:] * 2 + off[None]], dim=2)  # [N, 8, 4]
+    sx, sy, sz = (2 * n for n in x.spatial_shape)
+    keys = ((child[..., 0] * sx + child[..., 1]) * sy + child[..., 2]) * sz + child[..., 3]
     keep = torch.isin(keys, self.targets[level - 1])
-    out = self.spconv.SparseConvTensor(y.features[keep], y.indices[keep], y.spatial_shape, y.batch_size)
-    self.trace.append(f"{name}: {y.features.shape[0]} children, {out.features.shape[0]} kept")
+    out = self.spconv.SparseConvTensor(children[keep], child[keep].int(), [sx, sy, sz], x.batch_size)
+    self.trace.append(f"{name}: {out.features.shape[0]} kept of {keys.numel()} children")
     return out
 
   @scoped("maxpool", _torch_scope)
@@ -514,6 +532,10 @@ class TorchBackend:
     c = self.channels(x)
     m = self._module(name, lambda: self._norm_params(self.torch.nn.BatchNorm1d(c, eps=1e-5).to(self.dtype), name, c))
     return x.replace_feature(m(x.features))
+
+  @scoped("bn_relu", _torch_scope)
+  def bn_relu(self, x, name):
+    return self.relu(self.bn(x, name))
 
   @scoped("gn", _torch_scope)
   def gn(self, x, name, groups=32):
@@ -707,7 +729,8 @@ def compare(js: dict, ref: dict, mode: str, spatial_shape) -> dict:
 # ---- per-op profiles of a training step --------------------------------------------------------------
 
 CONV_KINDS = ("subm", "down", "up", "upsample")
-GEMM_NAME_PARTS = ("gather_gemm", "weight_grad", "gemm", "cutlass", "xmma", "cublas", "wgmma", "sm90_", "sm80_")
+GEMM_NAME_PARTS = ("gather_gemm", "weight_grad", "gemm", "cutlass", "xmma", "cublas", "wgmma", "sm90_", "sm80_",
+                   "cumm::conv")
 # torch's autograd nodes of the backward pass, by the network op they belong to (the forward's record_function
 # ranges do not cover the backward).
 TORCH_BACKWARD_KINDS = (("batchnorm", "bn"), ("groupnorm", "gn"), ("relu", "relu"), ("threshold", "relu"),
@@ -723,6 +746,11 @@ MAP_KERNEL_PREFIXES = ("hash_", "unique_")  # jsparse's Pallas hash tables (neig
 UNNAMED_MAP_KERNELS = ("reduce_window", "sort", "radix")
 
 
+# Normalisation and its activation are one row: jsparse runs them as one op, torch as two.
+FUSED_ROWS = {"bn": "bn + relu", "relu": "bn + relu", "bn_relu": "bn + relu", "gn": "gn + silu",
+              "silu": "gn + silu"}
+
+
 def op_group(kind: str, kernel: str) -> str:
   """The profile row of a kernel: convolution GEMMs, the map builders (jsparse's hash-table kernels and its
   scans / sorts, whichever op built the map), the rest of the convolutions (plans, map transposes,
@@ -735,7 +763,7 @@ def op_group(kind: str, kernel: str) -> str:
     return "conv: GEMM" if gemm else "conv: other"
   if kind == "other" and any(part in low for part in UNNAMED_MAP_KERNELS):
     return "maps: scans and sorts"
-  return kind
+  return FUSED_ROWS.get(kind, kind)
 
 
 def hlo_op_names(hlo_text: str) -> dict:

@@ -7,6 +7,7 @@ dtype unless `dtype` says otherwise.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -97,12 +98,19 @@ def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None)
 
 
 def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, epsilon: float = 1e-5,
-               axis_name=None, axis_index_groups=None, dtype=None) -> SparseTensor:
-  """(x - mean) / sqrt(var + epsilon) * scale + bias on every valid row.
+               axis_name=None, axis_index_groups=None, dtype=None, activation: Callable | None = None,
+               return_statistics: bool = False):
+  """activation((x - mean) / sqrt(var + epsilon) * scale + bias) on every valid row.
 
-  mean, var: [C]; both None computes them from x with `batch_statistics` (pooled over `axis_name` if given);
-    pass running averages for inference.
-  scale, bias: [C] or None.
+  mean, var: [C]; both None computes them from x (batch statistics; pooled over `axis_name` if given, with
+    `batch_statistics`); pass running averages for inference.
+  scale, bias: [C] or None. activation: an elementwise function applied in the same pass (e.g. jax.nn.relu),
+    or None.
+  return_statistics: also return the (mean, var) used, float32 [C] (for running averages).
+
+  With batch statistics on one device the whole op is one differentiable unit (`_batch_norm_train`): a pass
+  over x for the statistics, a pass that writes the output, and a backward of one reduction pass and one
+  elementwise pass that recomputes the normalised rows instead of storing them, the activation included.
   """
   check_sparse_tensor(x)
   c = x.num_channels
@@ -110,6 +118,16 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
   _check_affine("bias", bias, c)
   if (mean is None) != (var is None):
     raise ValueError("pass both mean and var (running statistics) or neither (batch statistics)")
+  if activation is not None and not callable(activation):
+    raise TypeError(f"activation must be a callable such as jax.nn.relu, got {activation!r}")
+  out_dtype = jnp.dtype(dtype if dtype is not None else x.dtype)
+  if mean is None and axis_name is None:
+    ones, zeros = jnp.ones(c, jnp.float32), jnp.zeros(c, jnp.float32)
+    s = ones if scale is None else jnp.asarray(scale, jnp.float32)
+    b = zeros if bias is None else jnp.asarray(bias, jnp.float32)
+    y, mean, var = _batch_norm_train(x.feats, x.valid_mask(), s, b, float(epsilon), activation, out_dtype)
+    out = x.replace(feats=y)
+    return (out, (mean, var)) if return_statistics else out
   if mean is None:
     mean, var = batch_statistics(x, axis_name=axis_name, axis_index_groups=axis_index_groups)
   _check_affine("mean", mean, c)
@@ -118,7 +136,64 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
   if not isinstance(var, jax.core.Tracer) and np.any(np.asarray(var) < 0):
     raise ValueError(f"var must be >= 0 (running variances are), got {var}")
   y = (x.feats.astype(jnp.float32) - mean) * lax.rsqrt(jnp.asarray(var, jnp.float32) + epsilon)
-  return _finish(x, y, scale, bias, dtype)
+  if activation is not None:
+    if scale is not None:
+      y = y * jnp.asarray(scale, jnp.float32)
+    if bias is not None:
+      y = y + jnp.asarray(bias, jnp.float32)
+    y, scale, bias = activation(y), None, None
+  out = _finish(x, y, scale, bias, out_dtype)
+  return (out, (jnp.asarray(mean, jnp.float32), jnp.asarray(var, jnp.float32))) if return_statistics else out
+
+
+def _moments(feats, valid):
+  """(count, mean, biased var) float32 over the valid rows, in one pass: sums of the rows shifted by the first
+  row (a sample of the data, so the difference of squares cancels little, unlike sums about zero)."""
+  count = jnp.sum(valid, dtype=jnp.float32)
+  n = jnp.maximum(count, 1.0)
+  shift = feats[0].astype(jnp.float32)
+  d = jnp.where(valid[:, None], feats.astype(jnp.float32) - shift, 0)
+  s1, s2 = jnp.sum(d, axis=0), jnp.sum(d * d, axis=0)
+  mean_d = s1 / n
+  return n, shift + mean_d, jnp.maximum(s2 / n - mean_d * mean_d, 0.0)
+
+
+def _normalise(feats, valid, mean, inv_std, scale, bias, activation):
+  z = (feats.astype(jnp.float32) - mean) * (inv_std * scale) + bias
+  y = z if activation is None else activation(z)
+  return jnp.where(valid[:, None], y, 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _batch_norm_train(feats, valid, scale, bias, epsilon, activation, out_dtype):
+  return _batch_norm_train_fwd(feats, valid, scale, bias, epsilon, activation, out_dtype)[0]
+
+
+def _batch_norm_train_fwd(feats, valid, scale, bias, epsilon, activation, out_dtype):
+  n, mean, var = _moments(feats, valid)
+  inv_std = lax.rsqrt(var + epsilon)
+  y = _normalise(feats, valid, mean, inv_std, scale, bias, activation).astype(out_dtype)
+  return (y, mean, var), (feats, valid, scale, bias, n, mean, inv_std)
+
+
+def _batch_norm_train_bwd(epsilon, activation, out_dtype, res, cotangents):
+  feats, valid, scale, bias, n, mean, inv_std = res
+  g_y, g_mean, g_var = cotangents
+  xhat = (feats.astype(jnp.float32) - mean) * inv_std
+  g = g_y.astype(jnp.float32)
+  if activation is not None:  # recompute the pre-activation instead of storing it
+    _, act_vjp = jax.vjp(activation, xhat * scale + bias)
+    (g,) = act_vjp(g)
+  g = jnp.where(valid[:, None], g, 0)
+  sum_g, sum_gx = jnp.sum(g, axis=0), jnp.sum(g * xhat, axis=0)
+  # d/dx of (x - mean) * inv_std through the batch mean and variance, plus the statistics' own cotangents.
+  g_x = (scale * inv_std) * (g - (sum_g + xhat * sum_gx) / n)
+  g_x = g_x + (g_mean + 2.0 * g_var * (xhat / inv_std)) / n
+  g_x = jnp.where(valid[:, None], g_x, 0).astype(feats.dtype)
+  return g_x, None, sum_gx, sum_g
+
+
+_batch_norm_train.defvjp(_batch_norm_train_fwd, _batch_norm_train_bwd)
 
 
 # ---- layer norm ------------------------------------------------------------------------------------------

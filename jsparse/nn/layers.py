@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 from flax.linen import dtypes as flax_dtypes
 from flax.linen import initializers
 
@@ -164,6 +165,7 @@ class SparseBatchNorm(nn.Module):
   scale_init: Initializer = initializers.ones_init()
   axis_name: str | None = None
   axis_index_groups: Any = None
+  activation: Callable | None = None  # e.g. nn.relu, applied in the same pass as the normalisation
 
   @nn.compact
   def __call__(self, x: SparseTensor, use_running_average: bool | None = None) -> SparseTensor:
@@ -172,17 +174,20 @@ class SparseBatchNorm(nn.Module):
     c = (x.num_channels,)
     ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), c)
     ra_var = self.variable("batch_stats", "var", lambda s: jnp.ones(s, jnp.float32), c)
-    if use_running_average:
-      mean, var = ra_mean.value, ra_var.value
-    else:
-      # As flax: no cross-device reduction while initialising (the axis need not exist then).
-      axis_name = None if self.is_initializing() else self.axis_name
-      mean, var = norm.batch_statistics(x, axis_name=axis_name, axis_index_groups=self.axis_index_groups)
-      if not self.is_initializing():
-        ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
-        ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
     scale, bias = _affine(self, c)
-    return norm.batch_norm(x, scale, bias, mean=mean, var=var, epsilon=self.epsilon, dtype=_out_dtype(self, x))
+    if use_running_average:
+      return norm.batch_norm(x, scale, bias, mean=ra_mean.value, var=ra_var.value, epsilon=self.epsilon,
+                             dtype=_out_dtype(self, x), activation=self.activation)
+    # As flax: no cross-device reduction while initialising (the axis need not exist then).
+    axis_name = None if self.is_initializing() else self.axis_name
+    y, (mean, var) = norm.batch_norm(x, scale, bias, epsilon=self.epsilon, axis_name=axis_name,
+                                     axis_index_groups=self.axis_index_groups, dtype=_out_dtype(self, x),
+                                     activation=self.activation, return_statistics=True)
+    if not self.is_initializing():
+      mean, var = lax.stop_gradient(mean), lax.stop_gradient(var)
+      ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
+      ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
+    return y
 
 
 class SparseLayerNorm(nn.Module):

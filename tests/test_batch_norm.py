@@ -1,0 +1,85 @@
+"""The one-unit batch norm (statistics, normalisation, affine, activation; custom_vjp) against plain autodiff
+of the textbook formula on the valid rows: values, gradients of feats / scale / bias and of the returned
+statistics, half precision, padding rows, and means far from zero."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse import norm
+from reference import rel_err
+
+
+def _tensor(rng, n, pad, c, dtype, offset=0.0, spread=1.0):
+  feats = np.zeros((n + pad, c), np.float32)
+  feats[:n] = rng.standard_normal((n, c)) * spread + offset
+  coords = np.full((n + pad, 4), -1, np.int32)
+  coords[:n] = np.stack([np.zeros(n), np.arange(n) % 7, np.arange(n) // 7 % 7, np.arange(n) // 49], 1)
+  return jsparse.SparseTensor(jnp.asarray(coords), jnp.asarray(feats, dtype), jnp.asarray(n, jnp.int32), (7, 7, 9), 1)
+
+
+def _reference(f, scale, bias, n, eps, act):
+  v = f[:n].astype(jnp.float32)
+  mean, var = jnp.mean(v, 0), jnp.var(v, 0)
+  y = (v - mean) / jnp.sqrt(var + eps) * scale + bias
+  y = act(y) if act is not None else y
+  return jnp.concatenate([y, jnp.zeros((f.shape[0] - n, f.shape[1]))]), mean, var
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.float16, 3e-3), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("act", [None, jax.nn.relu, jax.nn.silu], ids=["none", "relu", "silu"])
+def test_batch_norm_values_and_gradients(dtype, tol, act):
+  rng = np.random.default_rng(0)
+  n, pad, c, eps = 300, 13, 6, 1e-5
+  x = _tensor(rng, n, pad, c, dtype, offset=3.0, spread=2.0)
+  scale = jnp.asarray(rng.standard_normal(c) + 1, jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(c), jnp.float32)
+  w_y = jnp.asarray(rng.standard_normal((n + pad, c)), jnp.float32)
+  w_m, w_v = jnp.asarray(rng.standard_normal(c), jnp.float32), jnp.asarray(rng.standard_normal(c), jnp.float32)
+
+  def loss_fused(f, s, b):
+    y, (m, v) = norm.batch_norm(x.replace(feats=f), s, b, epsilon=eps, activation=act, return_statistics=True)
+    return jnp.sum(y.feats.astype(jnp.float32) * w_y) + jnp.sum(m * w_m) + jnp.sum(v * w_v)
+
+  def loss_ref(f, s, b):
+    y, m, v = _reference(f, s, b, n, eps, act)
+    return jnp.sum(y * w_y) + jnp.sum(m * w_m) + jnp.sum(v * w_v)
+
+  y = norm.batch_norm(x, scale, bias, epsilon=eps, activation=act)
+  assert y.dtype == dtype
+  want, _, _ = _reference(x.feats, scale, bias, n, eps, act)
+  assert rel_err(y.feats, want) < tol
+  assert np.all(np.asarray(y.feats[n:]) == 0)
+  got = jax.jit(jax.grad(loss_fused, argnums=(0, 1, 2)))(x.feats, scale, bias)
+  ref = jax.jit(jax.grad(loss_ref, argnums=(0, 1, 2)))(x.feats.astype(jnp.float32), scale, bias)
+  assert got[0].dtype == dtype
+  for g, r in zip(got, ref):
+    assert rel_err(g, r) < tol * 5
+  assert np.all(np.asarray(got[0][n:]) == 0)
+
+
+def test_batch_norm_statistics_accurate_far_from_zero():
+  """One-pass moments about the first row: a mean of 1000 with spread 0.1 keeps its variance (sums about zero
+  would cancel it away in float32)."""
+  rng = np.random.default_rng(1)
+  x = _tensor(rng, 5000, 3, 4, jnp.float32, offset=1000.0, spread=0.1)
+  _, (mean, var) = norm.batch_norm(x, return_statistics=True)
+  f = np.asarray(x.feats[:5000], np.float64)
+  np.testing.assert_allclose(np.asarray(mean), f.mean(0), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(var), f.var(0), rtol=1e-3)
+
+
+def test_batch_norm_empty_and_module_matches_functional():
+  x = _tensor(np.random.default_rng(2), 0, 5, 3, jnp.float32)
+  y = norm.batch_norm(x, activation=jax.nn.relu)
+  assert np.all(np.asarray(y.feats) == 0)
+  x = _tensor(np.random.default_rng(3), 50, 5, 3, jnp.float32, offset=1.0)
+  bn = jsparse.nn.SparseBatchNorm(activation=jax.nn.relu, momentum=0.5)
+  variables = bn.init(jax.random.key(0), x, use_running_average=False)
+  y, state = bn.apply(variables, x, use_running_average=False, mutable=["batch_stats"])
+  want = norm.activation(norm.batch_norm(x), jax.nn.relu)
+  np.testing.assert_allclose(np.asarray(y.feats), np.asarray(want.feats), rtol=1e-5, atol=1e-6)
+  f = np.asarray(x.feats[:50], np.float64)
+  np.testing.assert_allclose(np.asarray(state["batch_stats"]["mean"]), 0.5 * f.mean(0), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(state["batch_stats"]["var"]), 0.5 + 0.5 * f.var(0), rtol=1e-4)

@@ -921,6 +921,8 @@ def run(args) -> dict:
           print(render_profile(rec), flush=True)
         _strip_checks(rec)
         results.append(rec)
+        if args.out:  # after every record: a run cut off by its time limit keeps what it measured
+          write_results({"meta": suite.metadata(), "results": results}, args.out)
   return {"meta": suite.metadata(), "args": {k: v for k, v in vars(args).items() if k != "func"},
           "results": results}
 
@@ -1016,19 +1018,25 @@ def parse_args(argv=None):
   return args
 
 
+def write_results(data, out_dir: str) -> str:
+  """networks.json and networks.md (tables, then the per-op profiles) in out_dir; returns the markdown."""
+  md = render_markdown(data)
+  profiled = [r for r in data["results"] if any(
+      "profile" in side.get("train", {}) for side in [r["jsparse"]] + list(r["anchors"].values()))]
+  if profiled:
+    md += "\n" + "\n".join(render_profile(r) for r in profiled)
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "networks.json"), "w") as f:
+    json.dump(data, f, indent=1, default=str)
+  with open(os.path.join(out_dir, "networks.md"), "w") as f:
+    f.write(md)
+  return md
+
+
 def main(argv=None):
   args = parse_args(argv)
   data = run(args)
-  md = render_markdown(data)
-  if args.profile:
-    md += "\n" + "\n".join(render_profile(r) for r in data["results"])
-  print(md)
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "networks.json"), "w") as f:
-      json.dump(data, f, indent=1, default=str)
-    with open(os.path.join(args.out, "networks.md"), "w") as f:
-      f.write(md)
+  print(write_results(data, args.out) if args.out else render_markdown(data))
   return data
 
 

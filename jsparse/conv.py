@@ -120,6 +120,8 @@ def submconv_xla(feats, w, bias, nbr, num, *, precision=None, weight_layout: str
   """
   m, v = nbr.shape
   has = nbr >= 0
+  if feats.shape[0] == 0:  # a gather from no rows is an error even where every index is masked: read a zero row
+    feats = jnp.pad(feats, ((0, 1), (0, 0)))
   gathered = jnp.where(has[..., None], feats[jnp.maximum(nbr, 0)], 0).reshape(m, v * feats.shape[1])
   if WEIGHT_LAYOUTS[weight_layout] == "ovi":  # contract with [Cout, V*Cin]'s second axis: no transpose
     out = jax.lax.dot_general(gathered, w.reshape(w.shape[0], -1), (((1,), (1,)), ((), ())),

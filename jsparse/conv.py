@@ -113,16 +113,20 @@ def _plan_for(cache: NeighborCache, config: tuning.PassConfig):
   return cache.plan(config.tiles.block_m) if config.masked else None
 
 
+def _gather_rows(feats, nbr):
+  """[M, V, C]: feats[nbr[i, v]], zeros where nbr[i, v] is -1."""
+  if feats.shape[0] == 0:  # a gather from no rows is an error even where every index is masked: read a zero row
+    feats = jnp.pad(feats, ((0, 1), (0, 0)))
+  return jnp.where((nbr >= 0)[..., None], feats[jnp.maximum(nbr, 0)], 0)
+
+
 def submconv_xla(feats, w, bias, nbr, num, *, precision=None, weight_layout: str = "DHWIO"):
   """Explicit gather + one matmul: [M, V*Cin] @ [V*Cin, Cout]. Works on every backend; JAX differentiates it.
 
   w: [V, Cin, Cout], or [Cout, V, Cin] with weight_layout="ODHWI" (the 5-D layouts with the kernel axes flattened).
   """
   m, v = nbr.shape
-  has = nbr >= 0
-  if feats.shape[0] == 0:  # a gather from no rows is an error even where every index is masked: read a zero row
-    feats = jnp.pad(feats, ((0, 1), (0, 0)))
-  gathered = jnp.where(has[..., None], feats[jnp.maximum(nbr, 0)], 0).reshape(m, v * feats.shape[1])
+  gathered = _gather_rows(feats, nbr).reshape(m, v * feats.shape[1])
   if WEIGHT_LAYOUTS[weight_layout] == "ovi":  # contract with [Cout, V*Cin]'s second axis: no transpose
     out = jax.lax.dot_general(gathered, w.reshape(w.shape[0], -1), (((1,), (1,)), ((), ())),
                               precision=dot_precision(precision, feats.dtype), preferred_element_type=jnp.float32)
@@ -204,24 +208,16 @@ def _submconv_pallas_bwd(opts, residuals, g):
 _submconv_pallas.defvjp(_submconv_pallas_fwd, _submconv_pallas_bwd)
 
 
-def _xla_weight_shape(maps: _MapArrays, cin: int, cout: int, opts: _PallasOptions) -> tuple[int, int, int]:
-  v = maps.nbr.shape[1]
-  return (cout, v, cin) if opts.weight_layout == "ovi" else (v, cin, cout)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _conv_input_grad(g, w, maps: _MapArrays, opts: _PallasOptions):
   """T(g, W): the input gradient of `_submconv_pallas` for the output gradient g, [rows of feats, Cin]."""
   t_map = maps.nbr if maps.transposed is None else maps.transposed
-  if opts.input_grad.algorithm == "explicit":  # the transpose of the XLA forward (a scatter-add of g @ W^T)
-    _, cin, _ = weight_dims(w, opts.weight_layout)
-    feats = jnp.zeros((t_map.shape[0], cin), g.dtype)
-    _, xla_vjp = jax.vjp(lambda f: submconv_xla(f, w, None, maps.nbr, maps.num, precision=opts.precision,
-                                                weight_layout=opts.xla_weight_layout), feats)
-    return xla_vjp(g)[0]
+  t_num = maps.num if maps.num_in is None else maps.num_in
+  if opts.input_grad.algorithm == "explicit":  # the XLA forward over the transposed map, W_{V-1-v}^T per offset
+    w_t = jnp.swapaxes(w, 1, 2) if opts.weight_layout == "vio" else jnp.transpose(w, (1, 0, 2))
+    return submconv_xla(g, jnp.flip(w_t, 0), None, t_map, t_num, precision=opts.precision)
   # The same gather-GEMM over the transposed map (for submanifold maps, the map itself), reading offset
   # V-1-v's matrix transposed.
-  t_num = maps.num if maps.num_in is None else maps.num_in
   return gather_gemm_lib.conv_input_grad(g, w, t_map, t_num, plan=maps.input_grad_plan, config=opts.input_grad.tiles,
                                          precision=opts.precision, interpret=opts.interpret,
                                          weight_layout=opts.weight_layout)
@@ -242,11 +238,12 @@ _conv_input_grad.defvjp(_conv_input_grad_fwd, _conv_input_grad_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _conv_weight_grad(feats, g, maps: _MapArrays, opts: _PallasOptions):
   """G(x, g): the weight gradient of `_submconv_pallas`, in the flattened weight's layout and feats' dtype."""
-  if opts.weight_grad.algorithm == "explicit":  # the transpose of the XLA forward in the weight
-    w = jnp.zeros(_xla_weight_shape(maps, feats.shape[1], g.shape[1], opts), feats.dtype)
-    _, xla_vjp = jax.vjp(lambda w: submconv_xla(feats, w, None, maps.nbr, maps.num, precision=opts.precision,
-                                                weight_layout=opts.xla_weight_layout), w)
-    return xla_vjp(g.astype(feats.dtype))[0]
+  if opts.weight_grad.algorithm == "explicit":  # gathered rows^T @ g per offset, as the XLA forward's transpose
+    valid = jnp.arange(g.shape[0]) < maps.num
+    spec = "mvc,mo->ovc" if opts.weight_layout == "ovi" else "mvc,mo->vco"
+    d_w = jnp.einsum(spec, _gather_rows(feats, maps.nbr), jnp.where(valid[:, None], g, 0).astype(feats.dtype),
+                     precision=dot_precision(opts.precision, feats.dtype), preferred_element_type=jnp.float32)
+    return d_w.astype(feats.dtype)
   return weight_grad_lib.weight_grad(feats, g, maps.nbr, pairs=maps.pairs, config=opts.weight_grad.tiles,
                                      precision=opts.precision, interpret=opts.interpret, out_dtype=feats.dtype,
                                      weight_layout=opts.weight_layout)

@@ -124,14 +124,20 @@ def _plan_for(cache: NeighborCache, config: tuning.PassConfig):
   return cache.plan(config.tiles.block_m) if config.masked else None
 
 
+def _gather_rows(feats, nbr):
+  """[M, V, C]: feats[nbr[i, v]], zeros where nbr[i, v] is -1."""
+  if feats.shape[0] == 0:  # a gather from no rows is an error even where every index is masked: read a zero row
+    feats = jnp.pad(feats, ((0, 1), (0, 0)))
+  return jnp.where((nbr >= 0)[..., None], feats[jnp.maximum(nbr, 0)], 0)
+
+
 def submconv_xla(feats, w, bias, nbr, num, *, precision=None, weight_layout: str = "DHWIO"):
   """Explicit gather + one matmul: [M, V*Cin] @ [V*Cin, Cout]. Works on every backend; JAX differentiates it.
 
   w: [V, Cin, Cout], or [Cout, V, Cin] with weight_layout="ODHWI" (the 5-D layouts with the kernel axes flattened).
   """
   m, v = nbr.shape
-  has = nbr >= 0
-  gathered = jnp.where(has[..., None], feats[jnp.maximum(nbr, 0)], 0).reshape(m, v * feats.shape[1])
+  gathered = _gather_rows(feats, nbr).reshape(m, v * feats.shape[1])
   if WEIGHT_LAYOUTS[weight_layout] == "ovi":  # contract with [Cout, V*Cin]'s second axis: no transpose
     out = jax.lax.dot_general(gathered, w.reshape(w.shape[0], -1), (((1,), (1,)), ((), ())),
                               precision=dot_precision(precision, feats.dtype), preferred_element_type=jnp.float32)
@@ -174,6 +180,14 @@ class _PallasOptions(NamedTuple):
     return "ODHWI" if self.weight_layout == "ovi" else "DHWIO"
 
 
+# The Pallas path is three bilinear GEMMs over one map, each a custom_vjp whose backward is the other two (and
+# itself), so gradients of any order (a gradient penalty, Hessian-vector products) run the same kernels:
+#   forward       y = F(x, W)      y[i] = sum_v x[nbr[i, v]] @ W_v (+ bias)
+#   input grad   dx = T(g, W)     dx[j] = sum_v g[t[j, v]] @ W_{V-1-v}^T  (t: the transposed map)
+#   weight grad  dW = G(x, g)   dW_v = sum_i x[nbr[i, v]]^T g[i]
+# with vjp F = (T(h, W), G(x, h)), vjp T = (F(h, W), G(h, g)), vjp G = (T(g, H), F(x, H)).
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _submconv_pallas(feats, w, bias, maps: _MapArrays, opts: _PallasOptions):
   cfg = opts.forward
@@ -193,26 +207,8 @@ def _submconv_pallas_bwd(opts, residuals, g):
   feats, w, bias, maps = residuals
   # Outputs at padding rows are constant zeros, so g there must not count: the maps never point at
   # padding rows and never list them, and the bias gradient masks them.
-  if "explicit" in (opts.input_grad.algorithm, opts.weight_grad.algorithm):
-    _, xla_vjp = jax.vjp(lambda f, w: submconv_xla(f, w, None, maps.nbr, maps.num, precision=opts.precision,
-                                                   weight_layout=opts.xla_weight_layout), feats, w)
-    xla_d_feats, xla_d_w = xla_vjp(g)
-  if opts.input_grad.algorithm == "explicit":
-    d_feats = xla_d_feats
-  else:
-    # The same gather-GEMM over the transposed map (for submanifold maps, the map itself), reading
-    # offset V-1-v's matrix transposed.
-    t_map = maps.nbr if maps.transposed is None else maps.transposed
-    t_num = maps.num if maps.num_in is None else maps.num_in
-    d_feats = gather_gemm_lib.conv_input_grad(g, w, t_map, t_num, plan=maps.input_grad_plan,
-                                              config=opts.input_grad.tiles, precision=opts.precision,
-                                              interpret=opts.interpret, weight_layout=opts.weight_layout)
-  if opts.weight_grad.algorithm == "explicit":
-    d_w = xla_d_w
-  else:
-    d_w = weight_grad_lib.weight_grad(feats, g, maps.nbr, pairs=maps.pairs, config=opts.weight_grad.tiles,
-                                      precision=opts.precision, interpret=opts.interpret, out_dtype=w.dtype,
-                                      weight_layout=opts.weight_layout)
+  d_feats = _conv_input_grad(g, w, maps, opts)
+  d_w = _conv_weight_grad(feats, g, maps, opts).astype(w.dtype)
   d_bias = None
   if bias is not None:
     valid = jnp.arange(g.shape[0]) < maps.num
@@ -221,3 +217,58 @@ def _submconv_pallas_bwd(opts, residuals, g):
 
 
 _submconv_pallas.defvjp(_submconv_pallas_fwd, _submconv_pallas_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _conv_input_grad(g, w, maps: _MapArrays, opts: _PallasOptions):
+  """T(g, W): the input gradient of `_submconv_pallas` for the output gradient g, [rows of feats, Cin]."""
+  t_map = maps.nbr if maps.transposed is None else maps.transposed
+  t_num = maps.num if maps.num_in is None else maps.num_in
+  if opts.input_grad.algorithm == "explicit":  # the XLA forward over the transposed map, W_{V-1-v}^T per offset
+    w_t = jnp.swapaxes(w, 1, 2) if opts.weight_layout == "vio" else jnp.transpose(w, (1, 0, 2))
+    return submconv_xla(g, jnp.flip(w_t, 0), None, t_map, t_num, precision=opts.precision)
+  # The same gather-GEMM over the transposed map (for submanifold maps, the map itself), reading offset
+  # V-1-v's matrix transposed.
+  return gather_gemm_lib.conv_input_grad(g, w, t_map, t_num, plan=maps.input_grad_plan, config=opts.input_grad.tiles,
+                                         precision=opts.precision, interpret=opts.interpret,
+                                         weight_layout=opts.weight_layout)
+
+
+def _conv_input_grad_fwd(g, w, maps, opts):
+  return _conv_input_grad(g, w, maps, opts), (g, w, maps)
+
+
+def _conv_input_grad_bwd(opts, residuals, h):
+  g, w, maps = residuals
+  return _submconv_pallas(h, w, None, maps, opts), _conv_weight_grad(h, g, maps, opts).astype(w.dtype), None
+
+
+_conv_input_grad.defvjp(_conv_input_grad_fwd, _conv_input_grad_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _conv_weight_grad(feats, g, maps: _MapArrays, opts: _PallasOptions):
+  """G(x, g): the weight gradient of `_submconv_pallas`, in the flattened weight's layout and feats' dtype."""
+  if opts.weight_grad.algorithm == "explicit":  # gathered rows^T @ g per offset, as the XLA forward's transpose
+    valid = jnp.arange(g.shape[0]) < maps.num
+    spec = "mvc,mo->ovc" if opts.weight_layout == "ovi" else "mvc,mo->vco"
+    d_w = jnp.einsum(spec, _gather_rows(feats, maps.nbr), jnp.where(valid[:, None], g, 0).astype(feats.dtype),
+                     precision=dot_precision(opts.precision, feats.dtype), preferred_element_type=jnp.float32)
+    return d_w.astype(feats.dtype)
+  return weight_grad_lib.weight_grad(feats, g, maps.nbr, pairs=maps.pairs, config=opts.weight_grad.tiles,
+                                     precision=opts.precision, interpret=opts.interpret, out_dtype=feats.dtype,
+                                     weight_layout=opts.weight_layout)
+
+
+def _conv_weight_grad_fwd(feats, g, maps, opts):
+  return _conv_weight_grad(feats, g, maps, opts), (feats, g, maps)
+
+
+def _conv_weight_grad_bwd(opts, residuals, d_w):
+  feats, g, maps = residuals
+  d_feats = _conv_input_grad(g, d_w.astype(feats.dtype), maps, opts)
+  d_g = _submconv_pallas(feats, d_w.astype(feats.dtype), None, maps, opts).astype(g.dtype)
+  return d_feats, d_g, None
+
+
+_conv_weight_grad.defvjp(_conv_weight_grad_fwd, _conv_weight_grad_bwd)

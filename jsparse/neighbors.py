@@ -141,6 +141,23 @@ def neighbor_map(x: SparseTensor, kernel_size=3, dilation=1, implementation: str
   return cache
 
 
+def with_maps(x: SparseTensor, kernel_size=3, *more_kernel_sizes, dilation=1,
+              implementation: str | None = None) -> SparseTensor:
+  """x carrying the submanifold neighbour maps for these kernel sizes, built now where it has none.
+
+  Call it before a loop or branch over layers (`lax.scan`, flax's `nn.scan`, `lax.cond`): a convolution whose
+  input lacks its map attaches one to its output, which changes the pytree structure of a carried tensor;
+  with the maps already there, the body reuses them and the structure stays put. Pass the dilation and
+  `implementation` the layers use (the map is keyed by them), e.g. `with_maps(x, 3, 1)` for a body with
+  3x3x3 and 1x1x1 convolutions.
+  """
+  for kernel_size in (kernel_size,) + more_kernel_sizes:
+    key = cache_key(kernel_size, dilation, implementation)
+    if key not in x.caches:
+      x = x.with_cache(key, neighbor_map(x, kernel_size, dilation, implementation))
+  return x
+
+
 def sorted_site_keys(x: SparseTensor) -> tuple[jax.Array, jax.Array]:
   """(sorted_keys, order): x's linear keys sorted (padding rows keyed int32 max, last) and the row of each."""
   keys = jnp.where(x.valid_mask(), linear_keys(x.coords, x.spatial_shape), jnp.iinfo(jnp.int32).max)

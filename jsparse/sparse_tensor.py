@@ -72,7 +72,6 @@ def _as_spatial_shape(spatial_shape) -> tuple[int, int, int]:
   return shape
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SparseTensor:
   """The active sites of `batch_size` voxel grids of shape `spatial_shape`, with a feature vector each.
@@ -82,20 +81,31 @@ class SparseTensor:
   num: int32 scalar, the number of valid rows. Rows at index >= num are padding: their coords are -1,
     their feats are zero, they are nobody's neighbour, and every op writes zeros there.
   spatial_shape, batch_size: static metadata (part of the pytree structure, not traced).
+  caches: the neighbour maps already built for these coordinates, by key (neighbors.cache_key,
+    sparse_conv.pair_map_key). Convolutions look here first and attach what they build to their output, so
+    layers on the same coordinates share one map without the caller threading it (spconv's indice_key,
+    automatic). Replacing coords or num drops them. They are pytree leaves (arrays under jit), but not a
+    dataclass field, so summaries such as flax's `nn.tabulate` show the tensor without them.
 
   The capacity (the number of rows) is static so that jitted code sees fixed shapes while the number
   of sites varies; round it up with `round_capacity` to limit recompilations.
+
+  Loops and branches (`lax.scan`, flax's `nn.scan`, `lax.cond`, `lax.while_loop`): a carried tensor must
+  leave the body with the same pytree structure it came in with, maps included, and a convolution adds its
+  map when the input lacks it. So build the maps before the loop, `x = jsparse.with_maps(x, kernel_size=3)`
+  (one call per kernel size and dilation the body uses, with the body's `implementation`); the body then
+  reuses them and the structure stays put.
   """
 
   coords: jax.Array
   feats: jax.Array
   num: jax.Array
-  spatial_shape: tuple[int, int, int] = dataclasses.field(metadata=dict(static=True))
-  batch_size: int = dataclasses.field(metadata=dict(static=True))
-  # Neighbour maps already built for these coordinates, by key (see neighbors.cache_key). Convolutions
-  # look here first and attach what they build to their output, so layers on the same coordinates share
-  # one map without the caller threading it (spconv's indice_key, automatic). Replacing coords drops them.
-  caches: dict = dataclasses.field(default_factory=dict)
+  spatial_shape: tuple[int, int, int]
+  batch_size: int
+  caches: dataclasses.InitVar[dict | None] = None
+
+  def __post_init__(self, caches):
+    object.__setattr__(self, "caches", {} if caches is None else caches)
 
   # ---- construction -------------------------------------------------------------------------------
 
@@ -310,6 +320,21 @@ class SparseTensor:
     num = self.num if isinstance(self.num, jax.core.Tracer) else int(self.num)
     return (f"SparseTensor(num={num}, capacity={self.capacity}, channels={self.num_channels}, "
             f"dtype={self.dtype}, spatial_shape={self.spatial_shape}, batch_size={self.batch_size})")
+
+
+def _flatten_with_keys(x: SparseTensor):
+  leaves = tuple((jax.tree_util.GetAttrKey(name), getattr(x, name)) for name in ("coords", "feats", "num", "caches"))
+  return leaves, (x.spatial_shape, x.batch_size)
+
+
+def _unflatten(static, leaves) -> SparseTensor:
+  coords, feats, num, caches = leaves
+  return SparseTensor(coords, feats, num, *static, caches)
+
+
+jax.tree_util.register_pytree_with_keys(
+    SparseTensor, _flatten_with_keys, _unflatten,
+    lambda x: ((x.coords, x.feats, x.num, x.caches), (x.spatial_shape, x.batch_size)))
 
 
 def linear_keys(coords: jax.Array, spatial_shape: tuple[int, int, int]) -> jax.Array:

@@ -218,6 +218,12 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
   if dims["v"] != num_offsets or dims["k"] != k_dim:
     raise ValueError(f"gather_gemm: weight {weight.shape} ({weight_axes}) does not match x {x.shape} and nbr "
                      f"{nbr.shape}")
+  if min(m, n_dim, x.shape[0], k_dim) == 0:
+    # No row to write or nothing to gather: a kernel over empty refs cannot even be traced, and every product is
+    # empty, so the answer is the bias at the valid rows.
+    out = jnp.zeros((m, n_dim), jnp.float32) if bias is None else jnp.broadcast_to(bias.astype(jnp.float32),
+                                                                                   (m, n_dim))
+    return jnp.where((jnp.arange(m) < num)[:, None], out, 0).astype(x.dtype)
   cfg = config or default_config(m, k_dim, n_dim, x.dtype)
   num_blocks = pl.cdiv(m, cfg.block_m)
   if plan is not None and plan.block_counts.shape[0] != num_blocks:

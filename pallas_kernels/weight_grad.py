@@ -200,6 +200,8 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   cin, cout = x.shape[1], dy.shape[1]
   if dy.shape[0] != m:
     raise ValueError(f"weight_grad: dy has {dy.shape[0]} rows, nbr has {m}")
+  if min(m, x.shape[0], cin, cout) == 0:  # no pair of rows to multiply (and an empty ref cannot be traced)
+    return jnp.zeros((cout, num_offsets, cin) if cout_major else (num_offsets, cin, cout), out_dtype or x.dtype)
   cfg = config or default_config(m, cin, cout, num_offsets, x.dtype)
   if cfg.balanced and pairs is None:
     raise ValueError("weight_grad: a balanced config (TileConfig.balanced) needs pair lists (pairs=...)")

@@ -111,7 +111,8 @@ class SubMConv3d(ConvParams):
     algorithm: "auto" or a forced Pallas algorithm (see `jsparse.submconv3d`).
 
   The neighbour map is taken from (and attached to) the SparseTensor's `caches`, so a stack of these
-  layers on the same coordinates builds it once.
+  layers on the same coordinates builds it once. Inside `nn.scan` / `lax.cond`, give the carried tensor its
+  maps before the loop, `jsparse.with_maps(x, kernel_size)`, so that the layer does not change its structure.
   """
 
   features: int

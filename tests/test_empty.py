@@ -1,0 +1,177 @@
+"""Empty tensors and empty outputs: every op gives zeros of the right shapes, and zero gradients, on both paths.
+
+Three kinds of nothing: capacity 0 (no rows at all), num 0 (only padding rows) and out_capacity 0 (rows in,
+none out; with sites present that is an overflow, so under jit).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+
+IMPLEMENTATIONS = ["xla", "pallas"]
+CIN, COUT = 3, 4
+SHAPE = (4, 4, 4)
+
+
+def _tensor(capacity, num, channels=CIN):
+  coords = np.array([[0, 1, 1, 1], [0, 1, 1, 2], [0, 2, 1, 2]], np.int32)[:num]
+  feats = np.arange(num * channels, dtype=np.float32).reshape(num, channels) / 7 + 1
+  return jsparse.SparseTensor.from_coords(coords, feats, SHAPE, batch_size=1, capacity=capacity)
+
+
+def _params(kernel_size, cin=CIN, cout=COUT):
+  w = jnp.linspace(-1, 1, int(np.prod(kernel_size)) * cin * cout).reshape(tuple(kernel_size) + (cin, cout))
+  return w, jnp.linspace(0.5, 1.5, cout)
+
+
+def _ops(impl, out_capacity=None):
+  """name -> (fn(x, w, b) -> SparseTensor, kernel size). `out_capacity` applies where the op takes one."""
+  def subm(x, w, b):
+    return jsparse.submconv3d(x, w, b, implementation=impl)
+
+  def conv(x, w, b):
+    return jsparse.sparse_conv3d(x, w, b, stride=2, out_capacity=out_capacity, implementation=impl,
+                                 with_overflow=True)[0]
+
+  def inverse(x, w, b):
+    y = jsparse.sparse_conv3d(x, w, None, stride=2, out_capacity=out_capacity, implementation=impl,
+                              with_overflow=True)[0]
+    w_back = jnp.full((2, 2, 2, COUT, COUT), 0.1)  # w is trained through the strided conv, b through this one
+    return jsparse.sparse_inverse_conv3d(y, w_back, b, like=x, stride=2, implementation=impl)
+
+  def transpose(x, w, b):
+    return jsparse.sparse_conv_transpose3d(x, w, b, stride=2, out_capacity=out_capacity, implementation=impl,
+                                           with_overflow=True)[0]
+
+  return {"submconv3d": (subm, (3, 3, 3)), "sparse_conv3d": (conv, (2, 2, 2)),
+          "sparse_inverse_conv3d": (inverse, (2, 2, 2)), "sparse_conv_transpose3d": (transpose, (2, 2, 2))}
+
+
+def _check_value_and_grads(fn, x, w, b, out_rows, jit=False):
+  """fn's output has out_rows rows of zeros; its gradients in feats, weight and bias are zeros of their shapes."""
+  def loss(feats, w, b):
+    y = fn(x.replace(feats=feats), w, b)
+    return jnp.sum(y.feats ** 2 + y.feats), y
+
+  grad_fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+  if jit:
+    grad_fn = jax.jit(grad_fn)
+  (value, y), (d_feats, d_w, d_b) = grad_fn(x.feats, w, b)
+  assert y.feats.shape == (out_rows, COUT) and y.feats.dtype == x.dtype
+  assert y.coords.shape == (out_rows, 4)
+  assert int(y.num) == 0
+  np.testing.assert_array_equal(np.asarray(y.feats), 0)
+  assert float(value) == 0
+  for grad, ref in ((d_feats, x.feats), (d_w, w), (d_b, b)):
+    assert grad.shape == ref.shape
+    np.testing.assert_array_equal(np.asarray(grad), 0)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("op", ["submconv3d", "sparse_conv3d", "sparse_inverse_conv3d", "sparse_conv_transpose3d"])
+def test_capacity_zero(impl, op):
+  fn, ks = _ops(impl)[op]
+  w, b = _params(ks)
+  _check_value_and_grads(fn, _tensor(0, 0), w, b, out_rows=0)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("op", ["submconv3d", "sparse_conv3d", "sparse_inverse_conv3d", "sparse_conv_transpose3d"])
+def test_num_zero(impl, op):
+  """Only padding rows: the sites are counted as none; submanifold and inverse outputs keep the capacity."""
+  fn, ks = _ops(impl)[op]
+  w, b = _params(ks)
+  x = _tensor(5, 0)
+  out_rows = {"submconv3d": 5, "sparse_inverse_conv3d": 5}.get(op, 0)
+  _check_value_and_grads(fn, x, w, b, out_rows)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("op", ["sparse_conv3d", "sparse_inverse_conv3d", "sparse_conv_transpose3d"])
+def test_out_capacity_zero_with_sites(impl, op):
+  """Sites in, no rows out (an overflow, so under jit): zeros, and no gradient reaches the inputs."""
+  fn, ks = _ops(impl, out_capacity=0)[op]
+  w, b = _params(ks)
+  x = _tensor(5, 3)
+  if op == "sparse_inverse_conv3d":
+    # The inverse lands back on x's rows, but from an empty y: bias only at x's valid rows.
+    def loss(feats, w, b):
+      return jnp.sum(fn(x.replace(feats=feats), w, b).feats)
+
+    out = jax.jit(fn)(x, w, b)
+    np.testing.assert_allclose(np.asarray(out.feats[:3]), np.broadcast_to(np.asarray(b), (3, COUT)), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out.feats[3:]), 0)
+    d_feats, d_w, d_b = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x.feats, w, b)
+    np.testing.assert_array_equal(np.asarray(d_feats), 0)
+    np.testing.assert_array_equal(np.asarray(d_w), 0)
+    np.testing.assert_allclose(np.asarray(d_b), 3.0)
+    return
+  _check_value_and_grads(fn, x, w, b, out_rows=0, jit=True)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_out_capacity_zero_without_sites_outside_jit(impl):
+  """With no sites an out_capacity of 0 is no overflow, so it also works eagerly."""
+  w, b = _params((2, 2, 2))
+  x = _tensor(5, 0)
+  y = jsparse.sparse_conv3d(x, w, b, stride=2, out_capacity=0, implementation=impl)
+  assert y.feats.shape == (0, COUT)
+  y = jsparse.sparse_conv_transpose3d(x, w, b, stride=2, out_capacity=0, implementation=impl)
+  assert y.feats.shape == (0, COUT)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("capacity", [0, 5])
+def test_maps_pools_and_reductions_of_an_empty_tensor(impl, capacity):
+  x = _tensor(capacity, 0)
+  cache = jsparse.neighbor_map(x, 3, implementation=impl)
+  assert cache.nbr.shape == (capacity, 27)
+  np.testing.assert_array_equal(np.asarray(cache.nbr), -1)
+  pm = jsparse.sparse_conv.pair_map(x, 2, 2, implementation=impl)
+  assert pm.nbr.shape == (0, 8) and pm.inv.shape == (capacity, 8) and int(pm.out_num) == 0
+  for pool in (jsparse.sparse_max_pool3d, jsparse.sparse_avg_pool3d):
+    y = pool(x, 2, implementation=impl)
+    assert y.feats.shape == (0, CIN) and int(y.num) == 0
+  for reduce in ("mean", "max", "sum"):
+    np.testing.assert_array_equal(np.asarray(jsparse.global_pool(x, reduce)), np.zeros((1, CIN)))
+
+
+@pytest.mark.parametrize("algorithm", ["implicit", "masked", "implicit_splitk", "masked_splitk", "explicit"])
+@pytest.mark.parametrize("weight_layout", ["DHWIO", "ODHWI"])
+@pytest.mark.parametrize("capacity", [0, 5])
+def test_pallas_algorithms_and_layouts_on_empty_tensors(algorithm, weight_layout, capacity):
+  w, b = _params((3, 3, 3))
+  if weight_layout == "ODHWI":
+    w = jnp.moveaxis(w, -1, 0)
+
+  def subm(x, w, b):
+    return jsparse.submconv3d(x, w, b, implementation="pallas", algorithm=algorithm, weight_layout=weight_layout)
+
+  def loss(feats, w, b):
+    return jnp.sum(subm(x.replace(feats=feats), w, b).feats ** 2)
+
+  x = _tensor(capacity, 0)
+  assert subm(x, w, b).feats.shape == (capacity, COUT)
+  for grad, ref in zip(jax.grad(loss, argnums=(0, 1, 2))(x.feats, w, b), (x.feats, w, b)):
+    assert grad.shape == ref.shape
+    np.testing.assert_array_equal(np.asarray(grad), 0)
+
+
+def test_kernels_direct_on_empty_operands():
+  """The kernel wrappers themselves: no rows out, no rows in, no channels."""
+  from pallas_kernels.gather_gemm import gather_gemm
+  from pallas_kernels.weight_grad import weight_grad
+
+  bias = jnp.arange(4.0)
+  out = gather_gemm(jnp.zeros((0, 3)), jnp.ones((27, 3, 4)), jnp.full((5, 27), -1, jnp.int32), jnp.int32(2), bias,
+                    interpret=True)
+  np.testing.assert_array_equal(np.asarray(out), [[0, 1, 2, 3]] * 2 + [[0] * 4] * 3)
+  assert gather_gemm(jnp.ones((5, 3)), jnp.ones((27, 3, 4)), jnp.zeros((0, 27), jnp.int32), jnp.int32(0),
+                     interpret=True).shape == (0, 4)
+  assert weight_grad(jnp.zeros((0, 3)), jnp.zeros((0, 4)), jnp.zeros((0, 27), jnp.int32), interpret=True,
+                     weight_layout="ovi").shape == (4, 27, 3)
+  np.testing.assert_array_equal(
+      np.asarray(weight_grad(jnp.ones((5, 0)), jnp.ones((5, 4)), jnp.zeros((5, 27), jnp.int32), interpret=True)),
+      np.zeros((27, 0, 4)))

@@ -1,0 +1,132 @@
+"""Layers under lax.scan, flax's nn.scan and lax.cond (values against the unrolled loop), and nn.tabulate.
+
+The rule these rely on (SparseTensor's docstring, README): build the maps before the loop with
+`jsparse.with_maps`, so that a convolution in the body reuses them and the carry keeps its pytree structure.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+import jsparse.nn as snn
+from reference import random_sparse, rel_err
+
+CHANNELS = 4
+LAYERS = 3
+
+
+def _stacked_weights(seed, layers=LAYERS, channels=CHANNELS):
+  rng = np.random.default_rng(seed)
+  w = rng.standard_normal((layers, 3, 3, 3, channels, channels)).astype(np.float32) / np.sqrt(27 * channels)
+  b = rng.standard_normal((layers, channels)).astype(np.float32) * 0.1
+  return jnp.asarray(w), jnp.asarray(b)
+
+
+def _layer(x, w, b, implementation):
+  return jsparse.norm.activation(jsparse.submconv3d(x, w, b, implementation=implementation, precision="highest"),
+                                 jnp.tanh)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_lax_scan_over_stacked_submconv_weights(implementation):
+  x = random_sparse(np.random.default_rng(0), (5, 5, 5), CHANNELS, batch_size=2, density=0.3, pad=4)
+  ws, bs = _stacked_weights(1)
+
+  def scanned(x, ws, bs):
+    def body(h, wb):
+      return _layer(h, *wb, implementation), None
+    return jax.lax.scan(body, jsparse.with_maps(x, 3, implementation=implementation), (ws, bs))[0]
+
+  def unrolled(x, ws, bs):
+    for i in range(LAYERS):
+      x = _layer(x, ws[i], bs[i], implementation)
+    return x
+
+  y_scan = jax.jit(scanned)(x, ws, bs)
+  y_loop = unrolled(x, ws, bs)
+  assert rel_err(y_scan.feats, y_loop.feats) < 1e-6
+  assert list(y_scan.caches) == [jsparse.neighbors.cache_key(3, 1, implementation)]
+  loss = lambda f: lambda ws, bs: jnp.sum(f(x, ws, bs).feats ** 2)
+  for g_scan, g_loop in zip(jax.grad(loss(scanned), (0, 1))(ws, bs), jax.grad(loss(unrolled), (0, 1))(ws, bs)):
+    assert rel_err(g_scan, g_loop) < 1e-5
+
+
+class _Block(nn.Module):
+  features: int
+
+  @nn.compact
+  def __call__(self, x, _):
+    return jsparse.norm.activation(snn.SubMConv3d(self.features, implementation="xla")(x), jnp.tanh), None
+
+
+class _ScannedStack(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)
+    return stack(CHANNELS, name="blocks")(jsparse.with_maps(x, 3, implementation="xla"), None)[0]
+
+
+def test_flax_nn_scan_over_a_submconv_block():
+  x = random_sparse(np.random.default_rng(2), (5, 5, 5), CHANNELS, density=0.3, pad=3)
+  params = _ScannedStack().init(jax.random.key(0), x)["params"]
+  kernels = params["blocks"]["SubMConv3d_0"]["kernel"]
+  assert kernels.shape == (LAYERS, 3, 3, 3, CHANNELS, CHANNELS)
+  y = jax.jit(_ScannedStack().apply)({"params": params}, x)
+  h = x
+  for i in range(LAYERS):
+    h, _ = _Block(CHANNELS).apply({"params": jax.tree.map(lambda p: p[i], params["blocks"])}, h, None)
+  assert rel_err(y.feats, h.feats) < 1e-6
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_lax_cond_between_a_layer_and_identity(implementation):
+  x = random_sparse(np.random.default_rng(3), (5, 5, 5), CHANNELS, density=0.3, pad=3)
+  ws, bs = _stacked_weights(4, layers=1)
+  w, b = ws[0], bs[0]
+
+  @jax.jit
+  def maybe_layer(x, w, b, apply):
+    x = jsparse.with_maps(x, 3, implementation=implementation)
+    return jax.lax.cond(apply, lambda h: _layer(h, w, b, implementation), lambda h: h, x)
+
+  assert rel_err(maybe_layer(x, w, b, True).feats, _layer(x, w, b, implementation).feats) < 1e-6
+  assert rel_err(maybe_layer(x, w, b, False).feats, x.feats) == 0
+  grad = jax.grad(lambda w: jnp.sum(maybe_layer(x, w, b, True).feats))(w)
+  assert rel_err(grad, jax.grad(lambda w: jnp.sum(_layer(x, w, b, implementation).feats))(w)) < 1e-5
+
+
+class _SmallNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = snn.SubMConv3d(8, implementation="xla")(x)
+    h = jsparse.norm.activation(snn.SparseBatchNorm()(h, use_running_average=True), nn.relu)
+    h = snn.SubMConv3d(8, implementation="xla")(h)
+    d = snn.SparseConv3d(16, kernel_size=2, strides=2, out_capacity=h.capacity, implementation="xla")(h)
+    return snn.SubMConv3d(4, implementation="xla")(d)
+
+
+def test_tabulate_shows_tensors_without_their_maps():
+  x = random_sparse(np.random.default_rng(5), (6, 6, 6), 3, density=0.3, pad=4)
+  table = nn.tabulate(_SmallNet(), jax.random.key(0), console_kwargs=dict(width=160))(x)
+  assert "nbr" not in table and "caches" not in table
+  assert "coords" in table and "feats" in table and "spatial_shape" in table
+  assert len(table.splitlines()) < 80  # 6 rows of a few lines each (it was 320 with the maps)
+  # The maps are still carried: the network's output has its map for the next layer.
+  y = _SmallNet().apply(_SmallNet().init(jax.random.key(0), x), x)
+  assert any(key.startswith("subm/") for key in y.caches) and any(key.startswith("pairs/") for key in y.caches)
+
+
+def test_with_maps_builds_each_map_once_and_keeps_the_others():
+  x = random_sparse(np.random.default_rng(6), (5, 5, 5), 2, density=0.3, pad=2)
+  x3 = jsparse.with_maps(x, 3, implementation="xla")
+  both = jsparse.with_maps(x3, 3, 1, implementation="xla")
+  key3, key1 = (jsparse.neighbors.cache_key(k, 1, "xla") for k in (3, 1))
+  assert list(both.caches) == [key3, key1] and both.caches[key3] is x3.caches[key3]
+  assert jsparse.with_maps(x, kernel_size=(3, 3, 1), dilation=2, implementation="xla").caches.keys() == {
+      jsparse.neighbors.cache_key((3, 3, 1), 2, "xla")}
+  # SparseTensor's pytree still carries the maps (under jit they are arrays like the rest).
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(both)[0]]
+  assert paths[:3] == [".coords", ".feats", ".num"] and all(p.startswith(".caches[") for p in paths[3:])
+  assert both.replace(feats=both.feats * 2).caches.keys() == both.caches.keys()

@@ -994,6 +994,43 @@ def render_profile(rec) -> str:
   return "\n".join(lines) + "\n"
 
 
+def plot_speedups(results, path: str, anchor: str = "spconv") -> str:
+  """Bar chart of anchor time / jsparse time per network cell (one group per network and size, one bar per
+  dtype and mode), with the 1x and 2x lines."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  cells = [(d, m) for d in ("fp16", "tf32") for m in MODES]
+  groups = []
+  for r in results:
+    key = f"{r['network']}\n{r['size']} ({r['sites'] / 1e6:.2f}M, b{r['batch_size']})"
+    if key not in [g[0] for g in groups]:
+      groups.append((key, {}))
+    table = dict(groups)[key]
+    for mode in MODES:
+      js, an = r["jsparse"].get(mode, {}), r["anchors"].get(anchor, {}).get(mode, {})
+      if js.get("ok") and an.get("ok"):
+        table[(r["dtype"], mode)] = an["median_ms"] / js["median_ms"]
+  fig, ax = plt.subplots(figsize=(max(6.0, 1.9 * len(groups)), 4.2))
+  width = 0.8 / len(cells)
+  colours = ["#1f77b4", "#aec7e8", "#d62728", "#ff9896"]
+  for k, (cell, colour) in enumerate(zip(cells, colours)):
+    xs = [i + (k - (len(cells) - 1) / 2) * width for i in range(len(groups))]
+    ys = [g[1].get(cell, 0.0) for g in groups]
+    ax.bar(xs, ys, width, label=f"{cell[0]} {cell[1]}", color=colour)
+  ax.axhline(1.0, color="black", linewidth=0.8)
+  ax.axhline(2.0, color="grey", linewidth=0.8, linestyle="--")
+  ax.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
+  ax.set_ylabel(f"speed-up ({anchor} time / jsparse time)")
+  ax.set_title(f"jsparse vs {anchor}: whole networks, maps built every call", fontsize=10)
+  ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.22))
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   csv = lambda s: [t for t in s.split(",") if t]  # noqa: E731

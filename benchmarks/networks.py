@@ -188,8 +188,6 @@ class Workload:
     return f"{self.network}/{self.size}"
 
 
-SIZES = {"tiny": 0, "small": 1, "large": 2}
-
 
 def workload(network: str, size: str) -> Workload:
   if network == "decoder":
@@ -253,10 +251,6 @@ def make_inputs(w: Workload, seed: int = 0) -> Inputs:
 
 
 # ---- per-op attribution ----------------------------------------------------------------------------------
-
-OP_KINDS = ("subm", "down", "up", "upsample", "maxpool", "bn", "bn_relu", "gn", "relu", "silu", "add", "concat",
-            "linear")
-
 
 def scoped(kind: str, enter: Callable[[str], Any]):
   """Runs a backend method inside `enter("op:<kind>")` (a jax.named_scope or a torch record_function), so a
@@ -640,7 +634,7 @@ def bench_jsparse(w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
         res["check"] = (coords[: int(num)], feats[: int(num)].astype(np.float32))
       else:
         value, (gp, gx) = result
-        first = "conv_input" if "conv_input" in gp else ("stem_a" if "stem_a" in gp else "in")
+        first = first_layer(gp)
         res["check"] = {"loss": float(value), "input_grad": np.asarray(gx[: len(inp.coords)], np.float32),
                         "first_weight_grad": np.asarray(gp[first], np.float32), "first": first}
       res["ok"] = True
@@ -702,8 +696,7 @@ def bench_spconv(lib, w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
         res["check"] = (result.indices.cpu().numpy(), result.features.float().cpu().numpy())
       else:
         loss, f = result
-        first = "conv_input" if "conv_input" in backend.modules else ("stem_a" if "stem_a" in backend.modules
-                                                                      else "in")
+        first = first_layer(backend.modules)
         res["check"] = {"loss": float(loss), "input_grad": f.grad.float().cpu().numpy(),
                         "first_weight_grad": backend.modules[first].weight.grad.float().cpu().numpy(),
                         "first": first}
@@ -713,6 +706,11 @@ def bench_spconv(lib, w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
              "last_layers": backend.trace[-6:]}
     out[mode] = res
   return out
+
+
+def first_layer(names) -> str:
+  """The first weight of each network, whose gradient (it depends on the whole backward) is cross-checked."""
+  return next(n for n in ("conv_input", "stem_a", "in") if n in names)
 
 
 def compare(js: dict, ref: dict, mode: str, spatial_shape) -> dict:

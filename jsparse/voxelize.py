@@ -51,14 +51,15 @@ def _check_key_range(batch_size, spatial_shape):
         "jsparse keys voxels by int32 linear index, which would wrap and merge distant voxels")
 
 
-def _prepare_feats(feats, n):
-  feats = jnp.asarray(feats)
+def _prepare_feats(feats, n, xp=jnp):
+  """feats as [n, C] floating point (xp: jnp, or np for a host copy); ValueError naming the shape."""
+  feats = xp.asarray(feats)
   if feats.ndim == 1:
     feats = feats[:, None]
   if feats.ndim != 2 or feats.shape[0] != n:
     raise ValueError(f"feats must be [N={n}, C], got shape {feats.shape}")
   if not jnp.issubdtype(feats.dtype, jnp.inexact):
-    feats = feats.astype(jnp.float32)
+    feats = feats.astype(np.float32)
   return feats
 
 
@@ -257,13 +258,7 @@ def _padded_feats(feats, n, padded):
     f = _prepare_feats(feats, n)
     return jnp.pad(f, ((0, padded - n), (0, 0)))
   # Padding a host copy compiles nothing; padding on the device would compile once per point count.
-  f = np.asarray(feats)
-  if f.ndim == 1:
-    f = f[:, None]
-  if f.ndim != 2 or f.shape[0] != n:
-    raise ValueError(f"feats must be [N={n}, C], got shape {f.shape}")
-  if not jnp.issubdtype(f.dtype, jnp.inexact):
-    f = f.astype(np.float32)
+  f = _prepare_feats(feats, n, xp=np)
   out = np.zeros((padded, f.shape[1]), f.dtype)
   out[:n] = f
   return out

@@ -83,3 +83,15 @@ def test_batch_norm_empty_and_module_matches_functional():
   f = np.asarray(x.feats[:50], np.float64)
   np.testing.assert_allclose(np.asarray(state["batch_stats"]["mean"]), 0.5 * f.mean(0), rtol=1e-5)
   np.testing.assert_allclose(np.asarray(state["batch_stats"]["var"]), 0.5 + 0.5 * f.var(0), rtol=1e-4)
+
+
+def test_batch_norm_bad_arguments():
+  x = _tensor(np.random.default_rng(4), 20, 2, 3, jnp.float32)
+  with pytest.raises(TypeError, match="activation"):
+    norm.batch_norm(x, activation="relu")
+  with pytest.raises(ValueError, match="scale"):
+    norm.batch_norm(x, jnp.ones(4))
+  with pytest.raises(ValueError, match="mean and var"):
+    norm.batch_norm(x, mean=jnp.zeros(3))
+  with pytest.raises(TypeError, match="SparseTensor"):
+    norm.batch_norm(x.feats)

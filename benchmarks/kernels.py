@@ -102,7 +102,8 @@ def matmul_peaks(args) -> dict:
 
 
 def sparse_tensor(res, coords, feats):
-  return jsparse.SparseTensor.from_coords(coords, feats, spatial_shape=(res,) * 3, batch_size=1)
+  return jsparse.SparseTensor.from_coords(coords, feats, spatial_shape=(res,) * 3, batch_size=1,
+                                          capacity="exact")
 
 
 def bench_neighbor_maps(args, fg) -> list[dict]:

@@ -76,7 +76,7 @@ def main(argv=None):
       coords, feats, wb = suite.row_inputs(row)
       for dtype_name in args.dtypes.split(","):
         jdtype, precision, _ = suite.DTYPES[dtype_name]
-        x = jsparse.SparseTensor.from_coords(coords, jnp.asarray(feats, jdtype), (row.res,) * 3, 1)
+        x = jsparse.SparseTensor.from_coords(coords, jnp.asarray(feats, jdtype), (row.res,) * 3, 1, capacity="exact")
         for mode in args.modes.split(","):
           for layout in args.layouts.split(","):
             params = [(jnp.asarray(suite.jsparse_weight(w, layout), jdtype), jnp.asarray(b, jdtype)) for w, b in wb]

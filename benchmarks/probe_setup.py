@@ -36,7 +36,7 @@ def shell_layer(res: int, channels: int, seed: int = 0) -> ShellLayer:
   coords = sphere_shell_coords(res)
   rng = np.random.default_rng(seed)
   feats = jnp.asarray(rng.standard_normal((len(coords), channels)), jnp.float32)
-  x = jsparse.SparseTensor.from_coords(coords, feats, (res,) * 3)
+  x = jsparse.SparseTensor.from_coords(coords, feats, (res,) * 3, capacity="exact")
   w32 = jnp.asarray(rng.standard_normal((27, channels, channels)) / np.sqrt(27 * channels), jnp.float32)
   cache = jsparse.neighbor_map(x, 3)
   return ShellLayer(x, w32, cache, 2 * int(cache.num_pairs()) * channels * channels)

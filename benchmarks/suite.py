@@ -237,7 +237,7 @@ def bench_jsparse(row, dtype_name, mode, args):
   coords, feats, wb = row_inputs(row, args.seed)
   jdtype, precision, _ = DTYPES[dtype_name]
   x = jsparse.SparseTensor.from_coords(coords, jnp.asarray(feats, jdtype), spatial_shape=(row.res,) * 3,
-                                       batch_size=1)
+                                       batch_size=1, capacity="exact")  # FlexGEMM's N rows, as tuned
   params = [(jnp.asarray(jsparse_weight(w, args.weight_layout), jdtype), jnp.asarray(b, jdtype)) for w, b in wb]
   fns = jsparse_fns(args.impl, precision, args.algorithm, args.weight_layout)
   res = {}
@@ -440,7 +440,7 @@ def check_neighbor_map(row, coords, pairs, impl) -> dict:
   """Builds jsparse's neighbour map once outside jit (raises on hash-table overflow) and counts its pairs."""
   try:
     x = jsparse.SparseTensor.from_coords(coords, jnp.zeros((len(coords), 1), jnp.float32),
-                                         spatial_shape=(row.res,) * 3, batch_size=1)
+                                         spatial_shape=(row.res,) * 3, batch_size=1, capacity="exact")
     got = int(jsparse.neighbor_map(x, 3, 1, implementation=impl).num_pairs())
     return {"pairs": got, "ok": got == pairs}
   except Exception as e:  # noqa: BLE001

@@ -61,7 +61,8 @@ def main(argv=None) -> int:
         print(f"time budget reached: {row.name} {dtype_name} and later rows not tuned", flush=True)
         break
       coords, feats, params = row_inputs(dataclasses.replace(row, layers=1) if not smoke else row)
-      x = jsparse.SparseTensor.from_coords(coords, jnp.asarray(feats, jdtype), (row.res,) * 3, batch_size=1)
+      x = jsparse.SparseTensor.from_coords(coords, jnp.asarray(feats, jdtype), (row.res,) * 3, batch_size=1,
+                                                capacity="exact")
       params = [(jnp.asarray(jsparse_weight(w, args.weight_layout), jdtype), jnp.asarray(b, jdtype))
                 for w, b in params[:1]]
       t0 = time.perf_counter()

@@ -124,11 +124,11 @@ def _plan_for(cache: NeighborCache, config: tuning.PassConfig):
   return cache.plan(config.tiles.block_m) if config.masked else None
 
 
-def _gather_rows(feats, nbr):
-  """[M, V, C]: feats[nbr[i, v]], zeros where nbr[i, v] is -1."""
+def gather_rows(feats, rows, fill=0):
+  """feats[rows] with `fill` where rows is -1 (rows: int array of any shape; result rows.shape + [C])."""
   if feats.shape[0] == 0:  # a gather from no rows is an error even where every index is masked: read a zero row
     feats = jnp.pad(feats, ((0, 1), (0, 0)))
-  return jnp.where((nbr >= 0)[..., None], feats[jnp.maximum(nbr, 0)], 0)
+  return jnp.where((rows >= 0)[..., None], feats[jnp.maximum(rows, 0)], jnp.asarray(fill, feats.dtype))
 
 
 def submconv_xla(feats, w, bias, nbr, num, *, precision=None, weight_layout: str = "DHWIO"):
@@ -137,7 +137,7 @@ def submconv_xla(feats, w, bias, nbr, num, *, precision=None, weight_layout: str
   w: [V, Cin, Cout], or [Cout, V, Cin] with weight_layout="ODHWI" (the 5-D layouts with the kernel axes flattened).
   """
   m, v = nbr.shape
-  gathered = _gather_rows(feats, nbr).reshape(m, v * feats.shape[1])
+  gathered = gather_rows(feats, nbr).reshape(m, v * feats.shape[1])
   if WEIGHT_LAYOUTS[weight_layout] == "ovi":  # contract with [Cout, V*Cin]'s second axis: no transpose
     out = jax.lax.dot_general(gathered, w.reshape(w.shape[0], -1), (((1,), (1,)), ((), ())),
                               precision=dot_precision(precision, feats.dtype), preferred_element_type=jnp.float32)
@@ -252,7 +252,7 @@ def _conv_weight_grad(feats, g, maps: _MapArrays, opts: _PallasOptions):
   if opts.weight_grad.algorithm == "explicit":  # gathered rows^T @ g per offset, as the XLA forward's transpose
     valid = jnp.arange(g.shape[0]) < maps.num
     spec = "mvc,mo->ovc" if opts.weight_layout == "ovi" else "mvc,mo->vco"
-    d_w = jnp.einsum(spec, _gather_rows(feats, maps.nbr), jnp.where(valid[:, None], g, 0).astype(feats.dtype),
+    d_w = jnp.einsum(spec, gather_rows(feats, maps.nbr), jnp.where(valid[:, None], g, 0).astype(feats.dtype),
                      precision=dot_precision(opts.precision, feats.dtype), preferred_element_type=jnp.float32)
     return d_w.astype(feats.dtype)
   return weight_grad_lib.weight_grad(feats, g, maps.nbr, pairs=maps.pairs, config=opts.weight_grad.tiles,

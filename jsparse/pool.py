@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse import per_item
+from jsparse.conv import gather_rows
 from jsparse.sparse_conv import pair_map
 from jsparse.sparse_tensor import SparseTensor
 
@@ -26,12 +27,6 @@ def _offset_dtype(num_offsets: int):
   return jnp.int8 if num_offsets <= 127 else jnp.int32
 
 
-def _gather_windows(feats, nbr, fill):
-  """[M, V, C]: feats of each window's inputs, `fill` where the map has no input."""
-  rows = feats[jnp.maximum(nbr, 0)]
-  return jnp.where((nbr >= 0)[..., None], rows, jnp.asarray(fill, feats.dtype))
-
-
 def _to_inputs(out_values, inv, disjoint: bool, select=None):
   """grad_in[j] = sum over offsets v with inv[j, v] >= 0 of out_values[inv[j, v]] (float32), keeping a term
   only where select(rows [.., C] of the output, v) is True. disjoint: each input feeds at most one output
@@ -40,13 +35,13 @@ def _to_inputs(out_values, inv, disjoint: bool, select=None):
   if disjoint:
     slot = jnp.argmax(inv >= 0, axis=1).astype(jnp.int32)  # the one offset that reads row j (0 if none)
     owner = jnp.max(inv, axis=1)                           # its output row, -1 if none
-    vals = out_values[jnp.maximum(owner, 0)].astype(jnp.float32)
+    vals = gather_rows(out_values, owner).astype(jnp.float32)
     keep = (owner >= 0)[:, None]
     if select is not None:
       keep = keep & select(jnp.maximum(owner, 0), slot[:, None])
     return jnp.where(keep, vals, 0)
   rows = jnp.maximum(inv, 0)
-  vals = out_values[rows].astype(jnp.float32)  # [N, V, C]
+  vals = gather_rows(out_values, inv).astype(jnp.float32)  # [N, V, C]
   keep = (inv >= 0)[..., None]
   if select is not None:
     keep = keep & select(rows, jnp.arange(v, dtype=jnp.int32)[None, :, None])
@@ -59,7 +54,7 @@ def _window_max(feats, nbr, inv, disjoint: bool):
 
 
 def _window_max_fwd(feats, nbr, inv, disjoint):
-  windows = _gather_windows(feats, nbr, -jnp.inf)
+  windows = gather_rows(feats, nbr, -jnp.inf)
   winner = jnp.argmax(windows, axis=1).astype(_offset_dtype(nbr.shape[1]))  # [M, C], first max on ties
   out = jnp.max(windows, axis=1)
   return out, (winner, nbr, inv, jnp.zeros((0,), feats.dtype))
@@ -68,7 +63,7 @@ def _window_max_fwd(feats, nbr, inv, disjoint):
 def _window_max_bwd(disjoint, res, g):
   winner, nbr, inv, dtype_of = res
   # Input j gets output i's gradient in channel c only if it was i's winner there (offset v won).
-  grad = _to_inputs(g, inv, disjoint, select=lambda rows, v: winner[rows].astype(jnp.int32) == v)
+  grad = _to_inputs(g, inv, disjoint, select=lambda rows, v: gather_rows(winner, rows).astype(jnp.int32) == v)
   return grad.astype(dtype_of.dtype), None, None
 
 
@@ -81,7 +76,7 @@ def _window_mean(feats, nbr, inv, disjoint: bool):
 
 
 def _window_mean_fwd(feats, nbr, inv, disjoint):
-  total = jnp.sum(_gather_windows(feats, nbr, 0), axis=1, dtype=jnp.float32)
+  total = jnp.sum(gather_rows(feats, nbr), axis=1, dtype=jnp.float32)
   count = jnp.maximum(jnp.sum(nbr >= 0, axis=1, dtype=jnp.int32), 1).astype(jnp.float32)
   return total / count[:, None], (count, inv, jnp.zeros((0,), feats.dtype))
 

@@ -43,7 +43,7 @@ from jsparse import autotuning, dispatch, tuning
 from jsparse.conv import (WEIGHT_LAYOUTS, _MapArrays, _PallasOptions, _submconv_pallas, check_weight, submconv_xla,
                           weight_dims)
 from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
-from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int
+from jsparse.sparse_tensor import EXACT, MAX_KEYS, SparseTensor, check_capacity, resolve_capacity
 from pallas_kernels import gemm_plan, unique_keys
 
 _BIG = int(np.iinfo(np.int32).max)
@@ -180,12 +180,11 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   """The output coordinates and both maps of a strided sparse convolution of `x` (module docstring).
 
   Output sites (spconv's SparseConv3d rule): every output position, in the same batch item, whose receptive
-  field holds at least one valid input. out_capacity: static rows of the output; None counts them on the
-  host (outside jit only). check: raise ValueError outside jit when the sites overflow out_capacity.
+  field holds at least one valid input. out_capacity: static rows of the output; None: round_capacity of the
+  number of output sites, "exact": that number (both count them on the host: outside jit only). check: raise ValueError outside jit when the sites overflow out_capacity.
   implementation: None (GPU hash table on a GPU, XLA sort elsewhere), "pallas" or "xla"; same result.
   """
-  if out_capacity is not None:
-    out_capacity = as_int(out_capacity, "out_capacity", minimum=0)
+  out_capacity = check_capacity(out_capacity, "out_capacity")
   geom = geometry(x.spatial_shape, kernel_size, stride, padding, dilation)
   _check_keys(x.batch_size, geom.out_shape)
   impl = dispatch.resolve(implementation)
@@ -195,13 +194,8 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
     count = proposals.count
   else:
     keys, ok, flat, first, count = _sorted_proposals(x.coords, x.num, geom, x.batch_size)
-  if out_capacity is None:
-    if _is_traced(count):
-      raise TypeError("pair_map/sparse_conv3d need a static out_capacity under jax.jit")
-    out_capacity = int(count)
-  out_capacity = int(out_capacity)
-  if out_capacity < 0:
-    raise ValueError(f"out_capacity must be >= 0, got {out_capacity}")
+  if out_capacity is None or out_capacity == EXACT:
+    out_capacity = resolve_capacity(out_capacity, count, "out_capacity", "output sites")
   overflow = count > out_capacity
   if check and not _is_traced(overflow) and bool(overflow):
     raise ValueError(f"{int(count)} output sites do not fit in out_capacity={out_capacity}")
@@ -318,8 +312,8 @@ def sparse_conv3d(x: SparseTensor, weight, bias=None, *, stride=1, padding=0, di
   dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))` (+ bias) read at the output sites.
 
   weight: (Kx, Ky, Kz, Cin, Cout), any kernel sizes >= 1, or (Cout, Kx, Ky, Kz, Cin) with
-  weight_layout="ODHWI" (as submconv3d). out_capacity: output rows (None: counted on the
-  host, outside jit only; under jit pass e.g. round_capacity of an upper bound). cache: a PairMap of x for
+  weight_layout="ODHWI" (as submconv3d). out_capacity: output rows (None: round_capacity of
+  the count, "exact": the count, both outside jit only; under jit pass e.g. round_capacity of an upper bound). cache: a PairMap of x for
   this geometry (else built). The output carries its PairMap in `caches` for `sparse_inverse_conv3d`.
   with_overflow: return (output, overflow); see the module docstring (outside jit an overflow raises).
   implementation / precision / algorithm: as submconv3d; implementation also picks how the output sites are
@@ -410,11 +404,11 @@ def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out
   mask: None (all children) or bool [x.capacity, sx*sy*sz]: mask[j, t] keeps child t of row j, t the C-order
     index of the child offset (a, b, c); prunes children for coarse-to-fine generation. Rows >= x.num are
     ignored.
-  out_capacity: output rows (None: counted on the host, outside jit only). Overflow as sparse_conv3d.
+  out_capacity: output rows (None: round_capacity of the count, "exact": the count; outside jit only).
+  Overflow as sparse_conv3d.
   Output rows are ordered by (parent row, child index), not by linear key.
   """
-  if out_capacity is not None:
-    out_capacity = as_int(out_capacity, "out_capacity", minimum=0)
+  out_capacity = check_capacity(out_capacity, "out_capacity")
   st = as_triple(stride, "stride")
   if min(st) < 1:
     raise ValueError(f"stride must be >= 1, got {st}")
@@ -434,10 +428,8 @@ def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out
       raise ValueError(f"mask must be bool [capacity={x.capacity}, {t_count}], got {mask.dtype} {mask.shape}")
     keep = keep & mask
   count = jnp.sum(keep, dtype=jnp.int32)
-  if out_capacity is None:
-    if _is_traced(count):
-      raise TypeError("sparse_conv_transpose3d needs a static out_capacity under jax.jit")
-    out_capacity = int(count)
+  if out_capacity is None or out_capacity == EXACT:
+    out_capacity = resolve_capacity(out_capacity, count, "out_capacity", "children")
   overflow = count > out_capacity
   if not _is_traced(overflow) and bool(overflow):
     raise ValueError(f"{int(count)} children do not fit in out_capacity={out_capacity}")

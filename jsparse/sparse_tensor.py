@@ -62,6 +62,32 @@ def round_capacity(n: int, steps_per_octave: int = 4, minimum: int = 128) -> int
   return int(-(-n // step) * step)
 
 
+EXACT = "exact"
+
+
+def check_capacity(capacity, name: str = "capacity"):
+  """None, "exact" or a non-negative int (validated): the three ways to ask for a number of rows."""
+  if capacity is None or (isinstance(capacity, str) and capacity == EXACT):
+    return capacity
+  if isinstance(capacity, str):
+    raise TypeError(f"{name} must be None, {EXACT!r} or a non-negative int, got {capacity!r}")
+  return as_int(capacity, name, minimum=0)
+
+
+def resolve_capacity(capacity, count, name: str = "capacity", what: str = "sites") -> int:
+  """The static row count for `count` sites (a concrete count: outside jit). None: round_capacity(count), a
+  bucket, so that inputs of varying size compile a handful of programs rather than one each; "exact": count;
+  an int: itself, ValueError if count does not fit (an op that can flag overflow checks that itself instead)."""
+  capacity = check_capacity(capacity, name)
+  if capacity is not None and capacity != EXACT:
+    return capacity
+  if isinstance(count, jax.core.Tracer):
+    raise TypeError(f"{name}=None or {EXACT!r} counts the {what} on the host: under jax.jit pass an int "
+                    f"(e.g. round_capacity of an upper bound)")
+  count = int(count)
+  return count if capacity == EXACT else round_capacity(count)
+
+
 def _as_spatial_shape(spatial_shape) -> tuple[int, int, int]:
   # A string is a sequence too: "888" must not pass as (8, 8, 8).
   if isinstance(spatial_shape, (str, bytes)) or not hasattr(spatial_shape, "__iter__"):
@@ -125,7 +151,9 @@ class SparseTensor:
     coords: integer [N, 4] (batch, x, y, z), or [N, 3] (x, y, z) for a batch of one.
     feats: [N, C] (or [N] for one channel).
     batch_size: defaults to max(batch) + 1.
-    capacity: number of rows (>= N); defaults to N. Extra rows are padding.
+    capacity: number of rows (>= N). None (default): round_capacity(N), a bucket, so that a jitted step over
+      batches of varying size compiles a handful of times, not once per batch; "exact": N. Extra rows are
+      padding.
     reduce: what to do with duplicate coordinates: None (raise ValueError), or merge their feats with
       "sum", "mean", "max" or "first".
 
@@ -160,8 +188,7 @@ class SparseTensor:
     if batch_size is None:
       batch_size = int(coords[:, 0].max()) + 1 if n else 1
     batch_size = as_int(batch_size, "batch_size", minimum=1)
-    if capacity is not None:
-      capacity = as_int(capacity, "capacity", minimum=0)
+    capacity = check_capacity(capacity)
     limits = np.array((batch_size,) + spatial_shape)
     outside = (coords >= limits).any(axis=1)
     if outside.any():
@@ -202,8 +229,7 @@ class SparseTensor:
       n = m
     elif reduce is not None and reduce not in _REDUCTIONS:
       raise ValueError(f"reduce must be one of {_REDUCTIONS} or None, got {reduce!r}")
-    if capacity is None:
-      capacity = n
+    capacity = resolve_capacity(capacity, n)
     if capacity < n:
       raise ValueError(f"capacity {capacity} is smaller than the number of sites {n}")
     pad = capacity - n
@@ -215,7 +241,8 @@ class SparseTensor:
   def from_dense(cls, dense, capacity: int | None = None, *, with_overflow: bool = False):
     """The nonzero sites of a dense [B, X, Y, Z, C] array (a site is active if any channel is nonzero).
 
-    capacity: rows of the result. None counts the sites (needs a concrete array: outside jit).
+    capacity: rows of the result. None: round_capacity of the number of sites, "exact": that number (both count
+      on the host: outside jit).
     Under jit with a capacity, sites past the capacity cannot be stored: pass with_overflow=True to get
     `(tensor, overflow)` where overflow is a bool scalar that is True when sites were dropped. Outside jit
     an overflow raises ValueError.
@@ -227,14 +254,11 @@ class SparseTensor:
     if min(dense.shape) == 0:
       raise ValueError(f"dense must have nonzero extents [B, X, Y, Z, C], got shape {dense.shape}")
     b, x, y, z, _ = dense.shape
-    if capacity is not None:
-      capacity = as_int(capacity, "capacity", minimum=0)
+    capacity = check_capacity(capacity)
     active = jnp.any(dense != 0, axis=-1).reshape(-1)
     count = jnp.sum(active, dtype=jnp.int32)
-    if capacity is None:
-      if isinstance(count, jax.core.Tracer):
-        raise TypeError("from_dense needs a static capacity under jax.jit")
-      capacity = int(count)
+    if capacity is None or capacity == EXACT:
+      capacity = resolve_capacity(capacity, count)
     (flat,) = jnp.nonzero(active, size=capacity, fill_value=-1)
     valid = flat >= 0
     idx = jnp.stack(jnp.unravel_index(jnp.maximum(flat, 0), (b, x, y, z)), axis=-1).astype(jnp.int32)

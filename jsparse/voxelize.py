@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, _as_spatial_shape, round_capacity
+from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, _as_spatial_shape, check_capacity, resolve_capacity,
+                                   round_capacity)
 
 REDUCTIONS = ("mean", "sum", "max", "first")
 DEDUPS = ("numpy", "xla")
@@ -232,16 +233,6 @@ def _batch_ids(batch, n, batch_size):
   return b
 
 
-def _check_capacity(capacity):
-  if capacity is None or (isinstance(capacity, str) and capacity == "exact"):
-    return capacity
-  if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
-    raise TypeError(f"capacity must be None, 'exact' or a non-negative int, got {capacity!r}")
-  if capacity < 0:
-    raise ValueError(f"capacity must be non-negative, got {capacity}")
-  return int(capacity)
-
-
 def _choose_dedup(dedup):
   if dedup is None:
     return "numpy" if jax.default_backend() == "cpu" else "xla"
@@ -293,7 +284,7 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
   if isinstance(points, jax.core.Tracer):
     raise TypeError("voxelize validates on the host; under jax.jit use voxelize_jit with a static capacity")
   _check_reduce(reduce)
-  capacity = _check_capacity(capacity)
+  capacity = check_capacity(capacity)
   dedup = _choose_dedup(dedup)
   p = np.asarray(points)
   if p.ndim != 2 or p.shape[1] != 3:
@@ -353,11 +344,8 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
       with jax.ensure_compile_time_eval():
         plan = _device_plan_jit(padded_keys, dims)
   nvox = int(plan.count)
-  if capacity is None:
-    capacity = round_capacity(nvox)
-  elif capacity == "exact":
-    capacity = nvox
-  elif capacity < nvox:
+  capacity = resolve_capacity(capacity, nvox, what="occupied voxels")
+  if capacity < nvox:
     raise ValueError(f"capacity {capacity} is smaller than the number of occupied voxels {nvox}")
   coords, out, num = _reduce_jit(plan, _padded_feats(feats, n, padded), capacity=capacity, reduce=reduce)
   return SparseTensor(coords, out, num, spatial_shape, int(batch_size))

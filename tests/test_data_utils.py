@@ -481,7 +481,8 @@ def test_plot_grid_and_limits(agg, tmp_path):
 
 
 def test_empty_inputs():
-  e = SparseTensor.from_coords(np.zeros((0, 4), np.int32), np.zeros((0, 2), np.float32), (4, 4, 4))
+  e = SparseTensor.from_coords(np.zeros((0, 4), np.int32), np.zeros((0, 2), np.float32), (4, 4, 4),
+                               capacity="exact")
   assert grid_sample(e, np.ones((3, 3), np.float32)).shape == (3, 2)
   assert serialize.sort_by(e)[1].shape == (0,)
   t = voxelize(np.zeros((0, 3), np.float32), voxel_size=1.0)

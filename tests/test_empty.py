@@ -26,8 +26,9 @@ def _params(kernel_size, cin=CIN, cout=COUT):
   return w, jnp.linspace(0.5, 1.5, cout)
 
 
-def _ops(impl, out_capacity=None):
-  """name -> (fn(x, w, b) -> SparseTensor, kernel size). `out_capacity` applies where the op takes one."""
+def _ops(impl, out_capacity="exact"):
+  """name -> (fn(x, w, b) -> SparseTensor, kernel size). `out_capacity` applies where the op takes one ("exact":
+  as many rows as output sites, here none)."""
   def subm(x, w, b):
     return jsparse.submconv3d(x, w, b, implementation=impl)
 
@@ -129,11 +130,14 @@ def test_maps_pools_and_reductions_of_an_empty_tensor(impl, capacity):
   cache = jsparse.neighbor_map(x, 3, implementation=impl)
   assert cache.nbr.shape == (capacity, 27)
   np.testing.assert_array_equal(np.asarray(cache.nbr), -1)
-  pm = jsparse.sparse_conv.pair_map(x, 2, 2, implementation=impl)
+  pm = jsparse.sparse_conv.pair_map(x, 2, 2, out_capacity="exact", implementation=impl)
   assert pm.nbr.shape == (0, 8) and pm.inv.shape == (capacity, 8) and int(pm.out_num) == 0
   for pool in (jsparse.sparse_max_pool3d, jsparse.sparse_avg_pool3d):
-    y = pool(x, 2, implementation=impl)
+    y = pool(x, 2, out_capacity="exact", implementation=impl)
     assert y.feats.shape == (0, CIN) and int(y.num) == 0
+    y = pool(x, 2, implementation=impl)  # the default bucket: padding rows only
+    assert y.feats.shape == (jsparse.round_capacity(0), CIN) and int(y.num) == 0
+    np.testing.assert_array_equal(np.asarray(y.feats), 0)
   for reduce in ("mean", "max", "sum"):
     np.testing.assert_array_equal(np.asarray(jsparse.global_pool(x, reduce)), np.zeros((1, CIN)))
 

@@ -137,3 +137,15 @@ def test_pool_empty_and_all_padding():
     np.testing.assert_array_equal(np.asarray(y.feats), 0)
     g = jax.grad(lambda f: jnp.sum(fn(x.replace(feats=f), 2, out_capacity=3).feats))(x.feats)
     np.testing.assert_array_equal(np.asarray(g), 0)
+
+
+def test_pool_with_no_output_rows_under_jit():
+  """out_capacity 0 with sites present (an overflow, flagged): no rows out, zero gradients, no gather crash."""
+  x = random_sparse(np.random.default_rng(7), (4, 4, 4), 2, density=0.5, pad=2)
+  for fn in POOLS.values():
+    def loss(f):
+      y, overflow = fn(x.replace(feats=f), 2, out_capacity=0, with_overflow=True)
+      return jnp.sum(y.feats), overflow
+    (value, overflow), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(x.feats)
+    assert bool(overflow) and float(value) == 0
+    np.testing.assert_array_equal(np.asarray(g), 0)

@@ -120,9 +120,10 @@ def _proposals(coords, valid, geom: Geometry, batch_size: int):
 def _scatter_transpose(inv, rows_out: int):
   """nbr [rows_out, V] with nbr[i, v] = j iff inv[j, v] = i (each (i, v) is hit at most once)."""
   cap, v = inv.shape
-  target = jnp.where(inv >= 0, inv, rows_out)  # misses go out of range and are dropped
   src = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[:, None], (cap, v))
-  return jnp.full((rows_out, v), -1, jnp.int32).at[target, jnp.arange(v)[None, :]].set(src, mode="drop")
+  target = jnp.where(inv >= 0, inv, rows_out + src)  # misses go to distinct rows past the end, dropped
+  return jnp.full((rows_out, v), -1, jnp.int32).at[target, jnp.arange(v)[None, :]].set(
+      src, mode="drop", unique_indices=True)
 
 
 # ---- pair maps ------------------------------------------------------------------------------------

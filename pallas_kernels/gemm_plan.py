@@ -82,8 +82,10 @@ def pair_lists(nbr: jax.Array) -> PairLists:
   cap, v = nbr.shape
   has = nbr >= 0
   pos = jnp.cumsum(has, axis=0, dtype=jnp.int32) - 1  # [cap, V]: slot of row i in offset v's list
-  slot = jnp.where(has, pos, cap)  # rows without a neighbour go out of range and are dropped
   rows = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[:, None], (cap, v))
-  lists = jnp.full((v, cap), -1, jnp.int32).at[jnp.arange(v)[None, :], slot].set(rows, mode="drop")
+  # Rows without a neighbour go to distinct slots past the end and are dropped: unique indices, plain stores.
+  slot = jnp.where(has, pos, cap + rows)
+  lists = jnp.full((v, cap), -1, jnp.int32).at[jnp.arange(v)[None, :], slot].set(
+      rows, mode="drop", unique_indices=True)
   sources = jnp.where(lists >= 0, nbr[jnp.maximum(lists, 0), jnp.arange(v)[:, None]], -1)
   return PairLists(lists, jnp.sum(has, axis=0, dtype=jnp.int32), sources)

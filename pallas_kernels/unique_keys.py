@@ -288,9 +288,15 @@ def _smallest_sorted(unique, count, out_capacity: int):
   size = min(out_capacity, tsize)  # at most T keys are kept
 
   def compact_then_sort():  # all kept keys fit: sort `size` entries, not T
-    (slots,) = jnp.nonzero(unique != EMPTY, size=size, fill_value=tsize)
-    slots = slots.astype(jnp.int32)
-    keys = jnp.concatenate([unique, jnp.full((1,), BIG, jnp.int32)])[slots]
+    # Compaction by a prefix sum and a scatter to distinct positions (jnp.nonzero's scatter-add of ones
+    # collides on every target and was the slowest kernel of a strided convolution's site search).
+    kept = unique != EMPTY
+    position = jnp.cumsum(kept, dtype=jnp.int32) - 1
+    everywhere = jnp.arange(tsize, dtype=jnp.int32)
+    target = jnp.where(kept, position, size + everywhere)  # distinct, and out of range where dropped
+    slots = jnp.full((size,), tsize, jnp.int32).at[target].set(
+        everywhere, mode="drop", unique_indices=True)
+    keys = jnp.full((size,), BIG, jnp.int32).at[target].set(unique, mode="drop", unique_indices=True)
     return lax.sort((keys, slots), num_keys=1)
 
   def sort_everything():  # overflow: only the smallest out_capacity keys are kept
@@ -348,9 +354,11 @@ def _output_sites(coords, num, proposals, *, out_capacity, geometry, interpret, 
   num_pairs = capacity * nv
   if num_pairs == 0:
     return out_keys, jnp.full((capacity, nv), -1, jnp.int32), jnp.asarray(False)
-  # Output row of each kept slot (-1 elsewhere); the padding entries' slot T is dropped.
-  slot_rows = jnp.full((tsize,), -1, jnp.int32).at[out_slots].set(
-      jnp.arange(out_capacity, dtype=jnp.int32), mode="drop")
+  # Output row of each kept slot (-1 elsewhere); the padding entries (slot T) go to distinct slots past the
+  # end and are dropped, so the scatter's indices are unique (plain stores, no atomics).
+  out_rows = jnp.arange(out_capacity, dtype=jnp.int32)
+  slot_rows = jnp.full((tsize,), -1, jnp.int32).at[jnp.where(out_slots < tsize, out_slots, tsize + out_rows)].set(
+      out_rows, mode="drop", unique_indices=True)
 
   grid = pl.cdiv(num_pairs, block_pairs)
   inv, ovf = pl.pallas_call(

@@ -626,7 +626,7 @@ def bench_jsparse(w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
       res["peak_bytes"] = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                               - m.alias_size_in_bytes)
       res.update(suite.time_calls(lambda: compiled(p, x), jax.block_until_ready, args.warmup, args.repeats))
-      if args.profile and mode == "train":
+      if args.profile:  # the tables show the training step; the JSON keeps both
         res["profile"] = guarded_profile(lambda: profile_jax(compiled, (p, x), 3, tempfile.mkdtemp()))
       result = compiled(p, x)
       if mode == "inference":
@@ -1044,7 +1044,7 @@ def parse_args(argv=None):
   ap.add_argument("--skip-jsparse", action="store_true",
                   help="anchors only (torch's profiler and JAX's cannot both hold CUPTI in one process)")
   ap.add_argument("--profile", action="store_true",
-                  help="per-op GPU time of each training step (traces): jsparse's, or the anchors' with --skip-jsparse")
+                  help="per-op GPU time of each step (traces; the tables show training): jsparse's, or the anchors' with --skip-jsparse")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   for n in args.networks:

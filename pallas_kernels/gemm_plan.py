@@ -64,28 +64,45 @@ def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int) -> MaskedPlan:
   order = jnp.argsort(key, stable=True).astype(jnp.int32)
   num_blocks = -(-cap // block_m)
   padded = num_blocks * block_m
+  # Whole rows are gathered in processing order (contiguous V-int rows), then each block picks its used
+  # offsets among its own rows: a gather of single ints at (random row, offset) reads 8x the bytes it uses.
   # Padding by jnp.pad, not `zeros(padded).at[:cap].set(...)`: inside a 2-device shard_map that full-range
   # scatter (padded == cap) crashes XLA's Shardy canonicalizer (jax 0.11.2; segfault, seen on CPU and GPU).
-  sorted_has = jnp.pad(has[order], ((0, padded - cap), (0, 0)))
-  used = jnp.any(sorted_has.reshape(num_blocks, block_m, v), axis=1)
+  sorted_rows = jnp.where(valid[:, None], nbr[order], -1)  # valid rows come first in `order`
+  sorted_rows = jnp.pad(sorted_rows, ((0, padded - cap), (0, 0)), constant_values=-1)
+  lanes_last = jnp.transpose(sorted_rows.reshape(num_blocks, block_m, v), (0, 2, 1))  # [block, offset, lane]
+  used = jnp.any(lanes_last >= 0, axis=2)
   counts = jnp.sum(used, axis=1, dtype=jnp.int32)
-  offsets = jnp.argsort(jnp.logical_not(used), axis=1, stable=True).astype(jnp.int32)
-  # One gather straight into the [block, offset, lane] layout the kernel reads (no transposes).
-  lane_rows = jnp.pad(jnp.where(valid[order], order, -1), (0, padded - cap), constant_values=-1)
-  lane_rows = lane_rows.reshape(num_blocks, 1, block_m)
-  flat = jnp.maximum(lane_rows, 0) * v + offsets[:, :, None]
-  block_rows = jnp.where(lane_rows >= 0, jnp.reshape(nbr, (-1,))[flat], -1)
+  offsets = _used_first(used)
+  block_rows = jnp.take_along_axis(lanes_last, offsets[:, :, None], axis=1)
   return MaskedPlan(order, offsets, counts, block_rows)
+
+
+def _used_first(used: jax.Array) -> jax.Array:
+  """int32 [blocks, V]: per block the offsets with used[b, v] first, then the others, each ascending (a stable
+  partition, by prefix sums and a one-hot select instead of a sort)."""
+  v = used.shape[1]
+  counts = jnp.sum(used, axis=1, keepdims=True, dtype=jnp.int32)
+  position = jnp.where(used, jnp.cumsum(used, axis=1, dtype=jnp.int32) - 1,
+                       counts + jnp.cumsum(~used, axis=1, dtype=jnp.int32) - 1)  # where offset v goes
+  slots = jnp.arange(v, dtype=jnp.int32)
+  return jnp.sum(jnp.where(position[:, None, :] == slots[None, :, None], slots[None, None, :], 0), axis=2,
+                 dtype=jnp.int32)
 
 
 def pair_lists(nbr: jax.Array) -> PairLists:
   cap, v = nbr.shape
-  has = nbr >= 0
-  pos = jnp.cumsum(has, axis=0, dtype=jnp.int32) - 1  # [cap, V]: slot of row i in offset v's list
-  rows = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[:, None], (cap, v))
-  # Rows without a neighbour go to distinct slots past the end and are dropped: unique indices, plain stores.
-  slot = jnp.where(has, pos, cap + rows)
-  lists = jnp.full((v, cap), -1, jnp.int32).at[jnp.arange(v)[None, :], slot].set(
-      rows, mode="drop", unique_indices=True)
-  sources = jnp.where(lists >= 0, nbr[jnp.maximum(lists, 0), jnp.arange(v)[:, None]], -1)
-  return PairLists(lists, jnp.sum(has, axis=0, dtype=jnp.int32), sources)
+  # Offset-major, so that consecutive updates of the scatters below write consecutive slots.
+  by_offset = nbr.T  # [V, cap]
+  has = by_offset >= 0
+  rows = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[None, :], (v, cap))
+  # Slot of row i in offset v's list; rows without a neighbour go to distinct slots past the end and are
+  # dropped: unique indices, plain stores.
+  slot = jnp.where(has, jnp.cumsum(has, axis=1, dtype=jnp.int32) - 1, cap + rows)
+  index = (jnp.broadcast_to(jnp.arange(v)[:, None], (v, cap)), slot)
+  empty = jnp.full((v, cap), -1, jnp.int32)
+  lists = empty.at[index].set(rows, mode="drop", unique_indices=True)
+  # The sources are scattered with the same indices rather than gathered back through `lists` (a gather of
+  # single ints at random rows).
+  sources = empty.at[index].set(by_offset, mode="drop", unique_indices=True)
+  return PairLists(lists, jnp.sum(has, axis=1, dtype=jnp.int32), sources)

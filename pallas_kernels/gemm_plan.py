@@ -35,9 +35,18 @@ class MaskedPlan(NamedTuple):
 
 
 class PairLists(NamedTuple):
-  rows: jax.Array  # int32 [V, capacity]: rows[v, :counts[v]] are the rows i with nbr[i, v] >= 0
+  """The (row, source) pairs of every offset. Mirrored lists (`pair_lists(nbr, mirrored=True)`, for a
+  submanifold map, which pairs (i, j) at offset v exactly when it pairs (j, i) at offset V-1-v) store the
+  first (V+1)//2 offsets only: offset v > V//2 reads offset V-1-v's lists with rows and sources swapped.
+  That halves the largest arrays a training step keeps per coordinate set."""
+
+  rows: jax.Array  # int32 [L, capacity]: rows[v, :counts[v]] are the rows i with nbr[i, v] >= 0
   counts: jax.Array  # int32 [V]
-  sources: jax.Array  # int32 [V, capacity]: sources[v, p] = nbr[rows[v, p], v] (-1 past counts[v])
+  sources: jax.Array  # int32 [L, capacity]: sources[v, p] = nbr[rows[v, p], v] (-1 past counts[v])
+
+  @property
+  def mirrored(self) -> bool:
+    return self.rows.shape[0] != self.counts.shape[0]
 
 
 def default_block_m(num_rows: int) -> int:
@@ -90,10 +99,12 @@ def _used_first(used: jax.Array) -> jax.Array:
                  dtype=jnp.int32)
 
 
-def pair_lists(nbr: jax.Array) -> PairLists:
-  cap, v = nbr.shape
+def pair_lists(nbr: jax.Array, mirrored: bool = False) -> PairLists:
+  """PairLists of `nbr`; mirrored=True (only for a submanifold map: see PairLists) stores half the offsets."""
+  cap, num_offsets = nbr.shape
+  v = (num_offsets + 1) // 2 if mirrored and num_offsets > 1 else num_offsets
   # Offset-major, so that consecutive updates of the scatters below write consecutive slots.
-  by_offset = nbr.T  # [V, cap]
+  by_offset = nbr[:, :v].T  # [v, cap]
   has = by_offset >= 0
   rows = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[None, :], (v, cap))
   # Slot of row i in offset v's list; rows without a neighbour go to distinct slots past the end and are
@@ -105,4 +116,7 @@ def pair_lists(nbr: jax.Array) -> PairLists:
   # The sources are scattered with the same indices rather than gathered back through `lists` (a gather of
   # single ints at random rows).
   sources = empty.at[index].set(by_offset, mode="drop", unique_indices=True)
-  return PairLists(lists, jnp.sum(has, axis=1, dtype=jnp.int32), sources)
+  counts = jnp.sum(has, axis=1, dtype=jnp.int32)
+  if v < num_offsets:  # offset V-1-u has as many pairs as offset u
+    counts = jnp.concatenate([counts, jnp.flip(counts[: num_offsets - v])])
+  return PairLists(lists, counts, sources)

@@ -24,10 +24,10 @@ Two stages (the caller may read ``count`` on the host in between, to choose ``ou
      key along its probe run; the other copies become EMPTY in ``unique``. ``count`` = kept slots = the
      number of distinct output sites, exactly.
 2. ``output_sites``:
-   * XLA: the ``out_capacity`` smallest kept keys, ascending, and their slots. When they all fit
-     (``count <= out_capacity``, the normal case) the kept slots are compacted (cumsum) into
-     ``out_capacity`` entries and only those are sorted; on overflow the whole ``unique`` table is sorted
-     instead (a ``lax.cond``: only the branch taken runs). Then ``slot_rows[slot]`` = output row (scatter).
+   * XLA: the ``out_capacity`` smallest kept keys, ascending, and their slots: the kept slots are
+     compacted (cumsum) into ``out_capacity`` entries and only those are sorted. On overflow
+     (``count > out_capacity``) only keys up to the ``out_capacity``-th smallest are kept, found by
+     bisection (a ``lax.cond``: only the branch taken runs). Then ``slot_rows[slot]`` = output row.
    * ``unique_lookup``: flat over pairs, each valid proposal probes to the first copy of its key and reads
      ``slot_rows`` there: ``inv`` (-1 for sites beyond ``out_capacity``).
 
@@ -287,32 +287,37 @@ def _smallest_sorted(unique, count, out_capacity: int):
   their slots (T after them)."""
   tsize = unique.shape[0]
   size = min(out_capacity, tsize)  # at most T keys are kept
-
-  def compact_then_sort():  # all kept keys fit: sort `size` entries, not T
-    # Compaction by a prefix sum and a scatter to distinct positions (jnp.nonzero's scatter-add of ones
-    # collides on every target and was the slowest kernel of a strided convolution's site search).
-    kept = unique != EMPTY
-    position = jnp.cumsum(kept, dtype=jnp.int32) - 1
-    everywhere = jnp.arange(tsize, dtype=jnp.int32)
-    target = jnp.where(kept, position, size + everywhere)  # distinct, and out of range where dropped
-    slots = jnp.full((size,), tsize, jnp.int32).at[target].set(
-        everywhere, mode="drop", unique_indices=True)
-    keys = jnp.full((size,), BIG, jnp.int32).at[target].set(unique, mode="drop", unique_indices=True)
-    return lax.sort((keys, slots), num_keys=1)
-
-  def sort_everything():  # overflow: only the smallest out_capacity keys are kept
-    keys = jnp.where(unique == EMPTY, BIG, unique)
-    keys, slots = lax.sort((keys, jnp.arange(tsize, dtype=jnp.int32)), num_keys=1)
-    keys, slots = keys[:size], slots[:size]
-    return keys, jnp.where(keys == BIG, tsize, slots)
-
   if out_capacity >= tsize:  # count <= T: no overflow possible
-    keys, slots = compact_then_sort()
-  else:
-    keys, slots = lax.cond(count <= out_capacity, compact_then_sort, sort_everything)
+    largest = jnp.int32(BIG)
+  else:  # on overflow keep the keys up to the size-th smallest (kept keys are distinct): exactly `size` of them
+    largest = lax.cond(count <= out_capacity, lambda: jnp.int32(BIG), lambda: _kth_smallest(unique, size))
+  # Compaction by a prefix sum and a scatter to distinct positions, then a sort of `size` entries, not T
+  # (jnp.nonzero's scatter-add of ones collides on every target and was the slowest kernel of a strided
+  # convolution's site search; sorting the whole table on overflow held a sort scratch of T pairs).
+  kept = (unique != EMPTY) & (unique <= largest)
+  position = jnp.cumsum(kept, dtype=jnp.int32) - 1
+  everywhere = jnp.arange(tsize, dtype=jnp.int32)
+  target = jnp.where(kept, position, size + everywhere)  # distinct, and out of range where dropped
+  slots = jnp.full((size,), tsize, jnp.int32).at[target].set(everywhere, mode="drop", unique_indices=True)
+  keys = jnp.full((size,), BIG, jnp.int32).at[target].set(unique, mode="drop", unique_indices=True)
+  keys, slots = lax.sort((keys, slots), num_keys=1)
   spare = out_capacity - size
   return (jnp.concatenate([keys, jnp.full((spare,), BIG, jnp.int32)]),
           jnp.concatenate([slots, jnp.full((spare,), tsize, jnp.int32)]))
+
+
+def _kth_smallest(unique, k: int):
+  """The k-th smallest (1-based) non-EMPTY key of `unique` (k >= 1, at least k such keys): a bisection over
+  the non-negative int32 keys, 31 counting passes (overflow only, so memory matters more than time)."""
+
+  def halve(_, bounds):
+    lo, hi = bounds
+    mid = lo + (hi - lo) // 2
+    enough = jnp.sum((unique != EMPTY) & (unique <= mid), dtype=jnp.int32) >= k
+    return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+
+  lo, _ = lax.fori_loop(0, 31, halve, (jnp.int32(0), jnp.int32(BIG)))
+  return lo
 
 
 def output_sites(coords, num, proposals: ProposalTable, out_capacity: int, *,

@@ -266,7 +266,7 @@ def test_output_sites_interpret_matches_numpy(in_shape, batch, num, capacity, ke
   count = ref_output_sites(coords, num, geom, 0)[2]
   distinct = ref_output_sites(coords, num, geom, count)[0]
   # Exact capacity, spare rows, and too few rows (then the smallest keys are kept).
-  for out_capacity in (count, count + 9, count // 2):
+  for out_capacity in (count, count + 9, count // 2, 1, 0):
     table, out_keys, inv, overflow = _output_sites_interpret(coords, num, geom, batch, out_capacity)
     ref_keys, ref_inv, _ = ref_output_sites(coords, num, geom, out_capacity)
     assert not overflow and int(table.count) == count

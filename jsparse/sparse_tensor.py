@@ -316,8 +316,8 @@ class SparseTensor:
     feats = jnp.where(valid[:, None], dense.reshape(-1, dense.shape[-1])[jnp.maximum(flat, 0)], 0)
     overflow = count > capacity
     out = cls(coords, feats, jnp.minimum(count, capacity), (x, y, z), b, overflow=overflow)
-    report(overflow, f"from_dense: {{count}} active sites for capacity {capacity}; the sites past it were dropped",
-           eager=not with_overflow, count=count)
+    report(overflow, f"from_dense: {{count}} active sites do not fit in capacity={capacity}; the sites past it "
+           "were dropped", eager=not with_overflow, count=count)
     return (out, overflow) if with_overflow else out
 
   # ---- views ---------------------------------------------------------------------------------------

@@ -393,8 +393,8 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   plan = _device_plan(keys, jnp.asarray(spatial_shape, jnp.int32))
   coords, out, num = _reduce(plan, f, capacity=capacity, reduce=reduce)
   overflow = plan.count > capacity
-  report(overflow, f"voxelize_jit: {{count}} occupied voxels for capacity {capacity}; the voxels past it were "
-         "dropped", eager=False, count=plan.count)
+  report(overflow, f"voxelize_jit: {{count}} occupied voxels do not fit in capacity={capacity}; the voxels past "
+         "it were dropped", eager=False, count=plan.count)
   return SparseTensor(coords, out, num, spatial_shape, batch_size, overflow=overflow), overflow
 
 

@@ -524,10 +524,8 @@ def concat(a: SparseTensor, b: SparseTensor) -> SparseTensor:
     raise ValueError(
         f"concat needs tensors on the same coordinates: capacity/spatial_shape/batch_size "
         f"{(a.capacity, a.spatial_shape, a.batch_size)} vs {(b.capacity, b.spatial_shape, b.batch_size)}")
-  if _same_coords(a.num, b.num) is False or _same_coords(a.coords, b.coords) is False:
-    raise ValueError("concat needs tensors on the same coordinates: their coords (or num) differ")
   if a.dtype != b.dtype:
     raise ValueError(f"concat needs one dtype, got {a.dtype} and {b.dtype}")
-  check_same_sites("concat", "b", b.coords, b.num, a.coords, a.num)
+  check_same_sites("concat", "b", b.coords, b.num, a.coords, a.num, " (concat needs tensors on the same coordinates)")
   return dataclasses.replace(a, feats=jnp.concatenate([a.feats, b.feats], axis=1), caches={**b.caches, **a.caches},
                              overflow=a.overflow | b.overflow)

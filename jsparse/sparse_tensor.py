@@ -78,14 +78,15 @@ def check_same_sites(op: str, what: str, coords, num, like_coords, like_num, hin
   if coords is like_coords and num is like_num:
     return
   same = jnp.array_equal(coords, like_coords) & (num == like_num)
-  report(jnp.logical_not(same), f"{op}: {what} is on other coordinates than the input "
-         f"(its num {{num}}, the input's {{like_num}}){hint}", num=num, like_num=like_num)
+  report(jnp.logical_not(same), f"{op}: {what} is on other coordinates than the input (its coords or num differ: "
+         f"num {{num}} vs {{like_num}}){hint}", num=num, like_num=like_num)
 
 
 def overflowed(x: "SparseTensor") -> jax.Array:
   """bool scalar: True if an op on the way to x dropped sites (an out_capacity or capacity too small) or a GPU
   hash table ran out of probes, so x is not the exact result. Works under jit, where overflows do not raise
-  (outside jit they raise). `jax.experimental.checkify` reports which op overflowed, with its counts."""
+  (outside jit they raise). `jax.experimental.checkify` reports which op overflowed, with its counts.
+  Results that are plain arrays (`global_pool`, `todense`) carry no flag: ask their input."""
   check_sparse_tensor(x)
   return jnp.asarray(x.overflow)
 

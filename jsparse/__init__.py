@@ -17,9 +17,8 @@ from jsparse import nn, norm, plot, sampling, serialize, shapes, voxelize  # noq
 
 __all__ = [
     "SparseTensor", "round_capacity", "overflowed", "NeighborCache", "neighbor_map", "with_maps", "kernel_offsets",
-    "submconv3d",
-    "submconv_xla", "sparse_conv3d", "sparse_inverse_conv3d", "sparse_conv_transpose3d", "sparse_max_pool3d",
-    "sparse_avg_pool3d", "global_pool", "concat", "strided_map", "IMPLEMENTATIONS", "autotune", "ConfigTable",
-    "PassConfig", "ALGORITHMS", "nn", "norm", "plot", "sampling", "serialize", "shapes", "voxelize",
+    "submconv3d", "submconv_xla", "sparse_conv3d", "sparse_inverse_conv3d", "sparse_conv_transpose3d",
+    "sparse_max_pool3d", "sparse_avg_pool3d", "global_pool", "concat", "strided_map", "IMPLEMENTATIONS", "autotune",
+    "ConfigTable", "PassConfig", "ALGORITHMS", "nn", "norm", "plot", "sampling", "serialize", "shapes", "voxelize",
 ]
 __version__ = "0.1.0"

@@ -57,7 +57,7 @@ def report(failed, message: str, *, error=ValueError, eager: bool = True, **coun
   """Reports a failed check: outside jit raises `error`, under jit hands it to `jax.experimental.checkify`.
 
   failed: bool scalar, True when the check failed. message: a str.format template whose fields are `counts`
-  (int scalars, concrete or traced), e.g. "sparse_conv3d: {count} output sites for out_capacity 100".
+  (int scalars, concrete or traced), e.g. "sparse_conv3d: {count} output sites do not fit in out_capacity=100".
   Under jit this is `checkify.debug_check`: `checkify.checkify(f, errors=checkify.user_checks)` returns the
   formatted message as its error, and without checkify the check compiles to nothing (a plain
   `checkify.check` would refuse to trace under jit unless functionalized). eager=False: no raise outside jit
@@ -294,9 +294,9 @@ class SparseTensor:
 
     capacity: rows of the result. None: round_capacity of the number of sites, "exact": that number (both count
       on the host: outside jit).
-    Under jit with a capacity, sites past the capacity cannot be stored: pass with_overflow=True to get
-    `(tensor, overflow)` where overflow is a bool scalar that is True when sites were dropped. Outside jit
-    an overflow raises ValueError.
+    Under jit with a capacity, sites past the capacity cannot be stored: the tensor's overflow flag
+    (`jsparse.overflowed`) is set and `jax.experimental.checkify` reports the counts; with_overflow=True
+    returns `(tensor, overflow)` too. Outside jit an overflow raises ValueError (with_overflow=True: returned).
     """
     dense = jnp.asarray(dense)
     if dense.ndim != 5:

@@ -58,8 +58,8 @@ def report(failed, message: str, *, error=ValueError, eager: bool = True, **coun
 
   failed: bool scalar, True when the check failed. message: a str.format template whose fields are `counts`
   (int scalars, concrete or traced), e.g. "sparse_conv3d: {count} output sites do not fit in out_capacity=100".
-  Under jit this is `checkify.debug_check`: `checkify.checkify(f, errors=checkify.user_checks)` returns the
-  formatted message as its error, and without checkify the check compiles to nothing (a plain
+  Under jit this is `checkify.debug_check`: `checkify.checkify(f)` (errors=checkify.user_checks, its default)
+  returns the formatted message as its error, and without checkify the check compiles to nothing (a plain
   `checkify.check` would refuse to trace under jit unless functionalized). eager=False: no raise outside jit
   (for ops that return the flag to the caller instead).
   """

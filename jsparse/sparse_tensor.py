@@ -158,7 +158,8 @@ class SparseTensor:
 
   overflow: bool scalar, True if an op on the way to this tensor dropped sites that did not fit its
     out_capacity, or a GPU hash table ran out of probes (`jsparse.overflowed`). Ops that make new sites OR
-    their own flag into their input's; ops on the same sites keep it. Default False.
+    their own flag into their input's; ops on the same sites keep it (submconv3d ORs in its neighbour map's
+    hash-table flag, a constant False on the XLA path). Default False.
 
   The capacity (the number of rows) is static so that jitted code sees fixed shapes while the number
   of sites varies; round it up with `round_capacity` to limit recompilations.

@@ -205,6 +205,12 @@ class Inputs:
   batch_size: int
   targets: list = dataclasses.field(default_factory=list)  # decoder: sorted int64 keys of each finer level
 
+  def __post_init__(self):
+    # Row-major, whatever made them (np.argwhere's output is column-major): spconv reads its indices as a
+    # row-major buffer (see indices_tensor).
+    self.coords = np.ascontiguousarray(self.coords, np.int32)
+    self.feats = np.ascontiguousarray(self.feats, np.float32)
+
 
 @functools.lru_cache(maxsize=4)  # the three LiDAR networks read the same scans
 def lidar_inputs(w: Workload, seed: int) -> Inputs:
@@ -437,6 +443,16 @@ def jax_functions(network: Callable, inp: Inputs, capacities: dict, dtype, imple
 # ---- spconv backend -----------------------------------------------------------------------------------
 
 
+def indices_tensor(torch, coords):
+  """spconv's indices: int32, on the GPU, row-major. spconv's kernels read indices as a row-major [N, 4] buffer
+  whatever the tensor's strides (spconv 2.3.8 does not check), and torch.from_numpy keeps a numpy array's layout:
+  np.argwhere's output is column-major, and such coordinates (the decoder's) made spconv's SubMConv3d read other
+  sites' features (relative error 0.59 against jsparse, 2026-11-24) and its SparseConvTranspose3d return 8 rows."""
+  if isinstance(coords, np.ndarray):
+    coords = torch.from_numpy(np.ascontiguousarray(coords, np.int32))
+  return coords.cuda().int().contiguous()
+
+
 class TorchBackend:
   """spconv's modules, created on first use with the shared parameters and reused on later calls."""
 
@@ -492,23 +508,22 @@ class TorchBackend:
 
   @scoped("upsample", _torch_scope)
   def upsample(self, x, name, cout, level, key=None):
-    """Every site's 8 children (child t gets x @ W[t]: one dense matmul), kept where the target has them.
-    spconv's SparseConvTranspose3d(2, 2) is not used: on these inputs it returned 8 rows for 3530 sites (spconv
-    2.3.8, H100, 2026-11-24) and the next layer failed."""
+    """spconv's SparseConvTranspose3d(2, 2): child 2c + t of site c gets x[c] @ W[:, t] (spconv's transposed
+    pairs are out = in * stride + t, with the KRSC weight (Cout, 2, 2, 2, Cin): jsparse's ODHWI convention, no
+    flip). All 8 children are computed (spconv has no masked transposed conv), then those outside the target
+    occupancy are dropped. Its earlier "8 output rows for 3530 sites" came from column-major indices (spconv
+    reads indices as row-major [N, 4]; see `indices_tensor`), not from the op."""
     torch = self.torch
     cin = self.channels(x)
-    if name not in self.modules:
-      w = self._tensor(self.params.get(name, (cout, 2, 2, 2, cin)))
-      self.modules[name] = torch.nn.ParameterList([w])
-    w = self.modules[name][0]
-    children = torch.einsum("nc,otc->nto", x.features, w.reshape(cout, 8, cin))  # [N, 8, Cout]
-    off = torch.tensor(np.array(np.unravel_index(np.arange(8), (2, 2, 2))).T, device=x.indices.device)
-    idx = x.indices.long()
-    child = torch.cat([idx[:, None, :1].expand(-1, 8, 1), idx[:, None, 1:] * 2 + off[None]], dim=2)  # [N, 8, 4]
-    sx, sy, sz = (2 * n for n in x.spatial_shape)
-    keys = ((child[..., 0] * sx + child[..., 1]) * sy + child[..., 2]) * sz + child[..., 3]
+    m = self._module(name, lambda: self.spconv.SparseConvTranspose3d(cin, cout, 2, 2, bias=False),
+                     (cout, 2, 2, 2, cin))
+    y = m(x)
+    idx = y.indices.long()
+    sx, sy, sz = y.spatial_shape
+    keys = ((idx[:, 0] * sx + idx[:, 1]) * sy + idx[:, 2]) * sz + idx[:, 3]
     keep = torch.isin(keys, self.targets[level - 1])
-    out = self.spconv.SparseConvTensor(children[keep], child[keep].int(), [sx, sy, sz], x.batch_size)
+    out = self.spconv.SparseConvTensor(y.features[keep], indices_tensor(torch, y.indices[keep]),
+                                       list(y.spatial_shape), y.batch_size)
     self.trace.append(f"{name}: {out.features.shape[0]} kept of {keys.numel()} children")
     return out
 
@@ -587,20 +602,24 @@ def import_spconv(which: str = "spconv"):
 # ---- timing, memory, cross-check --------------------------------------------------------------------
 
 
-def sorted_by_key(coords: np.ndarray, feats: np.ndarray, spatial_shape):
-  c = coords.astype(np.int64)
-  keys = ((c[:, 0] * spatial_shape[0] + c[:, 1]) * spatial_shape[1] + c[:, 2]) * spatial_shape[2] + c[:, 3]
-  order = np.argsort(keys, kind="stable")
-  return keys[order], feats[order]
+def sorted_by_site(coords: np.ndarray, feats: np.ndarray):
+  """Rows ordered by (batch, x, y, z). Lexicographic on the coordinates themselves: a linear key needs the
+  output's grid, and the input grid a caller has at hand is not it for up-sampling networks (the decoder's output
+  grid is 4x its input's; keys over the input grid collided and the features were compared between other sites)."""
+  c = np.asarray(coords, np.int64)
+  order = np.lexsort(c.T[::-1])
+  return c[order], np.asarray(feats)[order]
 
 
-def cross_check(a, b, spatial_shape) -> dict:
+def cross_check(a, b) -> dict:
   """a, b: (coords [N, 4], feats [N, C]) in any row order. Same site set, and the relative error."""
-  ka, fa = sorted_by_key(*a, spatial_shape)
-  kb, fb = sorted_by_key(*b, spatial_shape)
-  if ka.shape != kb.shape or not np.array_equal(ka, kb):
-    return {"same_sites": False, "rows": [int(ka.shape[0]), int(kb.shape[0])]}
-  return {"same_sites": True, "rows": int(ka.shape[0]), "rel_err": suite.rel_err(fa, fb)}
+  ca, fa = sorted_by_site(*a)
+  cb, fb = sorted_by_site(*b)
+  if ca.shape != cb.shape or not np.array_equal(ca, cb):
+    return {"same_sites": False, "rows": [int(ca.shape[0]), int(cb.shape[0])]}
+  if len(ca) > 1 and np.any(np.all(ca[1:] == ca[:-1], axis=1)):  # rows of one site could pair up either way
+    return {"same_sites": False, "rows": int(ca.shape[0]), "duplicate_sites": True}
+  return {"same_sites": True, "rows": int(ca.shape[0]), "rel_err": suite.rel_err(fa, fb)}
 
 
 def bench_jsparse(w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
@@ -626,7 +645,7 @@ def bench_jsparse(w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
       res["peak_bytes"] = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                               - m.alias_size_in_bytes)
       res.update(suite.time_calls(lambda: compiled(p, x), jax.block_until_ready, args.warmup, args.repeats))
-      if args.profile and mode == "train":
+      if args.profile:  # the tables show the training step; the JSON keeps both
         res["profile"] = guarded_profile(lambda: profile_jax(compiled, (p, x), 3, tempfile.mkdtemp()))
       result = compiled(p, x)
       if mode == "inference":
@@ -654,7 +673,7 @@ def bench_spconv(lib, w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
   network = NETWORKS[w.network]
   params = Params(args.seed)
   backend = TorchBackend(sp, torch, params, tdtype, inp.targets)
-  coords = torch.from_numpy(inp.coords).cuda().int()
+  coords = indices_tensor(torch, inp.coords)
   feats = torch.from_numpy(inp.feats).cuda().to(tdtype)
 
   def forward(f):
@@ -713,12 +732,12 @@ def first_layer(names) -> str:
   return next(n for n in ("conv_input", "stem_a", "in") if n in names)
 
 
-def compare(js: dict, ref: dict, mode: str, spatial_shape) -> dict:
+def compare(js: dict, ref: dict, mode: str) -> dict:
   a, b = js.get("check"), ref.get("check")
   if a is None or b is None:
     return {}
   if mode == "inference":
-    return cross_check(a, b, spatial_shape)
+    return cross_check(a, b)
   return {"loss_rel_err": abs(a["loss"] - b["loss"]) / max(abs(b["loss"]), 1e-30),
           "input_grad_rel_err": suite.rel_err(a["input_grad"], b["input_grad"]),
           "first_weight_grad_rel_err": suite.rel_err(a["first_weight_grad"], b["first_weight_grad"])}
@@ -909,7 +928,7 @@ def run(args) -> dict:
           line = f"  {dname:5s} {mode:9s} jsparse {_ms(js)}"
           for lname in rec["anchors"]:
             an = rec["anchors"][lname].get(mode, {})
-            cmp_ = compare(js, an, mode, inp.spatial_shape)
+            cmp_ = compare(js, an, mode)
             an["cross_check"] = cmp_
             speed = an.get("median_ms", float("nan")) / js.get("median_ms", float("nan"))
             line += f" | {lname} {_ms(an)} ({speed:.2f}x) check {_fmt_check(cmp_)}"
@@ -1044,7 +1063,7 @@ def parse_args(argv=None):
   ap.add_argument("--skip-jsparse", action="store_true",
                   help="anchors only (torch's profiler and JAX's cannot both hold CUPTI in one process)")
   ap.add_argument("--profile", action="store_true",
-                  help="per-op GPU time of each training step (traces): jsparse's, or the anchors' with --skip-jsparse")
+                  help="per-op GPU time of each step (traces; the tables show training): jsparse's, or the anchors' with --skip-jsparse")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   for n in args.networks:

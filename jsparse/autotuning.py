@@ -213,7 +213,7 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
   w = jnp.asarray(rng.standard_normal((v, call.cin, call.cout)) / np.sqrt(v * call.cin), call.dtype)
   if call.weight_layout == "ovi":
     w = jnp.transpose(w, (2, 0, 1))
-  pairs = pair_lists(call.nbr)
+  pairs = pair_lists(call.nbr, mirrored=call.transposed is None)  # as the convolution builds them
   plans: dict[tuple[str, int], object] = {}
   best = {}
   for pass_name in passes:

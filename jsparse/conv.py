@@ -262,7 +262,9 @@ def _conv_weight_grad(feats, g, maps: _MapArrays, opts: _PallasOptions):
     d_w = jnp.einsum(spec, gather_rows(feats, maps.nbr), jnp.where(valid[:, None], g, 0).astype(feats.dtype),
                      precision=dot_precision(opts.precision, feats.dtype), preferred_element_type=jnp.float32)
     return d_w.astype(feats.dtype)
-  return weight_grad_lib.weight_grad(feats, g, maps.nbr, pairs=maps.pairs, config=opts.weight_grad.tiles,
+  # With pair lists the map is not passed: the backward pass then keeps the lists alive, not the map too.
+  nbr = maps.nbr if maps.pairs is None else None
+  return weight_grad_lib.weight_grad(feats, g, nbr, pairs=maps.pairs, config=opts.weight_grad.tiles,
                                      precision=opts.precision, interpret=opts.interpret, out_dtype=feats.dtype,
                                      weight_layout=opts.weight_layout)
 

@@ -85,7 +85,7 @@ class NeighborCache:
     return gemm_plan.masked_plan(self.nbr, self.num, block_m)
 
   def pair_lists(self):
-    return self.pairs if self.pairs is not None else gemm_plan.pair_lists(self.nbr)
+    return self.pairs if self.pairs is not None else gemm_plan.pair_lists(self.nbr, mirrored=True)
 
   @property
   def num_offsets(self) -> int:
@@ -138,7 +138,7 @@ def neighbor_map(x: SparseTensor, kernel_size=3, dilation=1, implementation: str
   if impl.is_pallas:
     sizes = plan_block_sizes if plan_block_sizes is not None else tuning.plan_block_sizes(x.capacity)
     plans = {int(bm): gemm_plan.masked_plan(nbr, x.num, int(bm)) for bm in sizes}
-    pairs = gemm_plan.pair_lists(nbr)
+    pairs = gemm_plan.pair_lists(nbr, mirrored=True)  # a submanifold map is its own mirror image
   cache = NeighborCache(nbr, overflow, ks, dil, plans, pairs, x.num, x.coords)
   report(overflow, "neighbor_map: the neighbour hash table overflowed (a probe ran past its bound); the map is "
          "invalid", error=RuntimeError)

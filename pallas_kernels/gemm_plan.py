@@ -35,9 +35,18 @@ class MaskedPlan(NamedTuple):
 
 
 class PairLists(NamedTuple):
-  rows: jax.Array  # int32 [V, capacity]: rows[v, :counts[v]] are the rows i with nbr[i, v] >= 0
+  """The (row, source) pairs of every offset. Mirrored lists (`pair_lists(nbr, mirrored=True)`, for a
+  submanifold map, which pairs (i, j) at offset v exactly when it pairs (j, i) at offset V-1-v) store the
+  first (V+1)//2 offsets only: offset v > V//2 reads offset V-1-v's lists with rows and sources swapped.
+  That halves the largest arrays a training step keeps per coordinate set."""
+
+  rows: jax.Array  # int32 [L, capacity]: rows[v, :counts[v]] are the rows i with nbr[i, v] >= 0
   counts: jax.Array  # int32 [V]
-  sources: jax.Array  # int32 [V, capacity]: sources[v, p] = nbr[rows[v, p], v] (-1 past counts[v])
+  sources: jax.Array  # int32 [L, capacity]: sources[v, p] = nbr[rows[v, p], v] (-1 past counts[v])
+
+  @property
+  def mirrored(self) -> bool:
+    return self.rows.shape[0] != self.counts.shape[0]
 
 
 def default_block_m(num_rows: int) -> int:
@@ -64,28 +73,50 @@ def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int) -> MaskedPlan:
   order = jnp.argsort(key, stable=True).astype(jnp.int32)
   num_blocks = -(-cap // block_m)
   padded = num_blocks * block_m
+  # Whole rows are gathered in processing order (contiguous V-int rows), then each block picks its used
+  # offsets among its own rows: a gather of single ints at (random row, offset) reads 8x the bytes it uses.
   # Padding by jnp.pad, not `zeros(padded).at[:cap].set(...)`: inside a 2-device shard_map that full-range
   # scatter (padded == cap) crashes XLA's Shardy canonicalizer (jax 0.11.2; segfault, seen on CPU and GPU).
-  sorted_has = jnp.pad(has[order], ((0, padded - cap), (0, 0)))
-  used = jnp.any(sorted_has.reshape(num_blocks, block_m, v), axis=1)
+  sorted_rows = jnp.where(valid[:, None], nbr[order], -1)  # valid rows come first in `order`
+  sorted_rows = jnp.pad(sorted_rows, ((0, padded - cap), (0, 0)), constant_values=-1)
+  lanes_last = jnp.transpose(sorted_rows.reshape(num_blocks, block_m, v), (0, 2, 1))  # [block, offset, lane]
+  used = jnp.any(lanes_last >= 0, axis=2)
   counts = jnp.sum(used, axis=1, dtype=jnp.int32)
-  offsets = jnp.argsort(jnp.logical_not(used), axis=1, stable=True).astype(jnp.int32)
-  # One gather straight into the [block, offset, lane] layout the kernel reads (no transposes).
-  lane_rows = jnp.pad(jnp.where(valid[order], order, -1), (0, padded - cap), constant_values=-1)
-  lane_rows = lane_rows.reshape(num_blocks, 1, block_m)
-  flat = jnp.maximum(lane_rows, 0) * v + offsets[:, :, None]
-  block_rows = jnp.where(lane_rows >= 0, jnp.reshape(nbr, (-1,))[flat], -1)
+  offsets = _used_first(used)
+  block_rows = jnp.take_along_axis(lanes_last, offsets[:, :, None], axis=1)
   return MaskedPlan(order, offsets, counts, block_rows)
 
 
-def pair_lists(nbr: jax.Array) -> PairLists:
-  cap, v = nbr.shape
-  has = nbr >= 0
-  pos = jnp.cumsum(has, axis=0, dtype=jnp.int32) - 1  # [cap, V]: slot of row i in offset v's list
-  rows = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[:, None], (cap, v))
-  # Rows without a neighbour go to distinct slots past the end and are dropped: unique indices, plain stores.
-  slot = jnp.where(has, pos, cap + rows)
-  lists = jnp.full((v, cap), -1, jnp.int32).at[jnp.arange(v)[None, :], slot].set(
-      rows, mode="drop", unique_indices=True)
-  sources = jnp.where(lists >= 0, nbr[jnp.maximum(lists, 0), jnp.arange(v)[:, None]], -1)
-  return PairLists(lists, jnp.sum(has, axis=0, dtype=jnp.int32), sources)
+def _used_first(used: jax.Array) -> jax.Array:
+  """int32 [blocks, V]: per block the offsets with used[b, v] first, then the others, each ascending (a stable
+  partition, by prefix sums and a one-hot select instead of a sort)."""
+  v = used.shape[1]
+  counts = jnp.sum(used, axis=1, keepdims=True, dtype=jnp.int32)
+  position = jnp.where(used, jnp.cumsum(used, axis=1, dtype=jnp.int32) - 1,
+                       counts + jnp.cumsum(~used, axis=1, dtype=jnp.int32) - 1)  # where offset v goes
+  slots = jnp.arange(v, dtype=jnp.int32)
+  return jnp.sum(jnp.where(position[:, None, :] == slots[None, :, None], slots[None, None, :], 0), axis=2,
+                 dtype=jnp.int32)
+
+
+def pair_lists(nbr: jax.Array, mirrored: bool = False) -> PairLists:
+  """PairLists of `nbr`; mirrored=True (only for a submanifold map: see PairLists) stores half the offsets."""
+  cap, num_offsets = nbr.shape
+  v = (num_offsets + 1) // 2 if mirrored and num_offsets > 1 else num_offsets
+  # Offset-major, so that consecutive updates of the scatters below write consecutive slots.
+  by_offset = nbr[:, :v].T  # [v, cap]
+  has = by_offset >= 0
+  rows = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[None, :], (v, cap))
+  # Slot of row i in offset v's list; rows without a neighbour go to distinct slots past the end and are
+  # dropped: unique indices, plain stores.
+  slot = jnp.where(has, jnp.cumsum(has, axis=1, dtype=jnp.int32) - 1, cap + rows)
+  index = (jnp.broadcast_to(jnp.arange(v)[:, None], (v, cap)), slot)
+  empty = jnp.full((v, cap), -1, jnp.int32)
+  lists = empty.at[index].set(rows, mode="drop", unique_indices=True)
+  # The sources are scattered with the same indices rather than gathered back through `lists` (a gather of
+  # single ints at random rows).
+  sources = empty.at[index].set(by_offset, mode="drop", unique_indices=True)
+  counts = jnp.sum(has, axis=1, dtype=jnp.int32)
+  if v < num_offsets:  # offset V-1-u has as many pairs as offset u
+    counts = jnp.concatenate([counts, jnp.flip(counts[: num_offsets - v])])
+  return PairLists(lists, counts, sources)

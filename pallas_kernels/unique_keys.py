@@ -31,11 +31,12 @@ Two stages (the caller may read ``count`` on the host in between, to choose ``ou
    * ``unique_lookup``: flat over pairs, each valid proposal probes to the first copy of its key and reads
      ``slot_rows`` there: ``inv`` (-1 for sites beyond ``out_capacity``).
 
-Table size ``T``: a power of two >= 2 * B, B = min(capacity * P, batch_size * |output grid|), P the most
+Table size ``T``: a power of two >= 1.5 * B, B = min(capacity * P, batch_size * |output grid|), P the most
 offsets one input site can send to outputs (offsets congruent to (position + padding) modulo the stride
 on every axis: 1 for kernel == stride, 8 for a 3^3 kernel with stride 2). Occupied slots never exceed
 the number of valid proposals (a lane fills at most one EMPTY slot), at most capacity * P, so when that
-is the smaller bound the table stays at most half full and no probe loop (bounded by ``max_probes``,
+is the smaller bound the table stays at most 2/3 full (the bound is loose: a LiDAR scan's proposals fill
+a few percent, and the table is the largest buffer of a strided convolution's site search) and no probe loop (bounded by ``max_probes``,
 default ``T``) can run out. When the output grid is the smaller bound, filling the table would need more
 racing second copies than distinct sites; either way an exhausted bound only sets ``overflow``.
 
@@ -105,9 +106,9 @@ def proposals_per_site(geometry: ProposalGeometry) -> int:
 
 
 def default_table_size(capacity: int, geometry: ProposalGeometry, batch_size: int) -> int:
-  """Smallest power of two >= 2 * min(capacity * proposals_per_site, batch_size * |output grid|)."""
+  """Smallest power of two >= 1.5 * min(capacity * proposals_per_site, batch_size * |output grid|)."""
   bound = min(capacity * proposals_per_site(geometry), batch_size * math.prod(geometry.out_shape))
-  return table_size_for(bound, factor=2)
+  return table_size_for(bound, factor=1.5)
 
 
 # --------------------------------------------------------------------------------------------

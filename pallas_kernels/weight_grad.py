@@ -88,15 +88,15 @@ def balanced_work(counts: jax.Array, split: int, block_k: int) -> WorkList:
   return WorkList(offset, jnp.where(used, start, 0), jnp.where(used, stop, 0))
 
 
-def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, balanced, split, cin, cout, block_m, block_n,
-                        block_k, bf16_split, precision, cout_major):
+def _weight_grad_kernel(x_ref, dy_ref, *refs, use_pairs, mirrored, balanced, split, num_rows, num_offsets, cin,
+                        cout, block_m, block_n, block_k, bf16_split, precision, cout_major):
   refs = list(refs)
   o_ref = refs.pop()
+  nbr_ref = None if use_pairs else refs.pop(0)
   x_lo_ref, dy_lo_ref = (refs.pop(0), refs.pop(0)) if bf16_split else (None, None)
   if balanced:
     work_refs, refs = refs[-3:], refs[:-3]
   pair_rows_ref, pair_counts_ref, pair_sources_ref = refs if use_pairs else (None, None, None)
-  num_rows, num_offsets = nbr_ref.shape
   ci = pl.program_id(1) * block_m + jnp.arange(block_m)
   co = pl.program_id(2) * block_n + jnp.arange(block_n)
   ci_ok = ci < cin
@@ -115,12 +115,24 @@ def _weight_grad_kernel(x_ref, dy_ref, nbr_ref, *refs, use_pairs, balanced, spli
     stop = jnp.minimum(start + per, length)
   steps = pl.cdiv(jnp.maximum(stop - start, 0), block_k)
   rk = jnp.arange(block_k)
+  if mirrored:  # offset v's pairs are offset V-1-v's with the two rows swapped (PairLists)
+    stored = jnp.minimum(v, num_offsets - 1 - v)
+    swap = v != stored
+
+  def load_pairs(idx):
+    if not mirrored:
+      return (plgpu.load(pair_rows_ref.at[v, idx], mask=idx < stop, other=0),
+              plgpu.load(pair_sources_ref.at[v, idx], mask=idx < stop, other=-1))
+    listed = idx < stop
+    first = plgpu.load(pair_rows_ref.at[stored, idx], mask=listed, other=0)
+    second = plgpu.load(pair_sources_ref.at[stored, idx], mask=listed, other=0)
+    return (jnp.where(listed, jnp.where(swap, second, first), 0),
+            jnp.where(listed, jnp.where(swap, first, second), -1))
 
   def step(t, acc):
     idx = start + t * block_k + rk
     if use_pairs:  # both loads one indirection away from the loop counter (see gemm_plan.py)
-      rows = plgpu.load(pair_rows_ref.at[v, idx], mask=idx < stop, other=0)
-      nb = plgpu.load(pair_sources_ref.at[v, idx], mask=idx < stop, other=-1)
+      rows, nb = load_pairs(idx)
     else:
       rows = idx
       nb = plgpu.load(nbr_ref.at[rows, v], mask=rows < stop, other=-1)
@@ -186,9 +198,10 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
                 interpret: bool = False, out_dtype=None, weight_layout: str = "vio"):
   """dW [V, Cin, Cout] = per offset v, sum over sites i with nbr[i, v] >= 0 of outer(x[nbr[i, v]], dy[i]).
 
-  x: [R, Cin] (gathered through nbr), dy: [M, Cout] (rows >= num must have nbr == -1), nbr: int32 [M, V].
-  pairs: `gemm_plan.pair_lists(nbr)`: walk only the rows that have a neighbour at each offset (else all
-    rows, skipping chunks with none at run time). Required by a `config.balanced` config.
+  x: [R, Cin] (gathered through nbr), dy: [M, Cout] (rows >= num must have nbr == -1), nbr: int32 [M, V], or
+    None when pairs are given (then it is not read).
+  pairs: `gemm_plan.pair_lists(nbr)` (mirrored or not): walk only the rows that have a neighbour at each offset
+    (else all rows, skipping chunks with none at run time). Required by a `config.balanced` config.
   precision: for float32, None/"tf32" (run as bf16 hi/lo products, see the module doc) or "highest"
     (full float32 products).
   weight_layout: "vio" returns [V, Cin, Cout]; "ovi" returns [Cout, V, Cin] (the programs store their tiles
@@ -196,10 +209,13 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   Accumulates in float32; returns out_dtype (default x.dtype).
   """
   cout_major = check_weight_layout(weight_layout) == "ovi"
-  m, num_offsets = nbr.shape
+  if nbr is None and pairs is None:
+    raise ValueError("weight_grad: pass nbr, or pair lists (pairs=...)")
+  m = dy.shape[0]
+  num_offsets = pairs.counts.shape[0] if pairs is not None else nbr.shape[1]
   cin, cout = x.shape[1], dy.shape[1]
-  if dy.shape[0] != m:
-    raise ValueError(f"weight_grad: dy has {dy.shape[0]} rows, nbr has {m}")
+  if nbr is not None and nbr.shape != (m, num_offsets):
+    raise ValueError(f"weight_grad: nbr has shape {nbr.shape}, expected ({m}, {num_offsets}) for dy's rows")
   if min(m, x.shape[0], cin, cout) == 0:  # no pair of rows to multiply (and an empty ref cannot be traced)
     return jnp.zeros((cout, num_offsets, cin) if cout_major else (num_offsets, cin, cout), out_dtype or x.dtype)
   cfg = config or default_config(m, cin, cout, num_offsets, x.dtype)
@@ -211,10 +227,11 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   if bf16_split:
     (x, x_lo), (dy, dy_lo) = _split_bf16(x), _split_bf16(dy)
   kernel = functools.partial(
-      _weight_grad_kernel, use_pairs=pairs is not None, balanced=cfg.balanced, split=cfg.split, cin=cin,
-      cout=cout, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, bf16_split=bf16_split,
+      _weight_grad_kernel, use_pairs=pairs is not None, mirrored=pairs is not None and pairs.mirrored,
+      balanced=cfg.balanced, split=cfg.split, num_rows=m, num_offsets=num_offsets, cin=cin, cout=cout, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, bf16_split=bf16_split,
       precision=dot_precision(precision, x.dtype), cout_major=cout_major)
-  args = [x, dy, nbr]
+  # With pair lists the map itself is not read (nor kept alive for the backward pass).
+  args = [x, dy] + ([nbr] if pairs is None else [])
   if bf16_split:
     args += [x_lo, dy_lo]
   if pairs is not None:

@@ -332,7 +332,7 @@ def test_output_sites_bad_arguments():
   c = jnp.zeros((8, 4), jnp.int32)
   geom = _conv_geometry((3, 3, 3), 2, 1, 1, (4, 4, 4))
   dedupe = functools.partial(unique_keys.dedupe_proposals, geometry=geom, batch_size=1, interpret=True)
-  assert unique_keys.default_table_size(8, geom, 1) == 16  # 2 x 2 x 2 output sites, doubled, >= 16
+  assert unique_keys.default_table_size(8, geom, 1) == 16  # 2 x 2 x 2 output sites, x 1.5, >= 16
   for table_size in (8, 24):  # too small; not a power of two
     with pytest.raises(ValueError, match="table_size"):
       dedupe(c, 0, table_size=table_size)
@@ -352,9 +352,10 @@ def test_proposals_per_site_and_table_size():
   assert unique_keys.proposals_per_site(_conv_geometry((3, 3, 3), 2, 1, 1, (8, 8, 8))) == 8
   assert unique_keys.proposals_per_site(_conv_geometry((3, 3, 3), 1, 1, 1, (8, 8, 8))) == 27
   assert unique_keys.proposals_per_site(_conv_geometry((3, 3, 3), 2, 2, 2, (8, 8, 8))) == 27  # 2d = 0 mod 2
-  # The smaller of capacity * P and the output grid, doubled and rounded up to a power of two.
+  # The smaller of capacity * P and the output grid, times 1.5, rounded up to a power of two.
   assert unique_keys.default_table_size(1000, _conv_geometry((3, 3, 3), 2, 1, 1, (8, 8, 8)), 1) == 128
-  assert unique_keys.default_table_size(10, _conv_geometry((3, 3, 3), 2, 1, 1, (64, 64, 64)), 1) == 256
+  assert unique_keys.default_table_size(10, _conv_geometry((3, 3, 3), 2, 1, 1, (64, 64, 64)), 1) == 128
+  assert unique_keys.default_table_size(11, _conv_geometry((3, 3, 3), 2, 1, 1, (64, 64, 64)), 1) == 256
 
 
 # ------------------------------------------------------------------------------------------

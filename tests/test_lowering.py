@@ -65,6 +65,9 @@ def test_masked_and_splitk_variants_lower(split, dtype):
                                                             config=kcfg), x, w, nbr, num, b)
   lower_for_cuda(lambda x, w, nbr, num, b: gather_gemm(x, w, nbr, num, b, config=cfg), x, w, nbr, num, b)
   lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, nbr, pairs=pair_lists(nbr), config=cfg), x, g, nbr)
+  # Mirrored lists (half the offsets stored, rows and sources swapped for the others), without the map.
+  lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, None, pairs=pair_lists(nbr, mirrored=True), config=cfg),
+                 x, g, nbr)
 
 
 def test_kernels_lower_inside_shard_map():
@@ -103,6 +106,7 @@ def test_balanced_weight_grad_lowers(dtype):
   x, nbr, g = _spec((m, cin), dtype), _spec((m, v), jnp.int32), _spec((m, cout), dtype)
   for cfg in (TileConfig(64, 32, 32, split=4, balanced=True), TileConfig(128, 64, 64, split=1, balanced=True)):
     for precision in (None, "highest"):
-      text = lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, nbr, pairs=pair_lists(nbr), config=cfg,
-                                                          precision=precision), x, g, nbr)
-      assert "triton" in text
+      for mirrored in (False, True):
+        text = lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, nbr, pairs=pair_lists(nbr, mirrored), config=cfg,
+                                                            precision=precision), x, g, nbr)
+        assert "triton" in text

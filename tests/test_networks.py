@@ -1,12 +1,16 @@
 """The networks benchmark's harness (benchmarks/networks.py) on tiny inputs, XLA path: the planned, jitted
-network equals its eager run, training gives finite gradients for every parameter, the cross-check and the loss
-probe do not depend on row order, and profile rows are attributed as documented."""
+network equals its eager run, training gives finite gradients for every parameter, the decoder equals an
+independent dense reference (tests/decoder_reference.py), the cross-check and the loss probe do not depend on row
+order, and profile rows are attributed as documented."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from benchmarks import networks
+import decoder_reference
 
 
 def test_cross_check_is_row_order_free_and_catches_other_sites():
@@ -14,13 +18,38 @@ def test_cross_check_is_row_order_free_and_catches_other_sites():
   coords = np.stack([np.zeros(20), rng.permutation(20), np.arange(20), np.arange(20) % 3], 1).astype(np.int32)
   feats = rng.standard_normal((20, 3)).astype(np.float32)
   perm = rng.permutation(20)
-  same = networks.cross_check((coords, feats), (coords[perm], feats[perm]), (20, 20, 3))
+  same = networks.cross_check((coords, feats), (coords[perm], feats[perm]))
   assert same["same_sites"] and same["rel_err"] == 0.0
   moved = coords.copy()
   moved[0] = (0, 19, 19, 2)  # the row with y = 19 has z = 19 % 3 = 1: this site is new
-  assert not networks.cross_check((coords, feats), (moved, feats), (20, 20, 3))["same_sites"]
-  off = networks.cross_check((coords, feats), (coords, feats * 1.1), (20, 20, 3))
+  assert not networks.cross_check((coords, feats), (moved, feats))["same_sites"]
+  off = networks.cross_check((coords, feats), (coords, feats * 1.1))
   assert off["rel_err"] == pytest.approx(0.1 / 1.1, rel=1e-4)
+  doubled = np.concatenate([coords[:1], coords[:-1]])
+  assert not networks.cross_check((doubled, feats), (doubled, feats))["same_sites"]
+
+
+def test_cross_check_needs_no_grid():
+  """The decoder's output grid is 4x its input's: linear keys over the input grid (what the harness passed)
+  collide there, e.g. (x, y, z) = (0, 1, 0) and (0, 0, 4) on a 4^3 grid, and features swapped between such
+  sites compared equal. Sites are compared by their coordinates now."""
+  coords = np.array([[0, 0, 1, 0], [0, 0, 0, 4], [0, 3, 2, 9]], np.int32)
+  feats = np.array([[1.0], [2.0], [3.0]], np.float32)
+  swapped = networks.cross_check((coords, feats), (coords, feats[[1, 0, 2]]))
+  assert swapped["same_sites"] and swapped["rel_err"] > 0.3
+
+
+@pytest.mark.parametrize("name", list(networks.NETWORKS))
+def test_inputs_are_row_major(name):
+  """spconv reads its indices as a row-major [N, 4] buffer whatever the tensor's strides, and torch.from_numpy
+  keeps numpy's layout. np.argwhere's output is column-major: the decoder's coordinates reached spconv so, its
+  SubMConv3d read other sites (cross-check error 0.59 on an H100) and its SparseConvTranspose3d returned 8 rows
+  for 3530 sites (benchmarks/results/2026-11-24_h100_decoder_crosscheck_probe.log)."""
+  inp = networks.make_inputs(networks.workload(name, "tiny"))
+  assert inp.coords.dtype == np.int32 and inp.coords.flags.c_contiguous
+  assert inp.feats.dtype == np.float32 and inp.feats.flags.c_contiguous
+  made = networks.Inputs(np.asfortranarray(inp.coords), inp.feats, inp.spatial_shape, inp.batch_size)
+  assert made.coords.flags.c_contiguous
 
 
 def test_probe_is_a_function_of_the_coordinates():
@@ -58,7 +87,7 @@ def test_planned_jitted_network_matches_eager_and_trains(name):
   n = int(num)
   assert n == int(eager.num) > 0
   check = networks.cross_check((np.asarray(coords[:n]), np.asarray(feats[:n])),
-                               (np.asarray(eager.coords[:n]), np.asarray(eager.feats[:n])), inp.spatial_shape)
+                               (np.asarray(eager.coords[:n]), np.asarray(eager.feats[:n])))
   assert check["same_sites"] and check["rel_err"] < 1e-5
   value, (gp, gx) = jax.jit(train)(p, x)
   assert np.isfinite(float(value))
@@ -67,3 +96,27 @@ def test_planned_jitted_network_matches_eager_and_trains(name):
     assert np.all(np.isfinite(np.asarray(g))), k
   assert float(jnp.max(jnp.abs(gx))) > 0
   assert np.all(np.asarray(gx[len(inp.coords):]) == 0)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_decoder_matches_dense_reference(batch_size):
+  """The decoder as the benchmark runs it (capacities planned, jitted, XLA path, float32 'highest') against a
+  float64 numpy reference written from the definitions: dense submanifold convolutions, GroupNorm over each
+  item's occupied sites, children c*2 + t taking W[:, t] (torch's ConvTranspose3d convention) pruned to the
+  target occupancy. Narrower than the benchmark's (512, 256, 128) channels to keep the CPU time small; batch 2
+  checks that GroupNorm keeps the items apart."""
+  w = networks.Workload("decoder", "tiny", batch_size, resolution=16)
+  inp = networks.make_inputs(w)
+  channels = (64, 32, 32)
+  net = functools.partial(networks.decoder, channels=channels)
+  params = networks.Params(0)
+  caps = networks.plan_capacities(net, inp, params, jnp.float32, "xla", "highest")
+  p = {k: jnp.asarray(v) for k, v in params.arrays.items()}
+  inference, _ = networks.jax_functions(net, inp, caps, jnp.float32, "xla", "highest")
+  coords, feats, num = jax.jit(inference)(p, networks.jax_input(inp, jnp.float32))
+  n = int(num)
+  ref = decoder_reference.decoder(inp.coords, inp.feats, inp.spatial_shape, batch_size, inp.targets, params.arrays,
+                                  channels=channels)
+  assert n == len(ref[0]) == len(inp.targets[-1]) and set(np.unique(ref[0][:, 0])) == set(range(batch_size))
+  check = networks.cross_check((np.asarray(coords[:n]), np.asarray(feats[:n])), ref)
+  assert check["same_sites"] and check["rel_err"] < 1e-5, check

@@ -471,3 +471,43 @@ def test_balanced_weight_grad_config_drives_submconv():
     assert tuning.choose("weight_grad", x.capacity, 5, 6, 27, jnp.float32) == cfg
     gp = jax.grad(loss)(w, "pallas")
   assert rel_err(gp, jax.grad(loss)(w, "xla")) < 1e-5
+
+
+@pytest.mark.parametrize("v_kernel", [3, (3, 1, 5)])
+def test_mirrored_pair_lists(v_kernel):
+  """A submanifold map's pair lists stored for half the offsets (PairLists.mirrored) give the same weight
+  gradient as the full lists and the dense reference, with or without the map, in both weight layouts."""
+  from pallas_kernels.gemm_plan import pair_lists
+  from pallas_kernels.tiling import TileConfig
+  from pallas_kernels.weight_grad import weight_grad
+
+  rng = np.random.default_rng(41)
+  x = random_sparse(rng, (9, 7, 8), 6, batch_size=2, density=0.3, pad=13)
+  nbr = jsparse.neighbor_map(x, v_kernel, implementation="xla").nbr
+  v = nbr.shape[1]
+  full, half = pair_lists(nbr), pair_lists(nbr, mirrored=True)
+  assert not full.mirrored and half.mirrored and half.rows.shape == ((v + 1) // 2, x.capacity)
+  np.testing.assert_array_equal(np.asarray(half.counts), np.asarray(full.counts))
+  # Offset V-1-u holds offset u's pairs swapped: the same set of (row, source) pairs.
+  for u in range(v):
+    stored = min(u, v - 1 - u)
+    count = int(full.counts[u])
+    rows, srcs = np.asarray(half.rows[stored, :count]), np.asarray(half.sources[stored, :count])
+    if u != stored:
+      rows, srcs = srcs, rows
+    want = sorted(zip(np.asarray(full.rows[u, :count]).tolist(), np.asarray(full.sources[u, :count]).tolist()))
+    assert sorted(zip(rows.tolist(), srcs.tolist())) == want
+  dy = jnp.asarray(rng.standard_normal((x.capacity, 5)), jnp.float32)
+  dy = jnp.where(x.valid_mask()[:, None], dy, 0)
+  ref = _weight_grad_reference(x.feats, dy, nbr)
+  for cfg in (TileConfig(16, 16, 16, split=3), TileConfig(16, 16, 16, split=2, balanced=True)):
+    for layout in ("vio", "ovi"):
+      dw = weight_grad(x.feats, dy, None, pairs=half, config=cfg, precision="highest", interpret=True,
+                       weight_layout=layout)
+      dw_full = weight_grad(x.feats, dy, nbr, pairs=full, config=cfg, precision="highest", interpret=True,
+                            weight_layout=layout)
+      if layout == "ovi":
+        dw, dw_full = jnp.transpose(dw, (1, 2, 0)), jnp.transpose(dw_full, (1, 2, 0))
+      assert rel_err(dw, ref) < 1e-5 and rel_err(dw_full, ref) < 1e-5
+  with pytest.raises(ValueError, match="pair lists"):
+    weight_grad(x.feats, dy, None, interpret=True)

@@ -1,0 +1,23 @@
+"""Probe: training steps with mirrored submanifold pair lists (the default) against full ones, A/B in one process.
+
+`python -m benchmarks.probes.mirrored_probe [networks.py arguments]` runs the networks benchmark twice: as
+shipped, then with `neighbor_map` building full pair lists (PairLists for all V offsets). Prints both tables.
+"""
+import sys
+
+from benchmarks import networks
+from jsparse import neighbors
+from pallas_kernels import gemm_plan
+
+
+def main(argv):
+  print("== mirrored pair lists (default)", flush=True)
+  networks.main(argv + ["--out", "/tmp/mirrored_a"])
+  full = gemm_plan.pair_lists
+  neighbors.gemm_plan.pair_lists = lambda nbr, mirrored=False: full(nbr, False)  # probe only: full lists
+  print("== full pair lists", flush=True)
+  networks.main(argv + ["--out", "/tmp/mirrored_b"])
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,6 +1,7 @@
 """Submanifold sparse convolution: the differentiable op and its implementations."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 
 from jsparse import autotuning, dispatch, tuning
 from jsparse.neighbors import NeighborCache, cache_key, check_dilation, check_kernel_size, neighbor_map
-from jsparse.sparse_tensor import SparseTensor, check_sparse_tensor
+from jsparse.sparse_tensor import SparseTensor, check_same_sites, check_sparse_tensor
 from pallas_kernels import gather_gemm as gather_gemm_lib
 from pallas_kernels import weight_grad as weight_grad_lib
 from pallas_kernels.tiling import dot_precision
@@ -53,6 +54,7 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
   layout = WEIGHT_LAYOUTS[weight_layout]
   num_offsets, cin, cout = weight_dims(w, layout)
   key = cache_key(kernel_size, dil, implementation)
+  passed = cache is not None
   if cache is None:
     cache = x.caches.get(key)
   if cache is None:
@@ -61,8 +63,13 @@ def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: Neighbo
     raise ValueError(
         f"cache was built for kernel_size={cache.kernel_size}, dilation={cache.dilation}, capacity={cache.capacity}"
         f" but this conv has kernel_size={kernel_size}, dilation={dil}, capacity={x.capacity}")
+  elif passed and cache.coords is not None:
+    # A map carried in x.caches is x's by construction (replacing coords drops them); a passed one may not be.
+    check_same_sites("submconv3d", "cache (a NeighborCache)", cache.coords, cache.num, x.coords, x.num,
+                     ": build it with neighbor_map of this input")
   impl = dispatch.resolve(implementation)
-  x = x.with_cache(key, cache)  # the output shares x's coordinates, so it carries the map on
+  # The output shares x's coordinates, so it carries the map on, and the map's hash-table overflow flag.
+  x = dataclasses.replace(x.with_cache(key, cache), overflow=x.overflow | cache.overflow)
   if not impl.is_pallas:
     return x.replace(feats=submconv_xla(x.feats, w, b, cache.nbr, x.num, precision=precision,
                                         weight_layout=weight_layout))

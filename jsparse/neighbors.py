@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jsparse import dispatch, tuning
 from pallas_kernels import gemm_plan
-from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int, linear_keys
+from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int, linear_keys, report
 
 
 def as_triple(value, name: str) -> tuple[int, int, int]:
@@ -60,8 +60,11 @@ class NeighborCache:
 
   nbr: int32 [capacity, V]; nbr[i, v] = row of the site at coords[i] + offset v, or -1 (no site there,
     outside the grid, or i is a padding row).
-  overflow: bool scalar; True if the GPU hash table ran out of probes (then nbr is unreliable). It is
-    checkable under jit; outside jit `neighbor_map` raises instead.
+  overflow: bool scalar; True if the GPU hash table ran out of probes (then nbr is unreliable). Outside jit
+    `neighbor_map` raises instead; under jit submconv3d ORs it into its output's flag (`jsparse.overflowed`)
+    and `jax.experimental.checkify` reports it.
+  coords, num: the coordinates the map was built on (the input's own arrays, no copy), to check that a
+    convolution gets the map of its input's coordinates.
   """
 
   nbr: jax.Array
@@ -73,6 +76,7 @@ class NeighborCache:
   plans: dict = dataclasses.field(default_factory=dict)  # block_m -> MaskedPlan
   pairs: Any = None  # PairLists for the weight gradient, or None
   num: Any = None  # int32 scalar: valid rows of the coordinates the map was built on
+  coords: Any = None  # int32 [capacity, 4]: those coordinates
 
   def plan(self, block_m: int):
     """The masked-GEMM plan for blocks of `block_m` rows (built now if the cache has none for it)."""
@@ -135,9 +139,9 @@ def neighbor_map(x: SparseTensor, kernel_size=3, dilation=1, implementation: str
     sizes = plan_block_sizes if plan_block_sizes is not None else tuning.plan_block_sizes(x.capacity)
     plans = {int(bm): gemm_plan.masked_plan(nbr, x.num, int(bm)) for bm in sizes}
     pairs = gemm_plan.pair_lists(nbr, mirrored=True)  # a submanifold map is its own mirror image
-  cache = NeighborCache(nbr, overflow, ks, dil, plans, pairs, x.num)
-  if not isinstance(overflow, jax.core.Tracer):
-    cache.check()
+  cache = NeighborCache(nbr, overflow, ks, dil, plans, pairs, x.num, x.coords)
+  report(overflow, "neighbor_map: the neighbour hash table overflowed (a probe ran past its bound); the map is "
+         "invalid", error=RuntimeError)
   return cache
 
 

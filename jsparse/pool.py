@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jsparse import per_item
 from jsparse.conv import gather_rows
 from jsparse.sparse_conv import pair_map
-from jsparse.sparse_tensor import SparseTensor
+from jsparse.sparse_tensor import SparseTensor, check_sparse_tensor
 
 _GLOBAL_REDUCE = ("mean", "max", "sum")
 
@@ -92,15 +92,17 @@ _window_mean.defvjp(_window_mean_fwd, _window_mean_bwd)
 
 def _pool(x: SparseTensor, kernel_size, stride, padding, dilation, out_capacity, reduce: str, with_overflow,
           implementation):
+  check_sparse_tensor(x)
   st = kernel_size if stride is None else stride
-  pm = pair_map(x, kernel_size, st, padding, dilation, out_capacity, implementation=implementation)
+  pm = pair_map(x, kernel_size, st, padding, dilation, out_capacity, implementation=implementation,
+                op=f"sparse_{reduce.replace('mean', 'avg')}_pool3d")
   g = pm.geom
   # Windows are disjoint when each one ends before the next begins along every axis.
   disjoint = all(d * (k - 1) + 1 <= s for k, s, d in zip(g.kernel_size, g.stride, g.dilation))
   window = _window_max if reduce == "max" else _window_mean
   out = window(x.feats, pm.nbr, pm.inv, disjoint)
   valid = jnp.arange(pm.out_capacity) < pm.out_num
-  out = pm.output(jnp.where(valid[:, None], out, 0).astype(x.dtype))
+  out = pm.output(jnp.where(valid[:, None], out, 0).astype(x.dtype), x)
   return (out, pm.overflow) if with_overflow else out
 
 
@@ -114,6 +116,8 @@ def sparse_max_pool3d(x: SparseTensor, kernel_size, stride=None, padding=0, dila
   -inf at inactive sites and in the padding, read at the output sites (spconv's max pool starts from 0
   instead, so the two agree only on non-negative inputs, e.g. after a ReLU). The gradient goes to the first
   input in offset order among ties. implementation: how the output sites are found (`pair_map`).
+  Overflow of out_capacity as sparse_conv3d: ValueError outside jit; under jit the output's flag
+  (`jsparse.overflowed`) and a `jax.experimental.checkify` report.
   """
   return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "max", with_overflow, implementation)
 

@@ -23,10 +23,12 @@ x's coordinates (checked statically, and on the values outside jit), else it rec
 x's proposed outputs among y's sites, which is correct for any row order of y.
 
 Overflow. With a static `out_capacity`, more output sites than rows cannot be stored: outside jit that
-raises ValueError; under jit nothing raises, `PairMap.overflow` is True and the output holds the
-`out_capacity` smallest-keyed sites. Pass `with_overflow=True` to get `(output, overflow)`. The Pallas path
-also sets the flag (and raises RuntimeError outside jit) if its hash table ran past a probe bound, which
-the default table size rules out in practice.
+raises ValueError; under jit nothing raises, `PairMap.overflow` is True, the output holds the
+`out_capacity` smallest-keyed sites, its `overflow` flag is set (`jsparse.overflowed`, carried on by every
+later op) and `jax.experimental.checkify` reports the op and the counts (sparse_tensor.report). Pass
+`with_overflow=True` to also get this op's flag, `(output, overflow)`. The Pallas path also sets the flag
+(and raises RuntimeError outside jit) if its hash table ran past a probe bound, which the default table size
+rules out in practice.
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ from jsparse import autotuning, dispatch, tuning
 from jsparse.conv import (WEIGHT_LAYOUTS, _MapArrays, _PallasOptions, _submconv_pallas, check_weight, submconv_xla,
                           weight_dims)
 from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
-from jsparse.sparse_tensor import EXACT, MAX_KEYS, SparseTensor, check_capacity, resolve_capacity
+from jsparse.sparse_tensor import (EXACT, MAX_KEYS, SparseTensor, check_capacity, check_same_sites, report,
+                                   resolve_capacity)
 from pallas_kernels import gemm_plan, unique_keys
 
 _BIG = int(np.iinfo(np.int32).max)
@@ -162,10 +165,11 @@ class PairMap:
   def in_capacity(self) -> int:
     return self.inv.shape[0]
 
-  def output(self, feats) -> SparseTensor:
-    """A SparseTensor on the output coordinates, carrying this map."""
+  def output(self, feats, x: SparseTensor) -> SparseTensor:
+    """A SparseTensor on the output coordinates of input x, carrying this map and x's overflow flag or'd
+    with this map's."""
     return SparseTensor(self.out_coords, feats, self.out_num, self.geom.out_shape, self.batch_size,
-                        {pair_map_key(self.geom): self})
+                        {pair_map_key(self.geom): self}, overflow=x.overflow | self.overflow)
 
 
 def pair_map_key(geom: Geometry) -> str:
@@ -177,13 +181,15 @@ def pair_map_key(geom: Geometry) -> str:
 
 
 def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_capacity: int | None = None,
-             *, check: bool = True, implementation: str | None = None) -> PairMap:
+             *, check: bool = True, implementation: str | None = None, op: str = "pair_map") -> PairMap:
   """The output coordinates and both maps of a strided sparse convolution of `x` (module docstring).
 
   Output sites (spconv's SparseConv3d rule): every output position, in the same batch item, whose receptive
   field holds at least one valid input. out_capacity: static rows of the output; None: round_capacity of the
-  number of output sites, "exact": that number (both count them on the host: outside jit only). check: raise ValueError outside jit when the sites overflow out_capacity.
+  number of output sites, "exact": that number (both count them on the host: outside jit only).
+  check: report an overflow of out_capacity (ValueError outside jit, checkify under jit; sparse_tensor.report).
   implementation: None (GPU hash table on a GPU, XLA sort elsewhere), "pallas" or "xla"; same result.
+  op: the op named in those reports.
   """
   out_capacity = check_capacity(out_capacity, "out_capacity")
   geom = geometry(x.spatial_shape, kernel_size, stride, padding, dilation)
@@ -198,13 +204,15 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   if out_capacity is None or out_capacity == EXACT:
     out_capacity = resolve_capacity(out_capacity, count, "out_capacity", "output sites")
   overflow = count > out_capacity
-  if check and not _is_traced(overflow) and bool(overflow):
-    raise ValueError(f"{int(count)} output sites do not fit in out_capacity={out_capacity}")
+  if check:
+    report(overflow, f"{op}: {{count}} output sites do not fit in out_capacity={out_capacity}; the sites past it "
+           "were dropped", count=count)
   if impl.is_pallas:
     out_coords, out_num, nbr, inv, table_overflow = _hashed_compact(
         x.coords, x.num, proposals, geom, x.batch_size, out_capacity, impl.interpret)
-    if check and not _is_traced(table_overflow) and bool(table_overflow):
-      raise RuntimeError("output-site hash table overflowed: a probe ran past its bound; the map is invalid")
+    if check:
+      report(table_overflow, f"{op}: the output-site hash table overflowed (a probe ran past its bound); the map "
+             "is invalid", error=RuntimeError)
     overflow = overflow | table_overflow
   else:
     out_coords, out_num, nbr, inv = _compact(keys, ok, flat, first, count, geom, x.batch_size, out_capacity)
@@ -324,13 +332,16 @@ def sparse_conv3d(x: SparseTensor, weight, bias=None, *, stride=1, padding=0, di
   tuning.check_algorithm(algorithm)
   impl = dispatch.resolve(implementation)
   if cache is None:
-    cache = pair_map(x, ks, stride, padding, dilation, out_capacity, implementation=implementation)
+    cache = pair_map(x, ks, stride, padding, dilation, out_capacity, implementation=implementation,
+                     op="sparse_conv3d")
   elif (cache.geom != geometry(x.spatial_shape, ks, stride, padding, dilation)
         or cache.in_capacity != x.capacity):
     raise ValueError("cache was built for another geometry or input capacity than this convolution")
+  else:
+    check_same_sites("sparse_conv3d", "cache (a PairMap)", cache.in_coords, cache.in_num, x.coords, x.num)
   feats = _map_gemm(x.feats, w, b, cache.nbr, cache.out_num, jnp.flip(cache.inv, 1), x.num, impl, precision,
                     algorithm, weight_layout)
-  out = cache.output(feats)
+  out = cache.output(feats, x)
   return (out, cache.overflow) if with_overflow else out
 
 
@@ -343,18 +354,49 @@ def _same_coords(a, b) -> bool | None:
   return a.shape == b.shape and bool(jnp.array_equal(a, b))
 
 
+def _describe(geom: Geometry) -> str:
+  return (f"kernel_size={geom.kernel_size}, stride={geom.stride}, padding={geom.padding}, "
+          f"dilation={geom.dilation}")
+
+
 def _inverse_maps(y: SparseTensor, like: SparseTensor, geom: Geometry):
   """(inv [like.capacity, V], nbr [y.capacity, V]) between like (conv input) and y (conv output)."""
+  op = "sparse_inverse_conv3d"
   pm = y.caches.get(pair_map_key(geom))
-  if (pm is not None and pm.geom == geom and pm.in_capacity == like.capacity and pm.out_capacity == y.capacity
-      and _same_coords(pm.in_coords, like.coords) is not False and _same_coords(pm.in_num, like.num) is not False
-      and _same_coords(pm.out_coords, y.coords) is not False):
-    return pm.inv, pm.nbr
+  if pm is not None and pm.geom == geom and pm.in_capacity == like.capacity and pm.out_capacity == y.capacity:
+    same = (_same_coords(pm.in_coords, like.coords), _same_coords(pm.in_num, like.num),
+            _same_coords(pm.out_coords, y.coords))
+    if None in same:
+      # Under jit the map is trusted (nothing to fall back to at trace time); checkify can tell if it is wrong.
+      check_same_sites(op, "the pair map that y carries", pm.in_coords, pm.in_num, like.coords, like.num,
+                       ": pass as `like` the input of the convolution that made y")
+      check_same_sites(op, "y's pair map's output", pm.out_coords, pm.out_num, y.coords, y.num,
+                       ": y's rows were changed after the convolution that made it")
+    if False not in same:
+      return pm.inv, pm.nbr
+  else:
+    _check_same_geometry(y, like, geom)
   # Recompute: search the outputs each site of `like` feeds among y's sites (any row order of y works).
   keys, ok = _proposals(like.coords, like.valid_mask(), geom, like.batch_size)
   sorted_keys, order = sorted_site_keys(y)
   inv = lookup_keys(sorted_keys, order, keys, ok)
   return inv, _scatter_transpose(inv, y.capacity)
+
+
+def _check_same_geometry(y: SparseTensor, like: SparseTensor, geom: Geometry) -> None:
+  """Reports a y that another geometry's convolution made from like's coordinates: the inverse of a
+  convolution takes its kernel_size, stride, padding and dilation (spconv's indice_key)."""
+  for other in y.caches.values():
+    if not (isinstance(other, PairMap) and other.geom != geom and other.geom.in_shape == like.spatial_shape
+            and other.batch_size == like.batch_size and other.in_capacity == like.capacity
+            and other.out_capacity == y.capacity):
+      continue
+    message = (f"sparse_inverse_conv3d: y was made from `like` by a convolution with {_describe(other.geom)}, "
+               f"but this inverse has {_describe(geom)}: pass the forward convolution's")
+    if other.in_coords is like.coords and other.in_num is like.num:
+      raise ValueError(message)
+    made_from_like = jnp.array_equal(other.in_coords, like.coords) & (other.in_num == like.num)
+    report(made_from_like, message)
 
 
 def sparse_inverse_conv3d(y: SparseTensor, weight, bias=None, *, like: SparseTensor, stride=1, padding=0,
@@ -371,8 +413,10 @@ def sparse_inverse_conv3d(y: SparseTensor, weight, bias=None, *, like: SparseTen
   weight: (Kx, Ky, Kz, C_y, Cout), or (Cout, Kx, Ky, Kz, C_y) with weight_layout="ODHWI". The map comes from
   y.caches when y (or a submanifold stack on it) came out of that sparse_conv3d on like's coordinates, else
   it is recomputed (module docstring). Under jit a cached map is trusted when its shapes fit: pass the `like`
-  the forward convolution saw.
-  The output has like's coordinates and caches.
+  the forward convolution saw (checked outside jit, and under jit by `jax.experimental.checkify`). A y that
+  was made from like by a convolution of another kernel_size / stride / padding / dilation raises ValueError
+  (under jit: checkify), as spconv ties an inverse to its forward's indice_key.
+  The output has like's coordinates and caches, and the overflow flag of both inputs.
   """
   ks, w, b = check_weight(y, weight, bias, weight_layout)
   tuning.check_algorithm(algorithm)
@@ -386,7 +430,7 @@ def sparse_inverse_conv3d(y: SparseTensor, weight, bias=None, *, like: SparseTen
   # The forward map of the inverse is the transposed map of the convolution, and vice versa.
   feats = _map_gemm(y.feats, w, b, inv, like.num, jnp.flip(nbr, 1), y.num, impl, precision, algorithm,
                     weight_layout)
-  return like.replace(feats=feats)
+  return like.replace(feats=feats, overflow=like.overflow | y.overflow)
 
 
 def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out_capacity: int | None = None,
@@ -432,8 +476,8 @@ def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out
   if out_capacity is None or out_capacity == EXACT:
     out_capacity = resolve_capacity(out_capacity, count, "out_capacity", "children")
   overflow = count > out_capacity
-  if not _is_traced(overflow) and bool(overflow):
-    raise ValueError(f"{int(count)} children do not fit in out_capacity={out_capacity}")
+  report(overflow, f"sparse_conv_transpose3d: {{count}} children do not fit in out_capacity={out_capacity}; the "
+         "children past it were dropped", count=count)
   out_num = jnp.minimum(count, out_capacity)
   (flat,) = jnp.nonzero(keep.reshape(-1), size=out_capacity, fill_value=0)
   filled = jnp.arange(out_capacity) < out_num
@@ -461,7 +505,8 @@ def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out
     if b is not None:
       feats = feats + b.astype(jnp.float32)
     feats = jnp.where(filled[:, None], feats, 0).astype(x.dtype)
-  out = SparseTensor(out_coords.astype(jnp.int32), feats, out_num, out_shape, x.batch_size)
+  out = SparseTensor(out_coords.astype(jnp.int32), feats, out_num, out_shape, x.batch_size,
+                     overflow=x.overflow | overflow)
   return (out, overflow) if with_overflow else out
 
 
@@ -472,14 +517,15 @@ def concat(a: SparseTensor, b: SparseTensor) -> SparseTensor:
   """Concatenates the feats of two tensors on the same coordinates (a's channels first).
 
   Capacity, spatial_shape and batch_size must match (checked always); the coordinates and num are compared
-  outside jit (ValueError if they differ); under jit they are trusted. The result carries both tensors' caches.
+  outside jit (ValueError if they differ); under jit they are trusted and `jax.experimental.checkify` compares
+  them. The result carries both tensors' caches and overflow flags (or'd).
   """
   if (a.capacity, a.spatial_shape, a.batch_size) != (b.capacity, b.spatial_shape, b.batch_size):
     raise ValueError(
         f"concat needs tensors on the same coordinates: capacity/spatial_shape/batch_size "
         f"{(a.capacity, a.spatial_shape, a.batch_size)} vs {(b.capacity, b.spatial_shape, b.batch_size)}")
-  if _same_coords(a.num, b.num) is False or _same_coords(a.coords, b.coords) is False:
-    raise ValueError("concat needs tensors on the same coordinates: their coords (or num) differ")
   if a.dtype != b.dtype:
     raise ValueError(f"concat needs one dtype, got {a.dtype} and {b.dtype}")
-  return dataclasses.replace(a, feats=jnp.concatenate([a.feats, b.feats], axis=1), caches={**b.caches, **a.caches})
+  check_same_sites("concat", "b", b.coords, b.num, a.coords, a.num, " (concat needs tensors on the same coordinates)")
+  return dataclasses.replace(a, feats=jnp.concatenate([a.feats, b.feats], axis=1), caches={**b.caches, **a.caches},
+                             overflow=a.overflow | b.overflow)

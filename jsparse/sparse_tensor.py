@@ -9,6 +9,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 # Linear site keys are int32 (JAX runs without x64 by default), so the grid must fit in 2**31 keys.
 MAX_KEYS = 2**31 - 1
@@ -46,6 +47,48 @@ def _check_feats_dtype(dtype, name: str = "feats") -> None:
   # features a convolution can produce: reject both rather than coerce.
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"{name} must be real floating point (float16, bfloat16, float32), got dtype {dtype}")
+
+
+def is_traced(*values) -> bool:
+  return any(isinstance(v, jax.core.Tracer) for v in values)
+
+
+def report(failed, message: str, *, error=ValueError, eager: bool = True, **counts) -> None:
+  """Reports a failed check: outside jit raises `error`, under jit hands it to `jax.experimental.checkify`.
+
+  failed: bool scalar, True when the check failed. message: a str.format template whose fields are `counts`
+  (int scalars, concrete or traced), e.g. "sparse_conv3d: {count} output sites do not fit in out_capacity=100".
+  Under jit this is `checkify.debug_check`: `checkify.checkify(f)` (errors=checkify.user_checks, its default)
+  returns the formatted message as its error, and without checkify the check compiles to nothing (a plain
+  `checkify.check` would refuse to trace under jit unless functionalized). eager=False: no raise outside jit
+  (for ops that return the flag to the caller instead).
+  """
+  if is_traced(failed):
+    checkify.debug_check(jnp.logical_not(failed), message, **{k: jnp.asarray(v) for k, v in counts.items()})
+  elif eager and bool(failed):
+    raise error(message.format(**{k: "?" if is_traced(v) else int(v) for k, v in counts.items()}))
+
+
+def check_same_sites(op: str, what: str, coords, num, like_coords, like_num, hint: str = "") -> None:
+  """Reports (`report`) that `what` (a map or tensor with coords/num) is on other sites than the input.
+
+  Identical arrays pass without a comparison (the usual case: a map carried with its tensor); concrete ones
+  are compared (ValueError), traced ones are compared only under checkify (free otherwise).
+  """
+  if coords is like_coords and num is like_num:
+    return
+  same = jnp.array_equal(coords, like_coords) & (num == like_num)
+  report(jnp.logical_not(same), f"{op}: {what} is on other coordinates than the input (its coords or num differ: "
+         f"num {{num}} vs {{like_num}}){hint}", num=num, like_num=like_num)
+
+
+def overflowed(x: "SparseTensor") -> jax.Array:
+  """bool scalar: True if an op on the way to x dropped sites (an out_capacity or capacity too small) or a GPU
+  hash table ran out of probes, so x is not the exact result. Works under jit, where overflows do not raise
+  (outside jit they raise). `jax.experimental.checkify` reports which op overflowed, with its counts.
+  Results that are plain arrays (`global_pool`, `todense`) carry no flag: ask their input."""
+  check_sparse_tensor(x)
+  return jnp.asarray(x.overflow)
 
 
 def round_capacity(n: int, steps_per_octave: int = 4, minimum: int = 128) -> int:
@@ -113,6 +156,11 @@ class SparseTensor:
     automatic). Replacing coords or num drops them. They are pytree leaves (arrays under jit), but not a
     dataclass field, so summaries such as flax's `nn.tabulate` show the tensor without them.
 
+  overflow: bool scalar, True if an op on the way to this tensor dropped sites that did not fit its
+    out_capacity, or a GPU hash table ran out of probes (`jsparse.overflowed`). Ops that make new sites OR
+    their own flag into their input's; ops on the same sites keep it (submconv3d ORs in its neighbour map's
+    hash-table flag, a constant False on the XLA path). Default False.
+
   The capacity (the number of rows) is static so that jitted code sees fixed shapes while the number
   of sites varies; round it up with `round_capacity` to limit recompilations.
 
@@ -129,9 +177,13 @@ class SparseTensor:
   spatial_shape: tuple[int, int, int]
   batch_size: int
   caches: dataclasses.InitVar[dict | None] = None
+  overflow: jax.Array | None = None
 
   def __post_init__(self, caches):
     object.__setattr__(self, "caches", {} if caches is None else caches)
+    if self.overflow is None:
+      # A leaf in every tensor (not None) so that loop carries and cond branches keep one pytree structure.
+      object.__setattr__(self, "overflow", jnp.zeros((), jnp.bool_))
 
   # ---- construction -------------------------------------------------------------------------------
 
@@ -243,9 +295,9 @@ class SparseTensor:
 
     capacity: rows of the result. None: round_capacity of the number of sites, "exact": that number (both count
       on the host: outside jit).
-    Under jit with a capacity, sites past the capacity cannot be stored: pass with_overflow=True to get
-    `(tensor, overflow)` where overflow is a bool scalar that is True when sites were dropped. Outside jit
-    an overflow raises ValueError.
+    Under jit with a capacity, sites past the capacity cannot be stored: the tensor's overflow flag
+    (`jsparse.overflowed`) is set and `jax.experimental.checkify` reports the counts; with_overflow=True
+    returns `(tensor, overflow)` too. Outside jit an overflow raises ValueError (with_overflow=True: returned).
     """
     dense = jnp.asarray(dense)
     if dense.ndim != 5:
@@ -265,12 +317,10 @@ class SparseTensor:
     coords = jnp.where(valid[:, None], idx, -1)
     feats = jnp.where(valid[:, None], dense.reshape(-1, dense.shape[-1])[jnp.maximum(flat, 0)], 0)
     overflow = count > capacity
-    out = cls(coords, feats, jnp.minimum(count, capacity), (x, y, z), b)
-    if with_overflow:
-      return out, overflow
-    if not isinstance(overflow, jax.core.Tracer) and bool(overflow):
-      raise ValueError(f"from_dense: {int(count)} active sites do not fit in capacity {capacity}")
-    return out
+    out = cls(coords, feats, jnp.minimum(count, capacity), (x, y, z), b, overflow=overflow)
+    report(overflow, f"from_dense: {{count}} active sites do not fit in capacity={capacity}; the sites past it "
+           "were dropped", eager=not with_overflow, count=count)
+    return (out, overflow) if with_overflow else out
 
   # ---- views ---------------------------------------------------------------------------------------
 
@@ -313,6 +363,10 @@ class SparseTensor:
       if len(f.shape) != 2 or f.shape[0] != capacity:
         raise ValueError(f"feats must be [capacity={capacity}, C], got shape {tuple(f.shape)}")
       _check_feats_dtype(f.dtype)
+    if "overflow" in changes:
+      flag = changes["overflow"]
+      if jnp.shape(flag) != () or jnp.result_type(flag) != jnp.bool_:
+        raise ValueError(f"overflow must be a bool scalar, got {flag!r}")
     if "num" in changes and not isinstance(changes["num"], jax.core.Tracer):
       num = np.asarray(changes["num"])
       if num.shape != () or not np.issubdtype(num.dtype, np.integer) or not 0 <= int(num) <= capacity:
@@ -342,23 +396,31 @@ class SparseTensor:
 
   def __repr__(self) -> str:
     num = self.num if isinstance(self.num, jax.core.Tracer) else int(self.num)
+    flag = "" if is_traced(self.overflow) or not np.any(np.asarray(self.overflow)) else ", OVERFLOWED"
     return (f"SparseTensor(num={num}, capacity={self.capacity}, channels={self.num_channels}, "
-            f"dtype={self.dtype}, spatial_shape={self.spatial_shape}, batch_size={self.batch_size})")
+            f"dtype={self.dtype}, spatial_shape={self.spatial_shape}, batch_size={self.batch_size}{flag})")
+
+
+_LEAVES = ("coords", "feats", "num", "overflow", "caches")
 
 
 def _flatten_with_keys(x: SparseTensor):
-  leaves = tuple((jax.tree_util.GetAttrKey(name), getattr(x, name)) for name in ("coords", "feats", "num", "caches"))
+  leaves = tuple((jax.tree_util.GetAttrKey(name), getattr(x, name)) for name in _LEAVES)
   return leaves, (x.spatial_shape, x.batch_size)
 
 
 def _unflatten(static, leaves) -> SparseTensor:
-  coords, feats, num, caches = leaves
-  return SparseTensor(coords, feats, num, *static, caches)
+  # Set the fields as they come, without __post_init__'s defaults: JAX unflattens with placeholders (None,
+  # sentinels) too, and a None leaf turned into an array would change the structure on the way back.
+  x = object.__new__(SparseTensor)
+  for name, value in zip(_LEAVES + ("spatial_shape", "batch_size"), tuple(leaves) + tuple(static)):
+    object.__setattr__(x, name, value)
+  return x
 
 
 jax.tree_util.register_pytree_with_keys(
     SparseTensor, _flatten_with_keys, _unflatten,
-    lambda x: ((x.coords, x.feats, x.num, x.caches), (x.spatial_shape, x.batch_size)))
+    lambda x: (tuple(getattr(x, name) for name in _LEAVES), (x.spatial_shape, x.batch_size)))
 
 
 def linear_keys(coords: jax.Array, spatial_shape: tuple[int, int, int]) -> jax.Array:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, _as_spatial_shape, check_capacity, resolve_capacity,
+from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, _as_spatial_shape, check_capacity, report, resolve_capacity,
                                    round_capacity)
 
 REDUCTIONS = ("mean", "sum", "max", "first")
@@ -358,7 +358,8 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   spatial_shape, capacity, batch_size, reduce are static; origin is required (no data-dependent default)
   and voxel_size/origin may be traced. batch_size * X * Y * Z must be < 2**31 (int32 keys; ValueError).
   overflow is a bool scalar, True when more voxels were occupied than `capacity` (the voxels with the
-  largest keys are dropped). Points outside the grid or with a batch id outside [0, batch_size) are dropped
+  largest keys are dropped); the tensor carries it too (`jsparse.overflowed`), and under jit
+  `jax.experimental.checkify` reports it. Points outside the grid or with a batch id outside [0, batch_size) are dropped
   silently (check beforehand if that matters).
   The quantisation runs in the points' dtype (voxelize uses float64 on the host), so a point within
   rounding error of a voxel face may land in the neighbouring voxel compared with voxelize.
@@ -391,7 +392,10 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
     f = None if f is None else jnp.zeros((1, f.shape[1]), f.dtype)
   plan = _device_plan(keys, jnp.asarray(spatial_shape, jnp.int32))
   coords, out, num = _reduce(plan, f, capacity=capacity, reduce=reduce)
-  return SparseTensor(coords, out, num, spatial_shape, batch_size), plan.count > capacity
+  overflow = plan.count > capacity
+  report(overflow, f"voxelize_jit: {{count}} occupied voxels do not fit in capacity={capacity}; the voxels past "
+         "it were dropped", eager=False, count=plan.count)
+  return SparseTensor(coords, out, num, spatial_shape, batch_size, overflow=overflow), overflow
 
 
 def devoxelize(x: SparseTensor, *, voxel_size=1.0, origin=0.0):

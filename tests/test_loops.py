@@ -128,5 +128,5 @@ def test_with_maps_builds_each_map_once_and_keeps_the_others():
       jsparse.neighbors.cache_key((3, 3, 1), 2, "xla")}
   # SparseTensor's pytree still carries the maps (under jit they are arrays like the rest).
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(both)[0]]
-  assert paths[:3] == [".coords", ".feats", ".num"] and all(p.startswith(".caches[") for p in paths[3:])
+  assert paths[:4] == [".coords", ".feats", ".num", ".overflow"] and all(p.startswith(".caches[") for p in paths[4:])
   assert both.replace(feats=both.feats * 2).caches.keys() == both.caches.keys()

@@ -27,7 +27,7 @@ def test_pytree_jit_and_grad():
   rng = np.random.default_rng(1)
   x = random_sparse(rng, (5, 5, 5), 2)
   leaves, treedef = jax.tree_util.tree_flatten(x)
-  assert len(leaves) == 3  # coords, feats, num (no caches yet)
+  assert len(leaves) == 4  # coords, feats, num, overflow (no caches yet)
   y = jax.tree_util.tree_unflatten(treedef, leaves)
   assert y.spatial_shape == x.spatial_shape and y.batch_size == x.batch_size
 

@@ -1,0 +1,234 @@
+"""Overflow is never silent (issue 16 item 3) and inputs on other coordinates are caught (item 9).
+
+Ops whose output sites do not fit `out_capacity`: outside jit a ValueError naming the op; under jit the
+output's flag (`jsparse.overflowed`, carried on by later layers) and a `jax.experimental.checkify` error naming
+the op and the counts. Maps or tensors from other coordinates: ValueError outside jit, checkify under jit.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import jsparse
+import jsparse.nn as snn
+from reference import random_sparse
+
+CHANNELS = 3
+
+
+def _x(seed=0, shape=(6, 6, 6), pad=4):
+  return random_sparse(np.random.default_rng(seed), shape, CHANNELS, batch_size=2, density=0.3, pad=pad)
+
+
+def _w(shape, seed=1):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.1)
+
+
+def _error(f, *args):
+  """checkify's error message of f(*args) under jit, or None (its default errors are the user checks)."""
+  err, _ = jax.jit(checkify.checkify(f))(*args)
+  return err.get()
+
+
+# op name -> (fn(x, out_capacity, impl), number of output sites of x in the fixture)
+_OPS = {
+    "sparse_conv3d": lambda x, cap, impl: jsparse.sparse_conv3d(x, _w((2, 2, 2, CHANNELS, 4)), stride=2,
+                                                                out_capacity=cap, implementation=impl),
+    "sparse_conv_transpose3d": lambda x, cap, impl: jsparse.sparse_conv_transpose3d(
+        x, _w((2, 2, 2, CHANNELS, 4)), stride=2, out_capacity=cap, implementation=impl),
+    "sparse_max_pool3d": lambda x, cap, impl: jsparse.sparse_max_pool3d(x, 2, out_capacity=cap,
+                                                                        implementation=impl),
+    "sparse_avg_pool3d": lambda x, cap, impl: jsparse.sparse_avg_pool3d(x, 2, out_capacity=cap,
+                                                                        implementation=impl),
+}
+_WHAT = {"sparse_conv_transpose3d": "children"}
+
+
+def _count(name, x):
+  return int(_OPS[name](x, None, "xla").num)
+
+
+@pytest.mark.parametrize("name", list(_OPS))
+def test_functional_ops_flag_report_and_raise(name):
+  x = _x()
+  n = _count(name, x)
+  op = lambda cap: jax.jit(lambda x: _OPS[name](x, cap, "xla"))
+  small, fits = op(n - 1)(x), op(n)(x)
+  assert bool(jsparse.overflowed(small)) and int(small.num) == n - 1
+  assert not bool(jsparse.overflowed(fits)) and int(fits.num) == n
+  # checkify names the op and both counts; without checkify the same jitted code ran above.
+  msg = _error(lambda x: _OPS[name](x, n - 1, "xla"), x)
+  assert msg is not None and msg.startswith(f"{name}: {n} {_WHAT.get(name, 'output sites')}")
+  assert f"out_capacity={n - 1}" in msg
+  assert _error(lambda x: _OPS[name](x, n, "xla"), x) is None
+  with pytest.raises(ValueError, match=f"{name}: {n} .* out_capacity={n - 1}"):
+    _OPS[name](x, n - 1, "xla")
+
+
+@pytest.mark.parametrize("name", ["sparse_conv3d", "sparse_conv_transpose3d"])
+def test_pallas_interpret_flags_and_reports(name):
+  x = _x(seed=2, shape=(4, 4, 4), pad=2)
+  n = _count(name, x)
+  small = jax.jit(lambda x: _OPS[name](x, n - 1, "pallas"))(x)
+  assert bool(jsparse.overflowed(small))
+  msg = _error(lambda x: _OPS[name](x, n - 1, "pallas"), x)
+  assert msg is not None and msg.startswith(f"{name}: {n} ")
+
+
+class _Net(nn.Module):
+  """A strided op with a static out_capacity, then layers on its sites: submconv, batch norm, concat."""
+  layer: str
+  out_capacity: int
+
+  @nn.compact
+  def __call__(self, x):
+    cap = self.out_capacity
+    down = {"SparseConv3d": lambda: snn.SparseConv3d(4, kernel_size=2, strides=2, out_capacity=cap),
+            "SparseConvTranspose3d": lambda: snn.SparseConvTranspose3d(4, strides=2, out_capacity=cap),
+            "SparseMaxPool3d": lambda: snn.SparseMaxPool3d(2, out_capacity=cap),
+            "SparseAvgPool3d": lambda: snn.SparseAvgPool3d(2, out_capacity=cap)}[self.layer]()
+    h = down(x)
+    h = snn.SubMConv3d(4, implementation="xla")(h)
+    h = snn.SparseBatchNorm(activation=nn.relu)(h, use_running_average=False)
+    return jsparse.concat(h, snn.SubMConv3d(2, kernel_size=1, implementation="xla")(h))
+
+
+_MODULE_OPS = {"SparseConv3d": "sparse_conv3d", "SparseConvTranspose3d": "sparse_conv_transpose3d",
+               "SparseMaxPool3d": "sparse_max_pool3d", "SparseAvgPool3d": "sparse_avg_pool3d"}
+
+
+@pytest.mark.parametrize("layer", list(_MODULE_OPS))
+def test_flax_modules_flag_through_later_layers(layer):
+  x = _x(seed=3)
+  n = _count(_MODULE_OPS[layer], x)
+  variables = _Net(layer, n).init(jax.random.key(0), x)
+
+  def apply(cap):
+    return lambda v, x: _Net(layer, cap).apply(v, x, mutable=["batch_stats"])[0]
+
+  assert not bool(jsparse.overflowed(jax.jit(apply(n))(variables, x)))
+  y = jax.jit(apply(n - 1))(variables, x)
+  assert bool(jsparse.overflowed(y)) and y.num_channels == 6
+  msg = _error(apply(n - 1), variables, x)
+  assert msg is not None and msg.startswith(f"{_MODULE_OPS[layer]}: {n} ")
+  with pytest.raises(ValueError, match=_MODULE_OPS[layer]):
+    apply(n - 1)(variables, x)
+
+
+def test_flag_propagates_and_is_part_of_the_pytree():
+  x = _x(seed=4)
+  n = _count("sparse_conv3d", x)
+
+  @jax.jit
+  def f(x):
+    y = _OPS["sparse_conv3d"](x, n - 2, "xla")
+    fine = _OPS["sparse_conv3d"](x, n, "xla")
+    # Inverse back onto x's sites: x's flag or y's; concat: either input's.
+    back = jsparse.sparse_inverse_conv3d(y, _w((2, 2, 2, 4, 2)), like=x, stride=2)
+    return (y, jsparse.norm.layer_norm(y), y.replace(feats=y.feats * 2), back, jsparse.concat(x, back),
+            jsparse.concat(fine, fine), jsparse.sparse_max_pool3d(y, 1, out_capacity=y.capacity))
+
+  y, normed, replaced, back, cat, fine, pooled = f(x)
+  assert all(bool(jsparse.overflowed(t)) for t in (y, normed, replaced, back, cat, pooled))
+  assert not bool(jsparse.overflowed(fine)) and not bool(jsparse.overflowed(x))
+  leaves, treedef = jax.tree_util.tree_flatten(y)
+  assert bool(jax.tree_util.tree_unflatten(treedef, leaves).overflow)
+  assert "OVERFLOWED" in repr(y) and "OVERFLOWED" not in repr(x)
+  with pytest.raises(ValueError, match="overflow"):
+    x.replace(overflow=jnp.zeros(3, bool))
+
+
+def test_from_dense_and_voxelize_jit_carry_the_flag():
+  dense = np.zeros((1, 4, 4, 4, 1), np.float32)
+  dense[0, :2, :2, :2] = 1.0
+  t = jax.jit(lambda d: jsparse.SparseTensor.from_dense(d, capacity=5))(dense)
+  assert bool(jsparse.overflowed(t)) and int(t.num) == 5
+  msg = _error(lambda d: jsparse.SparseTensor.from_dense(d, capacity=5), dense)
+  assert msg.startswith("from_dense: 8 active sites do not fit in capacity=5")
+  assert not bool(jsparse.overflowed(jsparse.SparseTensor.from_dense(dense)))
+  pts = jnp.asarray(np.random.default_rng(0).uniform(0, 4, (50, 3)).astype(np.float32))
+  vox = lambda p: jsparse.voxelize.voxelize_jit(p, voxel_size=1.0, origin=0.0, spatial_shape=(4, 4, 4), capacity=3)
+  t, flag = jax.jit(vox)(pts)
+  assert bool(flag) and bool(jsparse.overflowed(t))
+  assert "voxelize_jit: " in _error(lambda p: vox(p)[0].feats, pts)
+
+
+def test_grad_and_scan_with_the_flag():
+  x = _x(seed=5)
+  n = _count("sparse_conv3d", x)
+  w = _w((2, 2, 2, CHANNELS, 4))
+  conv = lambda w, x: jsparse.sparse_conv3d(x, w, stride=2, out_capacity=n - 1, implementation="xla")
+  loss = lambda w, x: jnp.sum(conv(w, x).feats ** 2)
+  msg = _error(jax.grad(loss), w, x)
+  assert msg is not None and msg.startswith(f"sparse_conv3d: {n} ")
+  # A carry that overflowed keeps the flag through a scan over submconv layers (one pytree structure).
+  y = jsparse.with_maps(jax.jit(conv)(w, x), 3, implementation="xla")
+  ws = _w((2, 3, 3, 3, 4, 4))
+  out = jax.jit(lambda y, ws: jax.lax.scan(lambda h, w: (jsparse.submconv3d(h, w, implementation="xla"), None),
+                                           y, ws)[0])(y, ws)
+  assert bool(jsparse.overflowed(out))
+
+
+# ---- item 9: inputs from other coordinates -------------------------------------------------------------
+
+
+def _other(x, seed):
+  """A tensor of x's capacity, spatial shape and batch size on other sites."""
+  rng = np.random.default_rng(seed)
+  while True:
+    o = random_sparse(rng, x.spatial_shape, x.num_channels, batch_size=x.batch_size, density=0.3, pad=0)
+    if int(o.num) <= x.capacity:
+      break
+  coords = np.full((x.capacity, 4), -1, np.int32)
+  coords[:int(o.num)] = np.asarray(o.coords)
+  feats = np.zeros((x.capacity, x.num_channels), np.float32)
+  feats[:int(o.num)] = np.asarray(o.feats)
+  return jsparse.SparseTensor(jnp.asarray(coords), jnp.asarray(feats), o.num, x.spatial_shape, x.batch_size)
+
+
+def test_neighbor_cache_of_other_coordinates():
+  x = _x(seed=6)
+  other = _other(x, 7)
+  w = _w((3, 3, 3, CHANNELS, 2))
+  cache = jsparse.neighbor_map(other, 3, implementation="xla")
+  with pytest.raises(ValueError, match="submconv3d: cache .* other coordinates"):
+    jsparse.submconv3d(x, w, cache=cache, implementation="xla")
+  conv = lambda x, c: jsparse.submconv3d(x, w, cache=c, implementation="xla").feats
+  assert "submconv3d: cache (a NeighborCache) is on other coordinates" in _error(conv, x, cache)
+  assert _error(conv, x, jsparse.neighbor_map(x, 3, implementation="xla")) is None
+  # A strided convolution's PairMap passed as cache: the same.
+  pm = jsparse.sparse_conv.pair_map(other, 2, 2, out_capacity=x.capacity, implementation="xla")
+  wd = _w((2, 2, 2, CHANNELS, 2))
+  with pytest.raises(ValueError, match="sparse_conv3d: cache"):
+    jsparse.sparse_conv3d(x, wd, stride=2, cache=pm, implementation="xla")
+  strided = lambda x, c: jsparse.sparse_conv3d(x, wd, stride=2, cache=c, implementation="xla").feats
+  assert "sparse_conv3d: cache (a PairMap) is on other coordinates" in _error(strided, x, pm)
+
+
+def test_inverse_conv_with_other_geometry_or_coordinates():
+  x = _x(seed=8, shape=(8, 8, 8))
+  y = jsparse.sparse_conv3d(x, _w((2, 2, 2, CHANNELS, 4)), stride=2, implementation="xla")
+  wi = _w((3, 3, 3, 4, 2))
+  # y came from x by kernel 2, padding 0; kernel 3, padding 1 gives the same output grid but other sites.
+  with pytest.raises(ValueError, match="sparse_inverse_conv3d: y was made from `like` .* kernel_size=\\(2, 2, 2\\)"):
+    jsparse.sparse_inverse_conv3d(y, wi, like=x, stride=2, padding=1, implementation="xla")
+  inverse = lambda y, x: jsparse.sparse_inverse_conv3d(y, wi, like=x, stride=2, padding=1, implementation="xla").feats
+  assert "y was made from `like`" in _error(inverse, y, x)
+  # Under jit the cached map of the right geometry is trusted: checkify tells when `like` is not its input.
+  back = lambda y, like: jsparse.sparse_inverse_conv3d(y, _w((2, 2, 2, 4, 2)), like=like, stride=2,
+                                                       implementation="xla").feats
+  assert _error(back, y, x) is None
+  assert "the pair map that y carries is on other coordinates" in _error(back, y, _other(x, 9))
+
+
+def test_concat_of_other_coordinates_under_jit():
+  x = _x(seed=10)
+  other = _other(x, 11)
+  cat = lambda a, b: jsparse.concat(a, b).feats
+  assert "concat: b is on other coordinates" in _error(cat, x, other)
+  assert _error(cat, x, x.replace(feats=x.feats * 2)) is None
+  jax.jit(cat)(x, other)  # without checkify it runs (trusted)
+  with pytest.raises(ValueError, match="coords"):
+    cat(x, other)

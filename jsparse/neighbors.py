@@ -10,7 +10,9 @@ import jax.numpy as jnp
 
 from jsparse import dispatch, tuning
 from pallas_kernels import gemm_plan
-from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int, linear_keys, report
+from jax import lax
+
+from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int, report, site_keys
 
 
 def as_triple(value, name: str) -> tuple[int, int, int]:
@@ -130,7 +132,8 @@ def neighbor_map(x: SparseTensor, kernel_size=3, dilation=1, implementation: str
     from pallas_kernels.hash_table import neighbor_map_hashed
 
     nbr, overflow = neighbor_map_hashed(
-        x.coords, x.num, spatial_shape=x.spatial_shape, offsets=offsets, interpret=impl.interpret)
+        x.coords, x.num, spatial_shape=x.spatial_shape, offsets=offsets, interpret=impl.interpret,
+        wide_keys=x.key_width == 2)
   else:
     nbr = _neighbor_map_sorted(x, offsets)
     overflow = jnp.zeros((), bool)
@@ -162,25 +165,62 @@ def with_maps(x: SparseTensor, kernel_size=3, *more_kernel_sizes, dilation=1,
   return x
 
 
-def sorted_site_keys(x: SparseTensor) -> tuple[jax.Array, jax.Array]:
-  """(sorted_keys, order): x's linear keys sorted (padding rows keyed int32 max, last) and the row of each."""
-  keys = jnp.where(x.valid_mask(), linear_keys(x.coords, x.spatial_shape), jnp.iinfo(jnp.int32).max)
-  order = jnp.argsort(keys).astype(jnp.int32)
-  return keys[order], order
+def sorted_site_keys(x: SparseTensor) -> tuple[tuple[jax.Array, ...], jax.Array]:
+  """(sorted_keys, order): x's linear keys sorted (padding rows keyed int32 max, last) and the row of each.
 
-
-def lookup_keys(sorted_keys: jax.Array, order: jax.Array | None, query: jax.Array, ok: jax.Array) -> jax.Array:
-  """Row of each query key among `sorted_keys` (binary search), or -1 where absent or not `ok`.
-
-  sorted_keys: int32 [N] ascending, with int32 max for empty slots; order: int32 [N] row of each sorted key
-  (None: the row is the position itself). query, ok: any shape (the result has it).
+  sorted_keys is a tuple of x.key_width int32 words per key (sparse_tensor.site_keys), sorted lexicographically.
   """
   big = jnp.iinfo(jnp.int32).max
-  if sorted_keys.shape[0] == 0:
-    return jnp.full(query.shape, -1, jnp.int32)
-  q = jnp.where(ok, query, big)
-  pos = jnp.clip(jnp.searchsorted(sorted_keys, q), 0, sorted_keys.shape[0] - 1)
-  found = ok & (sorted_keys[pos] == q)
+  keys = tuple(jnp.where(x.valid_mask(), k, big) for k in site_keys(x.coords, x.spatial_shape, x.key_width))
+  rows = jnp.arange(x.capacity, dtype=jnp.int32)
+  *keys, order = lax.sort((*keys, rows), num_keys=len(keys))
+  return tuple(keys), order
+
+
+def _words(keys) -> tuple[jax.Array, ...]:
+  return tuple(keys) if isinstance(keys, (tuple, list)) else (keys,)
+
+
+def search_sorted_words(sorted_keys, query) -> jax.Array:
+  """Left insertion position of each query key among `sorted_keys` (both tuples of int32 words, compared
+  lexicographically): a binary search written with lax ops, since jnp.searchsorted takes one word."""
+  sorted_keys, query = _words(sorted_keys), _words(query)
+  if len(sorted_keys) == 1:
+    return jnp.searchsorted(sorted_keys[0], query[0]).astype(jnp.int32)
+  n = sorted_keys[0].shape[0]
+
+  def step(_, bounds):
+    lo, hi = bounds
+    mid = jnp.minimum((lo + hi) // 2, n - 1)
+    words = [k[mid] for k in sorted_keys]
+    less = jnp.zeros(mid.shape, bool)  # words < query, decided from the least significant word up
+    for w, q in zip(words[::-1], query[::-1]):
+      less = (w < q) | ((w == q) & less)
+    open_ = lo < hi
+    return jnp.where(open_ & less, mid + 1, lo), jnp.where(open_ & ~less, mid, hi)
+
+  lo = jnp.zeros(query[0].shape, jnp.int32)
+  lo, _ = lax.fori_loop(0, max(1, n.bit_length()), step, (lo, jnp.full_like(lo, n)))
+  return lo
+
+
+def lookup_keys(sorted_keys, order: jax.Array | None, query, ok: jax.Array) -> jax.Array:
+  """Row of each query key among `sorted_keys` (binary search), or -1 where absent or not `ok`.
+
+  sorted_keys: int32 [N] ascending, or a tuple of int32 words [N] each (site_keys' words, lexicographically
+  ascending), with int32 max (every word) for empty slots; order: int32 [N] row of each sorted key (None: the
+  row is the position itself). query: keys as sorted_keys (one array or a tuple of words), any shape; ok:
+  that shape (the result has it).
+  """
+  big = jnp.iinfo(jnp.int32).max
+  sorted_keys, query = _words(sorted_keys), _words(query)
+  if sorted_keys[0].shape[0] == 0:
+    return jnp.full(query[0].shape, -1, jnp.int32)
+  q = tuple(jnp.where(ok, w, big) for w in query)
+  pos = jnp.clip(search_sorted_words(sorted_keys, q), 0, sorted_keys[0].shape[0] - 1)
+  found = ok
+  for k, w in zip(sorted_keys, q):
+    found = found & (k[pos] == w)
   rows = pos if order is None else order[pos]
   return jnp.where(found, rows, -1).astype(jnp.int32)
 
@@ -195,5 +235,5 @@ def _neighbor_map_sorted(x: SparseTensor, offsets: Sequence[tuple[int, int, int]
   inside = jnp.all((shifted >= 0) & (shifted < jnp.asarray(x.spatial_shape, jnp.int32)), axis=-1)
   query = jnp.concatenate(
       [jnp.broadcast_to(x.coords[:, None, :1], shifted.shape[:2] + (1,)), shifted], axis=-1)
-  qkeys = linear_keys(query.reshape(-1, 4), x.spatial_shape).reshape(shifted.shape[:2])
+  qkeys = site_keys(query, x.spatial_shape, x.key_width)
   return lookup_keys(sorted_keys, order, qkeys, inside & x.valid_mask()[:, None])

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse.neighbors import lookup_keys, sorted_site_keys
-from jsparse.sparse_tensor import SparseTensor, linear_keys
+from jsparse.sparse_tensor import SparseTensor, site_keys
 
 MODES = ("trilinear", "nearest")
 
@@ -19,12 +19,12 @@ def lookup_rows(x: SparseTensor, query, ok=None) -> jax.Array:
   query = jnp.asarray(query, jnp.int32)
   lead = query.shape[:-1]
   q = query.reshape(-1, 4)
-  limits = jnp.asarray((x.batch_size,) + tuple(x.spatial_shape), jnp.int32)
+  limits = jnp.asarray((min(x.batch_size, 2**31 - 1),) + tuple(x.spatial_shape), jnp.int32)  # batch ids are int32
   inside = jnp.all((q >= 0) & (q < limits), axis=-1)
   if ok is not None:
     inside = inside & jnp.asarray(ok).reshape(-1)
   # Out-of-grid queries would alias other sites' keys: key them from a clamped copy and mask them.
-  qk = linear_keys(jnp.where(inside[:, None], q, 0), x.spatial_shape)
+  qk = site_keys(jnp.where(inside[:, None], q, 0), x.spatial_shape, x.key_width)
   sorted_keys, order = sorted_site_keys(x)
   return lookup_keys(sorted_keys, order, qk, inside).reshape(lead)
 

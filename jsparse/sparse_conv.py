@@ -40,13 +40,14 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jsparse import autotuning, dispatch, tuning
 from jsparse.conv import (WEIGHT_LAYOUTS, _MapArrays, _PallasOptions, _submconv_pallas, check_weight, submconv_xla,
                           weight_dims)
 from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
-from jsparse.sparse_tensor import (EXACT, MAX_KEYS, SparseTensor, check_capacity, check_same_sites, report,
-                                   resolve_capacity)
+from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_same_sites, key_width, report,
+                                   resolve_capacity, site_keys, sites_of_keys)
 from pallas_kernels import gemm_plan, unique_keys
 
 _BIG = int(np.iinfo(np.int32).max)
@@ -101,23 +102,27 @@ def geometry(spatial_shape, kernel_size, stride=1, padding=0, dilation=1) -> Geo
   return Geometry(ks, st, pad, dil, in_shape, out)
 
 
-def _check_keys(batch_size: int, shape) -> None:
-  if batch_size * math.prod(shape) > MAX_KEYS:
-    raise ValueError(f"output grid batch_size * X * Y * Z = {batch_size * math.prod(shape)} exceeds 2**31 - 1")
+def _check_keys(batch_size: int, shape) -> int:
+  """The key width of the output grid (sparse_tensor.key_width; ValueError past its limits)."""
+  try:
+    return key_width(batch_size, shape)
+  except ValueError as e:
+    raise ValueError(f"output grid: {e}") from None
 
 
 def _proposals(coords, valid, geom: Geometry, batch_size: int):
-  """For every input row j and offset v, the linear key of the output it feeds ([cap, V]) and whether it
-  exists: o = (position + padding - offset) / stride must be integral and inside the output grid."""
+  """For every input row j and offset v, the linear key of the output it feeds (a tuple of key_width int32
+  words, each [cap, V]; _BIG words where there is none) and whether it exists: o = (position + padding -
+  offset) / stride must be integral and inside the output grid."""
   off = jnp.asarray(geom.offsets())  # [V, 3]
   num = coords[:, None, 1:] + jnp.asarray(geom.padding, jnp.int32) - off[None]  # [cap, V, 3]
   st = jnp.asarray(geom.stride, jnp.int32)
   o = jnp.floor_divide(num, st)
   ok = (num >= 0) & (num - o * st == 0) & (o < jnp.asarray(geom.out_shape, jnp.int32))
   ok = jnp.all(ok, axis=-1) & valid[:, None]
-  x, y, z = geom.out_shape
-  keys = ((coords[:, None, 0] * x + o[..., 0]) * y + o[..., 1]) * z + o[..., 2]
-  return jnp.where(ok, keys, _BIG), ok
+  sites = jnp.concatenate([jnp.broadcast_to(coords[:, None, :1], o.shape[:2] + (1,)), o], axis=-1)
+  keys = site_keys(sites, geom.out_shape, _check_keys(batch_size, geom.out_shape))
+  return tuple(jnp.where(ok, k, _BIG) for k in keys), ok
 
 
 def _scatter_transpose(inv, rows_out: int):
@@ -225,26 +230,32 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
 def _sorted_proposals(coords, num, geom: Geometry, batch_size: int):
   valid = jnp.arange(coords.shape[0]) < num
   keys, ok = _proposals(coords, valid, geom, batch_size)
-  flat = jnp.sort(keys.reshape(-1))
-  first = (flat != _BIG) & (flat != jnp.concatenate([jnp.full((1,), -1, flat.dtype), flat[:-1]]))
+  flat = lax.sort(tuple(k.reshape(-1) for k in keys), num_keys=len(keys))
+  flat = flat if isinstance(flat, tuple) else (flat,)
+  empty, new = jnp.ones(flat[0].shape, bool), jnp.zeros(flat[0].shape, bool)
+  for w in flat:  # a key is empty when every word is _BIG, and new when a word differs from the previous key's
+    empty = empty & (w == _BIG)
+    new = new | (w != jnp.concatenate([jnp.full((1,), -1, w.dtype), w[:-1]]))
+  first = new & ~empty
   return keys, ok, flat, first, jnp.sum(first, dtype=jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "batch_size", "out_capacity"))
 def _compact(keys, ok, flat, first, count, geom: Geometry, batch_size: int, out_capacity: int):
   """The out_capacity smallest distinct proposals become the output sites; then both maps."""
-  (pos,) = jnp.nonzero(first, size=out_capacity, fill_value=flat.shape[0])
-  out_keys = jnp.concatenate([flat, jnp.full((1,), _BIG, flat.dtype)])[pos]  # ascending, _BIG = empty
+  (pos,) = jnp.nonzero(first, size=out_capacity, fill_value=flat[0].shape[0])
+  out_keys = tuple(jnp.concatenate([w, jnp.full((1,), _BIG, w.dtype)])[pos] for w in flat)  # ascending
   inv = lookup_keys(out_keys, None, keys, ok)  # out_keys are sorted: the row is the position
   nbr = _scatter_transpose(inv, out_capacity)
   return _sites_of_keys(out_keys, geom, batch_size), jnp.minimum(count, out_capacity), nbr, inv
 
 
 def _sites_of_keys(out_keys, geom: Geometry, batch_size: int):
-  """int32 [M, 4] (batch, x, y, z) of linear keys on the output grid; -1 rows where the key is _BIG."""
-  filled = out_keys != _BIG
-  out_coords = jnp.stack(jnp.unravel_index(jnp.where(filled, out_keys, 0), (batch_size,) + geom.out_shape), axis=-1)
-  return jnp.where(filled[:, None], out_coords.astype(jnp.int32), -1)
+  """int32 [M, 4] (batch, x, y, z) of linear keys (tuples of words) on the output grid; -1 rows where every
+  word is _BIG (no key)."""
+  filled = ~functools.reduce(jnp.logical_and, [w == _BIG for w in out_keys])
+  out_coords = sites_of_keys(tuple(jnp.where(filled, w, 0) for w in out_keys), batch_size, geom.out_shape)
+  return jnp.where(filled[:, None], out_coords, -1)
 
 
 def _proposal_geometry(geom: Geometry) -> unique_keys.ProposalGeometry:

@@ -11,8 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-# Linear site keys are int32 (JAX runs without x64 by default), so the grid must fit in 2**31 keys.
+# Linear site keys are int32 (JAX runs without x64 by default) on grids of fewer than 2**31 sites; wider grids
+# key a site by two int32 words (key_width), up to MAX_WIDE_KEYS sites and extents below MAX_EXTENT.
 MAX_KEYS = 2**31 - 1
+MAX_WIDE_KEYS = 2**62
+MAX_EXTENT = 2**21
 _REDUCTIONS = ("sum", "mean", "max", "first")
 
 
@@ -248,10 +251,7 @@ class SparseTensor:
       raise ValueError(
           f"coordinate {coords[row].tolist()} in row {row} is outside batch_size={batch_size}, "
           f"spatial_shape={spatial_shape}")
-    if batch_size * math.prod(spatial_shape) > MAX_KEYS:
-      raise ValueError(
-          f"batch_size * X * Y * Z = {batch_size * math.prod(spatial_shape)} exceeds 2**31 - 1: "
-          "jsparse keys sites by int32 linear index")
+    key_width(batch_size, spatial_shape)
     keys = _linear_keys_np(coords, spatial_shape)
     uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
     if len(uniq) != n:
@@ -389,10 +389,19 @@ class SparseTensor:
     return dense.at[b_idx, self.coords[:, 1], self.coords[:, 2], self.coords[:, 3]].set(
         self.feats, mode="drop")
 
+  @property
+  def key_width(self) -> int:
+    """int32 words per site key: 1 on grids of fewer than 2**31 sites, else 2 (see `key_width`)."""
+    return key_width(self.batch_size, self.spatial_shape)
+
   def linear_keys(self) -> jax.Array:
-    """int32 [capacity]: ((b*X + x)*Y + y)*Z + z for valid rows, -1 for padding."""
-    keys = linear_keys(self.coords, self.spatial_shape)
-    return jnp.where(self.valid_mask(), keys, -1)
+    """int32 [capacity]: ((b*X + x)*Y + y)*Z + z for valid rows, -1 for padding.
+
+    On grids of 2**31 sites or more (key_width 2) it is int32 [capacity, 2], the (hi, lo) words of that
+    index, hi * 2**31 + lo, with -1 words for padding."""
+    keys = site_keys(self.coords, self.spatial_shape, self.key_width)
+    keys = jnp.stack([jnp.where(self.valid_mask(), k, -1) for k in keys], axis=-1)
+    return keys[:, 0] if keys.shape[1] == 1 else keys
 
   def __repr__(self) -> str:
     num = self.num if isinstance(self.num, jax.core.Tracer) else int(self.num)
@@ -423,9 +432,92 @@ jax.tree_util.register_pytree_with_keys(
     lambda x: (tuple(getattr(x, name) for name in _LEAVES), (x.spatial_shape, x.batch_size)))
 
 
+def key_width(batch_size: int, spatial_shape) -> int:
+  """int32 words per site key on this grid: 1 when batch_size * X * Y * Z < 2**31 (int32 linear keys, the
+  fast path), else 2 ((hi, lo) words of the linear index). Static, so the choice costs small grids nothing.
+
+  ValueError naming batch_size and spatial_shape when batch_size * X * Y * Z >= 2**62 or an extent >= 2**21.
+  """
+  batch_size = as_int(batch_size, "batch_size", minimum=1)
+  shape = _as_spatial_shape(spatial_shape)
+  total = batch_size * math.prod(shape)
+  if max(shape) >= MAX_EXTENT:
+    raise ValueError(f"spatial_shape={shape}: every extent must be below 2**21 (site coordinates fit in "
+                     "21 bits)")
+  if total >= MAX_WIDE_KEYS:
+    raise ValueError(f"batch_size={batch_size} * spatial_shape={shape} = {total} sites: jsparse keys sites "
+                     "by a linear index below 2**62")
+  return 1 if total <= MAX_KEYS else 2
+
+
 def linear_keys(coords: jax.Array, spatial_shape: tuple[int, int, int]) -> jax.Array:
+  """int32 linear keys ((b*X + x)*Y + y)*Z + z; exact only on grids of key_width 1 (else use site_keys)."""
   x, y, z = spatial_shape
   return ((coords[:, 0] * x + coords[:, 1]) * y + coords[:, 2]) * z + coords[:, 3]
+
+
+# ---- two-word keys: the linear index as hi * 2**31 + lo, both int32 in [0, 2**31) -------------------------
+
+_LOW31 = 0x7FFFFFFF
+
+
+def _mul_u32(a, b: int):
+  """(hi, lo) uint32 words of the 64-bit product of uint32 a and the constant b < 2**32 (16-bit halves, as
+  there is no 64-bit integer without x64)."""
+  a0, a1 = a & 0xFFFF, a >> 16
+  b0, b1 = jnp.uint32(b & 0xFFFF), jnp.uint32(b >> 16)
+  p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+  mid = (p00 >> 16) + (p01 & 0xFFFF) + (p10 & 0xFFFF)
+  return p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16), a * jnp.uint32(b)
+
+
+def wide_mul_add(hi, lo, size: int, digit):
+  """(hi, lo) of (hi * 2**31 + lo) * size + digit, for a result below 2**62 (one Horner step of the linear
+  index; size < 2**21 static, 0 <= digit < size)."""
+  ph, pl = _mul_u32(lo.astype(jnp.uint32), size)
+  total = pl + digit.astype(jnp.uint32)
+  ph = ph + (total < pl).astype(jnp.uint32)  # carry out of the low word
+  new_hi = hi.astype(jnp.uint32) * jnp.uint32(size) + (ph << 1) + (total >> 31)
+  return new_hi.astype(jnp.int32), (total & _LOW31).astype(jnp.int32)
+
+
+def wide_divmod(hi, lo, size):
+  """((q_hi, q_lo), r): quotient and remainder of (hi * 2**31 + lo) by size in [1, 2**21) (int or int32
+  array), by long division in 10-bit digits so that no partial value passes 2**31."""
+  size = jnp.asarray(size, jnp.int32)
+  q_hi, r = lax.div(hi, size), lax.rem(hi, size)
+  q_lo = jnp.zeros_like(lo)
+  for shift, width in ((30, 1), (20, 10), (10, 10), (0, 10)):
+    r = (r << width) | ((lo >> shift) & ((1 << width) - 1))  # r < size * 2**width <= 2**31
+    q_lo = (q_lo << width) | lax.div(r, size)
+    r = lax.rem(r, size)
+  return (q_hi, q_lo), r
+
+
+def site_keys(coords, spatial_shape, width: int) -> tuple[jax.Array, ...]:
+  """The linear keys of coords [..., 4] as `width` int32 words, most significant first: (key,) for width 1,
+  (hi, lo) with key = hi * 2**31 + lo for width 2; lexicographic order of the words is the order of the keys.
+  Valid for in-grid rows only (padding rows give garbage: mask them)."""
+  if width == 1:
+    x, y, z = spatial_shape
+    return (((coords[..., 0] * x + coords[..., 1]) * y + coords[..., 2]) * z + coords[..., 3],)
+  hi, lo = jnp.zeros_like(coords[..., 0]), coords[..., 0]
+  for axis, size in enumerate(spatial_shape):
+    hi, lo = wide_mul_add(hi, lo, int(size), coords[..., axis + 1])
+  return hi, lo
+
+
+def sites_of_keys(keys: tuple[jax.Array, ...], batch_size: int, spatial_shape) -> jax.Array:
+  """int32 [..., 4] (batch, x, y, z) of linear keys given as site_keys' words (in-grid keys only)."""
+  if len(keys) == 1:
+    out = jnp.unravel_index(keys[0], (batch_size,) + tuple(spatial_shape))
+    return jnp.stack(out, axis=-1).astype(jnp.int32)
+  hi, lo = keys
+  digits = []
+  for size in reversed(tuple(spatial_shape)):
+    (hi, lo), r = wide_divmod(hi, lo, size)
+    digits.append(r)
+  return jnp.stack([lo] + digits[::-1], axis=-1)  # the batch is below 2**31: hi is 0 by now
 
 
 def _linear_keys_np(coords: np.ndarray, spatial_shape) -> np.ndarray:

@@ -111,10 +111,10 @@ def _swap(ref, idx, val, mask, interpret: bool):
   return jnp.where(mask, old, EMPTY)
 
 
-def _walk(step, carry, key, active, *, tmask: int, max_probes: int):
-  """The bounded linear-probing walk the three loops share.
+def _walk(step, carry, home, active, *, tmask: int, max_probes: int):
+  """The bounded linear-probing walk the probe loops share.
 
-  From each key's home slot, `step(carry, slot, active) -> (carry, active)` runs while any lane is active,
+  From each lane's `home` slot, `step(carry, slot, active) -> (carry, active)` runs while any lane is active,
   at most ``max_probes`` times; lanes still active move one slot on. Returns (carry, slot, active), the
   active lanes being those cut off by the bound (overflow).
   """
@@ -129,7 +129,7 @@ def _walk(step, carry, key, active, *, tmask: int, max_probes: int):
     slot = jnp.where(active, (slot + 1) & jnp.int32(tmask), slot)
     return it + 1, carry, slot, active
 
-  _, carry, slot, active = lax.while_loop(cond, body, (jnp.int32(0), carry, _home(key, tmask), active))
+  _, carry, slot, active = lax.while_loop(cond, body, (jnp.int32(0), carry, home, active))
   return carry, slot, active
 
 
@@ -146,7 +146,7 @@ def insert_loop(table_ref, key, active, *, tmask: int, max_probes: int, interpre
     active = active & jnp.logical_not((old == EMPTY) | (old == cur))
     return jnp.where(active, old, cur), active
 
-  return _walk(step, key, key, active, tmask=tmask, max_probes=max_probes)[2]
+  return _walk(step, key, _home(key, tmask), active, tmask=tmask, max_probes=max_probes)[2]
 
 
 def insert_absent_loop(table_ref, key, active, *, tmask: int, max_probes: int, interpret: bool):
@@ -170,7 +170,7 @@ def insert_absent_loop(table_ref, key, active, *, tmask: int, max_probes: int, i
     evicted = claim & jnp.logical_not(done)  # a racing lane's key: carry it on
     return jnp.where(evicted, old, cur), active & jnp.logical_not(done)
 
-  return _walk(step, key, key, active, tmask=tmask, max_probes=max_probes)[2]
+  return _walk(step, key, _home(key, tmask), active, tmask=tmask, max_probes=max_probes)[2]
 
 
 def probe_loop(table_ref, key, active, *, tmask: int, max_probes: int, ks: int = 1):
@@ -185,8 +185,95 @@ def probe_loop(table_ref, key, active, *, tmask: int, max_probes: int, ks: int =
     hit = active & (k == key)
     return found | hit, active & jnp.logical_not(hit | (k == EMPTY))
 
-  found, slot, active = _walk(step, jnp.zeros_like(active), key, active, tmask=tmask, max_probes=max_probes)
+  found, slot, active = _walk(step, jnp.zeros_like(active), _home(key, tmask), active, tmask=tmask,
+                              max_probes=max_probes)
   return slot, found, active
+
+
+# --------------------------------------------------------------------------------------------
+# Wide grids (batch_size * X * Y * Z >= 2**31): the table holds references, not keys
+# --------------------------------------------------------------------------------------------
+# An int32 key cannot name a site there, and a two-word key cannot be swapped in atomically with the one
+# atomic that works (32-bit atomic_xchg). So a slot holds a reference to a site (a row of coords, or a
+# proposal index in unique_keys.py) and probes compare the 4 coordinates `site_of(reference)` with theirs.
+# A reference's site never changes, so each loop below keeps the correctness argument of its int32 twin
+# with "key" read as "site of the reference" (said once per loop).
+
+
+def site_home(site, shape, tmask: int):
+  """Home slot of site (b, x, y, z): fmix32 of both halves of its linear index, (b*X + x) and (y*Z + z),
+  in wrapping int32 arithmetic (a wrap only costs a hash collision, never a wrong match)."""
+  b, x, y, z = site
+  X, Y, Z = shape
+  return _fmix32((y * Z + z) ^ _fmix32(b * X + x)) & jnp.int32(tmask)
+
+
+def _same_site(a, b):
+  return (a[0] == b[0]) & (a[1] == b[1]) & (a[2] == b[2]) & (a[3] == b[3])
+
+
+def row_site(coords_ref):
+  """site_of for references that are rows of coords (flattened [capacity*4])."""
+
+  def site_of(rows, mask):
+    return tuple(plgpu.load(coords_ref.at[rows * 4 + a], mask=mask, other=-1) for a in range(4))
+
+  return site_of
+
+
+def insert_ref_loop(table_ref, ref, site, active, *, shape, tmask: int, max_probes: int, interpret: bool):
+  """insert_loop with references (distinct per lane): swap in, carry what was evicted one slot on, stop on
+  EMPTY. Its argument holds as is: EMPTY is never written and a reference moves only forward along the probe
+  run of its fixed site. Returns the lanes still carrying after ``max_probes`` swaps (overflow)."""
+
+  def step(cur, slot, active):
+    old = _swap(table_ref, slot, cur, active, interpret)
+    active = active & (old != EMPTY)
+    return jnp.where(active, old, cur), active
+
+  return _walk(step, ref, site_home(site, shape, tmask), active, tmask=tmask, max_probes=max_probes)[2]
+
+
+def insert_absent_ref_loop(table_ref, ref, site, active, *, site_of, shape, tmask: int, max_probes: int,
+                           interpret: bool):
+  """insert_absent_loop with references: a slot whose reference has this lane's site ends the walk, one read
+  EMPTY is swapped into, and a racing lane's reference handed back is carried on with its own site. Same
+  argument as insert_absent_loop (sites compared instead of keys): no site is lost, none moves backwards, and
+  racing lanes can leave a second reference to a site further along its run (the mark keeps the first)."""
+
+  def step(carry, slot, active):
+    cur, cur_site = carry
+    seen = plgpu.load(table_ref.at[slot], mask=active, other=EMPTY)
+    occupied = active & (seen != EMPTY)
+    present = occupied & _same_site(site_of(seen, occupied), cur_site)
+    claim = active & (seen == EMPTY)
+    old = _swap(table_ref, slot, cur, claim, interpret)
+    taken = claim & (old != EMPTY)  # a racing lane filled the slot first
+    old_site = site_of(old, taken)
+    done = present | (claim & jnp.logical_not(taken)) | (taken & _same_site(old_site, cur_site))
+    evicted = taken & jnp.logical_not(done)
+    cur_site = tuple(jnp.where(evicted, o, c) for o, c in zip(old_site, cur_site))
+    return (jnp.where(evicted, old, cur), cur_site), active & jnp.logical_not(done)
+
+  home = site_home(site, shape, tmask)
+  return _walk(step, (ref, site), home, active, tmask=tmask, max_probes=max_probes)[2]
+
+
+def probe_ref_loop(table_ref, site, active, *, site_of, shape, tmask: int, max_probes: int):
+  """probe_loop with references: (slot, ref, found, active), the slot and reference of the FIRST reference to
+  `site` along its probe run where found, and the lanes still searching after ``max_probes`` probes."""
+
+  def step(carry, slot, active):
+    found, ref = carry
+    r = plgpu.load(table_ref.at[slot], mask=active, other=EMPTY)
+    occupied = active & (r != EMPTY)
+    hit = occupied & _same_site(site_of(r, occupied), site)
+    return (found | hit, jnp.where(hit, r, ref)), occupied & jnp.logical_not(hit)
+
+  init = (jnp.zeros_like(active), jnp.full(active.shape, EMPTY, jnp.int32))
+  (found, ref), slot, active = _walk(step, init, site_home(site, shape, tmask), active, tmask=tmask,
+                                     max_probes=max_probes)
+  return slot, ref, found, active
 
 
 def _row_keys(coords_ref, rows, valid, X: int, Y: int, Z: int):
@@ -267,6 +354,72 @@ def _query_kernel(num_ref, coords_ref, offs_ref, keys_ref, vals_ref, ovf_in_ref,
   plgpu.store(ovf_ref.at[ovf_base + pid], jnp.max(active.astype(jnp.int32)))
 
 
+def _build_wide_kernel(num_ref, coords_ref, table_in_ref, table_ref, ovf_ref, *, block, capacity, shape,
+                       tmask, max_probes, interpret):
+  del table_in_ref  # aliased with table_ref
+  pid = pl.program_id(0)
+  rows = pid * block + jnp.arange(block, dtype=jnp.int32)
+  valid = (rows < num_ref[0]) & (rows < capacity)
+  site = row_site(coords_ref)(rows, valid)
+  active = insert_ref_loop(table_ref, rows, site, valid, shape=shape, tmask=tmask, max_probes=max_probes,
+                           interpret=interpret)
+  plgpu.store(ovf_ref.at[pid], jnp.max(active.astype(jnp.int32)))
+
+
+def _query_wide_kernel(num_ref, coords_ref, offs_ref, table_ref, ovf_in_ref, nbr_ref, ovf_ref, *, block,
+                       capacity, nv, shape, tmask, max_probes, ovf_base):
+  del ovf_in_ref  # aliased with ovf_ref
+  X, Y, Z = shape
+  pid = pl.program_id(0)
+  p = pid * block + jnp.arange(block, dtype=jnp.int32)
+  in_range = p < capacity * nv
+  i = lax.div(p, jnp.int32(nv))
+  v = p - i * nv
+  row_ok = in_range & (i < num_ref[0])
+  b, x, y, z = row_site(coords_ref)(i, row_ok)
+  dx, dy, dz = (plgpu.load(offs_ref.at[v * 3 + a], mask=in_range, other=0) for a in range(3))
+  nx, ny, nz = x + dx, y + dy, z + dz
+  inside = ((nx >= 0) & (nx < X) & (ny >= 0) & (ny < Y) & (nz >= 0) & (nz < Z))
+  centre = (dx == 0) & (dy == 0) & (dz == 0)
+  active = row_ok & inside & jnp.logical_not(centre)
+  _, row, found, active = probe_ref_loop(table_ref, (b, nx, ny, nz), active, site_of=row_site(coords_ref),
+                                         shape=shape, tmask=tmask, max_probes=max_probes)
+  val = jnp.where(row_ok & centre, i, jnp.where(found, row, EMPTY))
+  plgpu.store(nbr_ref.at[p], val, mask=in_range)
+  plgpu.store(ovf_ref.at[ovf_base + pid], jnp.max(active.astype(jnp.int32)))
+
+
+def _neighbor_map_wide(num_arr, coords_flat, offs_flat, *, capacity, nv, shape, tsize, probes, interpret,
+                       block_rows, block_pairs, params_build, params_query):
+  """Build + query for wide grids: the table holds row indices (no fill pass: the value is the entry)."""
+  build_block = 1 if interpret else block_rows  # interpret: one lane, so load+store is an exact swap
+  grid_b = _cdiv(capacity, build_block)
+  grid_q = _cdiv(capacity * nv, block_pairs)
+  table, ovf = pl.pallas_call(
+      functools.partial(_build_wide_kernel, block=build_block, capacity=capacity, shape=shape,
+                        tmask=tsize - 1, max_probes=probes, interpret=interpret),
+      out_shape=(out_struct((tsize,), jnp.int32, num_arr, coords_flat),
+                 out_struct((grid_b + grid_q,), jnp.int32, num_arr, coords_flat)),
+      grid=(grid_b,),
+      input_output_aliases={2: 0},
+      compiler_params=params_build,
+      interpret=interpret,
+      name="hash_build_wide",
+  )(*same_vma(num_arr, coords_flat, jnp.full((tsize,), EMPTY, jnp.int32)))
+  nbr_flat, ovf = pl.pallas_call(
+      functools.partial(_query_wide_kernel, block=block_pairs, capacity=capacity, nv=nv, shape=shape,
+                        tmask=tsize - 1, max_probes=probes, ovf_base=grid_b),
+      out_shape=(out_struct((capacity * nv,), jnp.int32, num_arr, coords_flat),
+                 out_struct((grid_b + grid_q,), jnp.int32, num_arr, coords_flat)),
+      grid=(grid_q,),
+      input_output_aliases={4: 1},
+      compiler_params=params_query,
+      interpret=interpret,
+      name="hash_query_wide",
+  )(*same_vma(num_arr, coords_flat, offs_flat, table, ovf))
+  return nbr_flat.reshape(capacity, nv), jnp.max(ovf) > 0
+
+
 # --------------------------------------------------------------------------------------------
 # Public entry point
 # --------------------------------------------------------------------------------------------
@@ -278,14 +431,14 @@ def _cdiv(a: int, b: int) -> int:
 
 def neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret=False, block_rows=256,
                         block_pairs=128, num_warps=1, num_warps_build=4, max_probes=None,
-                        table_size=None, interleave=True):
+                        table_size=None, interleave=True, wide_keys=False):
   """Submanifold neighbour map through a GPU hash table.
 
   Args:
     coords: int32 [capacity, 4] rows (batch, x, y, z); rows >= num are padding (any contents).
     num: int32 scalar (may be traced): number of valid rows. Valid rows must have distinct
       coordinates with 0 <= x < X, 0 <= y < Y, 0 <= z < Z and batch >= 0, and
-      batch_size * X * Y * Z < 2**31.
+      batch_size * X * Y * Z < 2**31 unless wide_keys.
     spatial_shape: static (X, Y, Z).
     offsets: static tuple of V (dx, dy, dz) int tuples.
     interpret: run the Pallas kernels in interpret mode (CPU tests). The build then uses a block
@@ -299,6 +452,9 @@ def neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret=False,
       ``table_size_for(capacity)``: the smallest power of two >= 4 * capacity).
     interleave: store each slot's key and value side by side in one int32 [2T] table (a hit's
       value then shares the key's cache sector) instead of two [T] tables.
+    wide_keys: the grid has 2**31 sites or more (batch_size * X * Y * Z < 2**62, extents < 2**21): the
+      table then holds row indices and probes compare coordinates (no int32 key exists); interleave
+      does not apply.
 
   Returns:
     (nbr, overflow): nbr int32 [capacity, V], nbr[i, v] = row j < num with
@@ -312,16 +468,18 @@ def neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret=False,
       interpret=bool(interpret), block_rows=int(block_rows), block_pairs=int(block_pairs),
       num_warps=int(num_warps), num_warps_build=int(num_warps_build),
       max_probes=None if max_probes is None else int(max_probes),
-      table_size=None if table_size is None else int(table_size), interleave=bool(interleave))
+      table_size=None if table_size is None else int(table_size), interleave=bool(interleave),
+      wide_keys=bool(wide_keys))
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("spatial_shape", "offsets", "interpret", "block_rows", "block_pairs",
-                     "num_warps", "num_warps_build", "max_probes", "table_size", "interleave"))
+                     "num_warps", "num_warps_build", "max_probes", "table_size", "interleave",
+                     "wide_keys"))
 def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, block_rows,
                          block_pairs, num_warps, num_warps_build, max_probes, table_size,
-                         interleave):
+                         interleave, wide_keys):
   coords = jnp.asarray(coords, jnp.int32)
   capacity = int(coords.shape[0])
   if coords.ndim != 2 or coords.shape[1] != 4:
@@ -355,6 +513,11 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
   params_build = None if interpret else plgpu.CompilerParams(num_warps=num_warps_build,
                                                              num_stages=1)
   params_query = None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+  if wide_keys:
+    return _neighbor_map_wide(num_arr, coords_flat, offs_flat, capacity=capacity, nv=nv, shape=shape,
+                              tsize=tsize, probes=probes, interpret=interpret, block_rows=int(block_rows),
+                              block_pairs=int(block_pairs), params_build=params_build,
+                              params_query=params_query)
 
   grid_b = _cdiv(capacity, build_block)
   fill_block = 1 if interpret else int(block_rows)

@@ -202,7 +202,8 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   impl = dispatch.resolve(implementation)
   if impl.is_pallas:
     proposals = unique_keys.dedupe_proposals(x.coords, x.num, geometry=_proposal_geometry(geom),
-                                             batch_size=x.batch_size, interpret=impl.interpret)
+                                             batch_size=x.batch_size, interpret=impl.interpret,
+                                             wide_keys=_check_keys(x.batch_size, geom.out_shape) == 2)
     count = proposals.count
   else:
     keys, ok, flat, first, count = _sorted_proposals(x.coords, x.num, geom, x.batch_size)
@@ -267,11 +268,13 @@ def _proposal_geometry(geom: Geometry) -> unique_keys.ProposalGeometry:
 # the distinct keys only and the lookup of every proposal's output row in the hash table.
 @functools.partial(jax.jit, static_argnames=("geom", "batch_size", "out_capacity", "interpret"))
 def _hashed_compact(coords, num, proposals, geom: Geometry, batch_size: int, out_capacity: int, interpret: bool):
+  wide = _check_keys(batch_size, geom.out_shape) == 2
   out_keys, inv, lookup_overflow = unique_keys.output_sites(
-      coords, num, proposals, out_capacity, geometry=_proposal_geometry(geom), interpret=interpret)
+      coords, num, proposals, out_capacity, geometry=_proposal_geometry(geom), interpret=interpret, wide_keys=wide)
   nbr = _scatter_transpose(inv, out_capacity)
   out_num = jnp.minimum(proposals.count, out_capacity)
-  return _sites_of_keys(out_keys, geom, batch_size), out_num, nbr, inv, proposals.overflow | lookup_overflow
+  out_coords = out_keys if wide else _sites_of_keys((out_keys,), geom, batch_size)  # wide: already sites
+  return out_coords, out_num, nbr, inv, proposals.overflow | lookup_overflow
 
 
 def strided_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_capacity: int | None = None,

@@ -59,7 +59,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.hash_table import EMPTY, insert_absent_loop, probe_loop, table_size_for
+from pallas_kernels.hash_table import (EMPTY, insert_absent_loop, insert_absent_ref_loop, probe_loop, probe_ref_loop,
+                                      table_size_for)
 from pallas_kernels.out_struct import out_struct, same_vma
 
 __all__ = ["ProposalGeometry", "ProposalTable", "dedupe_proposals", "output_sites",
@@ -116,14 +117,14 @@ def default_table_size(capacity: int, geometry: ProposalGeometry, batch_size: in
 # --------------------------------------------------------------------------------------------
 
 
-def _proposal_keys(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry):
-  """Key of the output fed by input row j = p // V at offset v = p % V, and whether it exists
+def _proposal_site(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry):
+  """Output site (batch, ox, oy, oz) fed by input row j = p // V at offset v = p % V, and whether it exists
   (as the XLA path's sparse_conv._proposals). coords flattened [capacity*4], offsets [V*3]."""
   j = lax.div(p, jnp.int32(nv))
   v = p - j * nv
   exists = in_range & (j < num)
   base = j * 4
-  key = plgpu.load(coords_ref.at[base], mask=exists, other=0)  # batch
+  site = [plgpu.load(coords_ref.at[base], mask=exists, other=0)]  # batch
   for axis in range(3):
     pos = plgpu.load(coords_ref.at[base + 1 + axis], mask=exists, other=0)
     off = plgpu.load(offs_ref.at[v * 3 + axis], mask=in_range, other=0)
@@ -132,8 +133,23 @@ def _proposal_keys(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry:
     nonneg = jnp.maximum(shifted, 0)  # lax.div needs non-negative operands to floor
     o = nonneg if stride == 1 else lax.div(nonneg, jnp.int32(stride))
     exists = exists & (shifted >= 0) & (nonneg == o * stride) & (o < geometry.out_shape[axis])
-    key = key * geometry.out_shape[axis] + o
+    site.append(o)
+  return tuple(site), exists
+
+
+def _proposal_keys(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry):
+  """int32 linear key of the output site fed by pair p (grids of fewer than 2**31 sites), and whether it
+  exists."""
+  site, exists = _proposal_site(num, coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry)
+  key = site[0]
+  for axis in range(3):
+    key = key * geometry.out_shape[axis] + site[axis + 1]
   return key, exists
+
+
+def _proposal_ref_site(num, coords_ref, offs_ref, *, nv: int, geometry: ProposalGeometry):
+  """site_of for wide-grid tables, whose entries are proposal indices p (hash_table.probe_ref_loop)."""
+  return lambda refs, mask: _proposal_site(num, coords_ref, offs_ref, refs, mask, nv=nv, geometry=geometry)[0]
 
 
 def _insert_kernel(num_ref, coords_ref, offs_ref, table_in_ref, table_ref, ovf_ref, *, block,
@@ -173,6 +189,54 @@ def _lookup_kernel(num_ref, coords_ref, offs_ref, table_ref, slot_rows_ref, inv_
   plgpu.store(ovf_ref.at[pid], jnp.max(lost.astype(jnp.int32)))
 
 
+# Wide grids (2**31 sites or more): the same three kernels over a table of proposal indices p, compared by
+# the site they propose (hash_table.insert_absent_ref_loop / probe_ref_loop; the correctness arguments are
+# those of the int32 kernels with "key" read as "site of p").
+
+
+def _insert_wide_kernel(num_ref, coords_ref, offs_ref, table_in_ref, table_ref, ovf_ref, *, block,
+                        num_pairs, nv, geometry, tmask, max_probes, interpret):
+  del table_in_ref  # aliased with table_ref
+  pid = pl.program_id(0)
+  num = num_ref[0]
+  p = pid * block + jnp.arange(block, dtype=jnp.int32)
+  site, exists = _proposal_site(num, coords_ref, offs_ref, p, p < num_pairs, nv=nv, geometry=geometry)
+  carrying = insert_absent_ref_loop(
+      table_ref, p, site, exists, site_of=_proposal_ref_site(num, coords_ref, offs_ref, nv=nv, geometry=geometry),
+      shape=geometry.out_shape, tmask=tmask, max_probes=max_probes, interpret=interpret)
+  plgpu.store(ovf_ref.at[pid], jnp.max(carrying.astype(jnp.int32)))
+
+
+def _mark_wide_kernel(num_ref, coords_ref, offs_ref, table_ref, unique_ref, ovf_ref, *, block, nv, geometry,
+                      tmask, max_probes):
+  pid = pl.program_id(0)
+  site_of = _proposal_ref_site(num_ref[0], coords_ref, offs_ref, nv=nv, geometry=geometry)
+  slots = pid * block + jnp.arange(block, dtype=jnp.int32)  # block divides T: all in range
+  refs = plgpu.load(table_ref.at[slots])
+  occupied = refs != EMPTY
+  first, _, found, searching = probe_ref_loop(table_ref, site_of(refs, occupied), occupied, site_of=site_of,
+                                              shape=geometry.out_shape, tmask=tmask, max_probes=max_probes)
+  plgpu.store(unique_ref.at[slots], jnp.where(found & (first == slots), refs, EMPTY))
+  lost = searching | (occupied & jnp.logical_not(found))  # the second cannot happen
+  plgpu.store(ovf_ref.at[pid], jnp.max(lost.astype(jnp.int32)))
+
+
+def _lookup_wide_kernel(num_ref, coords_ref, offs_ref, table_ref, slot_rows_ref, inv_ref, ovf_ref, *, block,
+                        num_pairs, nv, geometry, tmask, max_probes):
+  pid = pl.program_id(0)
+  num = num_ref[0]
+  p = pid * block + jnp.arange(block, dtype=jnp.int32)
+  in_range = p < num_pairs
+  site, exists = _proposal_site(num, coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry)
+  first, _, found, searching = probe_ref_loop(
+      table_ref, site, exists, site_of=_proposal_ref_site(num, coords_ref, offs_ref, nv=nv, geometry=geometry),
+      shape=geometry.out_shape, tmask=tmask, max_probes=max_probes)
+  row = plgpu.load(slot_rows_ref.at[first], mask=found, other=-1)
+  plgpu.store(inv_ref.at[p], row, mask=in_range)
+  lost = searching | (exists & jnp.logical_not(found))  # the second cannot happen
+  plgpu.store(ovf_ref.at[pid], jnp.max(lost.astype(jnp.int32)))
+
+
 # --------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------
@@ -203,7 +267,7 @@ def _geometry(geometry) -> ProposalGeometry:
 
 def dedupe_proposals(coords, num, *, geometry: ProposalGeometry, batch_size: int, interpret=False,
                      block_pairs=256, num_warps=4, block_slots=256, max_probes=None,
-                     table_size=None) -> ProposalTable:
+                     table_size=None, wide_keys=False) -> ProposalTable:
   """Stage 1: insert every valid proposal into a hash table; keep each distinct key once.
 
   Args:
@@ -216,21 +280,24 @@ def dedupe_proposals(coords, num, *, geometry: ProposalGeometry, batch_size: int
       block_slots: slots per program of the mark kernel (powers of two).
     max_probes: bound on every probe loop (default T); an exhausted bound sets ``overflow``.
     table_size: slots T, a power of two >= default_table_size(...) (the default).
+    wide_keys: the output grid has 2**31 sites or more (batch_size * |output grid| < 2**62, extents
+      < 2**21): the table then holds proposal indices p = j*V + v, compared by the site they propose.
 
   Returns:
-    ProposalTable(table, unique, count, overflow).
+    ProposalTable(table, unique, count, overflow) (with wide_keys, table and unique hold proposal indices).
   """
   return _dedupe_proposals(
       coords, num, geometry=_geometry(geometry), batch_size=int(batch_size), interpret=bool(interpret),
       block_pairs=int(block_pairs), num_warps=int(num_warps), block_slots=int(block_slots),
       max_probes=None if max_probes is None else int(max_probes),
-      table_size=None if table_size is None else int(table_size))
+      table_size=None if table_size is None else int(table_size), wide_keys=bool(wide_keys))
 
 
 @functools.partial(jax.jit, static_argnames=("geometry", "batch_size", "interpret", "block_pairs",
-                                             "num_warps", "block_slots", "max_probes", "table_size"))
+                                             "num_warps", "block_slots", "max_probes", "table_size",
+                                             "wide_keys"))
 def _dedupe_proposals(coords, num, *, geometry, batch_size, interpret, block_pairs, num_warps,
-                      block_slots, max_probes, table_size):
+                      block_slots, max_probes, table_size, wide_keys):
   coords = jnp.asarray(coords, jnp.int32)
   capacity, nv = _check(coords, geometry, block_pairs=block_pairs, block_slots=block_slots)
   smallest = default_table_size(capacity, geometry, batch_size)
@@ -250,18 +317,23 @@ def _dedupe_proposals(coords, num, *, geometry, batch_size, interpret, block_pai
   insert_block = 1 if interpret else block_pairs
   grid_i = pl.cdiv(num_pairs, insert_block)
   table, ovf_insert = pl.pallas_call(
-      functools.partial(_insert_kernel, block=insert_block, num_pairs=num_pairs, nv=nv,
+      functools.partial(_insert_wide_kernel if wide_keys else _insert_kernel, block=insert_block, num_pairs=num_pairs, nv=nv,
                         geometry=geometry, tmask=tsize - 1, max_probes=probes, interpret=interpret),
       out_shape=(out_struct((tsize,), jnp.int32, num_arr, coords), _flags(grid_i, num_arr, coords)),
       grid=(grid_i,),
       input_output_aliases={3: 0},
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
-      name="unique_insert",
+      name="unique_insert_wide" if wide_keys else "unique_insert",
   )(*same_vma(num_arr, coords.reshape(-1), offs_flat, empty_table))
 
-  unique, mark_overflow = _keep_first_copies(table, block=block_slots, num_warps=num_warps,
-                                             max_probes=probes, interpret=interpret)
+  if wide_keys:
+    unique, mark_overflow = _keep_first_refs(table, num_arr, coords.reshape(-1), offs_flat, block=block_slots,
+                                             num_warps=num_warps, max_probes=probes, geometry=geometry,
+                                             interpret=interpret)
+  else:
+    unique, mark_overflow = _keep_first_copies(table, block=block_slots, num_warps=num_warps,
+                                               max_probes=probes, interpret=interpret)
   count = jnp.sum(unique != EMPTY, dtype=jnp.int32)
   return ProposalTable(table, unique, count, (jnp.max(ovf_insert) > 0) | mark_overflow)
 
@@ -279,6 +351,24 @@ def _keep_first_copies(table, *, block: int, num_warps: int, max_probes: int, in
       interpret=interpret,
       name="unique_mark",
   )(table)
+  return unique, jnp.max(ovf) > 0
+
+
+def _keep_first_refs(table, num_arr, coords_flat, offs_flat, *, block: int, num_warps: int, max_probes: int,
+                     geometry: ProposalGeometry, interpret: bool):
+  """_keep_first_copies for a wide-grid table of proposal indices (compared by their sites)."""
+  tsize = int(table.shape[0])
+  block = min(block, tsize)  # both powers of two: block divides T
+  grid = tsize // block
+  unique, ovf = pl.pallas_call(
+      functools.partial(_mark_wide_kernel, block=block, nv=len(geometry.offsets), geometry=geometry,
+                        tmask=tsize - 1, max_probes=max_probes),
+      out_shape=(out_struct((tsize,), jnp.int32, table), _flags(grid, table)),
+      grid=(grid,),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name="unique_mark_wide",
+  )(*same_vma(num_arr, coords_flat, offs_flat, table))
   return unique, jnp.max(ovf) > 0
 
 
@@ -320,9 +410,56 @@ def _kth_smallest(unique, k: int):
   return lo
 
 
+def _smallest_sorted_sites(words, kept, count, out_capacity: int):
+  """_smallest_sorted for wide grids, whose kept entries are sites compared as 4 int32 words (batch, x, y, z:
+  lexicographic order is the linear order). kept: bool [T]. Returns (words, slots), BIG words and slot T
+  after the kept sites. On overflow the whole table is sorted (a scratch of T entries: _kth_smallest's
+  bisection needs one int32 key), which only wide grids that overflow pay."""
+  tsize = kept.shape[0]
+  size = min(out_capacity, tsize)  # at most T keys are kept
+  nk = len(words)
+
+  def compact_then_sort():  # all kept keys fit: sort `size` entries, not T (as _smallest_sorted)
+    position = jnp.cumsum(kept, dtype=jnp.int32) - 1
+    everywhere = jnp.arange(tsize, dtype=jnp.int32)
+    target = jnp.where(kept, position, size + everywhere)  # distinct, and out of range where dropped
+    slots = jnp.full((size,), tsize, jnp.int32).at[target].set(everywhere, mode="drop", unique_indices=True)
+    packed = [jnp.full((size,), BIG, jnp.int32).at[target].set(w, mode="drop", unique_indices=True)
+              for w in words]
+    *packed, slots = lax.sort((*packed, slots), num_keys=nk)
+    return tuple(packed), slots
+
+  def sort_everything():  # overflow: only the smallest out_capacity sites are kept
+    masked = [jnp.where(kept, w, BIG) for w in words]
+    *masked, slots = lax.sort((*masked, jnp.arange(tsize, dtype=jnp.int32)), num_keys=nk)
+    masked = [w[:size] for w in masked]
+    # The last word (z < 2**21) is BIG only where nothing was kept.
+    return tuple(masked), jnp.where(masked[-1] == BIG, tsize, slots[:size])
+
+  if out_capacity >= tsize:  # count <= T: no overflow possible
+    words, slots = compact_then_sort()
+  else:
+    words, slots = lax.cond(count <= out_capacity, compact_then_sort, sort_everything)
+  spare = out_capacity - size
+  return (tuple(jnp.concatenate([w, jnp.full((spare,), BIG, jnp.int32)]) for w in words),
+          jnp.concatenate([slots, jnp.full((spare,), tsize, jnp.int32)]))
+
+
+def proposal_sites(coords, refs, *, geometry: ProposalGeometry):
+  """(batch, ox, oy, oz) int32 [...] each: the output site of proposal index refs (p = j*V + v; XLA ops, as
+  _proposal_site), garbage where refs is EMPTY."""
+  nv = len(geometry.offsets)
+  r = jnp.maximum(refs, 0)
+  j, v = r // nv, r % nv
+  shifted = (coords[j, 1:] + jnp.asarray(geometry.padding, jnp.int32)
+             - jnp.asarray(np.asarray(geometry.offsets, np.int32).reshape(-1, 3))[v])
+  o = shifted // jnp.asarray(geometry.stride, jnp.int32)
+  return (coords[j, 0], o[..., 0], o[..., 1], o[..., 2])
+
+
 def output_sites(coords, num, proposals: ProposalTable, out_capacity: int, *,
                  geometry: ProposalGeometry, interpret=False, block_pairs=128, num_warps=1,
-                 max_probes=None):
+                 max_probes=None, wide_keys=False):
   """Stage 2: the sorted output sites and, for every proposal, its output row.
 
   Args:
@@ -337,17 +474,19 @@ def output_sites(coords, num, proposals: ProposalTable, out_capacity: int, *,
     distinct proposal keys ascending, then int32 max; inv int32 [capacity, V], the position in out_keys
     of proposal (j, v) or -1 (no proposal, or a site beyond out_capacity); overflow: bool scalar, True if
     a lookup ran past its bound (``proposals.overflow`` is not included).
+    With wide_keys (as given to dedupe_proposals) out_keys is replaced by out_sites int32 [out_capacity, 4],
+    the sites (batch, x, y, z) in linear order, -1 rows after them: there is no int32 key to return.
   """
   return _output_sites(
       coords, num, proposals, out_capacity=int(out_capacity), geometry=_geometry(geometry),
       interpret=bool(interpret), block_pairs=int(block_pairs), num_warps=int(num_warps),
-      max_probes=None if max_probes is None else int(max_probes))
+      max_probes=None if max_probes is None else int(max_probes), wide_keys=bool(wide_keys))
 
 
 @functools.partial(jax.jit, static_argnames=("out_capacity", "geometry", "interpret", "block_pairs",
-                                             "num_warps", "max_probes"))
+                                             "num_warps", "max_probes", "wide_keys"))
 def _output_sites(coords, num, proposals, *, out_capacity, geometry, interpret, block_pairs, num_warps,
-                  max_probes):
+                  max_probes, wide_keys):
   coords = jnp.asarray(coords, jnp.int32)
   capacity, nv = _check(coords, geometry, block_pairs=block_pairs)
   if out_capacity < 0:
@@ -356,7 +495,14 @@ def _output_sites(coords, num, proposals, *, out_capacity, geometry, interpret, 
     raise ValueError(f"max_probes must be >= 1, got {max_probes}")
   tsize = int(proposals.table.shape[0])
   probes = tsize if max_probes is None else max_probes
-  out_keys, out_slots = _smallest_sorted(proposals.unique, proposals.count, out_capacity)
+  if wide_keys:
+    # Sorted by (batch, x, y, z), the linear order, as 4 words: no two-word key arithmetic needed here.
+    kept = proposals.unique != EMPTY
+    words, out_slots = _smallest_sorted_sites(proposal_sites(coords, proposals.unique, geometry=geometry), kept,
+                                              proposals.count, out_capacity)
+    out_keys = jnp.where((out_slots < tsize)[:, None], jnp.stack(words, axis=-1), -1)
+  else:
+    out_keys, out_slots = _smallest_sorted(proposals.unique, proposals.count, out_capacity)
   num_pairs = capacity * nv
   if num_pairs == 0:
     return out_keys, jnp.full((capacity, nv), -1, jnp.int32), jnp.asarray(False)
@@ -368,14 +514,15 @@ def _output_sites(coords, num, proposals, *, out_capacity, geometry, interpret, 
 
   grid = pl.cdiv(num_pairs, block_pairs)
   inv, ovf = pl.pallas_call(
-      functools.partial(_lookup_kernel, block=block_pairs, num_pairs=num_pairs, nv=nv,
+      functools.partial(_lookup_wide_kernel if wide_keys else _lookup_kernel, block=block_pairs,
+                        num_pairs=num_pairs, nv=nv,
                         geometry=geometry, tmask=tsize - 1, max_probes=probes),
       out_shape=(out_struct((num_pairs,), jnp.int32, coords, proposals.table, slot_rows),
                  _flags(grid, coords, proposals.table, slot_rows)),
       grid=(grid,),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
-      name="unique_lookup",
+      name="unique_lookup_wide" if wide_keys else "unique_lookup",
   )(*same_vma(jnp.reshape(jnp.asarray(num, jnp.int32), (1,)), coords.reshape(-1),
                jnp.asarray(np.asarray(geometry.offsets, np.int32).reshape(-1)), proposals.table, slot_rows))
   return out_keys, inv.reshape(capacity, nv), jnp.max(ovf) > 0

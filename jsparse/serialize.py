@@ -1,9 +1,12 @@
 """Space-filling-curve keys (Morton / Z-order and Hilbert) for 3D integer coordinates, and sorting by them.
 
 Keys are int32 (JAX runs without x64 by default): with `bits` bits per axis (coordinates in
-[0, 2**bits)), a key has 3 * bits bits, so bits <= 10 (30-bit keys, coordinates < 1024). The batch index
-can be folded above the key (`fold_batch`) while batch < 2**(31 - 3 * bits) (e.g. 2 batches at bits=10,
-16 at bits=9, 128 at bits=8); `sort_by` does not need that, it sorts on (batch, key) pairs.
+[0, 2**bits)), a key has 3 * bits bits, so one int32 holds it for bits <= 10 (30-bit keys, coordinates
+< 1024). Wider grids (bits up to 21, sparse_tensor.MAX_EXTENT) get keys as int32 words [..., W], W =
+ceil(bits / 10), most significant first, each the interleave of 10 bits per axis: their lexicographic
+order is the order of the full 3*bits-bit key. The batch index can be folded above a one-word key
+(`fold_batch`) while batch < 2**(31 - 3 * bits) (e.g. 2 batches at bits=10, 16 at bits=9, 128 at bits=8);
+`sort_by` does not need that, it sorts on (batch, key words).
 
 Out-of-range input is never aliased onto a valid key (masking 1024 to 10 bits would give 0's key): outside
 jit it raises ValueError, under jit its key is -1, which no valid input produces.
@@ -20,17 +23,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse.sparse_tensor import SparseTensor, as_int, linear_keys
+from jsparse.sparse_tensor import SparseTensor, as_int, site_keys
 
-MAX_BITS = 10
+MAX_BITS = 10  # bits per axis of a one-word (int32) key
+MAX_WIDE_BITS = 21  # bits per axis of a key in words (coordinates < sparse_tensor.MAX_EXTENT)
 ORDERS = ("morton", "hilbert", "linear")
 
 
-def _check_bits(bits):
+def _check_bits(bits, limit: int = MAX_WIDE_BITS):
   bits = as_int(bits, "bits")
-  if not 1 <= bits <= MAX_BITS:
-    raise ValueError(f"bits per axis must be in [1, {MAX_BITS}] (int32 keys), got {bits}")
+  if not 1 <= bits <= limit:
+    raise ValueError(f"bits per axis must be in [1, {limit}] ({'int32 keys' if limit == MAX_BITS else 'key words'}),"
+                     f" got {bits}")
   return bits
+
+
+def num_words(bits: int) -> int:
+  """int32 words per key at `bits` bits per axis: 1 up to 10 bits (keys [...]), else ceil(bits / 10) ([..., W])."""
+  return -(-_check_bits(bits) // MAX_BITS)
 
 
 def _integers(name: str, value) -> jax.Array:
@@ -48,7 +58,7 @@ def _check_in_range(name: str, inside: jax.Array, limit: str) -> None:
 
 
 def bits_for(spatial_shape) -> int:
-  """The smallest bits per axis covering spatial_shape (raises if the grid is over 1024 per axis)."""
+  """The smallest bits per axis covering spatial_shape (raises past 2**21 per axis); over 10 the keys are words."""
   return _check_bits(max(1, math.ceil(math.log2(max(spatial_shape)))))
 
 
@@ -74,13 +84,19 @@ def _compact(v):
 def encode_morton(xyz, bits: int = MAX_BITS) -> jax.Array:
   """int32 [...] Morton keys of integer coordinates xyz [..., 3] in [0, 2**bits). Jit-able.
 
+  Past 10 bits the keys are int32 words [..., W] (module docstring), W = num_words(bits).
+
   Coordinates outside [0, 2**bits) raise ValueError outside jit and get key -1 under jit.
   """
   bits = _check_bits(bits)
   xyz, inside = _coords_in_cube(xyz, bits)
-  mask = (1 << bits) - 1
-  k = (_spread(xyz[..., 0] & mask) << 2) | (_spread(xyz[..., 1] & mask) << 1) | _spread(xyz[..., 2] & mask)
-  return jnp.where(inside, k.astype(jnp.int32), -1)
+  xyz = xyz.astype(jnp.uint32) & ((1 << bits) - 1)
+  words = []
+  for low in range(MAX_BITS * (num_words(bits) - 1), -1, -MAX_BITS):  # 10 bits per axis a word, top first
+    part = [(xyz[..., a] >> low) & 0x3FF for a in range(3)]
+    k = (_spread(part[0]) << 2) | (_spread(part[1]) << 1) | _spread(part[2])
+    words.append(jnp.where(inside, k.astype(jnp.int32), -1))
+  return words[0] if len(words) == 1 else jnp.stack(words, axis=-1)
 
 
 def _coords_in_cube(xyz, bits: int) -> tuple[jax.Array, jax.Array]:
@@ -94,10 +110,15 @@ def _coords_in_cube(xyz, bits: int) -> tuple[jax.Array, jax.Array]:
 
 
 def decode_morton(keys, bits: int = MAX_BITS) -> jax.Array:
-  """int32 [..., 3] coordinates of Morton keys (inverse of encode_morton). Jit-able."""
-  _check_bits(bits)
+  """int32 [..., 3] coordinates of Morton keys (inverse of encode_morton with the same bits). Jit-able."""
+  w = num_words(bits)
   k = jnp.asarray(keys).astype(jnp.uint32)
-  return jnp.stack([_compact(k >> 2), _compact(k >> 1), _compact(k)], axis=-1).astype(jnp.int32)
+  words = [k] if w == 1 else [k[..., i] for i in range(w)]
+  xyz = jnp.zeros(words[0].shape + (3,), jnp.uint32)
+  for i, word in enumerate(words):
+    part = jnp.stack([_compact(word >> 2), _compact(word >> 1), _compact(word)], axis=-1)
+    xyz = xyz | (part << (MAX_BITS * (w - 1 - i)))
+  return xyz.astype(jnp.int32)
 
 
 def _axes_to_transpose(x, bits):
@@ -150,7 +171,8 @@ def _transpose_to_axes(x, bits):
 
 
 def encode_hilbert(xyz, bits: int = MAX_BITS) -> jax.Array:
-  """int32 [...] Hilbert keys of integer coordinates xyz [..., 3] in [0, 2**bits). Jit-able.
+  """int32 [...] Hilbert keys of integer coordinates xyz [..., 3] in [0, 2**bits) ([..., W] words past 10
+  bits, as encode_morton). Jit-able.
 
   The curve covers the cube [0, 2**bits)^3; keys for a different `bits` are a different curve.
   """
@@ -158,7 +180,8 @@ def encode_hilbert(xyz, bits: int = MAX_BITS) -> jax.Array:
   xyz, inside = _coords_in_cube(xyz, bits)
   xyz = xyz.astype(jnp.uint32) & ((1 << bits) - 1)
   tr = _axes_to_transpose([xyz[..., 0], xyz[..., 1], xyz[..., 2]], bits)
-  return jnp.where(inside, encode_morton(jnp.stack(tr, axis=-1).astype(jnp.int32), bits), -1)
+  keys = encode_morton(jnp.stack(tr, axis=-1).astype(jnp.int32), bits)
+  return jnp.where(inside if keys.ndim == inside.ndim else inside[..., None], keys, -1)
 
 
 def decode_hilbert(keys, bits: int = MAX_BITS) -> jax.Array:
@@ -175,7 +198,7 @@ def fold_batch(batch, keys, bits: int) -> jax.Array:
   Needs 0 <= batch < max_folded_batch(bits) and 0 <= keys < 2**(3*bits); else ValueError outside jit and -1
   under jit (a batch past the maximum would shift into the sign bit and give negative keys).
   """
-  bits = _check_bits(bits)
+  bits = _check_bits(bits, MAX_BITS)
   batch = _integers("batch", batch)
   keys = _integers("keys", keys)
   batch_ok = (batch >= 0) & (batch < max_folded_batch(bits))
@@ -188,22 +211,29 @@ def fold_batch(batch, keys, bits: int) -> jax.Array:
 
 def max_folded_batch(bits: int) -> int:
   """The number of batch indices fold_batch can hold at `bits` bits per axis."""
-  return 2 ** (31 - 3 * _check_bits(bits))
+  return 2 ** (31 - 3 * _check_bits(bits, MAX_BITS))
 
 
 def serialization_keys(x: SparseTensor, order: str = "morton", bits: int | None = None) -> jax.Array:
-  """int32 [capacity] curve keys of x's sites (ignoring the batch); padding rows get int32 max."""
+  """int32 [capacity] curve keys of x's sites (ignoring the batch); padding rows get int32 max.
+
+  Keys in words are int32 [capacity, W] (every word int32 max for padding): curve keys at bits > 10, and
+  "linear" keys (which include the batch) on grids of 2**31 sites or more, as the (hi, lo) words of
+  sparse_tensor.site_keys.
+  """
   if order not in ORDERS:
     raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
   valid = x.valid_mask()
   if order == "linear":
-    k = linear_keys(x.coords, x.spatial_shape)
+    words = site_keys(x.coords, x.spatial_shape, x.key_width)
+    k = words[0] if len(words) == 1 else jnp.stack(words, axis=-1)
   else:
     bits = bits_for(x.spatial_shape) if bits is None else _check_bits(bits)
     if max(x.spatial_shape) > 2**bits:
       raise ValueError(f"spatial_shape {x.spatial_shape} does not fit in {bits} bits per axis")
     xyz = jnp.maximum(x.coords[:, 1:], 0)
     k = encode_morton(xyz, bits) if order == "morton" else encode_hilbert(xyz, bits)
+  valid = valid if k.ndim == 1 else valid[:, None]
   return jnp.where(valid, k, jnp.iinfo(jnp.int32).max)
 
 
@@ -212,13 +242,14 @@ def sort_by(x: SparseTensor, order: str = "morton", bits: int | None = None):
 
   sorted.coords == x.coords[perm] and sorted.feats == x.feats[perm]; padding rows stay at the end.
   order: "morton" (Z-order), "hilbert", or "linear" (batch, x, y, z row-major). bits: bits per axis of
-  the curve (default: the smallest covering spatial_shape, at most 10). Jit-able; differentiable with
-  respect to feats. Neighbour-map caches are dropped (they index the old row order).
+  the curve (default: the smallest covering spatial_shape, at most 21; keys over 10 bits are words). Jit-able;
+  differentiable with respect to feats. Neighbour-map caches are dropped (they index the old row order).
   """
   k = serialization_keys(x, order, bits)
+  words = [k] if k.ndim == 1 else [k[:, i] for i in range(k.shape[1])]
   big = jnp.iinfo(jnp.int32).max
   b = jnp.where(x.valid_mask(), x.coords[:, 0], big)
   idx = jnp.arange(x.capacity, dtype=jnp.int32)
-  # Two-key sort: no need to fold the batch into the key, so any batch_size works.
-  _, _, perm = jax.lax.sort((b, k, idx), num_keys=2, is_stable=True)
+  # Sort on (batch, key words): no need to fold the batch into the key, so any batch_size works.
+  *_, perm = jax.lax.sort((b, *words, idx), num_keys=1 + len(words), is_stable=True)
   return x.replace(coords=x.coords[perm], feats=x.feats[perm], caches={}), perm

@@ -484,13 +484,13 @@ def wide_mul_add(hi, lo, size: int, digit):
 def wide_divmod(hi, lo, size):
   """((q_hi, q_lo), r): quotient and remainder of (hi * 2**31 + lo) by size in [1, 2**21) (int or int32
   array), by long division in 10-bit digits so that no partial value passes 2**31."""
-  size = jnp.asarray(size, jnp.int32)
-  q_hi, r = lax.div(hi, size), lax.rem(hi, size)
+  size = jnp.asarray(size, jnp.int32)  # operands are non-negative, so // and % are exact
+  q_hi, r = hi // size, hi % size
   q_lo = jnp.zeros_like(lo)
   for shift, width in ((30, 1), (20, 10), (10, 10), (0, 10)):
     r = (r << width) | ((lo >> shift) & ((1 << width) - 1))  # r < size * 2**width <= 2**31
-    q_lo = (q_lo << width) | lax.div(r, size)
-    r = lax.rem(r, size)
+    q_lo = (q_lo << width) | (r // size)
+    r = r % size
   return (q_hi, q_lo), r
 
 

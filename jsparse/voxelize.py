@@ -21,12 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, _as_spatial_shape, check_capacity, report, resolve_capacity,
-                                   round_capacity)
+from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, _as_spatial_shape, check_capacity, key_width, report,
+                                   resolve_capacity, round_capacity, site_keys, wide_divmod)
 
 REDUCTIONS = ("mean", "sum", "max", "first")
 DEDUPS = ("numpy", "xla")
-# Key of padding rows and of points dropped under jit: it sorts after every real key (those are < MAX_KEYS).
+# Key of padding rows and of points dropped under jit: it sorts after every real key (those are < MAX_KEYS; on
+# wide grids every word is DROPPED_KEY, which no key below 2**62 - 1 has).
 DROPPED_KEY = np.iinfo(np.int32).max
 
 
@@ -44,12 +45,9 @@ def _check_reduce(reduce):
     raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
 
 
-def _check_key_range(batch_size, spatial_shape):
-  total = batch_size * math.prod(spatial_shape)
-  if total > MAX_KEYS:
-    raise ValueError(
-        f"batch_size * X * Y * Z = {batch_size} * {' * '.join(map(str, spatial_shape))} = {total} >= 2**31: "
-        "jsparse keys voxels by int32 linear index, which would wrap and merge distant voxels")
+def _check_key_range(batch_size, spatial_shape) -> int:
+  """The key width of the grid (sparse_tensor.key_width: ValueError past 2**62 sites or 2**21 per axis)."""
+  return key_width(batch_size, spatial_shape)
 
 
 def _prepare_feats(feats, n, xp=jnp):
@@ -86,15 +84,19 @@ class _Plan(NamedTuple):
 
 
 def _host_plan(keys: np.ndarray, padded: int, spatial_shape) -> _Plan:
-  """The plan on the host (numpy) for int64 keys [n] < 2**31, padded to `padded` >= n rows."""
+  """The plan on the host (numpy) for int64 keys [n] < 2**62, padded to `padded` >= n rows."""
   n = keys.shape[0]
-  # One plain int64 sort of key * 2**32 + row: numpy's vectorised integer sort is several times faster
-  # than a stable argsort, and the row in the low bits keeps equal keys in input order.
-  packed = (keys.astype(np.int64) << 32) | np.arange(n, dtype=np.int64)
-  packed.sort()
   order = np.arange(padded, dtype=np.int32)
-  order[:n] = packed & 0xFFFFFFFF
-  sorted_keys = (packed >> 32).astype(np.int32)
+  if n and keys.max() > MAX_KEYS:  # wide grid: the key takes all 64 bits, so sort it stably on its own
+    order[:n] = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order[:n]]
+  else:
+    # One plain int64 sort of key * 2**32 + row: numpy's vectorised integer sort is several times faster
+    # than a stable argsort, and the row in the low bits keeps equal keys in input order.
+    packed = (keys.astype(np.int64) << 32) | np.arange(n, dtype=np.int64)
+    packed.sort()
+    order[:n] = packed & 0xFFFFFFFF
+    sorted_keys = (packed >> 32).astype(np.int32)
   heads = np.empty(n, bool)
   heads[:1] = True
   np.not_equal(sorted_keys[1:], sorted_keys[:-1], out=heads[1:])
@@ -113,16 +115,21 @@ def _host_plan(keys: np.ndarray, padded: int, spatial_shape) -> _Plan:
 
 
 def _device_plan(keys, dims) -> _Plan:
-  """The plan with XLA ops (traceable) for int32 keys [P >= 1], DROPPED_KEY marking rows to drop.
+  """The plan with XLA ops (traceable) for keys [P >= 1] given as a tuple of int32 words (site_keys: one word
+  on grids of fewer than 2**31 sites, (hi, lo) on wider ones), every word DROPPED_KEY marking rows to drop.
 
   dims: int32 (X, Y, Z), traced so that one program serves every grid.
   """
-  p = keys.shape[0]
+  keys = tuple(keys) if isinstance(keys, (tuple, list)) else (keys,)
+  p = keys[0].shape[0]
   rows = lax.iota(jnp.int32, p)
-  sorted_keys, order = lax.sort((keys, rows), num_keys=1, is_stable=True)
-  kept = sorted_keys != DROPPED_KEY
-  previous = jnp.concatenate([jnp.full((1,), -1, jnp.int32), sorted_keys[:-1]])
-  heads = (sorted_keys != previous) & kept
+  *sorted_keys, order = lax.sort((*keys, rows), num_keys=len(keys), is_stable=True)
+  kept = jnp.zeros((p,), bool)  # a dropped row has every word DROPPED_KEY, a kept one not (below 2**62 - 1)
+  heads = jnp.zeros((p,), bool)
+  for w in sorted_keys:
+    kept = kept | (w != DROPPED_KEY)
+    heads = heads | (w != jnp.concatenate([jnp.full((1,), -1, jnp.int32), w[:-1]]))
+  heads = heads & kept
   run_index = jnp.where(kept, jnp.cumsum(heads, dtype=jnp.int32) - 1, DROPPED_KEY)
   # Scatters of distinct indices (plain stores, no atomics). The permutation's inverse:
   inverse = jnp.zeros((p,), jnp.int32).at[order].set(run_index, unique_indices=True)
@@ -131,12 +138,19 @@ def _device_plan(keys, dims) -> _Plan:
   slot = jnp.where(heads, run_index, p + 1 + rows)
   starts = jnp.full((p + 1,), jnp.sum(kept, dtype=jnp.int32)).at[slot].set(rows, mode="drop", unique_indices=True)
   count = jnp.sum(heads, dtype=jnp.int32)
-  voxel_keys = sorted_keys[jnp.minimum(starts[:-1], p - 1)]
-  z = voxel_keys % dims[2]
-  rest = voxel_keys // dims[2]
-  y = rest % dims[1]
-  rest = rest // dims[1]
-  voxel_coords = jnp.stack([rest // dims[0], rest % dims[0], y, z], axis=1)
+  voxel_keys = [w[jnp.minimum(starts[:-1], p - 1)] for w in sorted_keys]
+  if len(voxel_keys) == 1:
+    (voxel_keys,) = voxel_keys
+    z = voxel_keys % dims[2]
+    rest = voxel_keys // dims[2]
+    y = rest % dims[1]
+    rest = rest // dims[1]
+    voxel_coords = jnp.stack([rest // dims[0], rest % dims[0], y, z], axis=1)
+  else:
+    rest, z = wide_divmod(*voxel_keys, dims[2])
+    rest, y = wide_divmod(*rest, dims[1])
+    (_, b), x = wide_divmod(*rest, dims[0])  # the batch is below 2**31: its high word is 0
+    voxel_coords = jnp.stack([b, x, y, z], axis=1)
   voxel_coords = jnp.where((jnp.arange(p) < count)[:, None], voxel_coords, -1)
   return _Plan(order, inverse, starts, voxel_coords, count)
 
@@ -265,7 +279,7 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
   voxel_size: scalar or 3 values. origin: world position of the grid corner; None uses the points'
     minimum (per axis, over all batches).
   spatial_shape: grid size; None takes the smallest grid holding every point. Points outside it raise
-    ValueError (with how many there are). batch_size * X * Y * Z must be < 2**31 (int32 keys).
+    ValueError (with how many there are). batch_size * X * Y * Z must be < 2**62, each extent < 2**21.
   batch: [N] integer batch ids (default all 0); batch_size defaults to max(batch) + 1.
   reduce: how the feats of points sharing a voxel are merged: "mean", "sum", "max" or "first" (the
     earliest point in input order). Sums and means accumulate in float32 for half-precision feats.
@@ -336,8 +350,13 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
   if dedup == "numpy":
     plan = _host_plan(keys, padded, spatial_shape)
   else:
-    padded_keys = np.full(padded, DROPPED_KEY, np.int32)
-    padded_keys[:n] = keys
+    width = key_width(batch_size, spatial_shape)
+    padded_keys = np.full((width, padded), DROPPED_KEY, np.int32)
+    if width == 1:
+      padded_keys[0, :n] = keys
+    else:  # the (hi, lo) words of sparse_tensor.site_keys
+      padded_keys[0, :n], padded_keys[1, :n] = keys >> 31, keys & MAX_KEYS
+    padded_keys = tuple(padded_keys)
     dims = np.array(spatial_shape, np.int32)
     plan = _device_plan_jit(padded_keys, dims)
     if isinstance(plan.count, jax.core.Tracer):  # an outer jit traces the call: find the voxels now instead
@@ -356,7 +375,8 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   """`voxelize` usable under jax.jit: returns (SparseTensor, overflow).
 
   spatial_shape, capacity, batch_size, reduce are static; origin is required (no data-dependent default)
-  and voxel_size/origin may be traced. batch_size * X * Y * Z must be < 2**31 (int32 keys; ValueError).
+  and voxel_size/origin may be traced. batch_size * X * Y * Z must be < 2**62, each extent < 2**21
+  (ValueError); grids of 2**31 sites or more key voxels by two int32 words.
   overflow is a bool scalar, True when more voxels were occupied than `capacity` (the voxels with the
   largest keys are dropped); the tensor carries it too (`jsparse.overflowed`), and under jit
   `jax.experimental.checkify` reports it. Points outside the grid or with a batch id outside [0, batch_size) are dropped
@@ -368,7 +388,7 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   _check_reduce(reduce)
   spatial_shape = _as_spatial_shape(spatial_shape)
   batch_size = int(batch_size)
-  _check_key_range(batch_size, spatial_shape)
+  width = _check_key_range(batch_size, spatial_shape)
   capacity = int(capacity)
   p = jnp.asarray(points)
   if p.ndim != 2 or p.shape[1] != 3:
@@ -384,11 +404,11 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   b = _batch_ids(batch, n, batch_size)
   inside = jnp.all((idx >= 0) & (idx < shape), axis=1) & (b >= 0) & (b < batch_size)
   idx = jnp.where(inside[:, None], idx, 0).astype(jnp.int32)
-  X, Y, Z = spatial_shape
-  keys = jnp.where(inside, ((b * X + idx[:, 0]) * Y + idx[:, 1]) * Z + idx[:, 2], DROPPED_KEY)
+  site = jnp.concatenate([jnp.where(inside, b, 0)[:, None], idx], axis=1)
+  keys = tuple(jnp.where(inside, w, DROPPED_KEY) for w in site_keys(site, spatial_shape, width))
   f = None if feats is None else _prepare_feats(feats, n)
   if n == 0:  # one dropped row keeps every array non-empty
-    keys = jnp.full((1,), DROPPED_KEY, jnp.int32)
+    keys = (jnp.full((1,), DROPPED_KEY, jnp.int32),) * width
     f = None if f is None else jnp.zeros((1, f.shape[1]), f.dtype)
   plan = _device_plan(keys, jnp.asarray(spatial_shape, jnp.int32))
   coords, out, num = _reduce(plan, f, capacity=capacity, reduce=reduce)

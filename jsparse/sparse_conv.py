@@ -16,6 +16,10 @@ outputs (neighbors.lookup_keys). Pallas (`implementation`, as submconv3d): the p
 table, where duplicates collapse, and only the distinct keys are sorted; `inv` is read back from the table
 (pallas_kernels/unique_keys.py). Both give the same rows in the same order. `nbr` is `inv` scattered back.
 
+Keys. Linear keys are int32 where the output grid has fewer than 2**31 sites; on wider grids (up to 2**62,
+sparse_tensor.key_width) they are (hi, lo) int32 words sorted with lax.sort(num_keys=2) and searched
+lexicographically (neighbors.lookup_keys), and the hash table holds proposal indices (unique_keys.py).
+
 Reuse. `sparse_conv3d` and the pools attach their PairMap to the output's `caches` under
 `pair_map_key(...)` (the map by which those coordinates were produced). `sparse_inverse_conv3d(y, like=x)`
 takes it from `y.caches` (it survives submconv3d layers on y, which keep y's caches) when it was built on

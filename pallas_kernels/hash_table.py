@@ -5,7 +5,8 @@ Arrays in, arrays out: this module does not import ``jsparse``.
 Layout
 ------
 * Key of a site ``(b, x, y, z)``: ``((b*X + x)*Y + y)*Z + z`` as int32 (the caller guarantees
-  ``batch_size*X*Y*Z < 2**31``, so keys are non-negative and ``EMPTY = -1`` is free).
+  ``batch_size*X*Y*Z < 2**31``, so keys are non-negative and ``EMPTY = -1`` is free; wider grids:
+  see "Wide grids" below).
 * ``T`` slots, ``T`` a power of two ``>= 2 * capacity`` (load factor at most 1/2; default
   ``>= 4 * capacity``, see ``table_size_for``). Each slot holds a key (``EMPTY`` where unused) and
   a value (row index of that key): by default side by side in one int32 ``[2T]`` table
@@ -46,6 +47,14 @@ one warp) matter most, since a block's probe loop runs as long as its slowest la
 4-warp blocks were about 1.7x slower); then the 4x table.
 No use is made of the offset symmetry (nbr[j, V-1-v] = i): it would halve the lookups but turn
 the contiguous stores into scatters, and the lookups are already cheap.
+
+Wide grids (``wide_keys=True``: ``batch_size*X*Y*Z >= 2**31``, below ``2**62``, extents below ``2**21``):
+no int32 key names a site, and a two-word key cannot be swapped in atomically. The table ``[T]`` then
+holds ROW INDICES: the build swaps row ``j`` in (``insert_ref_loop``; no fill pass, the entry is the
+value), and a probe loads the coordinates of the row it meets and compares all four
+(``probe_ref_loop``). The home slot is ``site_home``: fmix32 mixing both halves of the linear index.
+A row's coordinates never change, so the build's argument above holds with "key" read as "site of the
+row". Each probe step costs four gathers instead of one; grids below ``2**31`` sites never take it.
 
 Interpret mode (CPU): atomics on arrays are not supported there, so ``_swap`` is a plain load+store
 when ``interpret=True`` and the build kernel then runs with ONE lane per program (grid steps run one

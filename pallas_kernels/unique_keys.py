@@ -40,6 +40,14 @@ a few percent, and the table is the largest buffer of a strided convolution's si
 default ``T``) can run out. When the output grid is the smaller bound, filling the table would need more
 racing second copies than distinct sites; either way an exhausted bound only sets ``overflow``.
 
+Wide grids (``wide_keys=True``, output grid of 2**31 sites or more): the table holds proposal indices
+``p = j*V + v`` instead of keys, and the three kernels compare the sites the indices propose (recomputed from
+the coordinates and offsets, ``_proposal_site``) with hash_table's ``insert_absent_ref_loop`` and
+``probe_ref_loop``. A proposal's site never changes, so the insertion and first-copy arguments above hold
+with "key" read as "site of p": copies still lie in the unbroken run from their site's home slot, and the
+mark keeps exactly the first reference to each site. ``output_sites`` then sorts the kept sites by their four
+coordinates (lexicographic = linear order) and returns them instead of int32 keys.
+
 Interpret mode (CPU): atomics on arrays are not supported there, so the insertion runs one lane per
 program with a plain load+store swap (grid steps run one after another: exact, and no key gets a second
 copy; tests build such copies by hand for the mark kernel). The mark and lookup kernels only load from

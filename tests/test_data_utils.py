@@ -225,15 +225,17 @@ def test_voxel_reductions_scan_matches_scatter(reduce):
     assert np.all(np.asarray(g1)[keys == voxelize_lib.DROPPED_KEY] == 0)
 
 
-def test_voxelize_rejects_grids_past_int32_keys():
-  """2048^3 voxels need 33-bit keys: two points 1024 voxels apart used to merge silently under jit."""
+def test_voxelize_grids_past_int32_keys():
+  """2048^3 voxels need 33-bit keys: two points 1024 voxels apart used to merge silently under jit; now such
+  grids take two-word keys (tests/test_wide_keys.py), and grids past 2**62 sites or 2**21 per axis raise."""
   pts = np.array([[0.5, 0.5, 0.5], [1024.5, 0.5, 0.5]], np.float32)
-  with pytest.raises(ValueError, match=r"spatial_shape|2\*\*31"):
-    voxelize_jit(pts, voxel_size=1.0, origin=0.0, spatial_shape=(2048, 2048, 2048), capacity=4)
-  with pytest.raises(ValueError, match=r"2\*\*31"):
-    voxelize(pts, voxel_size=1.0, origin=0.0, spatial_shape=(2048, 2048, 2048))
-  with pytest.raises(ValueError, match=r"2\*\*31"):  # batch * X * Y * Z == 2**31 exactly
-    voxelize_jit(pts, voxel_size=1.0, origin=0.0, spatial_shape=(1024, 1024, 1024), capacity=4, batch_size=2)
+  t, overflow = voxelize_jit(pts, voxel_size=1.0, origin=0.0, spatial_shape=(2048, 2048, 2048), capacity=4)
+  assert int(t.num) == 2 and not bool(overflow)
+  assert int(voxelize(pts, voxel_size=1.0, origin=0.0, spatial_shape=(2048, 2048, 2048)).num) == 2
+  with pytest.raises(ValueError, match=r"spatial_shape.*2\*\*21"):
+    voxelize_jit(pts, voxel_size=1.0, origin=0.0, spatial_shape=(2**21, 4, 4), capacity=4)
+  with pytest.raises(ValueError, match=r"batch_size=4.*2\*\*62"):
+    voxelize(pts, voxel_size=1.0, origin=0.0, spatial_shape=(2**20, 2**20, 2**20), batch_size=4)
   t, overflow = voxelize_jit(pts, voxel_size=1.0, origin=0.0, spatial_shape=(2047, 1024, 1024), capacity=4)
   assert int(t.num) == 2 and not bool(overflow)
 

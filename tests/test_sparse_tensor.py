@@ -86,7 +86,8 @@ def test_duplicates_error_and_reductions():
         ([[0, 1, 1]], [[1.0]], dict(spatial_shape=(3, 3)), ValueError, "spatial_shape"),
         ([[0, 1, 1, 1, 1]], [[1.0]], dict(spatial_shape=(3, 3, 3)), ValueError, r"\[N, 4\]"),
         ([[0, 1, 1, 1]], [[1]], dict(spatial_shape=(3, 3, 3)), TypeError, "floating"),
-        ([[0, 1, 1, 1]], [[1.0]], dict(spatial_shape=(2048, 2048, 2048)), ValueError, "2\\*\\*31"),
+        ([[0, 1, 1, 1]], [[1.0]], dict(spatial_shape=(2**21, 8, 8)), ValueError, "2\\*\\*21"),
+        ([[0, 1, 1, 1]], [[1.0]], dict(spatial_shape=(2**20,) * 3, batch_size=4), ValueError, "2\\*\\*62"),
     ],
 )
 def test_bad_input(coords, feats, kwargs, err, match):

@@ -9,6 +9,13 @@ RES/2 - 1.25 <= |p + 0.5 - RES/2| <= RES/2 (15k, 64k, 252k and 1.03M voxels for 
 Each case is jitted, warmed up, then timed as the median of --repeats device-synchronised calls
 (block_until_ready); 'pipelined' is the mean over --repeats calls issued back to back with one
 sync at the end. Checks the result against a numpy reference once per case.
+
+    python benchmarks/bench_hash_table.py --wide [--res ...] [--repeats 30]
+
+The int32-key path against the wide-key path (grids of 2**31 sites or more, keys of two words): per RES,
+the neighbour map and a strided convolution's output sites (3^3 kernel, stride 2, Pallas) on the shell in
+a RES^3 grid (int32 keys), and on the same shell moved to batch 7, offset (777, 555, 333), of a
+2048^3 x 8 grid (wide keys). Both are checked against the XLA path once.
 """
 from __future__ import annotations
 
@@ -58,6 +65,48 @@ def reference(coords, shape, offsets):
   return out
 
 
+def _median_ms(fn, *args, repeats=30):
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return 1e3 * float(np.median(times))
+
+
+def compare_wide(res_list, repeats):
+  """Median ms of the int32-key and wide-key paths on the same shell (module docstring, --wide)."""
+  import jsparse
+  from jsparse.sparse_conv import pair_map
+
+  print(f"{'RES':>5} {'voxels':>9} {'nbr int32':>10} {'nbr wide':>9} {'sites int32':>12} {'sites wide':>11} "
+        f"{'check':>6}")
+  rng = np.random.default_rng(0)
+  for res in res_list:
+    pts = sphere_shell(res)
+    pts = pts[rng.permutation(len(pts))]
+    n = len(pts)
+    cap = jsparse.round_capacity(n)
+    row = [f"{res:>5} {n:>9}"]
+    results = {}
+    for name, shift, grid, batch in (("int32", (0, 0, 0, 0), (res,) * 3, 1),
+                                     ("wide", (7, 777, 555, 333), (2048,) * 3, 8)):
+      coords = np.full((cap, 4), -1, np.int32)
+      coords[:n] = pts + np.array(shift, np.int32)
+      x = jsparse.SparseTensor(jnp.asarray(coords), jnp.zeros((cap, 1), jnp.float32), jnp.int32(n), grid, batch)
+      assert x.key_width == (1 if name == "int32" else 2)
+      nbr_fn = jax.jit(lambda x: jsparse.neighbor_map(x, 3, implementation="pallas", plan_block_sizes=()).nbr)
+      sites_fn = jax.jit(lambda x: pair_map(x, 3, 2, 1, out_capacity=cap, implementation="pallas").inv)
+      results[name] = (_median_ms(nbr_fn, x, repeats=repeats), _median_ms(sites_fn, x, repeats=repeats))
+      ok = (np.array_equal(nbr_fn(x), jsparse.neighbor_map(x, 3, implementation="xla").nbr)
+            and np.array_equal(sites_fn(x), pair_map(x, 3, 2, 1, out_capacity=cap, implementation="xla").inv))
+      results[name + "_ok"] = ok
+    check = "ok" if results["int32_ok"] and results["wide_ok"] else "FAIL"
+    print(f"{row[0]} {results['int32'][0]:>10.3f} {results['wide'][0]:>9.3f} {results['int32'][1]:>12.3f} "
+          f"{results['wide'][1]:>11.3f} {check:>6}", flush=True)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--res", type=int, nargs="+", default=[64, 128, 256, 512])
@@ -72,9 +121,13 @@ def main():
   ap.add_argument("--interleave", type=int, choices=(0, 1),
                   help="1: keys and values in one table, 0: two tables (default: the function's)")
   ap.add_argument("--no-check", action="store_true")
+  ap.add_argument("--wide", action="store_true", help="time the int32-key path against the wide-key path")
   args = ap.parse_args()
 
   print(f"backend={jax.default_backend()} devices={jax.devices()}")
+  if args.wide:
+    compare_wide(args.res, args.repeats)
+    return
   tune = {k: getattr(args, k) for k in ("block_rows", "block_pairs", "num_warps",
                                          "num_warps_build", "interleave")
           if getattr(args, k) is not None}

@@ -14,13 +14,12 @@ sweeps), `lidar_voxels` turns the points into unique voxel coordinates with mean
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, _as_spatial_shape, round_capacity
+from jsparse.sparse_tensor import SparseTensor, _as_spatial_shape, key_width, round_capacity
 
 KINDS = ("sphere", "shell", "torus", "box")
 
@@ -92,8 +91,7 @@ def masks_to_tensor(masks, channels: int = 1, capacity=None, dtype=np.float32) -
     m = m[None]
   if m.ndim != 4:
     raise ValueError(f"masks must be [B, X, Y, Z] or [X, Y, Z], got shape {m.shape}")
-  if m.shape[0] * m[0].size > MAX_KEYS:
-    raise ValueError(f"masks of shape {m.shape} hold more than 2**31 - 1 sites: jsparse keys them by int32")
+  key_width(m.shape[0], m.shape[1:])  # ValueError past the grids jsparse can key
   coords = np.argwhere(m).astype(np.int32)  # row-major: sorted by linear key, no duplicates
   n = len(coords)
   capacity = round_capacity(n) if capacity is None else int(capacity)
@@ -769,8 +767,7 @@ def lidar_voxels(points, intensity=None, *, voxel_size=(0.05, 0.05, 0.1),
     raise ValueError(f"need point_cloud_range (6 values, min < max) and positive voxel_size, got "
                      f"{point_cloud_range}, {voxel_size}")
   shape = np.maximum(np.round((pcr[3:] - pcr[:3]) / vs).astype(np.int64), 1)
-  if math.prod(shape.tolist()) > MAX_KEYS:
-    raise ValueError(f"spatial_shape {shape.tolist()} holds more than 2**31 - 1 sites")
+  key_width(1, shape.tolist())  # ValueError past the grids jsparse can key
   idx = np.floor((p - pcr[:3]) / vs).astype(np.int64)
   keep = np.all((p >= pcr[:3]) & (p < pcr[3:]) & (idx >= 0) & (idx < shape), axis=1)
   p, idx = p[keep], idx[keep]
@@ -825,7 +822,5 @@ def lidar_batch(seed: int, batch_size: int | None = None, *, preset: str = "100k
                                point_cloud_range=point_cloud_range)
     coords.append(np.c_[np.full(len(c), i, np.int32), c])
     feats.append(f)
-  if batch_size * math.prod(shape) > MAX_KEYS:
-    raise ValueError(f"batch_size * X * Y * Z = {batch_size} * {shape} exceeds 2**31 - 1: jsparse keys sites by "
-                     "int32 linear index")
+  key_width(batch_size, shape)  # ValueError past the grids jsparse can key
   return np.concatenate(coords), np.concatenate(feats), shape

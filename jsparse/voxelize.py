@@ -13,7 +13,6 @@ integer sort is the faster one there) and with XLA otherwise; `voxelize_jit`'s a
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax

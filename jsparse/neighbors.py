@@ -7,11 +7,10 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jsparse import dispatch, tuning
 from pallas_kernels import gemm_plan
-from jax import lax
-
 from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int, report, site_keys
 
 

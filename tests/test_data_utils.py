@@ -333,8 +333,11 @@ def test_curves_are_bijections_and_hilbert_adjacent():
   assert int(serialize.encode_morton(np.array([1, 0, 0]), 3)) == 4
   assert int(serialize.encode_morton(np.array([0, 0, 2]), 3)) == 8
   assert int(serialize.fold_batch(3, 5, 8)) == 3 * 2**24 + 5 and serialize.max_folded_batch(10) == 2
+  assert serialize.encode_morton(g, 11).shape == (512, 2)  # past 10 bits per axis: two int32 words
   with pytest.raises(ValueError, match="bits"):
-    serialize.encode_morton(g, 11)
+    serialize.encode_morton(g, 22)
+  with pytest.raises(ValueError, match="bits"):  # a folded key is one word
+    serialize.fold_batch(0, 0, 11)
 
 
 @pytest.mark.parametrize("order", ["morton", "hilbert", "linear"])

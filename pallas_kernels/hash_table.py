@@ -30,7 +30,8 @@ Kernels (three ``pallas_call``\\ s)
    centre offset ``(0, 0, 0)`` is answered ``i`` without a lookup.
 
 The probe loops are shared helpers: ``insert_loop`` (kernel 1), ``probe_loop`` (kernels 2 and 3) and
-``insert_absent_loop`` (insertion that tolerates repeated keys), also used by unique_keys.py.
+``insert_absent_loop`` (insertion that tolerates repeated keys), also used by unique_keys.py; their
+wide-grid twins ``insert_ref_loop``, ``probe_ref_loop`` and ``insert_absent_ref_loop`` (see "Wide grids").
 
 Bounds / overflow: every probe loop stops after ``max_probes`` steps (default ``T``). With the load
 factor at most 1/2 there are always empty slots, so a lookup ends within ``T`` probes and an insert

@@ -297,6 +297,28 @@ def test_serialisation_on_wide_grids():
     np.testing.assert_array_equal(serialize.encode_hilbert(path, bits), words)
 
 
+def test_wide_mark_keeps_the_first_reference():
+  """Racing inserts can leave a second reference to a site further along its probe run (interpret mode runs
+  them serially, so the copies are placed by hand): the mark keeps the first, whatever its row."""
+  from pallas_kernels import unique_keys
+  from pallas_kernels.hash_table import EMPTY, site_home
+
+  shape, batch, tsize = (2048,) * 3, 4, 64
+  geom = unique_keys.ProposalGeometry(((0, 0, 0),), (1, 1, 1), (0, 0, 0), shape)  # p = j, site = coords[j]
+  coords = jnp.array([[3, 1024, 7, 9], [3, 1024, 7, 9], [0, 0, 7, 9]], jnp.int32)  # rows 0, 1: one site
+  home = int(site_home(tuple(coords[0]), shape, tsize - 1))
+  for first, second in ((0, 1), (1, 0)):
+    table = np.full(tsize, EMPTY, np.int32)
+    table[home], table[(home + 1) % tsize] = first, second
+    unique, overflow = unique_keys._keep_first_refs(
+        jnp.asarray(table), jnp.array([3], jnp.int32), coords.reshape(-1), jnp.zeros(3, jnp.int32), block=16,
+        num_warps=1, max_probes=tsize, geometry=geom, interpret=True)
+    expect = np.full(tsize, EMPTY, np.int32)
+    expect[home] = first
+    np.testing.assert_array_equal(unique, expect)
+    assert not bool(overflow)
+
+
 # ---- Triton lowering of the wide kernels (CPU) -----------------------------------------------------------
 
 

@@ -360,6 +360,21 @@ def _random_wide_tensor(seed, n, shape, batch):
   return _tensor(c[rng.permutation(len(c))], shape, batch, capacity=jsparse.round_capacity(len(c)), seed=seed)
 
 
+def test_random_wide_grid_interpret():
+  """Clustered random sites on 2048^3 x 8: Pallas (interpret) and XLA against the references."""
+  shape, batch = (2048,) * 3, 8
+  x = _random_wide_tensor(7, 120, shape, batch)
+  n = int(x.num)
+  sites = np.asarray(x.coords)[:n]
+  ref = _ref_neighbors(sites, x.capacity, shape, jsparse.neighbors.kernel_offsets(3))
+  out, inv = _ref_pair_map(sites, x.capacity, shape, (3,) * 3, 2, 1)
+  for implementation in ("xla", "pallas"):
+    np.testing.assert_array_equal(neighbor_map(x, 3, implementation=implementation).nbr, ref)
+    pm = pair_map(x, 3, 2, 1, out_capacity=len(out) + 5, implementation=implementation)
+    np.testing.assert_array_equal(pm.out_coords[: len(out)], out)
+    np.testing.assert_array_equal(pm.inv, inv)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,batch", [((2048,) * 3, 8), ((2048,) * 3, 4), ((1024,) * 3, 2), ((1500, 1300, 1700), 3)])
 def test_gpu_wide_grids_match_xla(shape, batch):

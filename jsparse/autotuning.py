@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -253,7 +253,7 @@ def tune_call(call: ConvCall, passes=tuning.PASSES, warmup: int = 2, repeats: in
   return best
 
 
-def autotune(fn: Callable, *args, passes=tuning.PASSES, warmup: int = 2, repeats: int = 10,
+def autotune(fn: Callable, *args: Any, passes: Sequence[str] = tuning.PASSES, warmup: int = 2, repeats: int = 10,
              log: Callable[[str], None] | None = None) -> tuning.ConfigTable:
   """Tunes every Pallas convolution that `fn(*args)` runs (on the GPU, with the real maps).
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse import autotuning, dispatch, tuning
+from jsparse._types import ArrayLike, PrecisionLike, Size3
 from jsparse.neighbors import NeighborCache, cache_key, check_dilation, check_kernel_size, neighbor_map
 from jsparse.sparse_tensor import SparseTensor, check_same_sites, check_sparse_tensor
 from pallas_kernels import gather_gemm as gather_gemm_lib
@@ -21,8 +22,9 @@ from pallas_kernels.tiling import dot_precision
 WEIGHT_LAYOUTS = {"DHWIO": "vio", "ODHWI": "ovi"}
 
 
-def submconv3d(x: SparseTensor, weight, bias=None, *, dilation=1, cache: NeighborCache | None = None,
-               implementation: str | None = None, precision=None, algorithm: str = "auto",
+def submconv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *, dilation: Size3 = 1,
+               cache: NeighborCache | None = None, implementation: str | None = None,
+               precision: PrecisionLike = None, algorithm: str = "auto",
                weight_layout: str = "DHWIO") -> SparseTensor:
   """Submanifold 3D convolution: a SparseTensor on the same coordinates as `x`.
 
@@ -138,7 +140,8 @@ def gather_rows(feats, rows, fill=0):
   return jnp.where((rows >= 0)[..., None], feats[jnp.maximum(rows, 0)], jnp.asarray(fill, feats.dtype))
 
 
-def submconv_xla(feats, w, bias, nbr, num, *, precision=None, weight_layout: str = "DHWIO"):
+def submconv_xla(feats: jax.Array, w: jax.Array, bias: jax.Array | None, nbr: jax.Array, num: ArrayLike, *,
+                precision: PrecisionLike = None, weight_layout: str = "DHWIO") -> jax.Array:
   """Explicit gather + one matmul: [M, V*Cin] @ [V*Cin, Cout]. Works on every backend; JAX differentiates it.
 
   w: [V, Cin, Cout], or [Cout, V, Cin] with weight_layout="ODHWI" (the 5-D layouts with the kernel axes flattened).

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jsparse import dispatch, tuning
+from jsparse._types import Size3
 from pallas_kernels import gemm_plan
 from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int, report, site_keys
 
@@ -40,7 +41,7 @@ def check_dilation(dilation) -> tuple[int, int, int]:
   return d
 
 
-def kernel_offsets(kernel_size, dilation=1) -> tuple[tuple[int, int, int], ...]:
+def kernel_offsets(kernel_size: Size3, dilation: Size3 = 1) -> tuple[tuple[int, int, int], ...]:
   """The V = Kx*Ky*Kz site offsets, in the C order of a (Kx, Ky, Kz, Cin, Cout) weight.
 
   Offset v and offset V-1-v are opposite (kernel sizes are odd), which the backward pass relies on.
@@ -79,13 +80,14 @@ class NeighborCache:
   num: Any = None  # int32 scalar: valid rows of the coordinates the map was built on
   coords: Any = None  # int32 [capacity, 4]: those coordinates
 
-  def plan(self, block_m: int):
+  def plan(self, block_m: int) -> gemm_plan.MaskedPlan:
     """The masked-GEMM plan for blocks of `block_m` rows (built now if the cache has none for it)."""
     if block_m in self.plans:
       return self.plans[block_m]
     return gemm_plan.masked_plan(self.nbr, self.num, block_m)
 
-  def pair_lists(self):
+  def pair_lists(self) -> gemm_plan.PairLists:
+    """The weight gradient's pair lists (mirrored: half the offsets), built now if the cache has none."""
     return self.pairs if self.pairs is not None else gemm_plan.pair_lists(self.nbr, mirrored=True)
 
   @property
@@ -115,7 +117,7 @@ def cache_key(kernel_size, dilation, implementation: str | None) -> str:
   return f"subm/k{ks[0]}x{ks[1]}x{ks[2]}/d{d[0]}x{d[1]}x{d[2]}/{impl.name}"
 
 
-def neighbor_map(x: SparseTensor, kernel_size=3, dilation=1, implementation: str | None = None, *,
+def neighbor_map(x: SparseTensor, kernel_size: Size3 = 3, dilation: Size3 = 1, implementation: str | None = None, *,
                  plan_block_sizes: Sequence[int] | None = None) -> NeighborCache:
   """The submanifold neighbour map of `x`'s coordinates for a kernel of `kernel_size` and `dilation`.
 
@@ -147,7 +149,7 @@ def neighbor_map(x: SparseTensor, kernel_size=3, dilation=1, implementation: str
   return cache
 
 
-def with_maps(x: SparseTensor, kernel_size=3, *more_kernel_sizes, dilation=1,
+def with_maps(x: SparseTensor, kernel_size: Size3 = 3, *more_kernel_sizes: Size3, dilation: Size3 = 1,
               implementation: str | None = None) -> SparseTensor:
   """x carrying the submanifold neighbour maps for these kernel sizes, built now where it has none.
 

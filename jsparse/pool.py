@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse import per_item
+from jsparse._types import Capacity, Size3
 from jsparse.conv import gather_rows
 from jsparse.sparse_conv import pair_map
 from jsparse.sparse_tensor import SparseTensor, check_sparse_tensor
@@ -106,9 +107,9 @@ def _pool(x: SparseTensor, kernel_size, stride, padding, dilation, out_capacity,
   return (out, pm.overflow) if with_overflow else out
 
 
-def sparse_max_pool3d(x: SparseTensor, kernel_size, stride=None, padding=0, dilation=1, *,
-                      out_capacity: int | None = None, with_overflow: bool = False,
-                      implementation: str | None = None) -> SparseTensor:
+def sparse_max_pool3d(x: SparseTensor, kernel_size: Size3, stride: Size3 | None = None, padding: Size3 = 0,
+                      dilation: Size3 = 1, *, out_capacity: Capacity = None, with_overflow: bool = False,
+                      implementation: str | None = None) -> SparseTensor | tuple[SparseTensor, jax.Array]:
   """Max over the valid inputs in each window (inactive sites do not count as zeros).
 
   Output sites and grid as sparse_conv3d (stride defaults to kernel_size); the output carries the pair map,
@@ -122,9 +123,9 @@ def sparse_max_pool3d(x: SparseTensor, kernel_size, stride=None, padding=0, dila
   return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "max", with_overflow, implementation)
 
 
-def sparse_avg_pool3d(x: SparseTensor, kernel_size, stride=None, padding=0, dilation=1, *,
-                      out_capacity: int | None = None, with_overflow: bool = False,
-                      implementation: str | None = None) -> SparseTensor:
+def sparse_avg_pool3d(x: SparseTensor, kernel_size: Size3, stride: Size3 | None = None, padding: Size3 = 0,
+                      dilation: Size3 = 1, *, out_capacity: Capacity = None, with_overflow: bool = False,
+                      implementation: str | None = None) -> SparseTensor | tuple[SparseTensor, jax.Array]:
   """Mean over the valid inputs in each window: sum of the active inputs / their number (not / window size,
   which is what a dense average pool over zero-filled inactive sites would give). Sites as sparse_max_pool3d."""
   return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "mean", with_overflow, implementation)

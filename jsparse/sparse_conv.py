@@ -47,6 +47,7 @@ import numpy as np
 from jax import lax
 
 from jsparse import autotuning, dispatch, tuning
+from jsparse._types import ArrayLike, Capacity, PrecisionLike, Size3
 from jsparse.conv import (WEIGHT_LAYOUTS, _MapArrays, _PallasOptions, _submconv_pallas, check_weight, submconv_xla,
                           weight_dims)
 from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
@@ -281,8 +282,9 @@ def _hashed_compact(coords, num, proposals, geom: Geometry, batch_size: int, out
   return out_coords, out_num, nbr, inv, proposals.overflow | lookup_overflow
 
 
-def strided_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_capacity: int | None = None,
-                implementation: str | None = None):
+def strided_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 1, padding: Size3 = 0, dilation: Size3 = 1,
+                out_capacity: Capacity = None,
+                implementation: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """(out_coords [out_cap, 4], out_num, nbr [out_cap, V], overflow) of a strided sparse convolution.
 
   nbr[i, v] = row of x read by output i at kernel offset v (the C-order index of (a, b, c) in the kernel;
@@ -328,9 +330,11 @@ def _map_gemm(feats, w, bias, nbr, num, transposed, num_in, impl: dispatch.Imple
 # ---- convolutions -----------------------------------------------------------------------------------
 
 
-def sparse_conv3d(x: SparseTensor, weight, bias=None, *, stride=1, padding=0, dilation=1,
-                  out_capacity: int | None = None, cache: PairMap | None = None, implementation: str | None = None,
-                  precision=None, algorithm: str = "auto", with_overflow: bool = False, weight_layout: str = "DHWIO"):
+def sparse_conv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *, stride: Size3 = 1,
+                  padding: Size3 = 0, dilation: Size3 = 1, out_capacity: Capacity = None,
+                  cache: PairMap | None = None, implementation: str | None = None, precision: PrecisionLike = None,
+                  algorithm: str = "auto", with_overflow: bool = False,
+                  weight_layout: str = "DHWIO") -> SparseTensor | tuple[SparseTensor, jax.Array]:
   """Strided (non-submanifold) sparse 3D convolution, spconv's SparseConv3d.
 
   Output sites: every output position whose receptive field holds a valid input (`pair_map`), sorted by
@@ -417,9 +421,10 @@ def _check_same_geometry(y: SparseTensor, like: SparseTensor, geom: Geometry) ->
     report(made_from_like, message)
 
 
-def sparse_inverse_conv3d(y: SparseTensor, weight, bias=None, *, like: SparseTensor, stride=1, padding=0,
-                          dilation=1, implementation: str | None = None, precision=None, algorithm: str = "auto",
-                          weight_layout: str = "DHWIO"):
+def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *, like: SparseTensor,
+                          stride: Size3 = 1, padding: Size3 = 0, dilation: Size3 = 1,
+                          implementation: str | None = None, precision: PrecisionLike = None,
+                          algorithm: str = "auto", weight_layout: str = "DHWIO") -> SparseTensor:
   """spconv's SparseInverseConv3d: the transposed convolution from y back onto like's coordinates.
 
   `y` is on the coordinates of `sparse_conv3d(like, ..., stride, padding, dilation)` with a kernel of
@@ -451,9 +456,11 @@ def sparse_inverse_conv3d(y: SparseTensor, weight, bias=None, *, like: SparseTen
   return like.replace(feats=feats, overflow=like.overflow | y.overflow)
 
 
-def sparse_conv_transpose3d(x: SparseTensor, weight, bias=None, *, stride=2, out_capacity: int | None = None,
-                            mask=None, implementation: str | None = None, precision=None, algorithm: str = "auto",
-                            with_overflow: bool = False, weight_layout: str = "DHWIO"):
+def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *, stride: Size3 = 2,
+                            out_capacity: Capacity = None, mask: ArrayLike | None = None,
+                            implementation: str | None = None, precision: PrecisionLike = None,
+                            algorithm: str = "auto", with_overflow: bool = False,
+                            weight_layout: str = "DHWIO") -> SparseTensor | tuple[SparseTensor, jax.Array]:
   """Generative upsampling: every valid site c spawns its children c*stride + t, t in [0, stride)^3.
 
   The kernel size equals the stride, so every child has exactly one parent and child t of c gets

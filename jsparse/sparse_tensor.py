@@ -4,12 +4,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
+
+from jsparse._types import ArrayLike, Capacity
 
 # Linear site keys are int32 (JAX runs without x64 by default) on grids of fewer than 2**31 sites; wider grids
 # key a site by two int32 words (key_width), up to MAX_WIDE_KEYS sites and extents below MAX_EXTENT.
@@ -193,11 +195,11 @@ class SparseTensor:
   @classmethod
   def from_coords(
       cls,
-      coords,
-      feats,
+      coords: ArrayLike,
+      feats: ArrayLike,
       spatial_shape: Sequence[int],
       batch_size: int | None = None,
-      capacity: int | None = None,
+      capacity: Capacity = None,
       *,
       reduce: str | None = None,
   ) -> "SparseTensor":
@@ -290,7 +292,8 @@ class SparseTensor:
     return cls(jnp.asarray(coords_p), feats_p, jnp.asarray(n, jnp.int32), spatial_shape, batch_size)
 
   @classmethod
-  def from_dense(cls, dense, capacity: int | None = None, *, with_overflow: bool = False):
+  def from_dense(cls, dense: ArrayLike, capacity: Capacity = None, *,
+                 with_overflow: bool = False) -> "SparseTensor | tuple[SparseTensor, jax.Array]":
     """The nonzero sites of a dense [B, X, Y, Z, C] array (a site is active if any channel is nonzero).
 
     capacity: rows of the result. None: round_capacity of the number of sites, "exact": that number (both count
@@ -333,14 +336,15 @@ class SparseTensor:
     return self.feats.shape[-1]
 
   @property
-  def dtype(self):
+  def dtype(self) -> np.dtype:
+    """The features' dtype."""
     return self.feats.dtype
 
   def valid_mask(self) -> jax.Array:
     """bool [capacity]: True for the valid rows."""
     return jnp.arange(self.capacity) < self.num
 
-  def replace(self, **changes) -> "SparseTensor":
+  def replace(self, **changes: Any) -> "SparseTensor":
     """A copy with some fields replaced, e.g. `x.replace(feats=jax.nn.relu(x.feats))`.
 
     New feats keep the padding convention only if they are zero at padding rows; elementwise functions
@@ -375,7 +379,7 @@ class SparseTensor:
       changes["caches"] = {}  # maps belong to the old coordinates
     return dataclasses.replace(self, **changes)
 
-  def with_cache(self, key: str, cache) -> "SparseTensor":
+  def with_cache(self, key: str, cache: Any) -> "SparseTensor":
     """A copy that carries `cache` (a neighbour map of these coordinates) under `key`."""
     return dataclasses.replace(self, caches={**self.caches, key: cache})
 
@@ -432,7 +436,7 @@ jax.tree_util.register_pytree_with_keys(
     lambda x: (tuple(getattr(x, name) for name in _LEAVES), (x.spatial_shape, x.batch_size)))
 
 
-def key_width(batch_size: int, spatial_shape) -> int:
+def key_width(batch_size: int, spatial_shape: Sequence[int]) -> int:
   """int32 words per site key on this grid: 1 when batch_size * X * Y * Z < 2**31 (int32 linear keys, the
   fast path), else 2 ((hi, lo) words of the linear index). Static, so the choice costs small grids nothing.
 

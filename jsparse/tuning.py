@@ -107,7 +107,7 @@ class ConfigTable:
   saves to / loads from JSON. Tables entered later take precedence; shipped per-GPU defaults come last.
   """
 
-  def __init__(self, entries: dict[str, PassConfig] | None = None, device_kind: str | None = None):
+  def __init__(self, entries: dict[str, PassConfig] | None = None, device_kind: str | None = None) -> None:
     self.entries = dict(entries or {})
     for key, cfg in self.entries.items():
       _check_entry(key, cfg)

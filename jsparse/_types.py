@@ -1,0 +1,20 @@
+"""Type aliases used in the public signatures (annotations only; nothing here is checked at run time)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+from jax.typing import ArrayLike
+
+__all__ = ["ArrayLike", "Size3", "Capacity", "PrecisionLike"]
+
+Size3 = int | Sequence[int]
+"""A kernel size, stride, padding or dilation: one int for all three axes, or three ints (x, y, z)."""
+
+Capacity = int | Literal["exact"] | None
+"""Rows of an output whose size depends on the data: an int, "exact" (the count) or None (a bucket)."""
+
+PrecisionLike = str | jax.lax.Precision | None
+"""Matmul precision for float32 inputs: None / "tf32" (TF32 on the GPU) or "highest" (full fp32), or a
+lax.Precision."""

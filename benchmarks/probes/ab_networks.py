@@ -1,0 +1,57 @@
+"""Probe: A/B of two source trees on the networks benchmark, in one device call, alternating.
+
+Machines of one pool differ by several percent, so a change is measured against its parent in the same call:
+
+  git archive <base-commit> | (mkdir -p .ab/base && tar -x -C .ab/base)      # here; .ab/ is gitignored
+  python -m benchmarks.probes.ab_networks .ab/base . --rounds 2 -- --networks second --sizes large --dtypes fp16 --anchors ''
+
+Each round runs `benchmarks.networks` once per tree in a fresh process (PYTHONPATH pointing at the tree), and the
+table at the end gives each cell's median over rounds for both trees and their ratio.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def run_tree(tree: str, argv: list[str], out_dir: str) -> dict:
+  env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+  cmd = [sys.executable, "-m", "benchmarks.networks", *argv, "--out", out_dir]
+  subprocess.run(cmd, cwd=os.path.abspath(tree), env=env, check=True)
+  with open(os.path.join(out_dir, "networks.json")) as f:
+    data = json.load(f)
+  cells = {}
+  for r in data["results"]:
+    for mode in ("inference", "train"):
+      res = r["jsparse"].get(mode, {})
+      if "median_ms" in res:
+        cells[(r["network"], r["size"], r["dtype"], mode)] = (res["median_ms"], res.get("peak_bytes", 0))
+  return cells
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("base")
+  ap.add_argument("head")
+  ap.add_argument("--rounds", type=int, default=2)
+  ap.add_argument("networks_args", nargs=argparse.REMAINDER)
+  args = ap.parse_args()
+  argv = [a for a in args.networks_args if a != "--"]
+  times = {"base": {}, "head": {}}
+  for _ in range(args.rounds):
+    for name, tree in (("base", args.base), ("head", args.head)):
+      for cell, value in run_tree(tree, argv, tempfile.mkdtemp()).items():
+        times[name].setdefault(cell, []).append(value)
+  print("| cell | base ms | head ms | head / base | base MB | head MB |\n|---|---|---|---|---|---|")
+  for cell in sorted(set(times["base"]) & set(times["head"])):
+    b = statistics.median(t for t, _ in times["base"][cell])
+    h = statistics.median(t for t, _ in times["head"][cell])
+    mb = [times[n][cell][0][1] / 2**20 for n in ("base", "head")]
+    print(f"| {' '.join(cell)} | {b:.2f} | {h:.2f} | {h / b:.3f} | {mb[0]:.0f} | {mb[1]:.0f} |")
+
+
+if __name__ == "__main__":
+  main()

@@ -37,9 +37,9 @@ def main():
   ap.add_argument("base")
   ap.add_argument("head")
   ap.add_argument("--rounds", type=int, default=2)
-  ap.add_argument("networks_args", nargs=argparse.REMAINDER)
-  args = ap.parse_args()
-  argv = [a for a in args.networks_args if a != "--"]
+  own, argv = (sys.argv[1:], []) if "--" not in sys.argv else (
+      sys.argv[1:sys.argv.index("--")], sys.argv[sys.argv.index("--") + 1:])
+  args = ap.parse_args(own)
   times = {"base": {}, "head": {}}
   for _ in range(args.rounds):
     for name, tree in (("base", args.base), ("head", args.head)):

@@ -36,8 +36,8 @@ offsets one input site can send to outputs (offsets congruent to (position + pad
 on every axis: 1 for kernel == stride, 8 for a 3^3 kernel with stride 2). Occupied slots never exceed
 the number of valid proposals (a lane fills at most one EMPTY slot), at most capacity * P, so when that
 is the smaller bound the table stays at most 2/3 full (the bound is loose: a LiDAR scan's proposals fill
-a few percent, and the table is the largest buffer of a strided convolution's site search) and no probe loop (bounded by ``max_probes``,
-default ``T``) can run out. When the output grid is the smaller bound, filling the table would need more
+a few percent, and the table is the largest buffer of a strided convolution's site search) and no probe
+loop (bounded by ``max_probes``, default ``T``) can run out. When the output grid is the smaller bound, filling the table would need more
 racing second copies than distinct sites; either way an exhausted bound only sets ``overflow``.
 
 Wide grids (``wide_keys=True``, output grid of 2**31 sites or more): the table holds proposal indices
@@ -325,8 +325,9 @@ def _dedupe_proposals(coords, num, *, geometry, batch_size, interpret, block_pai
   insert_block = 1 if interpret else block_pairs
   grid_i = pl.cdiv(num_pairs, insert_block)
   table, ovf_insert = pl.pallas_call(
-      functools.partial(_insert_wide_kernel if wide_keys else _insert_kernel, block=insert_block, num_pairs=num_pairs, nv=nv,
-                        geometry=geometry, tmask=tsize - 1, max_probes=probes, interpret=interpret),
+      functools.partial(_insert_wide_kernel if wide_keys else _insert_kernel, block=insert_block,
+                        num_pairs=num_pairs, nv=nv, geometry=geometry, tmask=tsize - 1, max_probes=probes,
+                        interpret=interpret),
       out_shape=(out_struct((tsize,), jnp.int32, num_arr, coords), _flags(grid_i, num_arr, coords)),
       grid=(grid_i,),
       input_output_aliases={3: 0},

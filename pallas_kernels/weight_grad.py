@@ -228,7 +228,8 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
     (x, x_lo), (dy, dy_lo) = _split_bf16(x), _split_bf16(dy)
   kernel = functools.partial(
       _weight_grad_kernel, use_pairs=pairs is not None, mirrored=pairs is not None and pairs.mirrored,
-      balanced=cfg.balanced, split=cfg.split, num_rows=m, num_offsets=num_offsets, cin=cin, cout=cout, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, bf16_split=bf16_split,
+      balanced=cfg.balanced, split=cfg.split, num_rows=m, num_offsets=num_offsets, cin=cin, cout=cout,
+      block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, bf16_split=bf16_split,
       precision=dot_precision(precision, x.dtype), cout_major=cout_major)
   # With pair lists the map itself is not read (nor kept alive for the backward pass).
   args = [x, dy] + ([nbr] if pairs is None else [])

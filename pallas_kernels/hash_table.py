@@ -29,9 +29,9 @@ Kernels (three ``pallas_call``\\ s)
    ``while_loop`` that runs while any lane is still searching (bounded by ``max_probes``). The
    centre offset ``(0, 0, 0)`` is answered ``i`` without a lookup.
 
-The probe loops are shared helpers: ``insert_loop`` (kernel 1), ``probe_loop`` (kernels 2 and 3) and
-``insert_absent_loop`` (insertion that tolerates repeated keys), also used by unique_keys.py; their
-wide-grid twins ``insert_ref_loop``, ``probe_ref_loop`` and ``insert_absent_ref_loop`` (see "Wide grids").
+The probe loops are shared helpers, written once over what a slot holds (``KeySlots`` or ``SiteRefs``, see
+"Wide grids"): ``insert_loop`` (kernel 1), ``probe_loop`` (kernels 2 and 3) and ``insert_absent_loop``
+(insertion that tolerates repeated keys), also used by unique_keys.py.
 
 Bounds / overflow: every probe loop stops after ``max_probes`` steps (default ``T``). With the load
 factor at most 1/2 there are always empty slots, so a lookup ends within ``T`` probes and an insert
@@ -51,11 +51,11 @@ the contiguous stores into scatters, and the lookups are already cheap.
 
 Wide grids (``wide_keys=True``: ``batch_size*X*Y*Z >= 2**31``, below ``2**62``, extents below ``2**21``):
 no int32 key names a site, and a two-word key cannot be swapped in atomically. The table ``[T]`` then
-holds ROW INDICES: the build swaps row ``j`` in (``insert_ref_loop``; no fill pass, the entry is the
-value), and a probe loads the coordinates of the row it meets and compares all four
-(``probe_ref_loop``). The home slot is ``site_home``: fmix32 mixing both halves of the linear index.
-A row's coordinates never change, so the build's argument above holds with "key" read as "site of the
-row". Each probe step costs four gathers instead of one; grids below ``2**31`` sites never take it.
+holds ROW INDICES (``SiteRefs``): the build swaps row ``j`` in (no fill pass, the entry is the value), and a
+probe loads the coordinates of the row it meets and compares all four. The home slot is ``site_home``:
+fmix32 mixing both halves of the linear index. A row's coordinates never change, so the build's argument
+above holds with "key" read as "site of the row". Each probe step costs four gathers instead of one; grids
+below ``2**31`` sites never take it.
 
 Interpret mode (CPU): atomics on arrays are not supported there, so ``_swap`` is a plain load+store
 when ``interpret=True`` and the build kernel then runs with ONE lane per program (grid steps run one
@@ -143,71 +143,16 @@ def _walk(step, carry, home, active, *, tmask: int, max_probes: int):
   return carry, slot, active
 
 
-def insert_loop(table_ref, key, active, *, tmask: int, max_probes: int, interpret: bool, ks: int = 1):
-  """Last-come-first-served insertion of each active lane's key (module docstring, kernel 1).
-
-  A lane swaps the key it carries into its slot; it stops on getting EMPTY or its own key back, else it
-  carries the evicted key one slot on. ks: int32 words per slot (keys at ``slot * ks``). Returns the lanes
-  still carrying a key after ``max_probes`` swaps (overflow).
-  """
-
-  def step(cur, slot, active):
-    old = _swap(table_ref, slot * ks, cur, active, interpret)
-    active = active & jnp.logical_not((old == EMPTY) | (old == cur))
-    return jnp.where(active, old, cur), active
-
-  return _walk(step, key, _home(key, tmask), active, tmask=tmask, max_probes=max_probes)[2]
-
-
-def insert_absent_loop(table_ref, key, active, *, tmask: int, max_probes: int, interpret: bool):
-  """Insertion that skips keys already present, for deduplication (pallas_kernels/unique_keys.py).
-
-  ``insert_loop`` swaps before it looks, so a key already stored past its home slot gets a second copy.
-  Here a lane reads each slot first: its own key ends the walk, another key sends it on, and only a slot
-  read EMPTY is swapped into. If a racing lane filled that slot in between, the swap returns that lane's
-  key, which is carried on as in ``insert_loop`` (so no key is lost and none ever moves backwards; EMPTY
-  is never written). Run serially this stores every key once; concurrent lanes can still leave a second
-  copy further along the key's probe run (the caller keeps the first). Every step advances one slot, so
-  an insert ends within T steps while the table has an EMPTY slot. Returns the lanes still carrying a key
-  after ``max_probes`` steps (overflow). One int32 word per slot.
-  """
-
-  def step(cur, slot, active):
-    seen = plgpu.load(table_ref.at[slot], mask=active, other=EMPTY)
-    claim = active & (seen == EMPTY)
-    old = _swap(table_ref, slot, cur, claim, interpret)
-    done = active & ((seen == cur) | (claim & ((old == EMPTY) | (old == cur))))
-    evicted = claim & jnp.logical_not(done)  # a racing lane's key: carry it on
-    return jnp.where(evicted, old, cur), active & jnp.logical_not(done)
-
-  return _walk(step, key, _home(key, tmask), active, tmask=tmask, max_probes=max_probes)[2]
-
-
-def probe_loop(table_ref, key, active, *, tmask: int, max_probes: int, ks: int = 1):
-  """Linear-probing lookup of each active lane's key (plain loads: the table is built).
-
-  Returns (slot, found, active): the slot of the FIRST copy of the key along its probe run where found,
-  and the lanes still searching after ``max_probes`` probes (overflow). A lookup stops at EMPTY.
-  """
-
-  def step(found, slot, active):
-    k = plgpu.load(table_ref.at[slot * ks], mask=active, other=EMPTY)
-    hit = active & (k == key)
-    return found | hit, active & jnp.logical_not(hit | (k == EMPTY))
-
-  found, slot, active = _walk(step, jnp.zeros_like(active), _home(key, tmask), active, tmask=tmask,
-                              max_probes=max_probes)
-  return slot, found, active
-
-
 # --------------------------------------------------------------------------------------------
-# Wide grids (batch_size * X * Y * Z >= 2**31): the table holds references, not keys
+# What a slot holds: an int32 key, or a reference to a site (wide grids)
 # --------------------------------------------------------------------------------------------
-# An int32 key cannot name a site there, and a two-word key cannot be swapped in atomically with the one
-# atomic that works (32-bit atomic_xchg). So a slot holds a reference to a site (a row of coords, or a
-# proposal index in unique_keys.py) and probes compare the 4 coordinates `site_of(reference)` with theirs.
-# A reference's site never changes, so each loop below keeps the correctness argument of its int32 twin
-# with "key" read as "site of the reference" (said once per loop).
+# The probe loops below are written once over a slot scheme. `KeySlots`: a slot holds the int32 linear key
+# of a site, its own identity. `SiteRefs` (wide grids, batch_size * X * Y * Z >= 2**31): no int32 key names
+# a site and a two-word key cannot be swapped in atomically with the one atomic that works (32-bit
+# atomic_xchg), so a slot holds a reference (a row of coords, or a proposal index in unique_keys.py) and
+# probes compare the 4 coordinates `site_of(reference)` with theirs. A reference's site never changes, so
+# each loop's correctness argument holds for references with "key" read as "site of the reference".
+# In both schemes a loop handles an `entry` (what is stored in a slot) and a `key` (what lookups compare).
 
 
 def site_home(site, shape, tmask: int):
@@ -222,78 +167,153 @@ def _same_site(a, b):
   return (a[0] == b[0]) & (a[1] == b[1]) & (a[2] == b[2]) & (a[3] == b[3])
 
 
+class KeySlots:
+  """Slots hold int32 keys: an entry is its own key."""
+
+  def home(self, key, tmask: int):
+    return _home(key, tmask)
+
+  def match(self, entry, key, mask):
+    """(whether a loaded entry is `key`, the entry's own key), meaningful on lanes of mask."""
+    del mask
+    return entry == key, entry
+
+  def key_of(self, entry, mask):
+    del mask
+    return entry
+
+  def carry(self, entry, key):
+    """What an insertion lane carries from slot to slot."""
+    del key
+    return entry
+
+  def unpack(self, carry):
+    return carry, carry
+
+  def carry_on(self, carry, evicted, old, old_key):
+    """The carry after the lanes of `evicted` took the entry `old` (whose key is old_key) out of a slot."""
+    del old_key
+    return jnp.where(evicted, old, carry)
+
+
+class SiteRefs:
+  """Slots hold references to sites (wide grids); site_of(refs, mask) -> (b, x, y, z) of each reference."""
+
+  def __init__(self, site_of, shape):
+    self.site_of, self.shape = site_of, shape
+
+  def home(self, site, tmask: int):
+    return site_home(site, self.shape, tmask)
+
+  def match(self, entry, site, mask):
+    occupied = mask & (entry != EMPTY)
+    entry_site = self.site_of(entry, occupied)
+    return occupied & _same_site(entry_site, site), entry_site
+
+  def key_of(self, entry, mask):
+    return self.site_of(entry, mask)
+
+  def carry(self, entry, key):
+    return entry, key
+
+  def unpack(self, carry):
+    return carry
+
+  def carry_on(self, carry, evicted, old, old_site):
+    cur, site = carry
+    return jnp.where(evicted, old, cur), tuple(jnp.where(evicted, o, s) for o, s in zip(old_site, site))
+
+
+def _load_site(coords_ref, rows, mask):
+  """(b, x, y, z) of rows of coords (flattened [capacity*4]); 0 on lanes outside mask."""
+  base = rows * 4
+  b = plgpu.load(coords_ref.at[base], mask=mask, other=0)
+  x = plgpu.load(coords_ref.at[base + 1], mask=mask, other=0)
+  y = plgpu.load(coords_ref.at[base + 2], mask=mask, other=0)
+  z = plgpu.load(coords_ref.at[base + 3], mask=mask, other=0)
+  return b, x, y, z
+
+
 def row_site(coords_ref):
   """site_of for references that are rows of coords (flattened [capacity*4])."""
-
-  def site_of(rows, mask):
-    return tuple(plgpu.load(coords_ref.at[rows * 4 + a], mask=mask, other=-1) for a in range(4))
-
-  return site_of
+  return functools.partial(_load_site, coords_ref)
 
 
-def insert_ref_loop(table_ref, ref, site, active, *, shape, tmask: int, max_probes: int, interpret: bool):
-  """insert_loop with references (distinct per lane): swap in, carry what was evicted one slot on, stop on
-  EMPTY. Its argument holds as is: EMPTY is never written and a reference moves only forward along the probe
-  run of its fixed site. Returns the lanes still carrying after ``max_probes`` swaps (overflow)."""
+def linear_key(site, shape):
+  """int32 key ((b*X + x)*Y + y)*Z + z of site (b, x, y, z) in a grid of `shape` (X, Y, Z)."""
+  key = site[0]
+  for extent, c in zip(shape, site[1:]):
+    key = key * extent + c
+  return key
+
+
+# --------------------------------------------------------------------------------------------
+# Probe loops (over either slot scheme)
+# --------------------------------------------------------------------------------------------
+
+
+def insert_loop(table_ref, entry, key, active, *, slots, tmask: int, max_probes: int, interpret: bool,
+                ks: int = 1):
+  """Last-come-first-served insertion of each active lane's entry (module docstring, kernel 1).
+
+  A lane swaps the entry it carries into its slot; it stops on getting EMPTY or its own entry back, else it
+  carries the evicted entry one slot on. `key` only chooses the home slot (under SiteRefs, distinct
+  references are never handed back to their own lane). ks: int32 words per slot (entries at ``slot * ks``).
+  Returns the lanes still carrying an entry after ``max_probes`` swaps (overflow).
+  """
 
   def step(cur, slot, active):
-    old = _swap(table_ref, slot, cur, active, interpret)
-    active = active & (old != EMPTY)
+    old = _swap(table_ref, slot * ks, cur, active, interpret)
+    active = active & jnp.logical_not((old == EMPTY) | (old == cur))
     return jnp.where(active, old, cur), active
 
-  return _walk(step, ref, site_home(site, shape, tmask), active, tmask=tmask, max_probes=max_probes)[2]
+  return _walk(step, entry, slots.home(key, tmask), active, tmask=tmask, max_probes=max_probes)[2]
 
 
-def insert_absent_ref_loop(table_ref, ref, site, active, *, site_of, shape, tmask: int, max_probes: int,
-                           interpret: bool):
-  """insert_absent_loop with references: a slot whose reference has this lane's site ends the walk, one read
-  EMPTY is swapped into, and a racing lane's reference handed back is carried on with its own site. Same
-  argument as insert_absent_loop (sites compared instead of keys): no site is lost, none moves backwards, and
-  racing lanes can leave a second reference to a site further along its run (the mark keeps the first)."""
+def insert_absent_loop(table_ref, entry, key, active, *, slots, tmask: int, max_probes: int, interpret: bool):
+  """Insertion that skips keys already present, for deduplication (pallas_kernels/unique_keys.py).
+
+  ``insert_loop`` swaps before it looks, so a key already stored past its home slot gets a second copy.
+  Here a lane reads each slot first: its own key ends the walk, another key sends it on, and only a slot
+  read EMPTY is swapped into. If a racing lane filled that slot in between, the swap returns that lane's
+  entry, which is carried on as in ``insert_loop`` (so no key is lost and none ever moves backwards; EMPTY
+  is never written). Run serially this stores every key once; concurrent lanes can still leave a second
+  copy further along the key's probe run (the caller keeps the first). Every step advances one slot, so
+  an insert ends within T steps while the table has an EMPTY slot. Returns the lanes still carrying an
+  entry after ``max_probes`` steps (overflow). One int32 word per slot.
+  """
 
   def step(carry, slot, active):
-    cur, cur_site = carry
+    cur, cur_key = slots.unpack(carry)
     seen = plgpu.load(table_ref.at[slot], mask=active, other=EMPTY)
-    occupied = active & (seen != EMPTY)
-    present = occupied & _same_site(site_of(seen, occupied), cur_site)
     claim = active & (seen == EMPTY)
     old = _swap(table_ref, slot, cur, claim, interpret)
-    taken = claim & (old != EMPTY)  # a racing lane filled the slot first
-    old_site = site_of(old, taken)
-    done = present | (claim & jnp.logical_not(taken)) | (taken & _same_site(old_site, cur_site))
-    evicted = taken & jnp.logical_not(done)
-    cur_site = tuple(jnp.where(evicted, o, c) for o, c in zip(old_site, cur_site))
-    return (jnp.where(evicted, old, cur), cur_site), active & jnp.logical_not(done)
+    seen_hit, _ = slots.match(seen, cur_key, active)
+    old_empty = old == EMPTY
+    old_hit, old_key = slots.match(old, cur_key, claim)
+    done = active & (seen_hit | (claim & (old_empty | old_hit)))
+    evicted = claim & jnp.logical_not(done)  # a racing lane's entry: carry it on
+    return slots.carry_on(carry, evicted, old, old_key), active & jnp.logical_not(done)
 
-  home = site_home(site, shape, tmask)
-  return _walk(step, (ref, site), home, active, tmask=tmask, max_probes=max_probes)[2]
-
-
-def probe_ref_loop(table_ref, site, active, *, site_of, shape, tmask: int, max_probes: int):
-  """probe_loop with references: (slot, ref, found, active), the slot and reference of the FIRST reference to
-  `site` along its probe run where found, and the lanes still searching after ``max_probes`` probes."""
-
-  def step(carry, slot, active):
-    found, ref = carry
-    r = plgpu.load(table_ref.at[slot], mask=active, other=EMPTY)
-    occupied = active & (r != EMPTY)
-    hit = occupied & _same_site(site_of(r, occupied), site)
-    return (found | hit, jnp.where(hit, r, ref)), occupied & jnp.logical_not(hit)
-
-  init = (jnp.zeros_like(active), jnp.full(active.shape, EMPTY, jnp.int32))
-  (found, ref), slot, active = _walk(step, init, site_home(site, shape, tmask), active, tmask=tmask,
-                                     max_probes=max_probes)
-  return slot, ref, found, active
+  return _walk(step, slots.carry(entry, key), slots.home(key, tmask), active, tmask=tmask,
+               max_probes=max_probes)[2]
 
 
-def _row_keys(coords_ref, rows, valid, X: int, Y: int, Z: int):
-  """Keys of rows (coords flattened [capacity*4]); 0 on invalid lanes."""
-  base = rows * 4
-  b = plgpu.load(coords_ref.at[base], mask=valid, other=0)
-  x = plgpu.load(coords_ref.at[base + 1], mask=valid, other=0)
-  y = plgpu.load(coords_ref.at[base + 2], mask=valid, other=0)
-  z = plgpu.load(coords_ref.at[base + 3], mask=valid, other=0)
-  return ((b * X + x) * Y + y) * Z + z
+def probe_loop(table_ref, key, active, *, slots, tmask: int, max_probes: int, ks: int = 1):
+  """Linear-probing lookup of each active lane's key (plain loads: the table is built).
+
+  Returns (slot, found, active): the slot of the FIRST entry matching the key along its probe run where
+  found, and the lanes still searching after ``max_probes`` probes (overflow). A lookup stops at EMPTY.
+  """
+
+  def step(found, slot, active):
+    k = plgpu.load(table_ref.at[slot * ks], mask=active, other=EMPTY)
+    hit = active & slots.match(k, key, active)[0]
+    return found | hit, active & jnp.logical_not(hit | (k == EMPTY))
+
+  found, slot, active = _walk(step, jnp.zeros_like(active), slots.home(key, tmask), active, tmask=tmask,
+                              max_probes=max_probes)
+  return slot, found, active
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,16 +321,25 @@ def _row_keys(coords_ref, rows, valid, X: int, Y: int, Z: int):
 # --------------------------------------------------------------------------------------------
 
 
+def _row_slots(coords_ref, rows, valid, *, shape, wide: bool):
+  """(slots, entry, key) of rows: under KeySlots the row's key twice, under SiteRefs the row and its site."""
+  if wide:
+    slots = SiteRefs(row_site(coords_ref), shape)
+    return slots, rows, slots.site_of(rows, valid)
+  key = linear_key(_load_site(coords_ref, rows, valid), shape)
+  return KeySlots(), key, key
+
+
 def _build_kernel(num_ref, coords_ref, keys_in_ref, keys_ref, ovf_ref, *, block, capacity,
-                  shape, tmask, max_probes, interpret, ovf_base, ks):
+                  shape, tmask, max_probes, interpret, ovf_base, ks, wide):
   del keys_in_ref  # aliased with keys_ref
   pid = pl.program_id(0)
   num = num_ref[0]
   rows = pid * block + jnp.arange(block, dtype=jnp.int32)
   valid = (rows < num) & (rows < capacity)
-  key = _row_keys(coords_ref, rows, valid, *shape)
-  active = insert_loop(keys_ref, key, valid, tmask=tmask, max_probes=max_probes, interpret=interpret,
-                       ks=ks)
+  slots, entry, key = _row_slots(coords_ref, rows, valid, shape=shape, wide=wide)
+  active = insert_loop(keys_ref, entry, key, valid, slots=slots, tmask=tmask, max_probes=max_probes,
+                       interpret=interpret, ks=ks)
   plgpu.store(ovf_ref.at[ovf_base + pid], jnp.max(active.astype(jnp.int32)))
 
 
@@ -323,15 +352,15 @@ def _fill_kernel(num_ref, coords_ref, keys_ref, ovf_in_ref, vals_ref, ovf_ref, *
   num = num_ref[0]
   rows = pid * block + jnp.arange(block, dtype=jnp.int32)
   valid = (rows < num) & (rows < capacity)
-  key = _row_keys(coords_ref, rows, valid, *shape)
-  slot, found, active = probe_loop(keys_ref, key, valid, tmask=tmask, max_probes=max_probes, ks=ks)
+  slots, _, key = _row_slots(coords_ref, rows, valid, shape=shape, wide=False)
+  slot, found, active = probe_loop(keys_ref, key, valid, slots=slots, tmask=tmask, max_probes=max_probes, ks=ks)
   plgpu.store(vals_ref.at[slot * ks + (ks - 1)], rows, mask=found)
   lost = active | (valid & jnp.logical_not(found))
   plgpu.store(ovf_ref.at[ovf_base + pid], jnp.max(lost.astype(jnp.int32)))
 
 
 def _query_kernel(num_ref, coords_ref, offs_ref, keys_ref, vals_ref, ovf_in_ref, nbr_ref, ovf_ref,
-                  *, block, capacity, nv, shape, tmask, max_probes, ovf_base, ks):
+                  *, block, capacity, nv, shape, tmask, max_probes, ovf_base, ks, wide):
   del ovf_in_ref  # aliased with ovf_ref
   X, Y, Z = shape
   pid = pl.program_id(0)
@@ -342,11 +371,7 @@ def _query_kernel(num_ref, coords_ref, offs_ref, keys_ref, vals_ref, ovf_in_ref,
   v = p - i * nv
   row_ok = in_range & (i < num)
 
-  base = i * 4
-  b = plgpu.load(coords_ref.at[base], mask=row_ok, other=0)
-  x = plgpu.load(coords_ref.at[base + 1], mask=row_ok, other=0)
-  y = plgpu.load(coords_ref.at[base + 2], mask=row_ok, other=0)
-  z = plgpu.load(coords_ref.at[base + 3], mask=row_ok, other=0)
+  b, x, y, z = _load_site(coords_ref, i, row_ok)
   o = v * 3
   dx = plgpu.load(offs_ref.at[o], mask=in_range, other=0)
   dy = plgpu.load(offs_ref.at[o + 1], mask=in_range, other=0)
@@ -354,80 +379,18 @@ def _query_kernel(num_ref, coords_ref, offs_ref, keys_ref, vals_ref, ovf_in_ref,
   nx, ny, nz = x + dx, y + dy, z + dz
   inside = ((nx >= 0) & (nx < X) & (ny >= 0) & (ny < Y) & (nz >= 0) & (nz < Z))
   centre = (dx == 0) & (dy == 0) & (dz == 0)
-  key = ((b * X + nx) * Y + ny) * Z + nz
+  if wide:  # the table's entries are rows: the value is the entry itself (vals_ref is the table)
+    slots, key = SiteRefs(row_site(coords_ref), shape), (b, nx, ny, nz)
+  else:
+    slots, key = KeySlots(), linear_key((b, nx, ny, nz), shape)
 
   active = row_ok & inside & jnp.logical_not(centre)
-  slot, found, active = probe_loop(keys_ref, key, active, tmask=tmask, max_probes=max_probes, ks=ks)
+  slot, found, active = probe_loop(keys_ref, key, active, slots=slots, tmask=tmask, max_probes=max_probes, ks=ks)
   val = plgpu.load(vals_ref.at[slot * ks + (ks - 1)], mask=found, other=EMPTY)
   val = jnp.where(row_ok & centre, i, val)
   plgpu.store(nbr_ref.at[p], val, mask=in_range)
   plgpu.store(ovf_ref.at[ovf_base + pid], jnp.max(active.astype(jnp.int32)))
 
-
-def _build_wide_kernel(num_ref, coords_ref, table_in_ref, table_ref, ovf_ref, *, block, capacity, shape,
-                       tmask, max_probes, interpret):
-  del table_in_ref  # aliased with table_ref
-  pid = pl.program_id(0)
-  rows = pid * block + jnp.arange(block, dtype=jnp.int32)
-  valid = (rows < num_ref[0]) & (rows < capacity)
-  site = row_site(coords_ref)(rows, valid)
-  active = insert_ref_loop(table_ref, rows, site, valid, shape=shape, tmask=tmask, max_probes=max_probes,
-                           interpret=interpret)
-  plgpu.store(ovf_ref.at[pid], jnp.max(active.astype(jnp.int32)))
-
-
-def _query_wide_kernel(num_ref, coords_ref, offs_ref, table_ref, ovf_in_ref, nbr_ref, ovf_ref, *, block,
-                       capacity, nv, shape, tmask, max_probes, ovf_base):
-  del ovf_in_ref  # aliased with ovf_ref
-  X, Y, Z = shape
-  pid = pl.program_id(0)
-  p = pid * block + jnp.arange(block, dtype=jnp.int32)
-  in_range = p < capacity * nv
-  i = lax.div(p, jnp.int32(nv))
-  v = p - i * nv
-  row_ok = in_range & (i < num_ref[0])
-  b, x, y, z = row_site(coords_ref)(i, row_ok)
-  dx, dy, dz = (plgpu.load(offs_ref.at[v * 3 + a], mask=in_range, other=0) for a in range(3))
-  nx, ny, nz = x + dx, y + dy, z + dz
-  inside = ((nx >= 0) & (nx < X) & (ny >= 0) & (ny < Y) & (nz >= 0) & (nz < Z))
-  centre = (dx == 0) & (dy == 0) & (dz == 0)
-  active = row_ok & inside & jnp.logical_not(centre)
-  _, row, found, active = probe_ref_loop(table_ref, (b, nx, ny, nz), active, site_of=row_site(coords_ref),
-                                         shape=shape, tmask=tmask, max_probes=max_probes)
-  val = jnp.where(row_ok & centre, i, jnp.where(found, row, EMPTY))
-  plgpu.store(nbr_ref.at[p], val, mask=in_range)
-  plgpu.store(ovf_ref.at[ovf_base + pid], jnp.max(active.astype(jnp.int32)))
-
-
-def _neighbor_map_wide(num_arr, coords_flat, offs_flat, *, capacity, nv, shape, tsize, probes, interpret,
-                       block_rows, block_pairs, params_build, params_query):
-  """Build + query for wide grids: the table holds row indices (no fill pass: the value is the entry)."""
-  build_block = 1 if interpret else block_rows  # interpret: one lane, so load+store is an exact swap
-  grid_b = _cdiv(capacity, build_block)
-  grid_q = _cdiv(capacity * nv, block_pairs)
-  table, ovf = pl.pallas_call(
-      functools.partial(_build_wide_kernel, block=build_block, capacity=capacity, shape=shape,
-                        tmask=tsize - 1, max_probes=probes, interpret=interpret),
-      out_shape=(out_struct((tsize,), jnp.int32, num_arr, coords_flat),
-                 out_struct((grid_b + grid_q,), jnp.int32, num_arr, coords_flat)),
-      grid=(grid_b,),
-      input_output_aliases={2: 0},
-      compiler_params=params_build,
-      interpret=interpret,
-      name="hash_build_wide",
-  )(*same_vma(num_arr, coords_flat, jnp.full((tsize,), EMPTY, jnp.int32)))
-  nbr_flat, ovf = pl.pallas_call(
-      functools.partial(_query_wide_kernel, block=block_pairs, capacity=capacity, nv=nv, shape=shape,
-                        tmask=tsize - 1, max_probes=probes, ovf_base=grid_b),
-      out_shape=(out_struct((capacity * nv,), jnp.int32, num_arr, coords_flat),
-                 out_struct((grid_b + grid_q,), jnp.int32, num_arr, coords_flat)),
-      grid=(grid_q,),
-      input_output_aliases={4: 1},
-      compiler_params=params_query,
-      interpret=interpret,
-      name="hash_query_wide",
-  )(*same_vma(num_arr, coords_flat, offs_flat, table, ovf))
-  return nbr_flat.reshape(capacity, nv), jnp.max(ovf) > 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -513,7 +476,7 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
   tmask = tsize - 1
   probes = tsize if max_probes is None else int(max_probes)
   shape = (X, Y, Z)
-  ks = 2 if interleave else 1  # int32 words per slot in the key table
+  ks = 2 if interleave and not wide_keys else 1  # int32 words per slot in the key table
 
   num_arr = jnp.reshape(jnp.asarray(num, jnp.int32), (1,))
   coords_flat = coords.reshape(-1)
@@ -523,18 +486,12 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
   params_build = None if interpret else plgpu.CompilerParams(num_warps=num_warps_build,
                                                              num_stages=1)
   params_query = None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
-  if wide_keys:
-    return _neighbor_map_wide(num_arr, coords_flat, offs_flat, capacity=capacity, nv=nv, shape=shape,
-                              tsize=tsize, probes=probes, interpret=interpret, block_rows=int(block_rows),
-                              block_pairs=int(block_pairs), params_build=params_build,
-                              params_query=params_query)
-
   grid_b = _cdiv(capacity, build_block)
   fill_block = 1 if interpret else int(block_rows)
-  grid_f = _cdiv(capacity, fill_block)
+  grid_f = 0 if wide_keys else _cdiv(capacity, fill_block)  # wide: the entry is the value, no fill
   qblock = int(block_pairs)
   grid_q = _cdiv(capacity * nv, qblock)
-  # One overflow flag per program of the three kernels, in one array: the build creates it (each
+  # One overflow flag per program of the kernels, in one array: the build creates it (each
   # kernel writes only its own range, so together they write every entry) and the fill and query
   # kernels take it aliased; a single reduction at the end.
   n_ovf = grid_b + grid_f + grid_q
@@ -542,14 +499,15 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
   # 1. Build the key table (keys_init aliased to the output).
   keys, ovf = pl.pallas_call(
       functools.partial(_build_kernel, block=build_block, capacity=capacity, shape=shape,
-                        tmask=tmask, max_probes=probes, interpret=interpret, ovf_base=0, ks=ks),
+                        tmask=tmask, max_probes=probes, interpret=interpret, ovf_base=0, ks=ks,
+                        wide=wide_keys),
       out_shape=(out_struct((ks * tsize,), jnp.int32, num_arr, coords_flat),
                  out_struct((n_ovf,), jnp.int32, num_arr, coords_flat)),
       grid=(grid_b,),
       input_output_aliases={2: 0},
       compiler_params=params_build,
       interpret=interpret,
-      name="hash_build",
+      name="hash_build_wide" if wide_keys else "hash_build",
   )(*same_vma(num_arr, coords_flat, jnp.full((ks * tsize,), EMPTY, jnp.int32)))
 
   # 2. Fill the values (row index at each key's slot): into the key table itself when
@@ -558,31 +516,34 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
   # Interpret mode: a masked scatter is emulated as gather+select+scatter, where a masked-out
   # lane sharing a slot with a storing lane can write the old value back; one lane per program
   # makes it exact (on the GPU masked lanes do not store and the slots of found keys differ).
-  vals, ovf = pl.pallas_call(
-      functools.partial(_fill_kernel, block=fill_block, capacity=capacity, shape=shape,
-                        tmask=tmask, max_probes=probes, ovf_base=grid_b, ks=ks),
-      out_shape=(out_struct((ks * tsize,), jnp.int32, num_arr, coords_flat),
-                 out_struct((n_ovf,), jnp.int32, num_arr, coords_flat)),
-      grid=(grid_f,),
-      input_output_aliases={2: 0, 3: 1} if interleave else {3: 1},
-      compiler_params=params_build,
-      interpret=interpret,
-      name="hash_fill",
-  )(*same_vma(num_arr, coords_flat, keys, ovf))
+  if wide_keys:
+    vals = keys  # the entries are rows: the query reads its values from the table itself
+  else:
+    vals, ovf = pl.pallas_call(
+        functools.partial(_fill_kernel, block=fill_block, capacity=capacity, shape=shape,
+                          tmask=tmask, max_probes=probes, ovf_base=grid_b, ks=ks),
+        out_shape=(out_struct((ks * tsize,), jnp.int32, num_arr, coords_flat),
+                   out_struct((n_ovf,), jnp.int32, num_arr, coords_flat)),
+        grid=(grid_f,),
+        input_output_aliases={2: 0, 3: 1} if interleave else {3: 1},
+        compiler_params=params_build,
+        interpret=interpret,
+        name="hash_fill",
+    )(*same_vma(num_arr, coords_flat, keys, ovf))
   if interleave:
     keys = vals  # the one table, keys and values
 
   # 3. Query all (row, offset) pairs.
   nbr_flat, ovf = pl.pallas_call(
       functools.partial(_query_kernel, block=qblock, capacity=capacity, nv=nv, shape=shape,
-                        tmask=tmask, max_probes=probes, ovf_base=grid_b + grid_f, ks=ks),
+                        tmask=tmask, max_probes=probes, ovf_base=grid_b + grid_f, ks=ks, wide=wide_keys),
       out_shape=(out_struct((capacity * nv,), jnp.int32, num_arr, coords_flat),
                  out_struct((n_ovf,), jnp.int32, num_arr, coords_flat)),
       grid=(grid_q,),
       input_output_aliases={5: 1},
       compiler_params=params_query,
       interpret=interpret,
-      name="hash_query",
+      name="hash_query_wide" if wide_keys else "hash_query",
   )(*same_vma(num_arr, coords_flat, offs_flat, keys, vals, ovf))
 
   overflow = jnp.max(ovf) > 0

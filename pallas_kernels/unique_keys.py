@@ -67,7 +67,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.hash_table import (EMPTY, insert_absent_loop, insert_absent_ref_loop, probe_loop, probe_ref_loop,
+from pallas_kernels.hash_table import (EMPTY, KeySlots, SiteRefs, insert_absent_loop, linear_key, probe_loop,
                                       table_size_for)
 from pallas_kernels.out_struct import out_struct, same_vma
 
@@ -145,104 +145,62 @@ def _proposal_site(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry:
   return tuple(site), exists
 
 
-def _proposal_keys(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry):
-  """int32 linear key of the output site fed by pair p (grids of fewer than 2**31 sites), and whether it
-  exists."""
+def _proposals(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry, wide: bool):
+  """(slots, entry, key, exists) of pairs p: under KeySlots the proposed site's int32 linear key (grids of
+  fewer than 2**31 sites) as both entry and key, under SiteRefs the proposal index p and its site."""
   site, exists = _proposal_site(num, coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry)
-  key = site[0]
-  for axis in range(3):
-    key = key * geometry.out_shape[axis] + site[axis + 1]
-  return key, exists
+  if wide:
+    return _proposal_refs(num, coords_ref, offs_ref, nv=nv, geometry=geometry), p, site, exists
+  key = linear_key(site, geometry.out_shape)
+  return KeySlots(), key, key, exists
 
 
-def _proposal_ref_site(num, coords_ref, offs_ref, *, nv: int, geometry: ProposalGeometry):
-  """site_of for wide-grid tables, whose entries are proposal indices p (hash_table.probe_ref_loop)."""
-  return lambda refs, mask: _proposal_site(num, coords_ref, offs_ref, refs, mask, nv=nv, geometry=geometry)[0]
+def _proposal_refs(num, coords_ref, offs_ref, *, nv: int, geometry: ProposalGeometry) -> SiteRefs:
+  """Slots holding proposal indices p, compared by the site they propose (wide grids)."""
+  site_of = lambda refs, mask: _proposal_site(num, coords_ref, offs_ref, refs, mask, nv=nv, geometry=geometry)[0]
+  return SiteRefs(site_of, geometry.out_shape)
 
 
 def _insert_kernel(num_ref, coords_ref, offs_ref, table_in_ref, table_ref, ovf_ref, *, block,
-                   num_pairs, nv, geometry, tmask, max_probes, interpret):
+                   num_pairs, nv, geometry, tmask, max_probes, interpret, wide):
   del table_in_ref  # aliased with table_ref
   pid = pl.program_id(0)
   p = pid * block + jnp.arange(block, dtype=jnp.int32)
-  key, exists = _proposal_keys(num_ref[0], coords_ref, offs_ref, p, p < num_pairs, nv=nv,
-                               geometry=geometry)
-  carrying = insert_absent_loop(table_ref, key, exists, tmask=tmask, max_probes=max_probes,
+  slots, entry, key, exists = _proposals(num_ref[0], coords_ref, offs_ref, p, p < num_pairs, nv=nv,
+                                         geometry=geometry, wide=wide)
+  carrying = insert_absent_loop(table_ref, entry, key, exists, slots=slots, tmask=tmask, max_probes=max_probes,
                                 interpret=interpret)
   plgpu.store(ovf_ref.at[pid], jnp.max(carrying.astype(jnp.int32)))
 
 
-def _mark_kernel(table_ref, unique_ref, ovf_ref, *, block, tmask, max_probes):
+def _mark_kernel(*refs, block, nv, geometry, tmask, max_probes, wide):
+  # Wide tables come after the (num, coords, offsets) operands their sites are computed from.
+  *site_refs, table_ref, unique_ref, ovf_ref = refs
   pid = pl.program_id(0)
-  slots = pid * block + jnp.arange(block, dtype=jnp.int32)  # block divides T: all in range
-  key = plgpu.load(table_ref.at[slots])
-  occupied = key != EMPTY
-  first, found, searching = probe_loop(table_ref, key, occupied, tmask=tmask, max_probes=max_probes)
-  plgpu.store(unique_ref.at[slots], jnp.where(found & (first == slots), key, EMPTY))
+  slots = _proposal_refs(site_refs[0][0], *site_refs[1:], nv=nv, geometry=geometry) if wide else KeySlots()
+  slot_ids = pid * block + jnp.arange(block, dtype=jnp.int32)  # block divides T: all in range
+  entry = plgpu.load(table_ref.at[slot_ids])
+  occupied = entry != EMPTY
+  first, found, searching = probe_loop(table_ref, slots.key_of(entry, occupied), occupied, slots=slots,
+                                       tmask=tmask, max_probes=max_probes)
+  plgpu.store(unique_ref.at[slot_ids], jnp.where(found & (first == slot_ids), entry, EMPTY))
   lost = searching | (occupied & jnp.logical_not(found))  # the second cannot happen
   plgpu.store(ovf_ref.at[pid], jnp.max(lost.astype(jnp.int32)))
 
 
 def _lookup_kernel(num_ref, coords_ref, offs_ref, table_ref, slot_rows_ref, inv_ref, ovf_ref, *, block,
-                   num_pairs, nv, geometry, tmask, max_probes):
+                   num_pairs, nv, geometry, tmask, max_probes, wide):
   pid = pl.program_id(0)
   p = pid * block + jnp.arange(block, dtype=jnp.int32)
   in_range = p < num_pairs
-  key, exists = _proposal_keys(num_ref[0], coords_ref, offs_ref, p, in_range, nv=nv,
-                               geometry=geometry)
-  first, found, searching = probe_loop(table_ref, key, exists, tmask=tmask, max_probes=max_probes)
+  slots, _, key, exists = _proposals(num_ref[0], coords_ref, offs_ref, p, in_range, nv=nv,
+                                     geometry=geometry, wide=wide)
+  first, found, searching = probe_loop(table_ref, key, exists, slots=slots, tmask=tmask, max_probes=max_probes)
   row = plgpu.load(slot_rows_ref.at[first], mask=found, other=-1)
   plgpu.store(inv_ref.at[p], row, mask=in_range)  # contiguous: pairs are row-major [capacity, V]
   lost = searching | (exists & jnp.logical_not(found))  # the second cannot happen
   plgpu.store(ovf_ref.at[pid], jnp.max(lost.astype(jnp.int32)))
 
-
-# Wide grids (2**31 sites or more): the same three kernels over a table of proposal indices p, compared by
-# the site they propose (hash_table.insert_absent_ref_loop / probe_ref_loop; the correctness arguments are
-# those of the int32 kernels with "key" read as "site of p").
-
-
-def _insert_wide_kernel(num_ref, coords_ref, offs_ref, table_in_ref, table_ref, ovf_ref, *, block,
-                        num_pairs, nv, geometry, tmask, max_probes, interpret):
-  del table_in_ref  # aliased with table_ref
-  pid = pl.program_id(0)
-  num = num_ref[0]
-  p = pid * block + jnp.arange(block, dtype=jnp.int32)
-  site, exists = _proposal_site(num, coords_ref, offs_ref, p, p < num_pairs, nv=nv, geometry=geometry)
-  carrying = insert_absent_ref_loop(
-      table_ref, p, site, exists, site_of=_proposal_ref_site(num, coords_ref, offs_ref, nv=nv, geometry=geometry),
-      shape=geometry.out_shape, tmask=tmask, max_probes=max_probes, interpret=interpret)
-  plgpu.store(ovf_ref.at[pid], jnp.max(carrying.astype(jnp.int32)))
-
-
-def _mark_wide_kernel(num_ref, coords_ref, offs_ref, table_ref, unique_ref, ovf_ref, *, block, nv, geometry,
-                      tmask, max_probes):
-  pid = pl.program_id(0)
-  site_of = _proposal_ref_site(num_ref[0], coords_ref, offs_ref, nv=nv, geometry=geometry)
-  slots = pid * block + jnp.arange(block, dtype=jnp.int32)  # block divides T: all in range
-  refs = plgpu.load(table_ref.at[slots])
-  occupied = refs != EMPTY
-  first, _, found, searching = probe_ref_loop(table_ref, site_of(refs, occupied), occupied, site_of=site_of,
-                                              shape=geometry.out_shape, tmask=tmask, max_probes=max_probes)
-  plgpu.store(unique_ref.at[slots], jnp.where(found & (first == slots), refs, EMPTY))
-  lost = searching | (occupied & jnp.logical_not(found))  # the second cannot happen
-  plgpu.store(ovf_ref.at[pid], jnp.max(lost.astype(jnp.int32)))
-
-
-def _lookup_wide_kernel(num_ref, coords_ref, offs_ref, table_ref, slot_rows_ref, inv_ref, ovf_ref, *, block,
-                        num_pairs, nv, geometry, tmask, max_probes):
-  pid = pl.program_id(0)
-  num = num_ref[0]
-  p = pid * block + jnp.arange(block, dtype=jnp.int32)
-  in_range = p < num_pairs
-  site, exists = _proposal_site(num, coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry)
-  first, _, found, searching = probe_ref_loop(
-      table_ref, site, exists, site_of=_proposal_ref_site(num, coords_ref, offs_ref, nv=nv, geometry=geometry),
-      shape=geometry.out_shape, tmask=tmask, max_probes=max_probes)
-  row = plgpu.load(slot_rows_ref.at[first], mask=found, other=-1)
-  plgpu.store(inv_ref.at[p], row, mask=in_range)
-  lost = searching | (exists & jnp.logical_not(found))  # the second cannot happen
-  plgpu.store(ovf_ref.at[pid], jnp.max(lost.astype(jnp.int32)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,9 +283,8 @@ def _dedupe_proposals(coords, num, *, geometry, batch_size, interpret, block_pai
   insert_block = 1 if interpret else block_pairs
   grid_i = pl.cdiv(num_pairs, insert_block)
   table, ovf_insert = pl.pallas_call(
-      functools.partial(_insert_wide_kernel if wide_keys else _insert_kernel, block=insert_block,
-                        num_pairs=num_pairs, nv=nv, geometry=geometry, tmask=tsize - 1, max_probes=probes,
-                        interpret=interpret),
+      functools.partial(_insert_kernel, block=insert_block, num_pairs=num_pairs, nv=nv, geometry=geometry,
+                        tmask=tsize - 1, max_probes=probes, interpret=interpret, wide=wide_keys),
       out_shape=(out_struct((tsize,), jnp.int32, num_arr, coords), _flags(grid_i, num_arr, coords)),
       grid=(grid_i,),
       input_output_aliases={3: 0},
@@ -336,49 +293,33 @@ def _dedupe_proposals(coords, num, *, geometry, batch_size, interpret, block_pai
       name="unique_insert_wide" if wide_keys else "unique_insert",
   )(*same_vma(num_arr, coords.reshape(-1), offs_flat, empty_table))
 
-  if wide_keys:
-    unique, mark_overflow = _keep_first_refs(table, num_arr, coords.reshape(-1), offs_flat, block=block_slots,
-                                             num_warps=num_warps, max_probes=probes, geometry=geometry,
-                                             interpret=interpret)
-  else:
-    unique, mark_overflow = _keep_first_copies(table, block=block_slots, num_warps=num_warps,
-                                               max_probes=probes, interpret=interpret)
+  unique, mark_overflow = _keep_first(table, (num_arr, coords.reshape(-1), offs_flat) if wide_keys else (),
+                                     block=block_slots, num_warps=num_warps, max_probes=probes, geometry=geometry,
+                                     interpret=interpret)
   count = jnp.sum(unique != EMPTY, dtype=jnp.int32)
   return ProposalTable(table, unique, count, (jnp.max(ovf_insert) > 0) | mark_overflow)
 
 
-def _keep_first_copies(table, *, block: int, num_warps: int, max_probes: int, interpret: bool):
-  """(unique, overflow): the table with every key kept only at its first copy along its probe run."""
+def _keep_first(table, site_operands=(), *, block: int, num_warps: int, max_probes: int,
+                geometry: ProposalGeometry | None = None, interpret: bool):
+  """(unique, overflow): the table with every key kept only at its first copy along its probe run. A wide
+  table (of proposal indices) comes with site_operands (num [1], coords flattened, offsets flattened), from
+  which the mark kernel computes the sites it compares, and the geometry."""
   tsize = int(table.shape[0])
   block = min(block, tsize)  # both powers of two: block divides T
   grid = tsize // block
+  wide = bool(site_operands)
   unique, ovf = pl.pallas_call(
-      functools.partial(_mark_kernel, block=block, tmask=tsize - 1, max_probes=max_probes),
+      functools.partial(_mark_kernel, block=block, nv=len(geometry.offsets) if wide else 0, geometry=geometry,
+                        tmask=tsize - 1, max_probes=max_probes, wide=wide),
       out_shape=(out_struct((tsize,), jnp.int32, table), _flags(grid, table)),
       grid=(grid,),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
-      name="unique_mark",
-  )(table)
+      name="unique_mark_wide" if wide else "unique_mark",
+  )(*same_vma(*site_operands, table) if wide else (table,))
   return unique, jnp.max(ovf) > 0
 
-
-def _keep_first_refs(table, num_arr, coords_flat, offs_flat, *, block: int, num_warps: int, max_probes: int,
-                     geometry: ProposalGeometry, interpret: bool):
-  """_keep_first_copies for a wide-grid table of proposal indices (compared by their sites)."""
-  tsize = int(table.shape[0])
-  block = min(block, tsize)  # both powers of two: block divides T
-  grid = tsize // block
-  unique, ovf = pl.pallas_call(
-      functools.partial(_mark_wide_kernel, block=block, nv=len(geometry.offsets), geometry=geometry,
-                        tmask=tsize - 1, max_probes=max_probes),
-      out_shape=(out_struct((tsize,), jnp.int32, table), _flags(grid, table)),
-      grid=(grid,),
-      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=interpret,
-      name="unique_mark_wide",
-  )(*same_vma(num_arr, coords_flat, offs_flat, table))
-  return unique, jnp.max(ovf) > 0
 
 
 def _smallest_sorted(unique, count, out_capacity: int):
@@ -523,9 +464,8 @@ def _output_sites(coords, num, proposals, *, out_capacity, geometry, interpret, 
 
   grid = pl.cdiv(num_pairs, block_pairs)
   inv, ovf = pl.pallas_call(
-      functools.partial(_lookup_wide_kernel if wide_keys else _lookup_kernel, block=block_pairs,
-                        num_pairs=num_pairs, nv=nv,
-                        geometry=geometry, tmask=tsize - 1, max_probes=probes),
+      functools.partial(_lookup_kernel, block=block_pairs, num_pairs=num_pairs, nv=nv, geometry=geometry,
+                        tmask=tsize - 1, max_probes=probes, wide=wide_keys),
       out_shape=(out_struct((num_pairs,), jnp.int32, coords, proposals.table, slot_rows),
                  _flags(grid, coords, proposals.table, slot_rows)),
       grid=(grid,),

@@ -1,11 +1,7 @@
 import os
-import sys
 
 import jax
 import pytest
-
-# Test helpers (triton_lowering.py, reference.py) live beside the tests.
-sys.path.insert(0, os.path.dirname(__file__))
 
 # Off the GPU the suite's time is mostly XLA compiling small programs (Pallas kernels in interpret mode above
 # all), each run a few times on tiny inputs: ask XLA for less optimisation work (LLVM -O0, no expensive passes;

@@ -13,10 +13,7 @@ import os
 if __name__ == "__main__":
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 
-import sys
 from typing import Any
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 import flax.linen as nn
 import jax

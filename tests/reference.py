@@ -54,3 +54,22 @@ def rel_err(a, b) -> float:
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# Submanifold convolution cases: (spatial shape, batch size, kernel size, dilation, cin, cout, bias).
+SUBMCONV_CASES = [
+    ((6, 5, 7), 2, (3, 3, 3), 1, 5, 6, True),
+    ((9, 4, 6), 1, (3, 3, 3), 2, 4, 3, False),
+    ((5, 7, 4), 3, (1, 1, 1), 1, 3, 8, True),
+    ((8, 6, 5), 2, (5, 5, 5), 1, 2, 3, True),
+    ((7, 7, 3), 2, (3, 3, 1), 1, 6, 4, False),
+    ((10, 6, 7), 1, (5, 3, 1), (1, 2, 1), 3, 5, True),
+    ((6, 6, 6), 2, (3, 5, 3), (2, 1, 1), 4, 4, True),
+]
+
+
+def random_weights(rng: np.random.Generator, kernel_size, cin, cout, bias, dtype=np.float32):
+  """A DHWIO weight scaled by 1/sqrt(fan-in) and, if `bias`, a bias (else None), as jax arrays."""
+  w = rng.standard_normal(tuple(kernel_size) + (cin, cout)).astype(dtype) / np.sqrt(np.prod(kernel_size) * cin)
+  b = rng.standard_normal(cout).astype(dtype) if bias else None
+  return jnp.asarray(w), (None if b is None else jnp.asarray(b))

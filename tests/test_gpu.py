@@ -6,8 +6,8 @@ import pytest
 
 import jsparse
 import nn_data_parallel
-from reference import random_sparse, rel_err
-from test_submconv import CASES, _weights
+from reference import SUBMCONV_CASES as CASES
+from reference import random_sparse, random_weights, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +38,7 @@ def test_gpu_random_cases_match_xla(case):
   shape, batch, ks, dil, cin, cout, _ = case
   rng = np.random.default_rng(100 + cin)
   x = random_sparse(rng, shape, cin, batch_size=batch, density=0.3, pad=9)
-  w, b = _weights(rng, ks, cin, cout, True)
+  w, b = random_weights(rng, ks, cin, cout, True)
   cache_p = jsparse.neighbor_map(x, ks, dil, implementation="pallas")
   cache_x = jsparse.neighbor_map(x, ks, dil, implementation="xla")
   np.testing.assert_array_equal(np.asarray(cache_p.nbr), np.asarray(cache_x.nbr))
@@ -66,7 +66,7 @@ SHELLS = [
 def test_gpu_sphere_shells_match_xla(res, c, dtype, precision, tol):
   x = shell_tensor(res, c, dtype, pad=1000)
   rng = np.random.default_rng(res + c)
-  w, b = _weights(rng, (3, 3, 3), c, c, True)
+  w, b = random_weights(rng, (3, 3, 3), c, c, True)
   w, b = w.astype(dtype), b.astype(dtype)
   cache_p = jsparse.neighbor_map(x, 3, implementation="pallas")
   cache_x = jsparse.neighbor_map(x, 3, implementation="xla")
@@ -89,7 +89,7 @@ def test_gpu_sphere_shells_match_xla(res, c, dtype, precision, tol):
 def test_gpu_every_algorithm_matches_xla(algorithm):
   x = shell_tensor(48, 48, jnp.float32, pad=300)
   rng = np.random.default_rng(9)
-  w, b = _weights(rng, (3, 3, 3), 48, 40, True)
+  w, b = random_weights(rng, (3, 3, 3), 48, 40, True)
   cache_p = jsparse.neighbor_map(x, 3, implementation="pallas")
   cot = jnp.asarray(rng.standard_normal((x.capacity, 40)).astype(np.float32))
   yr, gr = _grads(x, w, b, cache_p, "xla", "highest", cot)
@@ -192,7 +192,7 @@ def test_gpu_balanced_weight_grad_matches_xla(dtype, precision, tol):
   c = 64
   x = shell_tensor(128, c, dtype, pad=1000)
   rng = np.random.default_rng(64)
-  w, b = _weights(rng, (3, 3, 3), c, c, True)
+  w, b = random_weights(rng, (3, 3, 3), c, c, True)
   w, b = w.astype(dtype), b.astype(dtype)
   cache_p = jsparse.neighbor_map(x, 3, implementation="pallas")
   counts = np.asarray(cache_p.pair_lists().counts)

@@ -7,21 +7,15 @@ GPU (``-m gpu``, skipped elsewhere): the real Triton kernels, including atomic_x
 from __future__ import annotations
 
 import functools
-import os
-import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _p in (_HERE, os.path.dirname(_HERE)):
-  if _p not in sys.path:
-    sys.path.insert(0, _p)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from pallas_kernels import unique_keys  # noqa: E402
-from pallas_kernels.hash_table import EMPTY, _home, neighbor_map_hashed  # noqa: E402
+from benchmarks.workloads import sphere_shell_coords
+from pallas_kernels import unique_keys
+from pallas_kernels.hash_table import EMPTY, _home, neighbor_map_hashed
 
 
 def _cube(k=3, dilation=1):
@@ -97,21 +91,6 @@ def random_points(rng, spatial_shape, batch, num, capacity, pad="neg1"):
   elif pad == "zero":
     coords[num:] = 0
   return coords
-
-
-def sphere_shell(res):
-  """Voxels p with res/2 - 1.25 <= |p + 0.5 - res/2| <= res/2, batch 0 ([N, 4] int32)."""
-  c = res / 2.0
-  t = (np.arange(res, dtype=np.float64) + 0.5 - c) ** 2
-  lo, hi = (c - 1.25) ** 2, c ** 2
-  parts = []
-  yz = t[:, None] + t[None, :]
-  for x in range(res):  # slab by slab: bounded memory for large res
-    d2 = t[x] + yz
-    y, z = np.nonzero((d2 >= lo) & (d2 <= hi))
-    if y.size:
-      parts.append(np.stack([np.zeros_like(y), np.full_like(y, x), y, z], axis=1))
-  return np.concatenate(parts).astype(np.int32)
 
 
 # ------------------------------------------------------------------------------------------
@@ -312,8 +291,8 @@ def test_keep_first_copies_drops_later_copies():
   table = np.full(tsize, EMPTY, np.int32)
   for i, k in enumerate((a, b, a, a)):
     table[(h + i) % tsize] = k
-  unique, overflow = unique_keys._keep_first_copies(jnp.asarray(table), block=8, num_warps=1,
-                                                    max_probes=tsize, interpret=True)
+  unique, overflow = unique_keys._keep_first(jnp.asarray(table), block=8, num_warps=1, max_probes=tsize,
+                                             interpret=True)
   expected = np.full(tsize, EMPTY, np.int32)
   expected[h], expected[(h + 1) % tsize] = a, b
   assert not bool(overflow)
@@ -408,7 +387,7 @@ _on_gpu = jax.default_backend() == "gpu"
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("res", [64, 256])
 def test_gpu_sphere_shell(res, interleave):
-  pts = sphere_shell(res)
+  pts = sphere_shell_coords(res)
   rng = np.random.default_rng(res)
   pts = pts[rng.permutation(len(pts))]
   num = len(pts)
@@ -447,7 +426,6 @@ def compare_pair_maps_on_sphere_shell(res, batch_size, kernel_size, stride, padd
   """jsparse.pair_map by `implementation` against the XLA path on a shuffled sphere shell with garbage
   padding rows, under jit: exact, spare and too small out_capacity. Identical fields, order included."""
   import jsparse
-  from benchmarks.workloads import sphere_shell_coords
   from jsparse.sparse_conv import pair_map
 
   rng = np.random.default_rng(res * 10 + kernel_size)

@@ -16,8 +16,6 @@ import json
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

@@ -6,32 +6,16 @@ import pytest
 
 import jsparse
 from jsparse.neighbors import kernel_offsets
-from reference import dense_submconv_at_sites, numpy_neighbor_map, random_sparse, rel_err
+from reference import SUBMCONV_CASES as CASES
+from reference import dense_submconv_at_sites, numpy_neighbor_map, random_sparse, random_weights, rel_err
 
 # (spatial_shape, batch, kernel_size, dilation, cin, cout, bias)
-CASES = [
-    ((6, 5, 7), 2, (3, 3, 3), 1, 5, 6, True),
-    ((9, 4, 6), 1, (3, 3, 3), 2, 4, 3, False),
-    ((5, 7, 4), 3, (1, 1, 1), 1, 3, 8, True),
-    ((8, 6, 5), 2, (5, 5, 5), 1, 2, 3, True),
-    ((7, 7, 3), 2, (3, 3, 1), 1, 6, 4, False),
-    ((10, 6, 7), 1, (5, 3, 1), (1, 2, 1), 3, 5, True),
-    ((6, 6, 6), 2, (3, 5, 3), (2, 1, 1), 4, 4, True),
-]
-
-
-def _weights(rng, kernel_size, cin, cout, bias, dtype=np.float32):
-  w = rng.standard_normal(tuple(kernel_size) + (cin, cout)).astype(dtype) / np.sqrt(np.prod(kernel_size) * cin)
-  b = rng.standard_normal(cout).astype(dtype) if bias else None
-  return jnp.asarray(w), (None if b is None else jnp.asarray(b))
-
-
 @pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_xla_matches_dense_values_and_grads(case):
   shape, batch, ks, dil, cin, cout, use_bias = case
   rng = np.random.default_rng(hash(case) % 2**32)
   x = random_sparse(rng, shape, cin, batch_size=batch, density=0.35, pad=6)
-  w, b = _weights(rng, ks, cin, cout, use_bias)
+  w, b = random_weights(rng, ks, cin, cout, use_bias)
   cot = jnp.asarray(rng.standard_normal((x.capacity, cout)).astype(np.float32))
 
   def sparse_loss(feats, w, b):
@@ -73,7 +57,7 @@ def test_neighbor_map_xla_matches_numpy(case):
 def test_xla_half_precision(dtype, tol):
   rng = np.random.default_rng(3)
   x = random_sparse(rng, (6, 6, 6), 8, batch_size=2, dtype=np.float32)
-  w, b = _weights(rng, (3, 3, 3), 8, 8, True)
+  w, b = random_weights(rng, (3, 3, 3), 8, 8, True)
   xh = x.replace(feats=x.feats.astype(dtype))
   y = jsparse.submconv3d(xh, w.astype(dtype), b.astype(dtype), implementation="xla")
   assert y.feats.dtype == jnp.dtype(dtype)
@@ -90,7 +74,7 @@ def test_pallas_interpret_matches_xla(case):
   shape, batch, ks, dil, cin, cout, use_bias = case
   rng = np.random.default_rng(11 + len(shape) + cin)
   x = random_sparse(rng, shape, cin, batch_size=batch, density=0.3, pad=9)
-  w, b = _weights(rng, ks, cin, cout, use_bias)
+  w, b = random_weights(rng, ks, cin, cout, use_bias)
   cache = jsparse.neighbor_map(x, ks, dil, implementation="xla")
   cot = jnp.asarray(rng.standard_normal((x.capacity, cout)).astype(np.float32))
 
@@ -112,7 +96,7 @@ def test_pallas_interpret_matches_xla(case):
 def test_pallas_algorithms_interpret_match_xla(algorithm):
   rng = np.random.default_rng(21)
   x = random_sparse(rng, (6, 5, 7), 5, batch_size=2, density=0.3, pad=9)
-  w, b = _weights(rng, (3, 3, 3), 5, 6, True)
+  w, b = random_weights(rng, (3, 3, 3), 5, 6, True)
   cache = jsparse.neighbor_map(x, 3, implementation="pallas")
   assert cache.plans and cache.pairs is not None
   cot = jnp.asarray(rng.standard_normal((x.capacity, 6)).astype(np.float32))
@@ -229,8 +213,8 @@ def test_float32_weight_grad_bf16_split_is_tf32_accurate():
 def test_jit_with_shared_cache_and_capacity():
   rng = np.random.default_rng(2)
   x = random_sparse(rng, (6, 6, 6), 4, batch_size=2, pad=20)
-  w1, b1 = _weights(rng, (3, 3, 3), 4, 8, True)
-  w2, b2 = _weights(rng, (3, 3, 3), 8, 4, True)
+  w1, b1 = random_weights(rng, (3, 3, 3), 4, 8, True)
+  w2, b2 = random_weights(rng, (3, 3, 3), 8, 4, True)
 
   @jax.jit
   def net(x, w1, b1, w2, b2):
@@ -248,7 +232,7 @@ def test_jit_with_shared_cache_and_capacity():
 def test_bad_input_errors():
   rng = np.random.default_rng(4)
   x = random_sparse(rng, (5, 5, 5), 3)
-  w, _ = _weights(rng, (3, 3, 3), 3, 4, False)
+  w, _ = random_weights(rng, (3, 3, 3), 3, 4, False)
   with pytest.raises(ValueError, match="input channels"):
     jsparse.submconv3d(x, jnp.zeros((3, 3, 3, 2, 4)))
   with pytest.raises(ValueError, match="odd"):
@@ -278,7 +262,7 @@ def test_pallas_forward_reads_k_major_weight(dtype):
   rng = np.random.default_rng(12)
   x = random_sparse(rng, (16, 16, 16), 4, density=0.3, pad=3)
   x = x.replace(feats=x.feats.astype(dtype))
-  w, b = _weights(rng, (3, 3, 3), 4, 5, True)
+  w, b = random_weights(rng, (3, 3, 3), 4, 5, True)
   cfg = tuning.choose("forward", x.capacity, 4, 5, 27, dtype)
   assert gather_gemm_lib.reads_weight_k_major(x.capacity, cfg.tiles, dtype)
   assert gather_gemm_lib.reads_weight_k_major(64, cfg.tiles, jnp.float32)
@@ -323,8 +307,8 @@ def test_layers_share_the_map_the_tensor_carries(monkeypatch):
 
   rng = np.random.default_rng(13)
   x = random_sparse(rng, (6, 6, 6), 3, batch_size=2)
-  w1, b1 = _weights(rng, (3, 3, 3), 3, 4, True)
-  w2, b2 = _weights(rng, (3, 3, 3), 4, 2, True)
+  w1, b1 = random_weights(rng, (3, 3, 3), 3, 4, True)
+  w2, b2 = random_weights(rng, (3, 3, 3), 4, 2, True)
   built = []
   real = conv.neighbor_map
   monkeypatch.setattr(conv, "neighbor_map", lambda *a, **k: built.append(1) or real(*a, **k))
@@ -348,7 +332,7 @@ def test_masked_capacity_not_a_multiple_of_the_block(algorithm):
   rng = np.random.default_rng(14)
   x = random_sparse(rng, (4, 4, 4), 3, density=0.3, pad=2)
   assert x.capacity % 64 != 0
-  w, b = _weights(rng, (3, 3, 3), 3, 4, True)
+  w, b = random_weights(rng, (3, 3, 3), 3, 4, True)
   yp = jsparse.submconv3d(x, w, b, implementation="pallas", precision="highest", algorithm=algorithm)
   yx = jsparse.submconv3d(x, w, b, implementation="xla", precision="highest")
   assert np.all(np.isfinite(np.asarray(yp.feats)))
@@ -457,7 +441,7 @@ def test_balanced_weight_grad_config_drives_submconv():
 
   rng = np.random.default_rng(33)
   x = random_sparse(rng, (6, 5, 7), 5, batch_size=2, density=0.3, pad=9)
-  w, b = _weights(rng, (3, 3, 3), 5, 6, True)
+  w, b = random_weights(rng, (3, 3, 3), 5, 6, True)
   cache = jsparse.neighbor_map(x, 3, implementation="pallas")
   cot = jnp.asarray(rng.standard_normal((x.capacity, 6)).astype(np.float32))
   key = tuning.shape_key("weight_grad", x.capacity, 5, 6, 27, jnp.float32)

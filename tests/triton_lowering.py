@@ -41,10 +41,28 @@ def lower_for_cuda(fn, *args_like) -> str:
   return exported.mlir_module()
 
 
+@contextlib.contextmanager
+def capture_triton_modules():
+  """Collects (ttir text, grid) of every Pallas kernel lowered inside the block."""
+  from jax._src.pallas.triton import pallas_call_registration as reg
+
+  captured = []
+  original = reg.lowering.lower_jaxpr_to_triton_module
+
+  def hook(*args, **kwargs):
+    result = original(*args, **kwargs)
+    captured.append((result.module.operation.get_asm(enable_debug_info=False), tuple(result.grid)))
+    return result
+
+  reg.lowering.lower_jaxpr_to_triton_module = hook
+  try:
+    yield captured
+  finally:
+    reg.lowering.lower_jaxpr_to_triton_module = original
+
+
 def triton_ir(fn, *args_like) -> list[str]:
   """The Triton IR (TTIR text) of every Pallas kernel in `jax.jit(fn)`, lowered for CUDA on the CPU."""
-  from benchmarks.triton_ir_probe import capture_triton_modules
-
   with capture_triton_modules() as captured:
     lower_for_cuda(fn, *args_like)
   return [ttir for ttir, _ in captured]

@@ -1,16 +1,15 @@
 """Time pallas_kernels.hash_table.neighbor_map_hashed on sphere-shell voxels (GPU).
 
-    python benchmarks/bench_hash_table.py [--res 64 128 256 512] [--repeats 30]
+    python -m benchmarks.bench_hash_table [--res 64 128 256 512] [--repeats 30]
         [--block-rows R] [--block-pairs P] [--num-warps W] [--num-warps-build W] [--table-factor F]
 
-Sphere shell at resolution RES: voxels p in [0, RES)^3 with
-RES/2 - 1.25 <= |p + 0.5 - RES/2| <= RES/2 (15k, 64k, 252k and 1.03M voxels for 64, 128, 256,
-512), 3x3x3 offsets, batch 0, rows shuffled.
+Sphere shell at resolution RES (workloads.sphere_shell_coords: 15k, 64k, 252k and 1.03M voxels for 64,
+128, 256, 512), 3x3x3 offsets, batch 0, rows shuffled.
 Each case is jitted, warmed up, then timed as the median of --repeats device-synchronised calls
 (block_until_ready); 'pipelined' is the mean over --repeats calls issued back to back with one
 sync at the end. Checks the result against a numpy reference once per case.
 
-    python benchmarks/bench_hash_table.py --wide [--res ...] [--repeats 30]
+    python -m benchmarks.bench_hash_table --wide [--res ...] [--repeats 30]
 
 The int32-key path against the wide-key path (grids of 2**31 sites or more, keys of two words): per RES,
 the neighbour map and a strided convolution's output sites (3^3 kernel, stride 2, Pallas) on the shell in
@@ -20,33 +19,17 @@ a RES^3 grid (int32 keys), and on the same shell moved to batch 7, offset (777, 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from pallas_kernels.hash_table import neighbor_map_hashed, table_size_for  # noqa: E402
+from benchmarks.suite import time_calls
+from benchmarks.workloads import sphere_shell_coords
+from pallas_kernels.hash_table import neighbor_map_hashed, table_size_for
 
 OFFS_333 = tuple((a, b, c) for a in (-1, 0, 1) for b in (-1, 0, 1) for c in (-1, 0, 1))
-
-
-def sphere_shell(res):
-  c = res / 2.0
-  t = (np.arange(res, dtype=np.float64) + 0.5 - c) ** 2
-  lo, hi = (c - 1.25) ** 2, c ** 2
-  yz = t[:, None] + t[None, :]
-  parts = []
-  for x in range(res):
-    d2 = t[x] + yz
-    y, z = np.nonzero((d2 >= lo) & (d2 <= hi))
-    if y.size:
-      parts.append(np.stack([np.zeros_like(y), np.full_like(y, x), y, z], axis=1))
-  return np.concatenate(parts).astype(np.int32)
 
 
 def reference(coords, shape, offsets):
@@ -65,14 +48,8 @@ def reference(coords, shape, offsets):
   return out
 
 
-def _median_ms(fn, *args, repeats=30):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(times))
+def _median_ms(fn, *args, repeats):
+  return time_calls(lambda: fn(*args), jax.block_until_ready, 1, repeats)["median_ms"]
 
 
 def compare_wide(res_list, repeats):
@@ -84,7 +61,7 @@ def compare_wide(res_list, repeats):
         f"{'check':>6}")
   rng = np.random.default_rng(0)
   for res in res_list:
-    pts = sphere_shell(res)
+    pts = sphere_shell_coords(res)
     pts = pts[rng.permutation(len(pts))]
     n = len(pts)
     cap = jsparse.round_capacity(n)
@@ -136,7 +113,7 @@ def main():
         f"{'Mpairs/s':>9} {'check':>6}")
   rng = np.random.default_rng(0)
   for res in args.res:
-    pts = sphere_shell(res)
+    pts = sphere_shell_coords(res)
     pts = pts[rng.permutation(len(pts))]
     n = len(pts)
     shape = (res, res, res)
@@ -149,14 +126,8 @@ def main():
     num = jnp.int32(n)
     nbr, ovf = fn(coords, num)
     jax.block_until_ready((nbr, ovf))
-    for _ in range(3):
-      jax.block_until_ready(fn(coords, num))
-    times = []
-    for _ in range(args.repeats):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(coords, num))
-      times.append(time.perf_counter() - t0)
-    med, best = 1e3 * float(np.median(times)), 1e3 * float(np.min(times))
+    timed = time_calls(lambda: fn(coords, num), jax.block_until_ready, 3, args.repeats)
+    med, best = timed["median_ms"], timed["min_ms"]
     # Pipelined: many calls in flight, one sync (hides the host round trip of each sync).
     t0 = time.perf_counter()
     outs = [fn(coords, num) for _ in range(args.repeats)]

@@ -49,9 +49,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jsparse
 import jsparse.nn as snn
-from benchmarks.suite import metadata, short_error, write_json
+from benchmarks.suite import metadata, short_error, time_calls, write_json
 from benchmarks.workloads import sphere_shell_coords
-from jsparse.autotuning import median_ms
 
 AXIS = "data"
 DTYPES = {"fp16": jnp.float16, "fp32": jnp.float32}
@@ -185,7 +184,7 @@ def measure(cfg: Config, k: int, model: Net, optimizer, init_state, reference_gr
   replica_diff = replica_max_diff(out[:3])  # params, opt_state, batch_stats
   log(f"  k={k}: compiled + first step in {compile_s:.1f} s; replicas differ by {replica_diff:g}")
 
-  ms = median_ms(step, (*state, *distinct), cfg.warmup, cfg.repeats, inner=1)  # each step timed alone
+  ms = time_calls(lambda: step(*state, *distinct), jax.block_until_ready, cfg.warmup, cfg.repeats)["median_ms"]
   same = jax.block_until_ready(step(*state, *identical))
   grads = flat(same[4])
   grad_err = 0.0 if reference_grads is None else rel_err(grads, reference_grads)

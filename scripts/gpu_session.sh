@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# The one script a GPU call runs, from the repo root:
+# Tests and benchmarks on a GPU machine in one go, from the repo root:
 #   bash scripts/gpu_session.sh [smoke] [tests] [memory] [suite] [kernels] [tune] [dataparallel]
 #                                                                     (no argument: tests suite kernels)
-# memory: benchmarks.memory_probe (what is live at the suite's peaks, compile only);
+# memory: benchmarks.probes.memory_probe (what is live at the suite's peaks, compile only);
 # tune: benchmarks.tune_table (a shipped tuning table for this GPU, no FlexGEMM); dataparallel:
 # benchmarks.data_parallel (weak scaling over all GPUs of the machine).
-# Steps run in the order given, each under its own `timeout`, all within SESSION_BUDGET seconds (default 560,
-# under the device call's 600 s limit). Environment knobs:
+# Steps run in the order given, each under its own `timeout`, all within SESSION_BUDGET seconds (default 560:
+# set it to what the machine is yours for). Environment knobs:
 #   SUITE_ARGS="--rows 0,1,2 --dtypes fp16"   extra arguments of python -m benchmarks.suite
 #   KERNELS_ARGS="--sections gemm"            extra arguments of python -m benchmarks.kernels
 #   TESTS_ARGS="-k hash"                      extra pytest arguments
 #   TUNE_ARGS="--dtypes fp16"                 extra arguments of python -m benchmarks.tune_table
-#   MEMORY_ARGS="--rows 1,2"                  extra arguments of python -m benchmarks.memory_probe
+#   MEMORY_ARGS="--rows 1,2"                  extra arguments of python -m benchmarks.probes.memory_probe
 #   TESTS_TIMEOUT / SMOKE_TIMEOUT / SUITE_TIMEOUT / KERNELS_TIMEOUT   per-step limits in seconds
-#   JSPARSE_COMMIT                            commit id recorded in the results (the device gets no .git)
-# FlexGEMM is built first if .anchors/install_flexgemm.sh exists (carry .anchors; see shared/anchors/README.md).
-# Files land directly in $OUT, at most 8: session.log (environment, installs, smoke, step status),
-# gpu_tests.log, suite.log, suite.json, suite.md, suite.png, kernels.log, kernels.json.
+#   JSPARSE_COMMIT                            commit id recorded in the results (for a checkout without .git)
+#   PIP_INSTALL_ARGS                          arguments of the editable install (default: offline, no deps)
+#   FLEXGEMM_INSTALL                          a script that builds FlexGEMM, run first if it exists and
+#                                             flex_gemm does not import (default .anchors/install_flexgemm.sh)
+# Files land in $OUT (default /tmp/jsparse_out): session.log (environment, installs, smoke, step status),
+# gpu_tests.log, suite.log, suite.json, suite.md, suite.png, kernels.log, kernels.json, and per step its log.
 set -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout is importable even if the install fails
@@ -58,22 +60,24 @@ log "steps: $*; budget ${BUDGET}s; OUT=$OUT"
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), "triton", triton.__version__)' 2>&1
 } >>"$LOG" 2>&1
 
-# The device machine is offline: without --no-build-isolation pip would try to download setuptools (the
-# image has it), and --no-index stops any other index look-up.
-log "pip install -e ."
-"$PY" -m pip install -e . --no-deps --no-build-isolation --no-index -q >>"$LOG" 2>&1 \
+# By default the install works offline: no build isolation (pip would fetch setuptools) and no index.
+PIP_INSTALL_ARGS="${PIP_INSTALL_ARGS---no-deps --no-build-isolation --no-index}"
+log "pip install -e . $PIP_INSTALL_ARGS"
+# shellcheck disable=SC2086
+"$PY" -m pip install -e . $PIP_INSTALL_ARGS -q >>"$LOG" 2>&1 \
   || log "pip install -e . failed (continuing with PYTHONPATH=$PWD)"
 
-if [ -f .anchors/install_flexgemm.sh ]; then
+FLEXGEMM_INSTALL="${FLEXGEMM_INSTALL:-.anchors/install_flexgemm.sh}"
+if [ -f "$FLEXGEMM_INSTALL" ]; then
   if "$PY" -c 'import flex_gemm' >/dev/null 2>&1; then
     log "flex_gemm already installed"
   else
     log "building FlexGEMM"
-    timeout -k 10 "$(limit 300)" bash .anchors/install_flexgemm.sh >>"$LOG" 2>&1 \
+    timeout -k 10 "$(limit 300)" bash "$FLEXGEMM_INSTALL" >>"$LOG" 2>&1 \
       && log "FlexGEMM installed" || log "FlexGEMM install FAILED (benchmarks run without it)"
   fi
 else
-  log "no .anchors/install_flexgemm.sh: FlexGEMM not installed (benchmarks run without it)"
+  log "no $FLEXGEMM_INSTALL: FlexGEMM not installed (benchmarks run without it)"
 fi
 
 steps=("$@")
@@ -111,7 +115,7 @@ for i in "${!steps[@]}"; do
     memory)
       # shellcheck disable=SC2086
       run_step memory "$OUT/memory.log" "$(limit "${MEMORY_TIMEOUT:-150}")" \
-        "$PY" -m benchmarks.memory_probe $MEMORY_ARGS ;;
+        "$PY" -m benchmarks.probes.memory_probe $MEMORY_ARGS ;;
     dataparallel)
       run_step dataparallel "$OUT/data_parallel.log" "$(limit "${DP_TIMEOUT:-200}")" \
         "$PY" -m benchmarks.data_parallel --out "$OUT" ;;
@@ -120,8 +124,8 @@ for i in "${!steps[@]}"; do
   esac
 done
 
-rm -f "$OUT"/*.tmp  # a half-written suite.json.tmp (step killed mid-write) would be a 9th file
-# Summary last: the device call returns only the end of the output.
+rm -f "$OUT"/*.tmp  # a half-written suite.json.tmp (step killed mid-write) is not a result
+# Summary last, where the end of a long output shows it.
 {
   echo; echo "== files in $OUT:"; ls -la "$OUT"
   echo "== step status (total $((SECONDS - START))s):"; printf '  %s\n' "${STATUS[@]}"

@@ -1,5 +1,5 @@
-"""The benchmark harness on the CPU: the suite's jsparse side in both weight layouts, and the memory probe's
-buffer-assignment reader."""
+"""The benchmark harness on the CPU: the suite's jsparse side in both weight layouts, the memory probe's
+buffer-assignment reader, and the CPU voxelize probe."""
 import json
 
 import jax
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import jsparse
-from benchmarks import memory_probe, suite
+from benchmarks import suite
+from benchmarks.probes import memory_probe
 from reference import rel_err
 
 
@@ -65,7 +66,7 @@ allocation 2: size 1000000, output shape is |f32[250,1000]|, maybe-live-out:
 
 def test_voxelize_cpu_benchmark_smoke(capsys):
   """The voxelize benchmark runs and checks jsparse against its numpy reference."""
-  from benchmarks import voxelize_cpu
+  from benchmarks.probes import voxelize_cpu
   assert voxelize_cpu.main(["--sizes", "2000", "--repeats", "1", "--stream", "2"]) == 0
   out = capsys.readouterr().out
   assert "compilations" in out and "2000" in out

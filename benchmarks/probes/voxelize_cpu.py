@@ -1,6 +1,6 @@
 """Time jsparse.voxelize against a numpy host path (np.unique based), and count compilations over a stream.
 
-    python benchmarks/voxelize_cpu.py [--sizes 100000 300000 1000000] [--channels 4] [--repeats 11]
+    python -m benchmarks.probes.voxelize_cpu [--sizes 100000 300000 1000000] [--channels 4] [--repeats 11]
         [--stream 20]
 
 Scene: N points uniform in a 10 m cube, 0.1 m voxels (a 100^3 grid), C float32 features, reduce="mean".
@@ -17,13 +17,12 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import numpy as np
+from jax import monitoring
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax import monitoring  # noqa: E402
-
-from jsparse.voxelize import voxelize  # noqa: E402
+from benchmarks.suite import time_calls
+from jsparse.voxelize import voxelize
 
 VOXEL = 0.1
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -44,17 +43,15 @@ def numpy_voxelize(points, feats, voxel_size):
 def interleaved_medians(fns, repeats, warmup=2):
   """{name: (median wall ms, median process CPU ms)}, calling the functions in turn each round so that
   all of them see the same machine load."""
-  for _ in range(warmup):
-    for fn in fns.values():
-      jax.block_until_ready(fn())
   wall, cpu = {name: [] for name in fns}, {name: [] for name in fns}
-  for _ in range(repeats):
+  for round_ in range(warmup + repeats):
     for name, fn in fns.items():
-      w0, c0 = time.perf_counter(), time.process_time()
-      jax.block_until_ready(fn())
-      wall[name].append(time.perf_counter() - w0)
-      cpu[name].append(time.process_time() - c0)
-  return {name: (1e3 * float(np.median(wall[name])), 1e3 * float(np.median(cpu[name]))) for name in fns}
+      c0 = time.process_time()
+      ms = time_calls(fn, jax.block_until_ready, 0, 1)["median_ms"]
+      if round_ >= warmup:
+        wall[name].append(ms)
+        cpu[name].append(1e3 * (time.process_time() - c0))
+  return {name: (float(np.median(wall[name])), float(np.median(cpu[name]))) for name in fns}
 
 
 def cloud(n, channels, seed):

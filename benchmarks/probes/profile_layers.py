@@ -1,6 +1,6 @@
 """Time of each jsparse.nn layer kind, forward + backward, on a batch of solid procedural shapes.
 
-    python -m benchmarks.profile_layers [--res 64] [--batch 32] [--width 32] [--repeats 10]
+    python -m benchmarks.probes.profile_layers [--res 64] [--batch 32] [--width 32] [--repeats 10]
 
 Finds the layer that dominates a network's step (e.g. notebook 2's VAE at 64^3). Each layer is jitted
 alone as value_and_grad of sum(out^2) w.r.t. its parameters and input features; the median of `repeats`
@@ -19,6 +19,7 @@ import numpy as np
 
 import jsparse
 import jsparse.nn as snn
+from benchmarks.suite import time_calls
 from jsparse import norm
 
 
@@ -41,12 +42,8 @@ def time_layer(name, module, x, repeats, *call_args):
   t0 = time.perf_counter()
   jax.block_until_ready(step(params, x.feats))
   compile_s = time.perf_counter() - t0
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(step(params, x.feats))
-    times.append(time.perf_counter() - t0)
-  print(f"{name:42s} {1e3 * np.median(times):9.3f} ms   (compile {compile_s:.1f} s)", flush=True)
+  ms = time_calls(lambda: step(params, x.feats), jax.block_until_ready, 0, repeats)["median_ms"]
+  print(f"{name:42s} {ms:9.3f} ms   (compile {compile_s:.1f} s)", flush=True)
 
 
 class GroupNormOnly(nn.Module):

@@ -1,0 +1,1 @@
+"""Probes still in use: A/B runs, memory and per-layer profiles, the CPU voxelize benchmark (see BENCHMARKS.md)."""

@@ -2,9 +2,9 @@
 
 Sums are products with a one-hot [capacity, batch_size] matrix rather than `jax.ops.segment_sum`, and no
 gradient here is the automatic one of `table[item]`: on a GPU both lower to scatter-adds whose hundreds of
-thousands of rows all add into batch_size x C slots, and the atomics on so few addresses serialise. Measured
-on an H100 (2026-11-23, benchmarks/profile_layers.py, 835k rows, 32 items, 4 groups): group norm forward +
-backward 5.8 s with segment sums, 0.94 ms as one-hot products. The products are exact sums of float32 values
+thousands of rows all add into batch_size x C slots, and the atomics on so few addresses serialise (group norm
+went from seconds to about a millisecond: docs/perf_notes.md, found with benchmarks/probes/profile_layers.py).
+The products are exact sums of float32 values
 (precision HIGHEST; the one-hot entries are 0 or 1) and deterministic. The broadcast back (`per_row`) is a
 gather from the small [batch_size, ...] table, which is cheap; the two have custom gradients that are each
 other (a sum's gradient is a broadcast and vice versa), so no scatter-add appears in the backward pass.

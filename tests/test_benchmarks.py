@@ -70,3 +70,42 @@ def test_voxelize_cpu_benchmark_smoke(capsys):
   assert voxelize_cpu.main(["--sizes", "2000", "--repeats", "1", "--stream", "2"]) == 0
   out = capsys.readouterr().out
   assert "compilations" in out and "2000" in out
+
+
+def test_merge_results_appends_runs_once(tmp_path):
+  """A run's files go into the merged file under their names (JSON parsed, text as is), date and commit from the
+  JSON meta; merging the same run again replaces it; a chart or other file is refused by name."""
+  from benchmarks import merge_results
+
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "suite.json").write_text(json.dumps({"meta": {"date": "2026-11-25T01:02:03+00:00", "commit": "abc1234"},
+                                              "results": [{"median_ms": 1.5}]}))
+  (out / "suite.md").write_text("| row | ms |\n")
+  merged = tmp_path / "h100.json"
+  files = [str(out / "suite.json"), str(out / "suite.md")]
+  assert merge_results.main(["--into", str(merged), *files, "--what", "fp16 suite"]) == 0
+  older = merge_results.make_run([str(out / "suite.md")], what="older", date="2026-11-20")
+  merge_results.merge_run(str(merged), older)
+  assert merge_results.main(["--into", str(merged), *files, "--what", "fp16 suite, again"]) == 0
+  runs = json.load(open(merged))["runs"]
+  assert [r["what"] for r in runs] == ["older", "fp16 suite, again"]  # sorted by date, the repeat replaced
+  assert runs[1]["date"] == "2026-11-25" and runs[1]["commit"] == "abc1234"
+  assert runs[1]["files"]["suite.json"]["results"][0]["median_ms"] == 1.5
+  assert runs[1]["files"]["suite.md"] == "| row | ms |\n"
+  (out / "suite.png").write_bytes(b"\x89PNG")
+  with pytest.raises(ValueError, match="path"):
+    merge_results.make_run([str(out / "suite.png")])
+
+
+def test_committed_merged_results_are_runs():
+  """benchmarks/results/<gpu>.json: runs with a date, a description and at least one file, oldest first."""
+  import glob
+  import os
+
+  paths = glob.glob(os.path.join(os.path.dirname(suite.__file__), "results", "h*.json"))
+  assert paths
+  for path in paths:
+    runs = json.load(open(path))["runs"]
+    assert runs and all(r["date"] and r["what"] and r["files"] for r in runs)
+    assert [r["date"] for r in runs] == sorted(r["date"] for r in runs)

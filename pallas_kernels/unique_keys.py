@@ -322,6 +322,30 @@ def _keep_first(table, site_operands=(), *, block: int, num_warps: int, max_prob
 
 
 
+def _compact_sorted(kept, words, size: int):
+  """The kept entries of `words` (int32 [T] each) and their slots, moved to the front of [size] arrays and
+  sorted by the words (BIG words and slot T after them). Kept entries must number at most `size`.
+
+  Compaction by a prefix sum and a scatter to distinct positions, then a sort of `size` entries, not T
+  (jnp.nonzero's scatter-add of ones collides on every target and was the slowest kernel of a strided
+  convolution's site search; sorting the whole table held a sort scratch of T pairs)."""
+  tsize = kept.shape[0]
+  position = jnp.cumsum(kept, dtype=jnp.int32) - 1
+  everywhere = jnp.arange(tsize, dtype=jnp.int32)
+  target = jnp.where(kept, position, size + everywhere)  # distinct, and out of range where dropped
+  slots = jnp.full((size,), tsize, jnp.int32).at[target].set(everywhere, mode="drop", unique_indices=True)
+  packed = [jnp.full((size,), BIG, jnp.int32).at[target].set(w, mode="drop", unique_indices=True) for w in words]
+  *packed, slots = lax.sort((*packed, slots), num_keys=len(words))
+  return tuple(packed), slots
+
+
+def _pad_sorted(words, slots, out_capacity: int, tsize: int):
+  """Sorted (words, slots) of at most T entries, padded to out_capacity with BIG words and slot T."""
+  spare = out_capacity - slots.shape[0]
+  return (tuple(jnp.concatenate([w, jnp.full((spare,), BIG, jnp.int32)]) for w in words),
+          jnp.concatenate([slots, jnp.full((spare,), tsize, jnp.int32)]))
+
+
 def _smallest_sorted(unique, count, out_capacity: int):
   """(keys, slots) [out_capacity]: the out_capacity smallest kept keys ascending (BIG after them) and
   their slots (T after them)."""
@@ -331,19 +355,9 @@ def _smallest_sorted(unique, count, out_capacity: int):
     largest = jnp.int32(BIG)
   else:  # on overflow keep the keys up to the size-th smallest (kept keys are distinct): exactly `size` of them
     largest = lax.cond(count <= out_capacity, lambda: jnp.int32(BIG), lambda: _kth_smallest(unique, size))
-  # Compaction by a prefix sum and a scatter to distinct positions, then a sort of `size` entries, not T
-  # (jnp.nonzero's scatter-add of ones collides on every target and was the slowest kernel of a strided
-  # convolution's site search; sorting the whole table on overflow held a sort scratch of T pairs).
-  kept = (unique != EMPTY) & (unique <= largest)
-  position = jnp.cumsum(kept, dtype=jnp.int32) - 1
-  everywhere = jnp.arange(tsize, dtype=jnp.int32)
-  target = jnp.where(kept, position, size + everywhere)  # distinct, and out of range where dropped
-  slots = jnp.full((size,), tsize, jnp.int32).at[target].set(everywhere, mode="drop", unique_indices=True)
-  keys = jnp.full((size,), BIG, jnp.int32).at[target].set(unique, mode="drop", unique_indices=True)
-  keys, slots = lax.sort((keys, slots), num_keys=1)
-  spare = out_capacity - size
-  return (jnp.concatenate([keys, jnp.full((spare,), BIG, jnp.int32)]),
-          jnp.concatenate([slots, jnp.full((spare,), tsize, jnp.int32)]))
+  (keys,), slots = _compact_sorted((unique != EMPTY) & (unique <= largest), (unique,), size)
+  (keys,), slots = _pad_sorted((keys,), slots, out_capacity, tsize)
+  return keys, slots
 
 
 def _kth_smallest(unique, k: int):
@@ -367,32 +381,19 @@ def _smallest_sorted_sites(words, kept, count, out_capacity: int):
   bisection needs one int32 key), which only wide grids that overflow pay."""
   tsize = kept.shape[0]
   size = min(out_capacity, tsize)  # at most T keys are kept
-  nk = len(words)
-
-  def compact_then_sort():  # all kept keys fit: sort `size` entries, not T (as _smallest_sorted)
-    position = jnp.cumsum(kept, dtype=jnp.int32) - 1
-    everywhere = jnp.arange(tsize, dtype=jnp.int32)
-    target = jnp.where(kept, position, size + everywhere)  # distinct, and out of range where dropped
-    slots = jnp.full((size,), tsize, jnp.int32).at[target].set(everywhere, mode="drop", unique_indices=True)
-    packed = [jnp.full((size,), BIG, jnp.int32).at[target].set(w, mode="drop", unique_indices=True)
-              for w in words]
-    *packed, slots = lax.sort((*packed, slots), num_keys=nk)
-    return tuple(packed), slots
 
   def sort_everything():  # overflow: only the smallest out_capacity sites are kept
     masked = [jnp.where(kept, w, BIG) for w in words]
-    *masked, slots = lax.sort((*masked, jnp.arange(tsize, dtype=jnp.int32)), num_keys=nk)
+    *masked, slots = lax.sort((*masked, jnp.arange(tsize, dtype=jnp.int32)), num_keys=len(words))
     masked = [w[:size] for w in masked]
     # The last word (z < 2**21) is BIG only where nothing was kept.
     return tuple(masked), jnp.where(masked[-1] == BIG, tsize, slots[:size])
 
   if out_capacity >= tsize:  # count <= T: no overflow possible
-    words, slots = compact_then_sort()
+    words, slots = _compact_sorted(kept, words, size)
   else:
-    words, slots = lax.cond(count <= out_capacity, compact_then_sort, sort_everything)
-  spare = out_capacity - size
-  return (tuple(jnp.concatenate([w, jnp.full((spare,), BIG, jnp.int32)]) for w in words),
-          jnp.concatenate([slots, jnp.full((spare,), tsize, jnp.int32)]))
+    words, slots = lax.cond(count <= out_capacity, lambda: _compact_sorted(kept, words, size), sort_everything)
+  return _pad_sorted(words, slots, out_capacity, tsize)
 
 
 def proposal_sites(coords, refs, *, geometry: ProposalGeometry):

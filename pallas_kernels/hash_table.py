@@ -40,12 +40,8 @@ can then only come from a caller-chosen smaller ``max_probes``. Each program wri
 flag (no atomics) into one shared array (created by the build, aliased through the other two),
 reduced with ``jnp.max`` after the query.
 
-Measured on an H200 (3x3x3 offsets, sphere shells, shuffled rows, defaults;
-benchmarks/bench_hash_table.py): 252k voxels about 0.11 ms per call with calls pipelined,
-0.18-0.22 ms median with a host sync after every call (kernel times under ncu: build 21 us,
-fill 14 us, query 77 us); 1.03M voxels about 0.47 ms pipelined. Small query blocks (128 pairs,
-one warp) matter most, since a block's probe loop runs as long as its slowest lane (1024-pair,
-4-warp blocks were about 1.7x slower); then the 4x table.
+Small query blocks (128 pairs, one warp) matter most, since a block's probe loop runs as long as its
+slowest lane; then the 4x table (timings: docs/perf_notes.md, benchmarks/bench_hash_table.py).
 No use is made of the offset symmetry (nbr[j, V-1-v] = i): it would halve the lookups but turn
 the contiguous stores into scatters, and the lookups are already cheap.
 
@@ -87,7 +83,7 @@ _M2 = np.int32(np.uint32(0xC2B2AE35).astype(np.int64) - (1 << 32))
 
 def table_size_for(capacity: int, factor: float = 4) -> int:
   """Smallest power of two >= factor * capacity (and >= 16). The default table is 4x: load factor
-  <= 1/4 gives shorter probe runs; measured faster than 2x on an H200 at 252k and 1M rows."""
+  <= 1/4 gives shorter probe runs, measured faster than 2x (docs/perf_notes.md)."""
   return max(16, 1 << max(0, int(factor * capacity - 1).bit_length()))
 
 

@@ -41,9 +41,9 @@ loop (bounded by ``max_probes``, default ``T``) can run out. When the output gri
 filling the table would need more racing second copies than distinct sites; either way an exhausted bound only sets ``overflow``.
 
 Wide grids (``wide_keys=True``, output grid of 2**31 sites or more): the table holds proposal indices
-``p = j*V + v`` instead of keys, and the three kernels compare the sites the indices propose (recomputed from
-the coordinates and offsets, ``_proposal_site``) with hash_table's ``insert_absent_ref_loop`` and
-``probe_ref_loop``. A proposal's site never changes, so the insertion and first-copy arguments above hold
+``p = j*V + v`` instead of keys, and the same three kernels compare the sites the indices propose (recomputed
+from the coordinates and offsets, ``_proposal_site``): the probe loops run over hash_table's ``SiteRefs``
+instead of ``KeySlots``. A proposal's site never changes, so the insertion and first-copy arguments above hold
 with "key" read as "site of p": copies still lie in the unbroken run from their site's home slot, and the
 mark keeps exactly the first reference to each site. ``output_sites`` then sorts the kept sites by their four
 coordinates (lexicographic = linear order) and returns them instead of int32 keys.

@@ -26,8 +26,9 @@ Two stages (the caller may read ``count`` on the host in between, to choose ``ou
 2. ``output_sites``:
    * XLA: the ``out_capacity`` smallest kept keys, ascending, and their slots: the kept slots are
      compacted (cumsum) into ``out_capacity`` entries and only those are sorted. On overflow
-     (``count > out_capacity``) only keys up to the ``out_capacity``-th smallest are kept, found by
-     bisection (a ``lax.cond``: only the branch taken runs). Then ``slot_rows[slot]`` = output row.
+     (``count > out_capacity``) only keys up to the ``out_capacity``-th smallest are kept, found on the
+     device by ``kth_smallest.py`` (no host wait; zero passes without overflow). Then ``slot_rows[slot]`` =
+     output row.
    * ``unique_lookup``: flat over pairs, each valid proposal probes to the first copy of its key and reads
      ``slot_rows`` there: ``inv`` (-1 for sites beyond ``out_capacity``).
 
@@ -69,6 +70,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.hash_table import (EMPTY, KeySlots, SiteRefs, insert_absent_loop, linear_key, probe_loop,
                                       table_size_for)
+from pallas_kernels.kth_smallest import kth_smallest_if_over
 from pallas_kernels.out_struct import out_struct, same_vma
 
 __all__ = ["ProposalGeometry", "ProposalTable", "dedupe_proposals", "output_sites",
@@ -346,39 +348,27 @@ def _pad_sorted(words, slots, out_capacity: int, tsize: int):
           jnp.concatenate([slots, jnp.full((spare,), tsize, jnp.int32)]))
 
 
-def _smallest_sorted(unique, count, out_capacity: int):
+def _smallest_sorted(unique, count, out_capacity: int, *, interpret: bool):
   """(keys, slots) [out_capacity]: the out_capacity smallest kept keys ascending (BIG after them) and
   their slots (T after them)."""
   tsize = unique.shape[0]
   size = min(out_capacity, tsize)  # at most T keys are kept
-  if out_capacity >= tsize:  # count <= T: no overflow possible
-    largest = jnp.int32(BIG)
+  if out_capacity >= tsize or size == 0:  # count <= T: no overflow possible (or nothing to keep)
+    kept = unique != EMPTY
   else:  # on overflow keep the keys up to the size-th smallest (kept keys are distinct): exactly `size` of them
-    largest = lax.cond(count <= out_capacity, lambda: jnp.int32(BIG), lambda: _kth_smallest(unique, size))
-  (keys,), slots = _compact_sorted((unique != EMPTY) & (unique <= largest), (unique,), size)
+    kept = (unique != EMPTY) & (unique <= kth_smallest_if_over(unique, count, k=size, limit=out_capacity,
+                                                               interpret=interpret))
+  (keys,), slots = _compact_sorted(kept, (unique,), size)
   (keys,), slots = _pad_sorted((keys,), slots, out_capacity, tsize)
   return keys, slots
-
-
-def _kth_smallest(unique, k: int):
-  """The k-th smallest (1-based) non-EMPTY key of `unique` (k >= 1, at least k such keys): a bisection over
-  the non-negative int32 keys, 31 counting passes (overflow only, so memory matters more than time)."""
-
-  def halve(_, bounds):
-    lo, hi = bounds
-    mid = lo + (hi - lo) // 2
-    enough = jnp.sum((unique != EMPTY) & (unique <= mid), dtype=jnp.int32) >= k
-    return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
-
-  lo, _ = lax.fori_loop(0, 31, halve, (jnp.int32(0), jnp.int32(BIG)))
-  return lo
 
 
 def _smallest_sorted_sites(words, kept, count, out_capacity: int):
   """_smallest_sorted for wide grids, whose kept entries are sites compared as 4 int32 words (batch, x, y, z:
   lexicographic order is the linear order). kept: bool [T]. Returns (words, slots), BIG words and slot T
-  after the kept sites. On overflow the whole table is sorted (a scratch of T entries: _kth_smallest's
-  bisection needs one int32 key), which only wide grids that overflow pay."""
+  after the kept sites. On overflow the whole table is sorted (a scratch of T entries: kth_smallest_if_over
+  needs one int32 key), which only wide grids that overflow pay; the ``lax.cond`` costs these grids a host
+  wait per strided convolution."""
   tsize = kept.shape[0]
   size = min(out_capacity, tsize)  # at most T keys are kept
 
@@ -453,7 +443,7 @@ def _output_sites(coords, num, proposals, *, out_capacity, geometry, interpret, 
                                               proposals.count, out_capacity)
     out_keys = jnp.where((out_slots < tsize)[:, None], jnp.stack(words, axis=-1), -1)
   else:
-    out_keys, out_slots = _smallest_sorted(proposals.unique, proposals.count, out_capacity)
+    out_keys, out_slots = _smallest_sorted(proposals.unique, proposals.count, out_capacity, interpret=interpret)
   num_pairs = capacity * nv
   if num_pairs == 0:
     return out_keys, jnp.full((capacity, nv), -1, jnp.int32), jnp.asarray(False)

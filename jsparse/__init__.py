@@ -11,12 +11,12 @@ from jsparse.dispatch import IMPLEMENTATIONS
 from jsparse.neighbors import NeighborCache, kernel_offsets, neighbor_map, with_maps
 from jsparse.pool import global_pool, sparse_avg_pool3d, sparse_max_pool3d
 from jsparse.sparse_conv import concat, sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d, strided_map
-from jsparse.sparse_tensor import SparseTensor, key_width, overflowed, round_capacity
+from jsparse.sparse_tensor import SparseTensor, error_checks, key_width, overflowed, round_capacity
 from jsparse.tuning import ALGORITHMS, ConfigTable, PassConfig
 from jsparse import nn, norm, plot, sampling, serialize, shapes, voxelize  # noqa: E402  (submodules)
 
 __all__ = [
-    "SparseTensor", "round_capacity", "key_width", "overflowed", "NeighborCache", "neighbor_map", "with_maps",
+    "SparseTensor", "round_capacity", "key_width", "overflowed", "error_checks", "NeighborCache", "neighbor_map", "with_maps",
     "kernel_offsets", "submconv3d", "submconv_xla", "sparse_conv3d", "sparse_inverse_conv3d", "sparse_conv_transpose3d",
     "sparse_max_pool3d", "sparse_avg_pool3d", "global_pool", "concat", "strided_map", "IMPLEMENTATIONS", "autotune",
     "ConfigTable", "PassConfig", "ALGORITHMS", "nn", "norm", "plot", "sampling", "serialize", "shapes", "voxelize",

@@ -118,7 +118,7 @@ def sparse_max_pool3d(x: SparseTensor, kernel_size: Size3, stride: Size3 | None 
   instead, so the two agree only on non-negative inputs, e.g. after a ReLU). The gradient goes to the first
   input in offset order among ties. implementation: how the output sites are found (`pair_map`).
   Overflow of out_capacity as sparse_conv3d: ValueError outside jit; under jit the output's flag
-  (`jsparse.overflowed`) and a `jax.experimental.checkify` report.
+  (`jsparse.overflowed`) and, inside `jsparse.error_checks()`, a `jax.experimental.checkify` report.
   """
   return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "max", with_overflow, implementation)
 

@@ -1,6 +1,7 @@
 """SparseTensor: coordinates and features of the active sites of a batch of voxel grids, as a pytree."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import operator
@@ -9,6 +10,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import config as _jax_config  # the one private import: a trace-context flag (see error_checks)
 from jax.experimental import checkify
 
 from jsparse._types import ArrayLike, Capacity
@@ -58,18 +60,42 @@ def is_traced(*values) -> bool:
   return any(isinstance(v, jax.core.Tracer) for v in values)
 
 
+# In JAX's trace context, so a function traced with the checks is not reused from jit's cache without them.
+_ERROR_CHECKS = _jax_config.bool_state(
+    name="jsparse_error_checks", default=False, include_in_trace_context=True,
+    help="jsparse ops traced while this is on hand failed checks (overflow, other coordinates) to checkify.")
+
+
+def error_checks(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+  """Context manager: jsparse ops traced inside it report failed checks to `jax.experimental.checkify`.
+
+  Under jit an op that drops sites sets its output's flag (`jsparse.overflowed`) always; inside this context it
+  also emits a `checkify.debug_check`, so `checkify.checkify(step)` returns an error naming the op and the
+  counts::
+
+      with jsparse.error_checks():
+        err, out = jax.jit(checkify.checkify(step))(params, x)
+      err.throw()
+
+  Off by default because a check is an effect to JAX: a jitted function that holds one loses jit's C++
+  dispatch path and pays Python dispatch on every call (hundreds of microseconds for a network's step).
+  Also `JSPARSE_ERROR_CHECKS=1` in the environment. Outside jit failed checks raise either way.
+  """
+  return _ERROR_CHECKS(bool(enabled))
+
+
 def report(failed, message: str, *, error=ValueError, eager: bool = True, **counts) -> None:
-  """Reports a failed check: outside jit raises `error`, under jit hands it to `jax.experimental.checkify`.
+  """Reports a failed check: outside jit raises `error`, under jit inside `error_checks()` hands it to checkify.
 
   failed: bool scalar, True when the check failed. message: a str.format template whose fields are `counts`
   (int scalars, concrete or traced), e.g. "sparse_conv3d: {count} output sites do not fit in out_capacity=100".
-  Under jit this is `checkify.debug_check`: `checkify.checkify(f)` (errors=checkify.user_checks, its default)
-  returns the formatted message as its error, and without checkify the check compiles to nothing (a plain
-  `checkify.check` would refuse to trace under jit unless functionalized). eager=False: no raise outside jit
+  Under jit this is `checkify.debug_check` (`checkify.checkify(f)`, whose default errors are the user checks,
+  returns the formatted message), emitted only inside `error_checks()`. eager=False: no raise outside jit
   (for ops that return the flag to the caller instead).
   """
   if is_traced(failed):
-    checkify.debug_check(jnp.logical_not(failed), message, **{k: jnp.asarray(v) for k, v in counts.items()})
+    if _ERROR_CHECKS.value:
+      checkify.debug_check(jnp.logical_not(failed), message, **{k: jnp.asarray(v) for k, v in counts.items()})
   elif eager and bool(failed):
     raise error(message.format(**{k: "?" if is_traced(v) else int(v) for k, v in counts.items()}))
 
@@ -78,9 +104,11 @@ def check_same_sites(op: str, what: str, coords, num, like_coords, like_num, hin
   """Reports (`report`) that `what` (a map or tensor with coords/num) is on other sites than the input.
 
   Identical arrays pass without a comparison (the usual case: a map carried with its tensor); concrete ones
-  are compared (ValueError), traced ones are compared only under checkify (free otherwise).
+  are compared (ValueError), traced ones only inside `error_checks()` (free otherwise).
   """
   if coords is like_coords and num is like_num:
+    return
+  if is_traced(coords, num, like_coords, like_num) and not _ERROR_CHECKS.value:
     return
   same = jnp.array_equal(coords, like_coords) & (num == like_num)
   report(jnp.logical_not(same), f"{op}: {what} is on other coordinates than the input (its coords or num differ: "
@@ -90,7 +118,8 @@ def check_same_sites(op: str, what: str, coords, num, like_coords, like_num, hin
 def overflowed(x: "SparseTensor") -> jax.Array:
   """bool scalar: True if an op on the way to x dropped sites (an out_capacity or capacity too small) or a GPU
   hash table ran out of probes, so x is not the exact result. Works under jit, where overflows do not raise
-  (outside jit they raise). `jax.experimental.checkify` reports which op overflowed, with its counts.
+  (outside jit they raise). Inside `jsparse.error_checks()`, `jax.experimental.checkify` also reports which
+  op overflowed, with its counts.
   Results that are plain arrays (`global_pool`, `todense`) carry no flag: ask their input."""
   check_sparse_tensor(x)
   return jnp.asarray(x.overflow)

@@ -378,8 +378,8 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   (ValueError); grids of 2**31 sites or more key voxels by two int32 words.
   overflow is a bool scalar, True when more voxels were occupied than `capacity` (the voxels with the
   largest keys are dropped); the tensor carries it too (`jsparse.overflowed`), and under jit
-  `jax.experimental.checkify` reports it. Points outside the grid or with a batch id outside [0, batch_size) are dropped
-  silently (check beforehand if that matters).
+  `jax.experimental.checkify` reports it inside `jsparse.error_checks()`. Points outside the grid or with a
+  batch id outside [0, batch_size) are dropped silently (check beforehand if that matters).
   The quantisation runs in the points' dtype (voxelize uses float64 on the host), so a point within
   rounding error of a voxel face may land in the neighbouring voxel compared with voxelize.
   Sums and means accumulate in float32 for half-precision feats.

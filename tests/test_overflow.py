@@ -26,9 +26,10 @@ def _w(shape, seed=1):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.1)
 
 
-def _error(f, *args):
+def _error(f, *args, checks=True):
   """checkify's error message of f(*args) under jit, or None (its default errors are the user checks)."""
-  err, _ = jax.jit(checkify.checkify(f))(*args)
+  with jsparse.error_checks(checks):
+    err, _ = jax.jit(checkify.checkify(f))(*args)
   return err.get()
 
 
@@ -63,8 +64,34 @@ def test_functional_ops_flag_report_and_raise(name):
   assert msg is not None and msg.startswith(f"{name}: {n} {_WHAT.get(name, 'output sites')}")
   assert f"out_capacity={n - 1}" in msg
   assert _error(lambda x: _OPS[name](x, n, "xla"), x) is None
+  # Outside error_checks() nothing is emitted: checkify finds no error, the flag still tells.
+  assert _error(lambda x: _OPS[name](x, n - 1, "xla"), x, checks=False) is None
   with pytest.raises(ValueError, match=f"{name}: {n} .* out_capacity={n - 1}"):
     _OPS[name](x, n - 1, "xla")
+
+
+def test_without_error_checks_a_jitted_step_has_no_effects():
+  # A check is an effect, and an effect costs jit its C++ dispatch path on every call: none by default.
+  x = _x()
+  n = _count("sparse_max_pool3d", x)
+  step = lambda x: jsparse.sparse_max_pool3d(jsparse.submconv3d(x, _w((3, 3, 3, CHANNELS, 4))), 2,
+                                             out_capacity=n).feats.sum()
+  assert not jax.make_jaxpr(step)(x).effects
+  with jsparse.error_checks():
+    assert jax.make_jaxpr(step)(x).effects
+
+
+def test_error_checks_are_part_of_the_trace_context():
+  # A jitted function traced without the checks is traced again inside error_checks(), not reused from the cache.
+  x = _x()
+  n = _count("sparse_max_pool3d", x)
+  step = jax.jit(lambda x: jsparse.sparse_max_pool3d(x, 2, out_capacity=n - 1))
+  checked = checkify.checkify(step)
+  err, _ = checked(x)
+  assert err.get() is None
+  with jsparse.error_checks():
+    err, _ = checked(x)
+  assert err.get() is not None and err.get().startswith("sparse_max_pool3d")
 
 
 @pytest.mark.parametrize("name", ["sparse_conv3d", "sparse_conv_transpose3d"])

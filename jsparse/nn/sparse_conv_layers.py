@@ -6,7 +6,8 @@ Parameters are named and laid out as flax's nn.Conv: "kernel" (*kernel_size, in_
 lax.conv_general_dilated's [(p, p)] * 3), or "VALID" (= 0); "SAME"-style padding is not offered because a
 strided sparse convolution's output sites depend on it and explicit ints keep that visible.
 An `out_capacity` too small for the output sites behaves as in the functional ops: ValueError outside jit;
-under jit the output's flag, `jsparse.overflowed(y)`, and a `jax.experimental.checkify` error naming the op.
+under jit the output's flag, `jsparse.overflowed(y)`, and (inside `jsparse.error_checks()`) a
+`jax.experimental.checkify` error naming the op.
 """
 from __future__ import annotations
 

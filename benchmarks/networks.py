@@ -792,6 +792,39 @@ def hlo_op_names(hlo_text: str) -> dict:
   return names
 
 
+_HLO_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                    "s64": 8, "u64": 8, "f64": 8}
+
+
+def _shape_bytes(shape_text: str) -> int:
+  """Bytes of an HLO shape such as 'f16[1000,64]{1,0}' or a tuple '(s32[8]{0}, u8[99]{0})'."""
+  total = 0
+  for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape_text):
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    total += n * _HLO_DTYPE_BYTES.get(dtype, 0)
+  return total
+
+
+def hlo_bytes(hlo_text: str) -> dict:
+  """HLO instruction name -> bytes of its operands and result: what a kernel that reads every operand once and
+  writes its result moves (XLA's own 'bytes accessed' model; a gather reads less of its operand than this).
+  Keys as hlo_op_names'."""
+  shapes, found = {}, []
+  for name, shape, args in re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) [\w\-]+\(([^)]*)\)", hlo_text,
+                                      re.M):
+    shapes[name] = _shape_bytes(shape)
+    found.append((name, args))
+  out = {}
+  for name, args in found:
+    operands = re.findall(r"%([\w.\-]+)", args)
+    total = shapes[name] + sum(shapes.get(o, 0) for o in operands)
+    out[name] = total
+    out[name.replace(".", "_").replace("-", "_")] = total
+  return out
+
+
 def _scope_kind(op_name: str) -> str:
   m = re.search(r"op:(\w+)", op_name or "")
   return m.group(1) if m else "other"
@@ -836,8 +869,10 @@ def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
   jax.block_until_ready(out)
   jax.profiler.stop_trace()
   kernels, thread_names = device_kernel_events(_trace_events(trace_dir))
-  meta = hlo_op_names(compiled.as_text())
+  text = compiled.as_text()
+  meta, sizes = hlo_op_names(text), hlo_bytes(text)
   rows: dict[str, float] = {}
+  row_bytes: dict[str, float] = {}
   by_name: dict[str, float] = {}
   for e in kernels:
     args = e.get("args", {})
@@ -845,13 +880,16 @@ def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
     op_name = meta.get(e["name"], "") or meta.get(args.get("hlo_op", ""), "")
     group = op_group(_scope_kind(op_name), e["name"])
     rows[group] = rows.get(group, 0.0) + e.get("dur", 0.0) / 1e3 / calls
+    row_bytes[group] = row_bytes.get(group, 0.0) + (sizes.get(e["name"]) or sizes.get(args.get("hlo_op", ""), 0)) / calls
     key = f"{group} :: {e['name'][:60]} :: {op_name[-90:]}"
     by_name[key] = by_name.get(key, 0.0) + e.get("dur", 0.0) / 1e3 / calls
   unattributed = sorted({e["name"] for e in kernels if not meta.get(e["name"]) and not e["name"].startswith(
       MAP_KERNEL_PREFIXES) and not any(p in e["name"] for p in GEMM_NAME_PARTS)})
   top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:40])
-  return {"ms": rows, "kernels": len(kernels) // calls, "threads": thread_names, "unattributed": unattributed[:30],
-          "top_kernels": top}
+  # GB/s by row: bytes its kernels' instructions read and write (hlo_bytes) over their time.
+  gbps = {g: row_bytes.get(g, 0.0) / (ms * 1e-3) / 1e9 for g, ms in rows.items() if ms > 0}
+  return {"ms": rows, "gbps": gbps, "kernels": len(kernels) // calls, "threads": thread_names,
+          "unattributed": unattributed[:30], "top_kernels": top}
 
 
 def _torch_kind(event) -> str:
@@ -1000,11 +1038,15 @@ def render_profile(rec) -> str:
   groups = sorted({g for p in sides.values() for g in p.get("ms", {})},
                   key=lambda g: -max(p.get("ms", {}).get(g, 0.0) for p in sides.values()))
   head = f"Per-op GPU time of one training step, {rec['network']}/{rec['size']} {rec['dtype']} (ms)"
-  lines = [head, "", "| op | " + " | ".join(sides) + " |", "|---|" + "---|" * len(sides)]
+  # jsparse's GB/s per row (HLO bytes of its kernels over their time): how near each op runs to memory bandwidth.
+  gbps = sides["jsparse"].get("gbps", {})
+  lines = [head, "", "| op | " + " | ".join(sides) + " | jsparse GB/s |", "|---|" + "---|" * (len(sides) + 1)]
   for g in groups:
-    lines.append(f"| {g} | " + " | ".join(f"{p.get('ms', {}).get(g, 0.0):.3f}" for p in sides.values()) + " |")
+    rate = f"{gbps[g]:.0f}" if g in gbps and not g.startswith("conv: GEMM") else ""
+    lines.append(f"| {g} | " + " | ".join(f"{p.get('ms', {}).get(g, 0.0):.3f}" for p in sides.values())
+                 + f" | {rate} |")
   lines.append("| total (kernels) | " + " | ".join(f"{sum(p.get('ms', {}).values()):.3f}" for p in sides.values())
-               + " |")
+               + " | |")
   errors = {k: p["error"] for k, p in sides.items() if "error" in p}
   if errors:
     lines.append(f"profile errors: {errors}")

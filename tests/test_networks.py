@@ -72,6 +72,19 @@ def test_profile_rows():
   assert networks._scope_kind(names["input_fusion_14"]) == "bn_relu"
 
 
+def test_hlo_bytes_count_operands_and_result():
+  text = ("  %p = f16[1000,64]{1,0} parameter(0)\n"
+          "  %idx = s32[500]{0} parameter(1)\n"
+          "  %input_fusion.14 = f16[500,64]{1,0} fusion(%p, %idx), kind=kLoop, calls=%f\n"
+          "  %custom-call.3 = (s32[8]{0}, u8[99]{0}) custom-call(%idx), custom_call_target=\"x\"\n")
+  sizes = networks.hlo_bytes(text)
+  assert sizes["input_fusion_14"] == sizes["input_fusion.14"] == 500 * 64 * 2 + 1000 * 64 * 2 + 500 * 4
+  assert sizes["custom_call_3"] == 8 * 4 + 99 + 500 * 4
+  # On a real compiled program every kernel-bearing instruction gets a size.
+  f = jax.jit(lambda a, i: jnp.take(a, i, axis=0) * 2).lower(jnp.ones((64, 8)), jnp.arange(16)).compile()
+  assert any(v >= 16 * 8 * 4 for v in networks.hlo_bytes(f.as_text()).values())
+
+
 @pytest.mark.parametrize("name", ["second_pool", "minkunet"])
 def test_planned_jitted_network_matches_eager_and_trains(name):
   w = networks.workload(name, "tiny")

@@ -12,13 +12,13 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
-from flax.linen import dtypes as flax_dtypes
 from flax.linen import initializers
 
+from jsparse import _layer_rules as rules
 from jsparse import norm
-from jsparse.conv import WEIGHT_LAYOUTS, submconv3d
-from jsparse.neighbors import as_triple
+from jsparse._layer_rules import check_sparse as _check_sparse
+from jsparse._layer_rules import triple as _triple
+from jsparse.conv import submconv3d
 from jsparse.sparse_tensor import SparseTensor
 
 Dtype = Any
@@ -27,19 +27,6 @@ Initializer = Callable[..., jax.Array]
 __all__ = ["SubMConv3d", "SparseBatchNorm", "SparseLayerNorm", "SparseGroupNorm"]
 
 default_kernel_init = nn.linear.default_kernel_init  # lecun_normal, as nn.Conv
-
-
-def _check_sparse(x, module: str) -> SparseTensor:
-  if not isinstance(x, SparseTensor):
-    raise TypeError(f"{module} takes a jsparse.SparseTensor, got {type(x).__name__}")
-  return x
-
-
-def _triple(value, name: str, module: str) -> tuple[int, int, int]:
-  try:
-    return as_triple(value, name)
-  except (TypeError, ValueError) as e:
-    raise type(e)(f"{module}: {e}") from None
 
 
 class ConvParams(nn.Module):
@@ -68,28 +55,15 @@ class ConvParams(nn.Module):
     """(x with promoted feats, kernel, bias) in the compute dtype (flax's promotion rule; `dtype` None
     promotes the features' and the parameters' dtypes)."""
     name = type(self).__name__
-    if not isinstance(self.features, int) or self.features <= 0:
-      raise ValueError(f"{name}: features must be a positive int, got {self.features!r}")
-    if self.kernel_layout not in WEIGHT_LAYOUTS:
-      raise ValueError(f"{name}: kernel_layout must be one of {tuple(WEIGHT_LAYOUTS)}, got "
-                       f"{self.kernel_layout!r}")
+    rules.check_conv_features(name, self.features, self.kernel_layout)
     cin = x.num_channels
-    cout_major = self.kernel_layout == "ODHWI"
-    # flax would report a mismatch as "Initializer expected to generate shape ...": name the real problem.
     if self.has_variable("params", "kernel"):
-      have = tuple(self.get_variable("params", "kernel").shape)
-      if len(have) == 5 and have[4 if cout_major else 3] != cin:
-        where = f" '{'/'.join(self.path)}'" if self.path else ""
-        raise ValueError(f"{name}{where}: its kernel {have} ({self.kernel_layout}) expects "
-                         f"{have[4 if cout_major else 3]} input channels but the input SparseTensor has {cin}")
-    if cout_major:
-      init = lambda key, shape, dtype: jnp.moveaxis(self.kernel_init(key, (*shape[1:], shape[0]), dtype), -1, 0)
-      kernel = self.param("kernel", init, (self.features, *kernel_size, cin), self.param_dtype)
-    else:
-      kernel = self.param("kernel", self.kernel_init, (*kernel_size, cin, self.features), self.param_dtype)
+      where = f" '{'/'.join(self.path)}'" if self.path else ""
+      rules.check_kernel_inputs(name + where, self.get_variable("params", "kernel").shape, self.kernel_layout, cin)
+    kernel = self.param("kernel", rules.kernel_initializer(self.kernel_init, self.kernel_layout),
+                        rules.kernel_shape(kernel_size, cin, self.features, self.kernel_layout), self.param_dtype)
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
-    feats, kernel, bias = flax_dtypes.promote_dtype(x.feats, kernel, bias, dtype=self.dtype)
-    return x.replace(feats=feats), kernel, bias
+    return rules.promote_conv(x, kernel, bias, self.dtype)
 
 
 class SubMConv3d(ConvParams):
@@ -123,19 +97,8 @@ class SubMConv3d(ConvParams):
   algorithm: str = "auto"
 
   def _checked_config(self):
-    name = type(self).__name__
-    kernel_size = _triple(self.kernel_size, "kernel_size", name)
-    if any(k % 2 == 0 for k in kernel_size):
-      raise ValueError(f"{name}: kernel_size must be odd (a submanifold kernel is centred), got {kernel_size}")
-    strides = _triple(self.strides, "strides", name)
-    if strides != (1, 1, 1):
-      raise ValueError(f"{name}: strides must be 1 (a submanifold convolution keeps the input sites), got "
-                       f"{self.strides!r}; use SparseConv3d to downsample")
-    if not (isinstance(self.padding, str) and self.padding.upper() == "SAME"):
-      raise ValueError(f"{name}: padding must be 'SAME' (the output sites are the input sites), got "
-                       f"{self.padding!r}")
-    dilation = _triple(self.kernel_dilation, "kernel_dilation", name)
-    return kernel_size, dilation
+    return rules.submanifold_geometry(type(self).__name__, self.kernel_size, self.strides, self.padding,
+                                      self.kernel_dilation)
 
   @nn.compact
   def __call__(self, x: SparseTensor) -> SparseTensor:
@@ -176,18 +139,16 @@ class SparseBatchNorm(nn.Module):
     ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), c)
     ra_var = self.variable("batch_stats", "var", lambda s: jnp.ones(s, jnp.float32), c)
     scale, bias = _affine(self, c)
-    if use_running_average:
-      return norm.batch_norm(x, scale, bias, mean=ra_mean.value, var=ra_var.value, epsilon=self.epsilon,
-                             dtype=_out_dtype(self, x), activation=self.activation)
-    # As flax: no cross-device reduction while initialising (the axis need not exist then).
-    axis_name = None if self.is_initializing() else self.axis_name
-    y, (mean, var) = norm.batch_norm(x, scale, bias, epsilon=self.epsilon, axis_name=axis_name,
-                                     axis_index_groups=self.axis_index_groups, dtype=_out_dtype(self, x),
-                                     activation=self.activation, return_statistics=True)
-    if not self.is_initializing():
-      mean, var = lax.stop_gradient(mean), lax.stop_gradient(var)
-      ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
-      ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
+    # As flax: no cross-device reduction and no running-average update while initialising.
+    initializing = self.is_initializing()
+    update = not (use_running_average or initializing)
+    y, mean, var = rules.batch_norm_step(
+        x, scale, bias, ra_mean.value, ra_var.value, use_running_average=use_running_average,
+        update_statistics=update, momentum=self.momentum, epsilon=self.epsilon,
+        axis_name=None if initializing else self.axis_name, axis_index_groups=self.axis_index_groups,
+        dtype=_out_dtype(self, x), activation=self.activation)
+    if update:  # an apply without mutable batch_stats may only read them
+      ra_mean.value, ra_var.value = mean, var
     return y
 
 
@@ -230,18 +191,7 @@ class SparseGroupNorm(nn.Module):
     name = type(self).__name__
     _check_sparse(x, name)
     c = x.num_channels
-    if (self.num_groups is None) == (self.group_size is None):
-      raise ValueError(f"{name}: set exactly one of num_groups and group_size (got num_groups="
-                       f"{self.num_groups}, group_size={self.group_size})")
-    if self.group_size is not None:
-      if not isinstance(self.group_size, int) or self.group_size <= 0 or c % self.group_size:
-        raise ValueError(f"{name}: the number of channels ({c}) must be divisible by group_size "
-                         f"({self.group_size})")
-      num_groups = c // self.group_size
-    else:
-      num_groups = self.num_groups
-      if not isinstance(num_groups, int) or num_groups <= 0 or c % num_groups:
-        raise ValueError(f"{name}: the number of channels ({c}) must be divisible by num_groups ({num_groups})")
+    num_groups = rules.group_count(name, c, self.num_groups, self.group_size)
     scale, bias = _affine(self, (c,))
     return norm.group_norm(x, num_groups, scale, bias, epsilon=self.epsilon, dtype=_out_dtype(self, x))
 
@@ -253,7 +203,4 @@ def _affine(module: nn.Module, shape):
 
 
 def _out_dtype(module: nn.Module, x: SparseTensor):
-  # flax's normalisations return the promoted dtype of the input and the parameters unless dtype is set.
-  if module.dtype is not None:
-    return module.dtype
-  return jnp.promote_types(x.dtype, module.param_dtype) if (module.use_scale or module.use_bias) else x.dtype
+  return rules.norm_output_dtype(module.dtype, x, module.param_dtype, module.use_scale or module.use_bias)

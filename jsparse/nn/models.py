@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse import norm
+from jsparse._layer_rules import check_norm_kind
 from jsparse.nn.layers import SparseBatchNorm, SparseGroupNorm, SubMConv3d
 from jsparse.sparse_tensor import SparseTensor
 
@@ -38,16 +39,15 @@ class SparseResNetBlock(nn.Module):
   axis_name: str | None = None
 
   def _norm(self, name: str):
+    check_norm_kind("SparseResNetBlock", self.norm)
     if self.norm is None:
       return lambda x, train: x
     if self.norm == "batch":
       bn = SparseBatchNorm(momentum=self.bn_momentum, dtype=self.dtype, param_dtype=self.param_dtype,
                            axis_name=self.axis_name, name=name)
       return lambda x, train: bn(x, use_running_average=not train)
-    if self.norm == "group":
-      gn = SparseGroupNorm(num_groups=self.num_groups, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
-      return lambda x, train: gn(x)
-    raise ValueError(f"SparseResNetBlock: norm must be 'batch', 'group' or None, got {self.norm!r}")
+    gn = SparseGroupNorm(num_groups=self.num_groups, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+    return lambda x, train: gn(x)
 
   @nn.compact
   def __call__(self, x: SparseTensor, train: bool = True) -> SparseTensor:

@@ -1,0 +1,306 @@
+"""flax.nnx twins of the jsparse.nn (flax.linen) layers: the same functional ops, the same parameter names and
+layouts, with nnx's conventions (input widths given at construction, `rngs=`, `model.train()` / `model.eval()`).
+
+Each module holds its parameters and calls exactly what its linen twin calls (the ops of jsparse.conv,
+jsparse.sparse_conv, jsparse.pool, jsparse.norm and the rules in jsparse._layer_rules), so the two compute the
+same thing; `jsparse.nnx.linen_to_nnx` / `jsparse.nnx.nnx_to_linen` move parameters between them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx import initializers
+
+from jsparse import _layer_rules as rules
+from jsparse import norm, pool, sparse_conv
+from jsparse.conv import submconv3d
+from jsparse.sparse_tensor import SparseTensor
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+
+__all__ = ["SubMConv3d", "SparseConv3d", "SparseInverseConv3d", "SparseConvTranspose3d", "SparseMaxPool3d",
+           "SparseAvgPool3d", "SparseBatchNorm", "SparseLayerNorm", "SparseGroupNorm"]
+
+default_kernel_init = initializers.lecun_normal()  # as nnx.Conv and nn.Conv
+_zeros = initializers.zeros_init()
+_ones = initializers.ones_init()
+
+
+class _ConvParams(nnx.Module):
+  """The "kernel" and "bias" parameters every sparse convolution holds, laid out as its linen twin's
+  (`jsparse.nn.layers.ConvParams`): kernel_layout "DHWIO" (*kernel_size, in_features, out_features) or
+  "ODHWI" (out_features, *kernel_size, in_features)."""
+
+  def _init_conv(self, in_features: int, out_features: int, kernel_size: tuple[int, int, int], *, use_bias: bool,
+                 dtype, param_dtype, precision, kernel_init, bias_init, implementation, kernel_layout,
+                 rngs: nnx.Rngs) -> None:
+    name = type(self).__name__
+    rules.check_conv_features(name, in_features, kernel_layout, "in_features")
+    rules.check_conv_features(name, out_features, kernel_layout, "out_features")
+    if not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f"{name}: rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {type(rngs).__name__}")
+    shape = rules.kernel_shape(kernel_size, in_features, out_features, kernel_layout)
+    self.kernel = nnx.Param(rules.kernel_initializer(kernel_init, kernel_layout)(rngs.params(), shape, param_dtype))
+    self.bias = (nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias
+                 else nnx.data(None))
+    self.in_features, self.out_features = in_features, out_features
+    self.use_bias, self.dtype, self.param_dtype, self.precision = use_bias, dtype, param_dtype, precision
+    self.implementation, self.kernel_layout = implementation, kernel_layout
+
+  def _conv_inputs(self, x) -> tuple[SparseTensor, jax.Array, jax.Array | None]:
+    name = type(self).__name__
+    x = rules.check_sparse(x, name)
+    rules.check_kernel_inputs(name, tuple(self.kernel.shape), self.kernel_layout, x.num_channels)
+    bias = None if self.bias is None else self.bias[...]
+    return rules.promote_conv(x, self.kernel[...], bias, self.dtype)
+
+
+class SubMConv3d(_ConvParams):
+  """Submanifold sparse 3D convolution: the nnx twin of `jsparse.nn.SubMConv3d` (`jsparse.submconv3d`).
+
+  The output lives on the input's coordinates and equals nnx.Conv(in_features, out_features, kernel_size,
+  padding="SAME", kernel_dilation=...) on `x.todense()` read at the active sites.
+
+  Args:
+    in_features, out_features: input and output channels.
+    kernel_size: int or 3 ints, odd. strides: must be 1. padding: must be "SAME". kernel_dilation: int or 3 ints.
+    use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as nnx.Conv (`dtype` None computes in the
+      promoted dtype of the features and the parameters).
+    implementation: None | "xla" | "pallas"; algorithm: "auto" or a forced Pallas algorithm; kernel_layout:
+      "DHWIO" or "ODHWI" (see `jsparse.submconv3d`).
+    rngs: an nnx.Rngs for the initial parameters.
+  """
+
+  def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int] = 3,
+               strides: int | Sequence[int] = 1, padding: str = "SAME", kernel_dilation: int | Sequence[int] = 1,
+               *, use_bias: bool = True, dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
+               precision: Any = None, kernel_init: Initializer = default_kernel_init,
+               bias_init: Initializer = _zeros, implementation: str | None = None, algorithm: str = "auto",
+               kernel_layout: str = "DHWIO", rngs: nnx.Rngs):
+    ks, dilation = rules.submanifold_geometry(type(self).__name__, kernel_size, strides, padding, kernel_dilation)
+    self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                    precision=precision, kernel_init=kernel_init, bias_init=bias_init,
+                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
+    self.kernel_size, self.kernel_dilation, self.algorithm = ks, dilation, algorithm
+
+  def __call__(self, x: SparseTensor) -> SparseTensor:
+    """The convolution of x (its neighbour map is taken from, and attached to, x's caches)."""
+    x, kernel, bias = self._conv_inputs(x)
+    return submconv3d(x, kernel, bias, dilation=self.kernel_dilation, implementation=self.implementation,
+                      precision=self.precision, algorithm=self.algorithm, weight_layout=self.kernel_layout)
+
+
+class SparseConv3d(_ConvParams):
+  """Strided sparse convolution: the nnx twin of `jsparse.nn.SparseConv3d` (`jsparse.sparse_conv3d`).
+
+  padding: an int, 3 ints or "VALID". out_capacity: static output rows (required under jit; None counts them,
+  outside jit only); a call's `out_capacity=` argument overrides it (e.g. the input's capacity bucket).
+  """
+
+  def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int] = 3,
+               strides: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
+               kernel_dilation: int | Sequence[int] = 1, *, out_capacity: int | None = None, use_bias: bool = True,
+               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32, precision: Any = None,
+               kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
+               implementation: str | None = None, kernel_layout: str = "DHWIO", rngs: nnx.Rngs):
+    name = type(self).__name__
+    ks = rules.triple(kernel_size, "kernel_size", name)
+    self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                    precision=precision, kernel_init=kernel_init, bias_init=bias_init,
+                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
+    self.kernel_size, self.strides = ks, rules.triple(strides, "strides", name)
+    self.padding = rules.explicit_padding(padding, name)
+    self.kernel_dilation = rules.triple(kernel_dilation, "kernel_dilation", name)
+    self.out_capacity = out_capacity
+
+  def __call__(self, x: SparseTensor, out_capacity: int | None = None) -> SparseTensor:
+    """The strided convolution of x; the output carries the pair map for SparseInverseConv3d."""
+    x, kernel, bias = self._conv_inputs(x)
+    return sparse_conv.sparse_conv3d(
+        x, kernel, bias, stride=self.strides, padding=self.padding, dilation=self.kernel_dilation,
+        out_capacity=self.out_capacity if out_capacity is None else out_capacity,
+        implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
+
+
+class SparseInverseConv3d(_ConvParams):
+  """The nnx twin of `jsparse.nn.SparseInverseConv3d` (`jsparse.sparse_inverse_conv3d`), called as
+  `module(y, like=x)` where y lives on the output coordinates of a SparseConv3d of x with the same geometry;
+  the output is on x's coordinates. in_features: y's channels."""
+
+  def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int] = 3,
+               strides: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
+               kernel_dilation: int | Sequence[int] = 1, *, use_bias: bool = True, dtype: Dtype | None = None,
+               param_dtype: Dtype = jnp.float32, precision: Any = None,
+               kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
+               implementation: str | None = None, kernel_layout: str = "DHWIO", rngs: nnx.Rngs):
+    name = type(self).__name__
+    ks = rules.triple(kernel_size, "kernel_size", name)
+    self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                    precision=precision, kernel_init=kernel_init, bias_init=bias_init,
+                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
+    self.kernel_size, self.strides = ks, rules.triple(strides, "strides", name)
+    self.padding = rules.explicit_padding(padding, name)
+    self.kernel_dilation = rules.triple(kernel_dilation, "kernel_dilation", name)
+
+  def __call__(self, y: SparseTensor, *, like: SparseTensor) -> SparseTensor:
+    """y carried back onto like's coordinates."""
+    y, kernel, bias = self._conv_inputs(y)
+    like = rules.check_sparse(like, type(self).__name__)
+    return sparse_conv.sparse_inverse_conv3d(
+        y, kernel, bias, like=like, stride=self.strides, padding=self.padding, dilation=self.kernel_dilation,
+        implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
+
+
+class SparseConvTranspose3d(_ConvParams):
+  """Generative upsampling: the nnx twin of `jsparse.nn.SparseConvTranspose3d`
+  (`jsparse.sparse_conv_transpose3d`). Every site spawns its prod(strides) children; `module(x, mask=None)`,
+  mask bool [x.capacity, prod(strides)] keeps a subset. kernel: (*strides, in_features, out_features)."""
+
+  def __init__(self, in_features: int, out_features: int, strides: int | Sequence[int] = 2, *,
+               out_capacity: int | None = None, use_bias: bool = True, dtype: Dtype | None = None,
+               param_dtype: Dtype = jnp.float32, precision: Any = None,
+               kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
+               implementation: str | None = None, kernel_layout: str = "DHWIO", rngs: nnx.Rngs):
+    st = rules.triple(strides, "strides", type(self).__name__)
+    self._init_conv(in_features, out_features, st, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                    precision=precision, kernel_init=kernel_init, bias_init=bias_init,
+                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
+    self.strides, self.out_capacity = st, out_capacity
+
+  def __call__(self, x: SparseTensor, mask: jax.Array | None = None,
+               out_capacity: int | None = None) -> SparseTensor:
+    """The children of x's sites (those `mask` keeps)."""
+    x, kernel, bias = self._conv_inputs(x)
+    return sparse_conv.sparse_conv_transpose3d(
+        x, kernel, bias, stride=self.strides, out_capacity=self.out_capacity if out_capacity is None else out_capacity,
+        mask=mask, implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
+
+
+class _Pool(nnx.Module):
+  def __init__(self, kernel_size: int | Sequence[int] = 2, strides: int | Sequence[int] | None = None,
+               padding: int | Sequence[int] | str = 0, *, out_capacity: int | None = None):
+    self.kernel_size, self.strides, self.out_capacity = kernel_size, strides, out_capacity
+    self.padding = rules.explicit_padding(padding, type(self).__name__)
+
+
+class SparseMaxPool3d(_Pool):
+  """`jsparse.sparse_max_pool3d` (max over the active inputs of each window) as a parameter-free nnx module;
+  strides None means kernel_size."""
+
+  def __call__(self, x: SparseTensor) -> SparseTensor:
+    """The pooled tensor."""
+    return pool.sparse_max_pool3d(rules.check_sparse(x, type(self).__name__), self.kernel_size, self.strides,
+                                  self.padding, out_capacity=self.out_capacity)
+
+
+class SparseAvgPool3d(_Pool):
+  """`jsparse.sparse_avg_pool3d` (mean over the active inputs of each window) as a parameter-free nnx module;
+  strides None means kernel_size."""
+
+  def __call__(self, x: SparseTensor) -> SparseTensor:
+    """The pooled tensor."""
+    return pool.sparse_avg_pool3d(rules.check_sparse(x, type(self).__name__), self.kernel_size, self.strides,
+                                  self.padding, out_capacity=self.out_capacity)
+
+
+class _Affine(nnx.Module):
+  """The "scale" and "bias" [num_features] parameters of a normalisation (each optional, as flax's)."""
+
+  def _init_affine(self, num_features: int, *, dtype, param_dtype, use_bias: bool, use_scale: bool, bias_init,
+                   scale_init, rngs: nnx.Rngs) -> None:
+    name = type(self).__name__
+    if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features <= 0:
+      raise ValueError(f"{name}: num_features must be a positive int, got {num_features!r}")
+    if not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f"{name}: rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {type(rngs).__name__}")
+    shape = (num_features,)
+    self.scale = nnx.Param(scale_init(rngs.params(), shape, param_dtype)) if use_scale else nnx.data(None)
+    self.bias = nnx.Param(bias_init(rngs.params(), shape, param_dtype)) if use_bias else nnx.data(None)
+    self.num_features, self.dtype, self.param_dtype = num_features, dtype, param_dtype
+    self.use_bias, self.use_scale = use_bias, use_scale
+
+  def _affine_inputs(self, x) -> tuple[SparseTensor, jax.Array | None, jax.Array | None, Any]:
+    """(x, scale, bias, output dtype), after checking x's channels."""
+    name = type(self).__name__
+    x = rules.check_sparse(x, name)
+    if x.num_channels != self.num_features:
+      raise ValueError(f"{name}: built for {self.num_features} channels (num_features) but the input "
+                       f"SparseTensor has {x.num_channels}")
+    scale = None if self.scale is None else self.scale[...]
+    bias = None if self.bias is None else self.bias[...]
+    out_dtype = rules.norm_output_dtype(self.dtype, x, self.param_dtype, self.use_scale or self.use_bias)
+    return x, scale, bias, out_dtype
+
+
+class SparseBatchNorm(_Affine):
+  """Batch normalisation over the valid rows: the nnx twin of `jsparse.nn.SparseBatchNorm` (nnx.BatchNorm's
+  arguments). Running averages are the nnx.BatchStat variables "mean" and "var"; they move by `momentum`
+  on every call with batch statistics (`use_running_average=False`, what `model.train()` sets) and are read
+  when `use_running_average=True` (`model.eval()`). activation: e.g. nnx.relu, fused into the same pass.
+  """
+
+  def __init__(self, num_features: int, *, use_running_average: bool | None = False, momentum: float = 0.99,
+               epsilon: float = 1e-5, dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
+               use_bias: bool = True, use_scale: bool = True, bias_init: Initializer = _zeros,
+               scale_init: Initializer = _ones, axis_name: str | None = None, axis_index_groups: Any = None,
+               activation: Callable | None = None, rngs: nnx.Rngs):
+    self._init_affine(num_features, dtype=dtype, param_dtype=param_dtype, use_bias=use_bias, use_scale=use_scale,
+                      bias_init=bias_init, scale_init=scale_init, rngs=rngs)
+    self.mean = nnx.BatchStat(jnp.zeros((num_features,), jnp.float32))
+    self.var = nnx.BatchStat(jnp.ones((num_features,), jnp.float32))
+    self.use_running_average, self.momentum, self.epsilon = use_running_average, momentum, epsilon
+    self.axis_name, self.axis_index_groups, self.activation = axis_name, axis_index_groups, activation
+
+  def __call__(self, x: SparseTensor, use_running_average: bool | None = None) -> SparseTensor:
+    """Normalised x; the argument, when given, overrides the module's use_running_average."""
+    use_ra = self.use_running_average if use_running_average is None else use_running_average
+    if use_ra is None:
+      raise ValueError("SparseBatchNorm: use_running_average is None both in the constructor and in the call; "
+                       "set it in one of them (or call model.train() / model.eval())")
+    x, scale, bias, out_dtype = self._affine_inputs(x)
+    y, mean, var = rules.batch_norm_step(
+        x, scale, bias, self.mean[...], self.var[...], use_running_average=use_ra, update_statistics=not use_ra,
+        momentum=self.momentum, epsilon=self.epsilon, axis_name=self.axis_name,
+        axis_index_groups=self.axis_index_groups, dtype=out_dtype, activation=self.activation)
+    if not use_ra:
+      self.mean[...], self.var[...] = mean, var
+    return y
+
+
+class SparseLayerNorm(_Affine):
+  """Layer normalisation of each valid row over its channels: the nnx twin of `jsparse.nn.SparseLayerNorm`."""
+
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Dtype | None = None,
+               param_dtype: Dtype = jnp.float32, use_bias: bool = True, use_scale: bool = True,
+               bias_init: Initializer = _zeros, scale_init: Initializer = _ones, rngs: nnx.Rngs):
+    self._init_affine(num_features, dtype=dtype, param_dtype=param_dtype, use_bias=use_bias, use_scale=use_scale,
+                      bias_init=bias_init, scale_init=scale_init, rngs=rngs)
+    self.epsilon = epsilon
+
+  def __call__(self, x: SparseTensor) -> SparseTensor:
+    """Each valid row normalised over its channels."""
+    x, scale, bias, out_dtype = self._affine_inputs(x)
+    return norm.layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=out_dtype)
+
+
+class SparseGroupNorm(_Affine):
+  """Group normalisation per batch item over the valid rows: the nnx twin of `jsparse.nn.SparseGroupNorm`
+  (nnx.GroupNorm's arguments: exactly one of num_groups / group_size, dividing num_features)."""
+
+  def __init__(self, num_features: int, num_groups: int | None = 32, group_size: int | None = None, *,
+               epsilon: float = 1e-6, dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
+               use_bias: bool = True, use_scale: bool = True, bias_init: Initializer = _zeros,
+               scale_init: Initializer = _ones, rngs: nnx.Rngs):
+    self._init_affine(num_features, dtype=dtype, param_dtype=param_dtype, use_bias=use_bias, use_scale=use_scale,
+                      bias_init=bias_init, scale_init=scale_init, rngs=rngs)
+    self.num_groups = rules.group_count(type(self).__name__, num_features, num_groups, group_size)
+    self.group_size, self.epsilon = num_features // self.num_groups, epsilon
+
+  def __call__(self, x: SparseTensor) -> SparseTensor:
+    """x normalised per batch item and channel group."""
+    x, scale, bias, out_dtype = self._affine_inputs(x)
+    return norm.group_norm(x, self.num_groups, scale, bias, epsilon=self.epsilon, dtype=out_dtype)

@@ -1,9 +1,9 @@
 """jsparse: sparse 3D convolution for JAX, with Pallas (Triton) GPU kernels and an XLA path everywhere.
 
 Top level: the SparseTensor, neighbour maps, the convolution family and tuning. Submodules:
-jsparse.nn (flax.linen modules), jsparse.nnx (their flax.nnx twins), jsparse.norm (normalisation, activations), jsparse.voxelize,
-jsparse.shapes (procedural data), jsparse.serialize (Morton / Hilbert), jsparse.sampling (grid_sample),
-jsparse.plot (matplotlib renders).
+jsparse.nn (flax.linen modules), jsparse.nnx (their flax.nnx twins), jsparse.norm (normalisation,
+activations), jsparse.voxelize, jsparse.shapes (procedural data), jsparse.serialize (Morton / Hilbert),
+jsparse.sampling (grid_sample), jsparse.plot (matplotlib renders).
 """
 from jsparse.autotuning import autotune
 from jsparse.conv import submconv3d, submconv_xla
@@ -19,6 +19,7 @@ __all__ = [
     "SparseTensor", "round_capacity", "key_width", "overflowed", "error_checks", "NeighborCache", "neighbor_map", "with_maps",
     "kernel_offsets", "submconv3d", "submconv_xla", "sparse_conv3d", "sparse_inverse_conv3d", "sparse_conv_transpose3d",
     "sparse_max_pool3d", "sparse_avg_pool3d", "global_pool", "concat", "strided_map", "IMPLEMENTATIONS", "autotune",
-    "ConfigTable", "PassConfig", "ALGORITHMS", "nn", "nnx", "norm", "plot", "sampling", "serialize", "shapes", "voxelize",
+    "ConfigTable", "PassConfig", "ALGORITHMS", "nn", "nnx", "norm", "plot", "sampling", "serialize", "shapes",
+    "voxelize",
 ]
 __version__ = "0.1.0"

@@ -43,7 +43,7 @@ def linen_to_nnx(variables: Mapping[str, Any], model: nnx.Module) -> nnx.State:
   states = []
   for collection, kind in COLLECTIONS.items():
     state = nnx.state(model, kind)
-    want, have = _flat(state.to_pure_dict()), _flat(variables.get(collection, {}))
+    want, have = _flat(nnx.to_pure_dict(state)), _flat(variables.get(collection, {}))
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or extra:
       show = lambda paths: ", ".join("/".join(map(str, p)) for p in paths[:6]) + (" ..." if len(paths) > 6 else "")
@@ -66,7 +66,7 @@ def nnx_to_linen(model: nnx.Module) -> dict[str, Any]:
     raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}")
   out = {}
   for collection, kind in COLLECTIONS.items():
-    tree = nnx.state(model, kind).to_pure_dict()
+    tree = nnx.to_pure_dict(nnx.state(model, kind))
     if tree or collection == "params":
       out[collection] = tree
   return out

@@ -1,0 +1,367 @@
+"""jsparse.nnx (flax.nnx modules) against their jsparse.nn (flax.linen) twins and dense references, on the CPU."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import lax
+
+import jsparse
+import jsparse.nn as snn
+import jsparse.nnx as snnx
+from reference import dense_submconv_at_sites, random_sparse, rel_err
+
+# threefry's random kernels compile slowly per shape on the CPU; the values only need to be some values.
+KEY = jax.random.key(0, impl="unsafe_rbg")
+HALF_TOL = {jnp.float32: 1e-6, jnp.float16: 2e-3, jnp.bfloat16: 1e-2}
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
+
+
+def perturb(tree, seed=1, scale=0.3):
+  """Noise on every leaf (zero-initialised biases and unit scales are exercised too); numpy, nothing compiles."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda l: l + jnp.asarray(scale * rng.standard_normal(l.shape), l.dtype), tree)
+
+
+def assert_trees_close(a, b, tol):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.shape == y.shape and x.dtype == y.dtype
+    assert rel_err(x, y) <= tol, rel_err(x, y)
+
+
+def nnx_value_and_grads(model, x, cot, call):
+  """(output feats, d loss / d params as a pure dict, d loss / d feats) with loss = sum(out * cot)."""
+
+  def loss(model, feats):
+    y = call(model, x.replace(feats=feats))
+    return jnp.sum(y.feats.astype(jnp.float32) * cot), y.feats
+
+  (_, y), (g_model, g_feats) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(model, x.feats)
+  return y, nnx.to_pure_dict(g_model), g_feats
+
+
+def linen_value_and_grads(module, variables, x, cot, call):
+  def loss(params, feats):
+    y = call(module, {**variables, "params": params}, x.replace(feats=feats))
+    return jnp.sum(y.feats.astype(jnp.float32) * cot), y.feats
+
+  (_, y), (g_params, g_feats) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(variables["params"], x.feats)
+  return y, g_params, g_feats
+
+
+# ---- convolutions ----------------------------------------------------------------------------------------
+
+
+def _strided_pair(rng, dtype):
+  """x and, for the inverse convolution, the coarse y of a stride-2 SparseConv3d of x."""
+  x = random_sparse(rng, (6, 7, 5), 3, batch_size=2, density=0.4, pad=6, dtype=np.float32)
+  y = jsparse.sparse_conv3d(x, jnp.zeros((2, 2, 2, 3, 4)), stride=2, out_capacity=x.capacity)
+  y = y.replace(feats=jnp.asarray(rng.standard_normal(y.feats.shape), dtype) * y.valid_mask()[:, None])
+  return x.replace(feats=x.feats.astype(dtype)), y
+
+
+# name -> (linen module, nnx module given in_features and rngs, how both are called with x and the pair)
+CONVS = {
+    "submconv": (lambda dt: snn.SubMConv3d(5, (3, 1, 3), kernel_dilation=(1, 2, 1), dtype=dt, param_dtype=dt),
+                 lambda dt, r: snnx.SubMConv3d(3, 5, (3, 1, 3), kernel_dilation=(1, 2, 1), dtype=dt, param_dtype=dt,
+                                               rngs=r),
+                 "x"),
+    "submconv_odhwi": (lambda dt: snn.SubMConv3d(4, 3, kernel_layout="ODHWI", dtype=dt, param_dtype=dt),
+                       lambda dt, r: snnx.SubMConv3d(3, 4, 3, kernel_layout="ODHWI", dtype=dt, param_dtype=dt,
+                                                     rngs=r),
+                       "x"),
+    "sparse_conv": (lambda dt: snn.SparseConv3d(4, 3, strides=2, padding=1, out_capacity=256, dtype=dt,
+                                                param_dtype=dt),
+                    lambda dt, r: snnx.SparseConv3d(3, 4, 3, strides=2, padding=1, out_capacity=256, dtype=dt,
+                                                    param_dtype=dt, rngs=r),
+                    "x"),
+    "inverse_conv": (lambda dt: snn.SparseInverseConv3d(5, 2, strides=2, dtype=dt, param_dtype=dt),
+                     lambda dt, r: snnx.SparseInverseConv3d(4, 5, 2, strides=2, dtype=dt, param_dtype=dt, rngs=r),
+                     "inverse"),
+    "conv_transpose": (lambda dt: snn.SparseConvTranspose3d(2, strides=(2, 1, 2), out_capacity=1024, dtype=dt,
+                                                            param_dtype=dt),
+                       lambda dt, r: snnx.SparseConvTranspose3d(3, 2, (2, 1, 2), out_capacity=1024, dtype=dt,
+                                                                param_dtype=dt, rngs=r),
+                       "x"),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", list(CONVS))
+def test_conv_layers_match_linen(name, dtype):
+  make_linen, make_nnx, inputs = CONVS[name]
+  rng = np.random.default_rng(len(name))
+  x, y = _strided_pair(rng, dtype)
+  inp, call_linen, call_nnx = (x, lambda m, v, t: m.apply(v, t), lambda m, t: m(t))
+  if inputs == "inverse":
+    inp = y
+    call_linen = lambda m, v, t: m.apply(v, t, like=x)  # noqa: E731
+    call_nnx = lambda m, t: m(t, like=x)  # noqa: E731
+  linen = make_linen(dtype)
+  variables = perturb(linen.init(KEY, *((y,) if inputs == "inverse" else (x,)),
+                                 **({"like": x} if inputs == "inverse" else {})))
+  model = make_nnx(dtype, nnx.Rngs(0))
+  nnx.update(model, snnx.linen_to_nnx(variables, model))
+  out_capacity = call_nnx(model, inp).capacity
+  cot = jnp.asarray(rng.standard_normal((out_capacity, model.out_features)), jnp.float32)
+  yn, gn, gxn = nnx_value_and_grads(model, inp, cot, call_nnx)
+  yl, gl, gxl = linen_value_and_grads(linen, variables, inp, cot, call_linen)
+  assert yn.dtype == jnp.dtype(dtype)
+  tol = HALF_TOL[dtype]
+  assert rel_err(yn, yl) <= tol and rel_err(gxn, gxl) <= tol
+  assert_trees_close(gn, gl, tol)
+  assert float(jnp.max(jnp.abs(yn.astype(jnp.float32)))) > 0
+
+
+def test_submconv_matches_dense_reference_and_round_trips():
+  """An nnx layer's own parameters, exported to linen, give the same output, and that output is the dense
+  convolution's (the other direction of linen_to_nnx)."""
+  rng = np.random.default_rng(3)
+  x = random_sparse(rng, (6, 5, 7), 4, batch_size=2, pad=5)
+  model = snnx.SubMConv3d(4, 6, 3, kernel_dilation=(2, 1, 1), precision="highest", rngs=nnx.Rngs(1))
+  model.bias[...] = jnp.asarray(rng.standard_normal(6), jnp.float32)
+  variables = snnx.nnx_to_linen(model)
+  assert set(variables) == {"params"} and variables["params"]["kernel"].shape == (3, 3, 3, 4, 6)
+  y = nnx.jit(lambda m, t: m(t))(model, x)
+  ref = dense_submconv_at_sites(x, x.feats, model.kernel[...], model.bias[...], dilation=(2, 1, 1))
+  assert rel_err(y.feats, ref) < 1e-5
+  linen = snn.SubMConv3d(6, 3, kernel_dilation=(2, 1, 1), precision="highest")
+  assert rel_err(jax.jit(linen.apply)(variables, x).feats, y.feats) < 1e-6
+
+
+# ---- pools -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+def test_pools_match_linen(kind):
+  rng = np.random.default_rng(5)
+  x = random_sparse(rng, (7, 6, 5), 3, batch_size=2, density=0.4, pad=4)
+  linen = (snn.SparseMaxPool3d if kind == "max" else snn.SparseAvgPool3d)(3, 2, 1, out_capacity=x.capacity)
+  model = (snnx.SparseMaxPool3d if kind == "max" else snnx.SparseAvgPool3d)(3, 2, 1, out_capacity=x.capacity)
+  f_l = jax.jit(jax.value_and_grad(lambda f: jnp.sum(jnp.sin(linen.apply({}, x.replace(feats=f)).feats))))
+  f_n = nnx.jit(nnx.value_and_grad(lambda m, f: jnp.sum(jnp.sin(m(x.replace(feats=f)).feats)), argnums=1))
+  (vl, gl), (vn, gn) = f_l(x.feats), f_n(model, x.feats)
+  assert rel_err(vn, vl) < 1e-6 and rel_err(gn, gl) < 1e-6 and float(jnp.abs(gn).sum()) > 0
+
+
+# ---- normalisations --------------------------------------------------------------------------------------
+
+
+NORMS = {
+    "layer": (lambda dt: snn.SparseLayerNorm(dtype=dt, param_dtype=dt),
+              lambda dt, r: snnx.SparseLayerNorm(8, dtype=dt, param_dtype=dt, rngs=r)),
+    "group": (lambda dt: snn.SparseGroupNorm(num_groups=None, group_size=2, dtype=dt, param_dtype=dt),
+              lambda dt, r: snnx.SparseGroupNorm(8, None, 2, dtype=dt, param_dtype=dt, rngs=r)),
+    "batch_eval": (lambda dt: snn.SparseBatchNorm(use_running_average=True, dtype=dt, param_dtype=dt),
+                   lambda dt, r: snnx.SparseBatchNorm(8, use_running_average=True, dtype=dt, param_dtype=dt,
+                                                      rngs=r)),
+    "batch_relu": (lambda dt: snn.SparseBatchNorm(use_running_average=False, activation=nn.relu),
+                   lambda dt, r: snnx.SparseBatchNorm(8, activation=nnx.relu, rngs=r)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", list(NORMS))
+def test_norm_layers_match_linen(name, dtype):
+  rng = np.random.default_rng(11)
+  x = random_sparse(rng, (5, 6, 4), 8, batch_size=3, pad=7)
+  x = x.replace(feats=(2.0 + 1.5 * x.feats).astype(dtype))
+  linen, model = NORMS[name][0](dtype), NORMS[name][1](dtype, nnx.Rngs(0))
+  variables = perturb(linen.init(KEY, x))
+  if "batch_stats" in variables:  # valid running statistics: a positive variance
+    variables["batch_stats"]["var"] = jnp.abs(variables["batch_stats"]["var"]) + 0.5
+  nnx.update(model, snnx.linen_to_nnx(variables, model))
+  cot = jnp.asarray(rng.standard_normal((x.capacity, 8)), jnp.float32)
+  mutable = ["batch_stats"] if name == "batch_relu" else False
+  call_linen = lambda m, v, t: m.apply(v, t, mutable=mutable)[0] if mutable else m.apply(v, t)  # noqa: E731
+  yn, gn, gxn = nnx_value_and_grads(model, x, cot, lambda m, t: m(t))
+  yl, gl, gxl = linen_value_and_grads(linen, variables, x, cot, call_linen)
+  tol = HALF_TOL[dtype]
+  assert rel_err(yn, yl) <= tol and rel_err(gxn, gxl) <= tol
+  assert_trees_close(gn, gl, tol)
+  assert np.all(np.asarray(yn[int(x.num):]) == 0)
+
+
+def test_batch_norm_train_eval_and_running_statistics():
+  rng = np.random.default_rng(2)
+  momentum, eps = 0.8, 1e-5
+  model = snnx.SparseBatchNorm(4, momentum=momentum, epsilon=eps, rngs=nnx.Rngs(0))
+  model.scale[...] = jnp.asarray([1.0, 2.0, 0.5, -1.0])
+  model.bias[...] = jnp.asarray([0.0, 1.0, -1.0, 3.0])
+  linen = snn.SparseBatchNorm(momentum=momentum, epsilon=eps)
+  step = nnx.jit(lambda m, t: m(t))
+  mean, var = np.zeros(4), np.ones(4)
+  for i in range(3):  # different batches, different padding
+    x = random_sparse(rng, (5, 5, 5), 4, batch_size=2, pad=3 + 4 * i)
+    x = x.replace(feats=(1.0 + i + (i + 2) * x.feats) * x.valid_mask()[:, None])
+    variables = snnx.nnx_to_linen(model)
+    y_linen, updated = jax.jit(lambda v, t: linen.apply(v, t, use_running_average=False,
+                                                        mutable=["batch_stats"]))(variables, x)
+    y = step(model, x)  # training mode (the default): batch statistics, running averages move
+    f = np.asarray(x.feats[:int(x.num)], np.float64)
+    bm, bv = f.mean(0), f.var(0)
+    want = (f - bm) / np.sqrt(bv + eps) * np.asarray(model.scale[...]) + np.asarray(model.bias[...])
+    np.testing.assert_allclose(np.asarray(y.feats[:int(x.num)]), want, rtol=1e-4, atol=1e-4)
+    mean, var = momentum * mean + (1 - momentum) * bm, momentum * var + (1 - momentum) * bv
+    np.testing.assert_allclose(np.asarray(model.mean[...]), mean, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(model.var[...]), var, rtol=1e-5)
+    assert rel_err(y.feats, y_linen.feats) < 1e-6
+    assert rel_err(model.mean[...], updated["batch_stats"]["mean"]) < 1e-6
+    assert rel_err(model.var[...], updated["batch_stats"]["var"]) < 1e-6
+  model.eval()
+  assert model.use_running_average is True
+  y = step(model, x)
+  want = ((f - mean) / np.sqrt(var + eps)) * np.asarray(model.scale[...]) + np.asarray(model.bias[...])
+  np.testing.assert_allclose(np.asarray(y.feats[:int(x.num)]), want, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(model.mean[...]), mean, rtol=1e-5)  # eval leaves them alone
+  model.train()
+  assert model.use_running_average is False
+  snapshot = np.asarray(model.mean[...])
+  model(x, use_running_average=True)  # the call's argument overrides the module's mode
+  np.testing.assert_array_equal(np.asarray(model.mean[...]), snapshot)
+  model.use_running_average = None
+  with pytest.raises(ValueError, match="use_running_average is None"):
+    model(x)
+
+
+# ---- models and conversion -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_kind", ["group", "batch"])
+def test_unet_matches_linen_both_directions(norm_kind):
+  rng = np.random.default_rng(7)
+  x = random_sparse(rng, (8, 8, 8), 3, batch_size=2, density=0.3, pad=9)
+  linen = snn.SparseUNet((8, 16), out_features=2, norm=norm_kind, num_groups=4)
+  variables = perturb(jax.jit(linen.init)(KEY, x), scale=0.1)
+  if norm_kind == "batch":
+    variables["batch_stats"] = jax.tree.map(lambda v: jnp.abs(v) + 0.5, variables["batch_stats"])
+  model = snnx.SparseUNet(3, (8, 16), 2, norm=norm_kind, num_groups=4, rngs=nnx.Rngs(0))
+  nnx.update(model, snnx.linen_to_nnx(variables, model))
+  back = snnx.nnx_to_linen(model)
+  assert jax.tree.structure(back) == jax.tree.structure(dict(variables))
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), back, dict(variables)))
+  # linen -> nnx: same values and parameter gradients, in eval mode (running statistics).
+  model.eval()
+  cot = jnp.asarray(rng.standard_normal((x.capacity, 2)), jnp.float32)
+  yn, gn, _ = nnx_value_and_grads(model, x, cot, lambda m, t: m(t))
+  yl, gl, _ = linen_value_and_grads(linen, variables, x, cot, lambda m, v, t: m.apply(v, t, train=False))
+  assert rel_err(yn, yl) < 1e-5
+  assert_trees_close(gn, gl, 1e-5)
+  # nnx -> linen: a freshly initialised nnx model's variables drive the linen model to the same output.
+  fresh = snnx.SparseUNet(3, (8, 16), 2, norm=norm_kind, num_groups=4, rngs=nnx.Rngs(5))
+  y_fresh = nnx.jit(lambda m, t: m(t, train=False))(fresh, x)
+  y_linen = jax.jit(lambda v, t: linen.apply(v, t, train=False))(snnx.nnx_to_linen(fresh), x)
+  assert rel_err(y_fresh.feats, y_linen.feats) < 1e-5 and float(jnp.abs(y_fresh.feats).max()) > 0
+
+
+def test_resnet_block_matches_linen_in_training_mode():
+  rng = np.random.default_rng(9)
+  x = random_sparse(rng, (6, 5, 6), 4, batch_size=2, pad=5)
+  linen = snn.SparseResNetBlock(8, norm="batch")
+  variables = perturb(jax.jit(linen.init)(KEY, x), scale=0.1)
+  model = snnx.SparseResNetBlock(4, 8, norm="batch", rngs=nnx.Rngs(0))
+  nnx.update(model, snnx.linen_to_nnx(variables, model))
+  y_linen, updated = jax.jit(lambda v, t: linen.apply(v, t, train=True, mutable=["batch_stats"]))(variables, x)
+  y = nnx.jit(lambda m, t: m(t))(model, x)
+  assert rel_err(y.feats, y_linen.feats) < 1e-5
+  assert_trees_close(snnx.nnx_to_linen(model)["batch_stats"], updated["batch_stats"], 1e-6)
+
+
+def test_conversion_errors_name_the_problem():
+  x = random_sparse(np.random.default_rng(0), (4, 4, 4), 3, pad=2)
+  variables = snn.SubMConv3d(4).init(KEY, x)
+  with pytest.raises(ValueError, match=r"shape \(3, 3, 3, 3, 4\) where the nnx model has \(3, 3, 3, 5, 4\)"):
+    snnx.linen_to_nnx(variables, snnx.SubMConv3d(5, 4, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match="missing bias"):
+    snnx.linen_to_nnx(snn.SubMConv3d(4, use_bias=False).init(KEY, x), snnx.SubMConv3d(3, 4, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match="unexpected bias"):
+    snnx.linen_to_nnx(variables, snnx.SubMConv3d(3, 4, use_bias=False, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match="collections.*'cache'"):
+    snnx.linen_to_nnx({**variables, "cache": {}}, snnx.SubMConv3d(3, 4, rngs=nnx.Rngs(0)))
+  with pytest.raises(TypeError, match="model must be an nnx.Module"):
+    snnx.linen_to_nnx(variables, snn.SubMConv3d(4))
+  with pytest.raises(TypeError, match="model must be an nnx.Module"):
+    snnx.nnx_to_linen(variables)
+
+
+def test_bad_arguments_errors():
+  r = nnx.Rngs(0)
+  x = random_sparse(np.random.default_rng(0), (4, 4, 4), 3, pad=2)
+  with pytest.raises(ValueError, match="SubMConv3d: strides must be 1"):
+    snnx.SubMConv3d(3, 4, strides=2, rngs=r)
+  with pytest.raises(ValueError, match="kernel_size must be odd"):
+    snnx.SubMConv3d(3, 4, (3, 2, 3), rngs=r)
+  with pytest.raises(ValueError, match="padding must be 'SAME'"):
+    snnx.SubMConv3d(3, 4, padding=1, rngs=r)
+  with pytest.raises(ValueError, match="in_features must be a positive int"):
+    snnx.SubMConv3d(0, 4, rngs=r)
+  with pytest.raises(ValueError, match="kernel_layout must be one of"):
+    snnx.SparseConv3d(3, 4, kernel_layout="OIDHW", rngs=r)
+  with pytest.raises(ValueError, match="padding must be ints or 'VALID'"):
+    snnx.SparseConv3d(3, 4, padding="SAME", rngs=r)
+  with pytest.raises(TypeError, match="rngs must be an nnx.Rngs"):
+    snnx.SubMConv3d(3, 4, rngs=0)
+  with pytest.raises(ValueError, match="expects 5 input channels but the input SparseTensor has 3"):
+    snnx.SubMConv3d(5, 4, rngs=r)(x)
+  with pytest.raises(TypeError, match="SubMConv3d takes a jsparse.SparseTensor"):
+    snnx.SubMConv3d(3, 4, rngs=r)(x.todense())
+  with pytest.raises(ValueError, match=r"channels \(6\) must be divisible by num_groups \(4\)"):
+    snnx.SparseGroupNorm(6, 4, rngs=r)
+  with pytest.raises(ValueError, match="exactly one of num_groups and group_size"):
+    snnx.SparseGroupNorm(6, 2, 3, rngs=r)
+  with pytest.raises(ValueError, match=r"built for 5 channels \(num_features\) but the input SparseTensor has 3"):
+    snnx.SparseLayerNorm(5, rngs=r)(x)
+  with pytest.raises(ValueError, match="norm must be 'batch', 'group' or None"):
+    snnx.SparseResNetBlock(3, 4, norm="layer", rngs=r)
+
+
+# ---- training ---------------------------------------------------------------------------------------------
+
+
+def _random_batch(rng, n, spatial=(10, 10, 10), batch_size=2, channels=3):
+  keys = rng.choice(batch_size * int(np.prod(spatial)), size=n, replace=False)
+  coords = np.stack(np.unravel_index(keys, (batch_size,) + spatial), axis=-1).astype(np.int32)
+  feats = rng.standard_normal((n, channels)).astype(np.float32)
+  return jsparse.SparseTensor.from_coords(coords, feats, spatial, batch_size, capacity=jsparse.round_capacity(n))
+
+
+def test_nnx_training_loop_learns_without_recompiling_per_batch():
+  """nnx.Optimizer + optax under nnx.jit on a small U-Net with batch norm: batches of varied sizes in a few
+  capacity buckets compile once per bucket, and the loss goes down."""
+  rng = np.random.default_rng(0)
+  model = snnx.SparseUNet(3, (8, 16), 1, norm="batch", rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adam(2e-2), wrt=nnx.Param)
+  traces = []
+
+  @nnx.jit
+  def train_step(model, optimizer, x):
+    traces.append(x.capacity)  # runs once per compilation
+    c = x.coords[:, 1:].astype(jnp.float32)
+    target = jnp.sin(0.7 * c[:, :1]) * jnp.cos(0.5 * c[:, 1:2]) + x.feats[:, :1]
+    target = jnp.where(x.valid_mask()[:, None], target, 0)
+
+    def loss_fn(model):
+      return jnp.sum((model(x).feats - target) ** 2) / x.num  # zero at padding rows on both sides
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses, capacities = [], []
+  stats_before = np.asarray(model.bottom.norm1.mean[...])
+  for _ in range(30):
+    x = _random_batch(rng, int(rng.integers(150, 450)))  # capacities 256, 384, 512
+    capacities.append(x.capacity)
+    losses.append(float(train_step(model, optimizer, x)))
+  distinct = len(set(capacities))
+  assert distinct > 1
+  assert len(traces) == distinct, (traces, capacities)
+  assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
+  assert not np.allclose(np.asarray(model.bottom.norm1.mean[...]), stats_before)  # running stats moved
+  model.eval()
+  x = _random_batch(rng, 300)
+  y = nnx.jit(lambda m, t: m(t))(model, x)
+  assert np.all(np.isfinite(np.asarray(y.feats))) and np.all(np.asarray(y.feats[int(x.num):]) == 0)

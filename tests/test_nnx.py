@@ -365,3 +365,9 @@ def test_nnx_training_loop_learns_without_recompiling_per_batch():
   x = _random_batch(rng, 300)
   y = nnx.jit(lambda m, t: m(t))(model, x)
   assert np.all(np.isfinite(np.asarray(y.feats))) and np.all(np.asarray(y.feats[int(x.num):]) == 0)
+
+
+def test_readme_nnx_snippet(tmp_path):
+  """The README's flax.nnx example runs as written (training step, eval, linen <-> nnx conversion)."""
+  from test_packaging import readme_snippet, run_snippet
+  run_snippet(readme_snippet("### flax.nnx") + "print('OK')\n", tmp_path, {"JAX_PLATFORMS": "cpu"})

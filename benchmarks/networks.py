@@ -47,6 +47,7 @@ import numpy as np
 
 import jsparse
 from jsparse import norm
+from jsparse._progress import progress_bar
 from benchmarks import suite
 
 # name -> (jax dtype, jsparse precision). "fp32" (no TF32 on either side) is for exact cross-checks.
@@ -940,44 +941,44 @@ def run(args) -> dict:
     except Exception as e:
       print(f"{name} not available: {suite.short_error(e, 160)}", flush=True)
   results = []
-  for net in args.networks:
-    for size in args.sizes:
-      w = workload(net, size)
-      t0 = time.perf_counter()
-      inp = make_inputs(w, args.seed)
-      gen_s = time.perf_counter() - t0
-      print(f"== {w.name}: {len(inp.coords)} input sites, batch {w.batch_size}, grid {inp.spatial_shape} "
-            f"(inputs {gen_s:.1f} s)", flush=True)
-      for dname in args.dtypes:
-        rec = {"network": net, "size": size, "batch_size": w.batch_size, "sites": int(len(inp.coords)),
-               "spatial_shape": list(inp.spatial_shape), "dtype": dname, "jsparse": {}, "anchors": {}}
+  jobs = [(net, size) for net in args.networks for size in args.sizes]
+  for net, size in progress_bar(jobs, "networks", unit="network"):
+    w = workload(net, size)
+    t0 = time.perf_counter()
+    inp = make_inputs(w, args.seed)
+    gen_s = time.perf_counter() - t0
+    print(f"== {w.name}: {len(inp.coords)} input sites, batch {w.batch_size}, grid {inp.spatial_shape} "
+          f"(inputs {gen_s:.1f} s)", flush=True)
+    for dname in args.dtypes:
+      rec = {"network": net, "size": size, "batch_size": w.batch_size, "sites": int(len(inp.coords)),
+             "spatial_shape": list(inp.spatial_shape), "dtype": dname, "jsparse": {}, "anchors": {}}
+      try:
+        if not args.skip_jsparse:
+          rec["jsparse"] = bench_jsparse(w, inp, dname, args)
+      except Exception as e:
+        rec["jsparse"] = {"error": suite.short_error(e)}
+      for lname, lib in libs.items():
         try:
-          if not args.skip_jsparse:
-            rec["jsparse"] = bench_jsparse(w, inp, dname, args)
+          rec["anchors"][lname] = bench_spconv(lib, w, inp, dname, args)
         except Exception as e:
-          rec["jsparse"] = {"error": suite.short_error(e)}
-        for lname, lib in libs.items():
-          try:
-            rec["anchors"][lname] = bench_spconv(lib, w, inp, dname, args)
-          except Exception as e:
-            rec["anchors"][lname] = {"error": suite.short_error(e)}
-        for mode in args.modes:
-          js = rec["jsparse"].get(mode, {})
-          line = f"  {dname:5s} {mode:9s} jsparse {_ms(js)}"
-          for lname in rec["anchors"]:
-            an = rec["anchors"][lname].get(mode, {})
-            cmp_ = compare(js, an, mode)
-            an["cross_check"] = cmp_
-            speed = an.get("median_ms", float("nan")) / js.get("median_ms", float("nan"))
-            line += f" | {lname} {_ms(an)} ({speed:.2f}x) check {_fmt_check(cmp_)}"
-          print(line + f" | mem {_mb(js)}" + "".join(f"/{_mb(rec['anchors'][l].get(mode, {}))}"
-                                                     for l in rec["anchors"]), flush=True)
-        if args.profile:
-          print(render_profile(rec), flush=True)
-        _strip_checks(rec)
-        results.append(rec)
-        if args.out:  # after every record: a run cut off by its time limit keeps what it measured
-          write_results({"meta": suite.metadata(), "results": results}, args.out)
+          rec["anchors"][lname] = {"error": suite.short_error(e)}
+      for mode in args.modes:
+        js = rec["jsparse"].get(mode, {})
+        line = f"  {dname:5s} {mode:9s} jsparse {_ms(js)}"
+        for lname in rec["anchors"]:
+          an = rec["anchors"][lname].get(mode, {})
+          cmp_ = compare(js, an, mode)
+          an["cross_check"] = cmp_
+          speed = an.get("median_ms", float("nan")) / js.get("median_ms", float("nan"))
+          line += f" | {lname} {_ms(an)} ({speed:.2f}x) check {_fmt_check(cmp_)}"
+        print(line + f" | mem {_mb(js)}" + "".join(f"/{_mb(rec['anchors'][l].get(mode, {}))}"
+                                                   for l in rec["anchors"]), flush=True)
+      if args.profile:
+        print(render_profile(rec), flush=True)
+      _strip_checks(rec)
+      results.append(rec)
+      if args.out:  # after every record: a run cut off by its time limit keeps what it measured
+        write_results({"meta": suite.metadata(), "results": results}, args.out)
   return {"meta": suite.metadata(), "args": {k: v for k, v in vars(args).items() if k != "func"},
           "results": results}
 

@@ -51,6 +51,7 @@ import numpy as np  # noqa: E402
 
 import jsparse  # noqa: E402
 from jsparse import tuning  # noqa: E402
+from jsparse._progress import progress_bar  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -374,22 +375,21 @@ def run_suite(args, rows, out_dir):
   t_start = time.perf_counter()
   checked_rows = {}
   try:
-    for dtype_name in args.dtypes:
-      for mode in args.modes:
-        for row in rows:
-          rec = {"row": row.name, "res": row.res, "channels": row.channels, "layers": row.layers,
-                 "dtype": dtype_name, "mode": mode}
-          if args.time_budget and time.perf_counter() - t_start > args.time_budget:
-            rec["skipped"] = "time budget"
-            data["results"].append(rec)
-            continue
-          try:
-            run_workload(rec, row, dtype_name, mode, args, fg, why, checked_rows)
-          except Exception as e:  # noqa: BLE001 (e.g. inputs that do not fit: record, go on)
-            rec["error"] = short_error(e)
-            print(f"    FAILED: {rec['error']}", flush=True)
-          data["results"].append(rec)
-          write_json(data, json_path)
+    jobs = [(dtype_name, mode, row) for dtype_name in args.dtypes for mode in args.modes for row in rows]
+    for dtype_name, mode, row in progress_bar(jobs, "suite", unit="workload"):
+      rec = {"row": row.name, "res": row.res, "channels": row.channels, "layers": row.layers,
+             "dtype": dtype_name, "mode": mode}
+      if args.time_budget and time.perf_counter() - t_start > args.time_budget:
+        rec["skipped"] = "time budget"
+        data["results"].append(rec)
+        continue
+      try:
+        run_workload(rec, row, dtype_name, mode, args, fg, why, checked_rows)
+      except Exception as e:  # noqa: BLE001 (e.g. inputs that do not fit: record, go on)
+        rec["error"] = short_error(e)
+        print(f"    FAILED: {rec['error']}", flush=True)
+      data["results"].append(rec)
+      write_json(data, json_path)
   except (Interrupted, KeyboardInterrupt) as e:
     data["meta"]["interrupted"] = f"{type(e).__name__} {e} after {time.perf_counter() - t_start:.0f} s"
     print(f"interrupted: {data['meta']['interrupted']}", flush=True)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse import dispatch, tuning
+from jsparse._progress import progress_bar
 from pallas_kernels import gather_gemm as gather_gemm_lib
 from pallas_kernels import weight_grad as weight_grad_lib
 from pallas_kernels.gemm_plan import masked_plan, pair_lists
@@ -267,7 +268,7 @@ def autotune(fn: Callable, *args: Any, passes: Sequence[str] = tuning.PASSES, wa
     raise ValueError("autotune: fn ran no Pallas convolution (is implementation 'xla' or no GPU?)")
   entries: dict[str, tuning.PassConfig] = {}
   done = set()
-  for call in calls:
+  for call in progress_bar(calls, "autotune", unit="conv"):
     key = (call.nbr.shape, None if call.transposed is None else call.transposed.shape, call.cin, call.cout,
            jnp.dtype(call.dtype).name, call.weight_layout)
     if key in done:

@@ -8,13 +8,14 @@ T = TypeVar("T")
 
 
 def progress_bar(iterable: Iterable[T], desc: str, *, total: int | None = None, unit: str = "it") -> Iterable[T]:
-  """`iterable` with a tqdm bar on stderr, or `iterable` itself when tqdm is missing.
+  """`iterable` with a tqdm bar, or `iterable` itself when tqdm is missing.
 
-  The bar shows only when stderr is a terminal (tqdm's `disable=None`), so logs of runs on remote machines get
-  no carriage-return noise; `TQDM_DISABLE=1` in the environment turns it off everywhere.
+  tqdm.auto draws a widget in Jupyter (with ipywidgets) and a text bar on a terminal's stderr; `disable=None`
+  hides the text bar when stderr is not a terminal, so logs of remote runs get no carriage-return noise.
+  `TQDM_DISABLE=1` in the environment turns every bar off.
   """
   try:
-    from tqdm import tqdm
+    from tqdm.auto import tqdm
   except ImportError:
     return iterable
   return tqdm(iterable, desc=desc, total=total, unit=unit, disable=None, leave=False, dynamic_ncols=True)

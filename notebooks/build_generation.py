@@ -31,6 +31,10 @@ import jax, jax.numpy as jnp, numpy as np
 import flax.linen as nn
 import optax
 import matplotlib.pyplot as plt
+try:
+    from tqdm.auto import tqdm               # progress bars over the training loops, if tqdm is installed
+except ImportError:
+    tqdm = lambda iterable, **kwargs: iterable
 import jsparse
 import jsparse.nn as snn
 from jsparse.norm import activation
@@ -178,7 +182,7 @@ print(f"VAE: {sum(p.size for p in jax.tree_util.tree_leaves(params)):,} paramete
     new_markdown_cell("""## 3. Training the VAE
 A jitted optax step (Adam with a cosine schedule). All batches share one capacity per level, so it compiles
 once; the first step includes compilation."""),
-    new_code_cell("""def progress(step, total, t0, **metrics):   # tqdm is optional: a plain line every few steps
+    new_code_cell("""def progress(step, total, t0, **metrics):   # a line every few steps: the metrics stay in the output
     text = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
     print(f"step {step:5d}/{total} | {text} | {time.time() - t0:5.1f}s", flush=True)
 
@@ -194,7 +198,7 @@ def vae_step(params, opt_state, x, mid, fine, key):
     return optax.apply_updates(params, updates), opt_state, loss, parts
 
 history, t0 = [], time.time()
-for step in range(VAE_STEPS):
+for step in tqdm(range(VAE_STEPS), desc="VAE"):
     i = step % num_batches
     params, opt_state, loss, parts = vae_step(params, opt_state, batches[i], mids[i], fines[i], jax.random.key(1000 + step))
     history.append([float(loss), *map(float, parts)])
@@ -337,7 +341,7 @@ def prior_step(p, ema, s, x1, key):
 
 prior_hist, t0 = [], time.time()
 rng = np.random.default_rng(0)
-for step in range(PRIOR_STEPS):
+for step in tqdm(range(PRIOR_STEPS), desc="prior"):
     prior_params, ema_params, prior_state, loss = prior_step(
         prior_params, ema_params, prior_state, grids[rng.integers(0, len(grids), PRIOR_BATCH)], jax.random.key(step))
     prior_hist.append(float(loss))

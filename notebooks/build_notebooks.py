@@ -78,7 +78,7 @@ print("grads:", g_feats.shape, g_w.shape, g_w2.shape, "| padding rows get zero g
 `jsparse.nn` has flax.linen layers with `nn.Conv`'s argument names: a tiny sparse U-Net."""),
     new_code_cell("""from jsparse.nn import SparseUNet
 model = SparseUNet(features=(8, 16), out_features=1, norm="group", num_groups=4)
-variables = model.init(jax.random.key(3), x)
+variables = jax.jit(model.init)(jax.random.key(3), x)   # jitted: one compiled program, not op by op
 out = jax.jit(model.apply)(variables, x)
 n_params = sum(p.size for p in jax.tree_util.tree_leaves(variables))
 print(out, "|", n_params, "parameters")"""),

@@ -31,7 +31,9 @@ class FakeTqdm:
 @pytest.fixture
 def fake_tqdm(monkeypatch):
   FakeTqdm.made = []
-  monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=FakeTqdm))
+  module = types.SimpleNamespace(tqdm=FakeTqdm)
+  monkeypatch.setitem(sys.modules, "tqdm", module)
+  monkeypatch.setitem(sys.modules, "tqdm.auto", module)
   return FakeTqdm
 
 
@@ -46,7 +48,7 @@ def test_with_tqdm_a_terminal_only_bar_wraps_the_iterable(fake_tqdm):
   assert out == [0, 1, 2, 3]
   (bar,) = fake_tqdm.made
   assert bar.kwargs["desc"] == "work" and bar.kwargs["unit"] == "step"
-  assert bar.kwargs["disable"] is None  # tqdm's "only on a terminal"
+  assert bar.kwargs["disable"] is None  # tqdm's "not when stderr is a file or a pipe"
 
 
 def test_autotune_shows_a_bar_over_the_recorded_convolutions(fake_tqdm, monkeypatch):

@@ -33,16 +33,6 @@ def triple(value, name: str, module: str) -> tuple[int, int, int]:
     raise type(e)(f"{module}: {e}") from None
 
 
-def explicit_padding(value, module: str) -> tuple[int, int, int]:
-  """Strided sparse convolutions and pools take ints or "VALID" (= 0); their output sites depend on the
-  padding, so "SAME"-style padding is not offered."""
-  if isinstance(value, str):
-    if value.upper() == "VALID":
-      return (0, 0, 0)
-    raise ValueError(f"{module}: padding must be ints or 'VALID', got {value!r}")
-  return triple(value, "padding", module)
-
-
 def submanifold_geometry(module: str, kernel_size, strides, padding, kernel_dilation):
   """(kernel_size, dilation) triples of a submanifold convolution, after checking what nn.Conv would accept
   but a submanifold convolution cannot (even kernels, strides, padding other than "SAME")."""

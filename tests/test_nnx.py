@@ -78,8 +78,9 @@ CONVS = {
                     lambda dt, r: snnx.SparseConv3d(3, 4, 3, strides=2, padding=1, out_capacity=256, dtype=dt,
                                                     param_dtype=dt, rngs=r),
                     "x"),
-    "inverse_conv": (lambda dt: snn.SparseInverseConv3d(5, 2, strides=2, dtype=dt, param_dtype=dt),
-                     lambda dt, r: snnx.SparseInverseConv3d(4, 5, 2, strides=2, dtype=dt, param_dtype=dt, rngs=r),
+    "inverse_conv": (lambda dt: snn.SparseInverseConv3d(5, 2, strides=2, padding=0, dtype=dt, param_dtype=dt),
+                     lambda dt, r: snnx.SparseInverseConv3d(4, 5, 2, strides=2, padding=0, dtype=dt, param_dtype=dt,
+                                                            rngs=r),
                      "inverse"),
     "conv_transpose": (lambda dt: snn.SparseConvTranspose3d(2, strides=(2, 1, 2), out_capacity=1024, dtype=dt,
                                                             param_dtype=dt),
@@ -227,6 +228,34 @@ def test_batch_norm_train_eval_and_running_statistics():
     model(x)
 
 
+def test_batch_norm_pools_statistics_over_a_mapped_axis():
+  """axis_name: under a mapped axis (vmap here, shard_map across devices) the statistics are those of every
+  member's valid rows together, though the members hold different numbers of rows."""
+  rng = np.random.default_rng(4)
+  parts = []
+  for n in (30, 55):
+    coords = np.argwhere(rng.random((1, 6, 6, 6)) < 0.5)[:n].astype(np.int32)
+    feats = (3.0 + 2.0 * rng.standard_normal((n, 4))).astype(np.float32)
+    parts.append(jsparse.SparseTensor.from_coords(coords, feats, (6, 6, 6), 1, capacity=64))
+  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), *parts)
+  model = snnx.SparseBatchNorm(4, momentum=0.5, axis_name="members", rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+
+  def member(state, x):
+    bn = nnx.merge(graphdef, state)
+    y = bn(x)
+    return y.feats, nnx.state(bn, nnx.BatchStat)
+
+  feats, stats = jax.jit(jax.vmap(member, in_axes=(None, 0), axis_name="members"))(state, stacked)
+  rows = np.concatenate([np.asarray(p.feats[:int(p.num)]) for p in parts]).astype(np.float64)
+  mean, var = rows.mean(0), rows.var(0)
+  for k, p in enumerate(parts):
+    want = (np.asarray(p.feats[:int(p.num)]) - mean) / np.sqrt(var + 1e-5)
+    np.testing.assert_allclose(np.asarray(feats[k, :int(p.num)]), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(stats["mean"][k]), 0.5 * mean, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(stats["var"][k]), 0.5 + 0.5 * var, rtol=1e-5)
+
+
 # ---- models and conversion -------------------------------------------------------------------------------
 
 
@@ -300,8 +329,10 @@ def test_bad_arguments_errors():
     snnx.SubMConv3d(0, 4, rngs=r)
   with pytest.raises(ValueError, match="kernel_layout must be one of"):
     snnx.SparseConv3d(3, 4, kernel_layout="OIDHW", rngs=r)
-  with pytest.raises(ValueError, match="padding must be ints or 'VALID'"):
-    snnx.SparseConv3d(3, 4, padding="SAME", rngs=r)
+  with pytest.raises(ValueError, match="SparseConv3d: padding must be"):
+    snnx.SparseConv3d(3, 4, padding="FULL", rngs=r)
+  with pytest.raises(ValueError, match="SparseMaxPool3d: padding must be"):
+    snnx.SparseMaxPool3d(2, padding="FULL")
   with pytest.raises(TypeError, match="rngs must be an nnx.Rngs"):
     snnx.SubMConv3d(3, 4, rngs=0)
   with pytest.raises(ValueError, match="expects 5 input channels but the input SparseTensor has 3"):

@@ -16,7 +16,6 @@ from typing import Sequence
 import flax.linen as nn
 
 from jsparse import pool, sparse_conv
-from jsparse._layer_rules import explicit_padding
 from jsparse.nn.layers import ConvParams, _check_sparse
 from jsparse.nn.layers import _triple as _triple_named
 from jsparse.sparse_tensor import SparseTensor
@@ -33,7 +32,11 @@ def _triple(value, name: str, module) -> tuple[int, int, int]:
 
 
 def _padding(value, module) -> tuple[int, int, int]:
-  return explicit_padding(value, type(module).__name__)
+  if isinstance(value, str):
+    if value.upper() == "VALID":
+      return (0, 0, 0)
+    raise ValueError(f"{type(module).__name__}: padding must be ints or 'VALID', got {value!r}")
+  return _triple(value, "padding", module)
 
 
 class SparseConv3d(ConvParams):

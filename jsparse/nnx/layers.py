@@ -17,6 +17,8 @@ from flax.nnx import initializers
 from jsparse import _layer_rules as rules
 from jsparse import norm, pool, sparse_conv
 from jsparse.conv import submconv3d
+# The linen layers' own reading of `padding`, so that both families accept and reject the same values.
+from jsparse.nn.sparse_conv_layers import _padding as conv_padding
 from jsparse.sparse_tensor import SparseTensor
 
 Dtype = Any
@@ -28,6 +30,11 @@ __all__ = ["SubMConv3d", "SparseConv3d", "SparseInverseConv3d", "SparseConvTrans
 default_kernel_init = initializers.lecun_normal()  # as nnx.Conv and nn.Conv
 _zeros = initializers.zeros_init()
 _ones = initializers.ones_init()
+
+
+def _hashable(value):
+  """A hyper-parameter as nnx keeps it static: a list of ints becomes a tuple (nnx would hold a list as data)."""
+  return tuple(value) if isinstance(value, list) else value
 
 
 class _ConvParams(nnx.Module):
@@ -113,7 +120,8 @@ class SparseConv3d(_ConvParams):
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
                     implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
     self.kernel_size, self.strides = ks, rules.triple(strides, "strides", name)
-    self.padding = rules.explicit_padding(padding, name)
+    conv_padding(padding, self)  # checked now, read at each call
+    self.padding = _hashable(padding)
     self.kernel_dilation = rules.triple(kernel_dilation, "kernel_dilation", name)
     self.out_capacity = out_capacity
 
@@ -121,7 +129,8 @@ class SparseConv3d(_ConvParams):
     """The strided convolution of x; the output carries the pair map for SparseInverseConv3d."""
     x, kernel, bias = self._conv_inputs(x)
     return sparse_conv.sparse_conv3d(
-        x, kernel, bias, stride=self.strides, padding=self.padding, dilation=self.kernel_dilation,
+        x, kernel, bias, stride=self.strides, padding=conv_padding(self.padding, self),
+        dilation=self.kernel_dilation,
         out_capacity=self.out_capacity if out_capacity is None else out_capacity,
         implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
 
@@ -143,7 +152,8 @@ class SparseInverseConv3d(_ConvParams):
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
                     implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
     self.kernel_size, self.strides = ks, rules.triple(strides, "strides", name)
-    self.padding = rules.explicit_padding(padding, name)
+    conv_padding(padding, self)  # checked now, read at each call
+    self.padding = _hashable(padding)
     self.kernel_dilation = rules.triple(kernel_dilation, "kernel_dilation", name)
 
   def __call__(self, y: SparseTensor, *, like: SparseTensor) -> SparseTensor:
@@ -151,7 +161,8 @@ class SparseInverseConv3d(_ConvParams):
     y, kernel, bias = self._conv_inputs(y)
     like = rules.check_sparse(like, type(self).__name__)
     return sparse_conv.sparse_inverse_conv3d(
-        y, kernel, bias, like=like, stride=self.strides, padding=self.padding, dilation=self.kernel_dilation,
+        y, kernel, bias, like=like, stride=self.strides, padding=conv_padding(self.padding, self),
+        dilation=self.kernel_dilation,
         implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
 
 
@@ -183,8 +194,9 @@ class SparseConvTranspose3d(_ConvParams):
 class _Pool(nnx.Module):
   def __init__(self, kernel_size: int | Sequence[int] = 2, strides: int | Sequence[int] | None = None,
                padding: int | Sequence[int] | str = 0, *, out_capacity: int | None = None):
-    self.kernel_size, self.strides, self.out_capacity = kernel_size, strides, out_capacity
-    self.padding = rules.explicit_padding(padding, type(self).__name__)
+    conv_padding(padding, self)  # checked now, read at each call
+    self.kernel_size, self.strides = _hashable(kernel_size), _hashable(strides)
+    self.padding, self.out_capacity = _hashable(padding), out_capacity
 
 
 class SparseMaxPool3d(_Pool):
@@ -194,7 +206,7 @@ class SparseMaxPool3d(_Pool):
   def __call__(self, x: SparseTensor) -> SparseTensor:
     """The pooled tensor."""
     return pool.sparse_max_pool3d(rules.check_sparse(x, type(self).__name__), self.kernel_size, self.strides,
-                                  self.padding, out_capacity=self.out_capacity)
+                                  conv_padding(self.padding, self), out_capacity=self.out_capacity)
 
 
 class SparseAvgPool3d(_Pool):
@@ -204,7 +216,7 @@ class SparseAvgPool3d(_Pool):
   def __call__(self, x: SparseTensor) -> SparseTensor:
     """The pooled tensor."""
     return pool.sparse_avg_pool3d(rules.check_sparse(x, type(self).__name__), self.kernel_size, self.strides,
-                                  self.padding, out_capacity=self.out_capacity)
+                                  conv_padding(self.padding, self), out_capacity=self.out_capacity)
 
 
 class _Affine(nnx.Module):

@@ -92,11 +92,12 @@ class SparseUNet(nnx.Module):
     # Named attributes (not lists) so that the variable paths are the linen model's.
     for level, width in enumerate(features[1:]):
       setattr(self, f"down_block{level}", block(features[level], features[level]))
-      setattr(self, f"down{level}", SparseConv3d(features[level], width, kernel_size=2, strides=2, **common))
+      setattr(self, f"down{level}", SparseConv3d(features[level], width, kernel_size=2, strides=2,
+                                                 padding="VALID", **common))
     self.bottom = block(features[-1], features[-1])
     for level in range(len(features) - 1):
       setattr(self, f"up{level}", SparseInverseConv3d(features[level + 1], features[level], kernel_size=2,
-                                                      strides=2, **common))
+                                                      strides=2, padding="VALID", **common))
       setattr(self, f"up_block{level}", block(2 * features[level], features[level]))
     self.head = SubMConv3d(features[0], out_features, kernel_size=1, **common)
     self.features, self.activation = features, activation

@@ -209,7 +209,8 @@ def run(cfg: Config, counts: list[int]) -> dict:
   x0 = device_inputs(cfg, 1)[0][0]
   log(f"input per device: RES {cfg.res} shell x {cfg.batch_size} = {int(x0.num)} voxels "
       f"(capacity {x0.capacity}), C = {cfg.channels}, {cfg.dtype}")
-  variables = model.init(jax.random.key(0, impl="unsafe_rbg"), x0)  # rbg: quick to compile on a CPU
+  # jitted: eager init dispatches every op of the forward pass; rbg keys are quick to compile on a CPU
+  variables = jax.jit(model.init)(jax.random.key(0, impl="unsafe_rbg"), x0)
   params = variables["params"]
   init_state = (params, optimizer.init(params), variables["batch_stats"])
   log(f"parameters: {sum(a.size for a in jax.tree.leaves(params)):,}")

@@ -6,7 +6,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax import lax
 
 import jsparse
 import jsparse.nn as snn

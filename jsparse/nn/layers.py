@@ -17,7 +17,7 @@ from flax.linen import initializers
 from jsparse import _layer_rules as rules
 from jsparse import norm
 from jsparse._layer_rules import check_sparse as _check_sparse
-from jsparse._layer_rules import triple as _triple
+from jsparse._layer_rules import triple as _triple  # noqa: F401  (sparse_conv_layers.py imports it from here)
 from jsparse.conv import submconv3d
 from jsparse.sparse_tensor import SparseTensor
 

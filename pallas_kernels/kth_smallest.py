@@ -1,4 +1,4 @@
-"""The k-th smallest non-negative int32 key of an array, computed only when a count says it is needed (Pallas -> Triton).
+"""The k-th smallest non-negative int32 key of an array, found only when a count says it is needed (Pallas -> Triton).
 
 Arrays in, arrays out. A strided convolution's site search keeps the `out_capacity` smallest of its distinct output
 keys; it needs the cut-off key only when they overflow. A ``lax.cond`` on the count would make XLA copy the
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl

@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test test-fast gpu-test bench clean
+.PHONY: venv demo test test-fast lint gpu-test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@PYTHON_BIN=$$(scripts/find_python.sh) && echo "using $$PYTHON_BIN" && "$$PYTHON_BIN" -m venv $(VENV)
@@ -18,6 +18,14 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# Everything but the tests marked slow (the notebooks): the everyday loop while editing.
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow"
+
+# ruff (pyproject's [tool.ruff]) over the code; `pip install ruff` or the dev extra.
+lint:
+	$(PY) -m ruff check .
 
 # On a GPU machine (jax with CUDA already installed there): the real Triton kernels against the XLA path.
 gpu-test:

@@ -6,6 +6,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.slow  # a quarter of the CPU suite's time: `make test-fast` leaves them out
+
 NOTEBOOKS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "notebooks", "*.ipynb")))
 
 # Fewer optimizer steps for the test run, set in a cell inserted right after the cell that defines them: every

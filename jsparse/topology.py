@@ -1,0 +1,273 @@
+"""Ops that change which sites a SparseTensor holds, or read one tensor's sites in another (MinkowskiEngine's
+pruning and union, coarse-to-fine labels), and feature dropout.
+
+Every site lookup here sorts linear site keys and binary-searches them (neighbors.sorted_site_keys,
+neighbors.lookup_keys), so there is no hash table and no scatter. Moving features between two row sets goes
+through `gather_rows`, whose gradient is the gather the other way (each source row lands in at most one
+output row, so the transposed map is known): no scatter-add in the forward or backward pass.
+
+Capacities follow the rest of the library: an int (required under jit), "exact" (the count) or None (a
+bucket, `round_capacity`); `select` defaults to its input's capacity, which always fits. Sites that do not
+fit raise ValueError outside jit; under jit the output's overflow flag is set (`jsparse.overflowed`),
+`jax.experimental.checkify` reports the op and counts, and `with_overflow=True` also returns this op's flag.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jsparse import per_item
+from jsparse._types import ArrayLike, Capacity, Size3
+from jsparse.neighbors import as_triple, lookup_keys, sorted_site_keys
+from jsparse.sampling import lookup_rows
+from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_sparse_tensor, report,
+                                   resolve_capacity, site_keys, sites_of_keys)
+
+__all__ = ["select", "union", "add", "multiply", "broadcast_per_item", "child_labels", "dropout", "gather_rows"]
+
+_BIG = jnp.iinfo(jnp.int32).max
+
+
+# ---- gathers whose gradient is a gather ----------------------------------------------------------------
+
+
+@jax.custom_vjp
+def _gather(values, rows, back):
+  return jnp.where((rows >= 0)[:, None], values[jnp.maximum(rows, 0)], 0).astype(values.dtype)
+
+
+def _gather_fwd(values, rows, back):
+  return _gather(values, rows, back), (rows, back, values.shape[0])
+
+
+def _gather_bwd(res, g):
+  rows, back, _ = res
+  # Each source row feeds at most one output row (back names it), so the transposed gather is exact.
+  return _gather(g, back, rows), None, None
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def gather_rows(values: jax.Array, rows: jax.Array, back: jax.Array) -> jax.Array:
+  """values [N, C] read at `rows` [M] (int32, -1 gives a zero row), for an injective map.
+
+  back [N]: the output row that reads each source row, or -1 (the inverse of rows: rows[back[j]] == j
+  wherever back[j] >= 0). The gradient is then the gather g[back], with no scatter-add; a map that is not
+  injective needs another gradient.
+  """
+  return _gather(values, rows.astype(jnp.int32), back.astype(jnp.int32))
+
+
+# ---- select / prune ----------------------------------------------------------------------------------
+
+
+def _check_row_mask(x: SparseTensor, mask, name: str = "mask") -> jax.Array:
+  mask = jnp.asarray(mask)
+  if mask.shape != (x.capacity,) or mask.dtype != jnp.bool_:
+    raise ValueError(f"{name} must be bool [capacity={x.capacity}], got {mask.dtype} {tuple(mask.shape)}")
+  return mask
+
+
+def _finish(op: str, what: str, count, capacity: int, with_overflow: bool):
+  overflow = count > capacity
+  report(overflow, f"{op}: {{count}} {what} do not fit in capacity={capacity}; the {what} past it were dropped",
+         eager=not with_overflow, count=count)
+  return overflow
+
+
+def select(x: SparseTensor, mask: ArrayLike, *, capacity: Capacity = None,
+           with_overflow: bool = False) -> SparseTensor | tuple[SparseTensor, jax.Array]:
+  """The rows of x where `mask` is True (pruning, as MinkowskiEngine's MinkowskiPruning), in x's row order.
+
+  mask: bool [x.capacity]; rows at or past x.num are never kept. capacity: rows of the result; None (default)
+  keeps x.capacity (always fits, and works under jit), "exact" the count, or an int (under jit, kept rows past
+  it are dropped and flagged, module docstring). Differentiable with respect to x.feats; the gradient of a
+  dropped row is zero. The result has no neighbour maps (its coordinates are new) and x's overflow flag.
+  """
+  check_sparse_tensor(x)
+  keep = _check_row_mask(x, mask) & x.valid_mask()
+  count = jnp.sum(keep, dtype=jnp.int32)
+  capacity = x.capacity if capacity is None else resolve_capacity(capacity, count, "capacity", "kept rows")
+  overflow = _finish("select", "kept rows", count, capacity, with_overflow)
+  # The output row of each kept input row is its rank among the kept ones.
+  rank = jnp.cumsum(keep, dtype=jnp.int32) - 1
+  back = jnp.where(keep & (rank < capacity), rank, -1)
+  (rows,) = jnp.nonzero(keep, size=capacity, fill_value=-1)
+  rows = rows.astype(jnp.int32)
+  coords = jnp.where((rows >= 0)[:, None], x.coords[jnp.maximum(rows, 0)], -1)
+  out = SparseTensor(coords, gather_rows(x.feats, rows, back), jnp.minimum(count, capacity), x.spatial_shape,
+                     x.batch_size, overflow=x.overflow | overflow)
+  return (out, overflow) if with_overflow else out
+
+
+# ---- union ---------------------------------------------------------------------------------------------
+
+
+def _check_same_grid(op: str, a: SparseTensor, b: SparseTensor) -> None:
+  check_sparse_tensor(a, "a")
+  check_sparse_tensor(b, "b")
+  if (a.spatial_shape, a.batch_size) != (b.spatial_shape, b.batch_size):
+    raise ValueError(f"{op}: a and b must be on one grid: spatial_shape/batch_size {(a.spatial_shape, a.batch_size)}"
+                     f" vs {(b.spatial_shape, b.batch_size)}")
+
+
+def _masked_keys(x: SparseTensor) -> tuple[jax.Array, ...]:
+  return tuple(jnp.where(x.valid_mask(), k, _BIG) for k in site_keys(x.coords, x.spatial_shape, x.key_width))
+
+
+def _sites_only(coords, num, spatial_shape, batch_size) -> SparseTensor:
+  return SparseTensor(coords, jnp.zeros((coords.shape[0], 1), jnp.float32), num, spatial_shape, batch_size)
+
+
+@functools.partial(jax.jit, static_argnames=("spatial_shape", "batch_size", "capacity"))
+def _union_sites(a_coords, a_num, b_coords, b_num, spatial_shape, batch_size: int, capacity: int):
+  """(out_coords, count, a_rows, b_rows, a_back, b_back): the union's first `capacity` sites by key, the row
+  of each in a and b (or -1), and the output row of each row of a and b (or -1)."""
+  a = _sites_only(a_coords, a_num, spatial_shape, batch_size)
+  b = _sites_only(b_coords, b_num, spatial_shape, batch_size)
+  keys_a, keys_b = _masked_keys(a), _masked_keys(b)
+  merged = lax.sort(tuple(jnp.concatenate([ka, kb]) for ka, kb in zip(keys_a, keys_b)), num_keys=len(keys_a))
+  merged = merged if isinstance(merged, tuple) else (merged,)
+  empty, new = jnp.ones(merged[0].shape, bool), jnp.zeros(merged[0].shape, bool)
+  for w in merged:  # a key starts a run when a word differs from the previous key's; empty keys are _BIG
+    empty = empty & (w == _BIG)
+    new = new | (w != jnp.concatenate([jnp.full((1,), -1, w.dtype), w[:-1]]))
+  heads = new & ~empty
+  count = jnp.sum(heads, dtype=jnp.int32)
+  (pos,) = jnp.nonzero(heads, size=capacity, fill_value=merged[0].shape[0])
+  out_keys = tuple(jnp.concatenate([w, jnp.full((1,), _BIG, w.dtype)])[pos] for w in merged)  # ascending
+  filled = jnp.arange(capacity) < jnp.minimum(count, capacity)
+  coords = sites_of_keys(tuple(jnp.where(filled, w, 0) for w in out_keys), batch_size, spatial_shape)
+  coords = jnp.where(filled[:, None], coords, -1)
+  rows = []
+  for x in (a, b):
+    sorted_keys, order = sorted_site_keys(x)
+    rows.append(lookup_keys(sorted_keys, order, out_keys, filled))
+  backs = [lookup_keys(out_keys, None, keys, x.valid_mask()) for keys, x in ((keys_a, a), (keys_b, b))]
+  return coords, count, rows[0], rows[1], backs[0], backs[1]
+
+
+def _union(op: str, a: SparseTensor, b: SparseTensor, capacity, with_overflow: bool):
+  _check_same_grid(op, a, b)
+  capacity = check_capacity(capacity)
+  grid = (a.spatial_shape, a.batch_size)
+  if capacity is None or capacity == EXACT:
+    count = _union_sites(a.coords, a.num, b.coords, b.num, *grid, a.capacity + b.capacity)[1]
+    capacity = resolve_capacity(capacity, count, "capacity", "union sites")
+  coords, count, a_rows, b_rows, a_back, b_back = _union_sites(a.coords, a.num, b.coords, b.num, *grid, capacity)
+  overflow = _finish(op, "union sites", count, capacity, with_overflow)
+  flag = a.overflow | b.overflow | overflow
+  num = jnp.minimum(count, capacity)
+  a_out = SparseTensor(coords, gather_rows(a.feats, a_rows, a_back), num, *grid, overflow=flag)
+  b_out = SparseTensor(coords, gather_rows(b.feats, b_rows, b_back), num, *grid, overflow=flag)
+  return a_out, b_out, overflow
+
+
+def union(a: SparseTensor, b: SparseTensor, *, capacity: Capacity = None,
+          with_overflow: bool = False) -> tuple[SparseTensor, SparseTensor] | tuple[SparseTensor, SparseTensor,
+                                                                                     jax.Array]:
+  """(a', b'): a and b placed on the union of their sites, with zero features where a tensor has no site.
+
+  a and b must share spatial_shape and batch_size; their channels and dtypes may differ. a' and b' have the
+  same coords (sorted by linear key) and num, so `jsparse.concat(a', b')` or any element-wise op of their
+  features works on them (`add` and `multiply` are two). capacity: rows of the result (None: a bucket of the
+  count, "exact": the count, both outside jit only; an int under jit, overflow as the module docstring says).
+  Differentiable with respect to both tensors' features. The overflow flags of a and b carry over.
+  """
+  a_out, b_out, overflow = _union("union", a, b, capacity, with_overflow)
+  return (a_out, b_out, overflow) if with_overflow else (a_out, b_out)
+
+
+def _elementwise(op: str, fn, a: SparseTensor, b: SparseTensor, capacity, with_overflow):
+  check_sparse_tensor(a, "a")
+  check_sparse_tensor(b, "b")
+  if a.num_channels != b.num_channels or a.dtype != b.dtype:
+    raise ValueError(f"{op}: a and b need the same channels and dtype, got {a.num_channels} {a.dtype} and "
+                     f"{b.num_channels} {b.dtype}")
+  a_u, b_u, overflow = _union(op, a, b, capacity, with_overflow)
+  out = a_u.replace(feats=fn(a_u.feats, b_u.feats).astype(a.dtype))
+  return (out, overflow) if with_overflow else out
+
+
+def add(a: SparseTensor, b: SparseTensor, *, capacity: Capacity = None,
+        with_overflow: bool = False) -> SparseTensor | tuple[SparseTensor, jax.Array]:
+  """a + b on the union of their sites (MinkowskiEngine's MinkowskiUnion): a site of one tensor only keeps
+  its features, as adding the dense tensors and reading the union's sites. Same channels and dtype; capacity
+  and overflow as `union`."""
+  return _elementwise("add", jnp.add, a, b, capacity, with_overflow)
+
+
+def multiply(a: SparseTensor, b: SparseTensor, *, capacity: Capacity = None,
+             with_overflow: bool = False) -> SparseTensor | tuple[SparseTensor, jax.Array]:
+  """a * b on the union of their sites, as multiplying the dense tensors and reading the union's sites: a
+  site of one tensor only gets zeros. Same channels and dtype; capacity and overflow as `union`."""
+  return _elementwise("multiply", jnp.multiply, a, b, capacity, with_overflow)
+
+
+# ---- per-item vectors, child labels, dropout ------------------------------------------------------------
+
+
+def broadcast_per_item(x: SparseTensor, values: ArrayLike) -> SparseTensor:
+  """A tensor on x's sites whose row i holds values[batch of row i] (e.g. a per-shape latent or class
+  embedding placed on every voxel of its shape; add it with `x.replace(feats=x.feats + y.feats)` or
+  concatenate it with `jsparse.concat`).
+
+  values: floating [x.batch_size, C]. Padding rows stay zero. Differentiable with respect to values; the
+  gradient is a per-item sum by a one-hot product (jsparse.per_item), not a scatter-add.
+  """
+  check_sparse_tensor(x)
+  values = jnp.asarray(values)
+  if values.ndim != 2 or values.shape[0] != x.batch_size:
+    raise ValueError(f"values must be [batch_size={x.batch_size}, C], got shape {values.shape}")
+  if not jnp.issubdtype(values.dtype, jnp.floating):
+    raise TypeError(f"values must be floating point, got dtype {values.dtype}")
+  feats = per_item.per_row(per_item.item_one_hot(x), values).astype(values.dtype)
+  return SparseTensor(x.coords, feats, x.num, x.spatial_shape, x.batch_size, caches=x.caches, overflow=x.overflow)
+
+
+def child_labels(coarse: SparseTensor, fine: SparseTensor, stride: Size3 = 2) -> jax.Array:
+  """bool [coarse.capacity, sx*sy*sz]: which children of each coarse site are sites of `fine`.
+
+  Child t of site c is c * stride + (i, j, k), t the C-order index of (i, j, k) in [0, stride)^3: the child
+  order of `sparse_conv_transpose3d`'s mask, so the result is the teacher-forcing mask and the occupancy
+  target of a coarse-to-fine decoder. coarse.spatial_shape must be ceil(fine.spatial_shape / stride) (the
+  output grid of a kernel-size-equals-stride convolution of fine, padded "SAME"); padding rows are all False.
+  """
+  check_sparse_tensor(coarse, "coarse")
+  check_sparse_tensor(fine, "fine")
+  st = as_triple(stride, "stride")
+  if min(st) < 1:
+    raise ValueError(f"stride must be >= 1, got {st}")
+  expected = tuple(-(-n // s) for n, s in zip(fine.spatial_shape, st))
+  if coarse.spatial_shape != expected or coarse.batch_size != fine.batch_size:
+    raise ValueError(f"coarse (spatial_shape={coarse.spatial_shape}, batch_size={coarse.batch_size}) is not the "
+                     f"stride-{st} grid of fine (expected spatial_shape={expected}, batch_size={fine.batch_size})")
+  t = math.prod(st)
+  child = jnp.stack(jnp.unravel_index(jnp.arange(t), st), axis=-1).astype(jnp.int32)  # [T, 3], C order
+  xyz = coarse.coords[:, None, 1:] * jnp.asarray(st, jnp.int32) + child[None]
+  query = jnp.concatenate([jnp.broadcast_to(coarse.coords[:, None, :1], (coarse.capacity, t, 1)), xyz], axis=-1)
+  ok = jnp.broadcast_to(coarse.valid_mask()[:, None], (coarse.capacity, t))
+  return lookup_rows(fine, query, ok) >= 0
+
+
+def dropout(x: SparseTensor, rate: float, *, rng: jax.Array | None = None,
+            deterministic: bool = False) -> SparseTensor:
+  """flax's nn.Dropout on the features: each entry is zeroed with probability `rate` and the rest scaled by
+  1 / (1 - rate). deterministic=True (or rate 0) returns x unchanged; rng (a jax.random key) is required
+  otherwise. Padding rows stay zero; the coordinates and maps are x's."""
+  check_sparse_tensor(x)
+  if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0.0 <= rate <= 1.0:
+    raise ValueError(f"rate must be a number in [0, 1], got {rate!r}")
+  if deterministic or rate == 0.0:
+    return x
+  if rate == 1.0:
+    return x.replace(feats=jnp.zeros_like(x.feats))
+  if rng is None:
+    raise ValueError("dropout needs rng (a jax.random key) unless deterministic=True")
+  keep = jax.random.bernoulli(rng, 1.0 - rate, x.feats.shape) & x.valid_mask()[:, None]
+  return x.replace(feats=jnp.where(keep, x.feats / (1.0 - rate), 0).astype(x.dtype))

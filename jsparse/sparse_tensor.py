@@ -412,8 +412,28 @@ class SparseTensor:
     """A copy that carries `cache` (a neighbour map of these coordinates) under `key`."""
     return dataclasses.replace(self, caches={**self.caches, key: cache})
 
-  def todense(self) -> jax.Array:
-    """The dense [B, X, Y, Z, C] array (zeros at inactive sites)."""
+  @property
+  def features(self) -> jax.Array:
+    """spconv's name for `feats` ([capacity, C], padding rows included: spconv's has only the N sites)."""
+    return self.feats
+
+  @property
+  def indices(self) -> jax.Array:
+    """spconv's name for `coords` (int32 [capacity, 4], padding rows -1); its columns follow the axis order of
+    spatial_shape, so spconv's (batch, z, y, x) indices with spatial_shape (Z, Y, X) carry over as they are."""
+    return self.coords
+
+  def replace_feature(self, feats: jax.Array) -> "SparseTensor":
+    """spconv's name for `replace(feats=feats)`."""
+    return self.replace(feats=feats)
+
+  def todense(self, channels_first: bool = False) -> jax.Array:
+    """The dense [B, X, Y, Z, C] array (zeros at inactive sites); [B, C, X, Y, Z] with channels_first=True
+    (spconv's `dense()` layout)."""
+    if not isinstance(channels_first, (bool, np.bool_)):
+      raise TypeError(f"channels_first must be a bool, got {channels_first!r}")
+    if channels_first:
+      return jnp.moveaxis(self.todense(), -1, 1)
     x, y, z = self.spatial_shape
     valid = self.valid_mask()
     # Out-of-range indices make the scatter drop padding rows.

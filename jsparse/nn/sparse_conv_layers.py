@@ -2,15 +2,17 @@
 
 Parameters are named and laid out as flax's nn.Conv: "kernel" (*kernel_size, in_features, features) and
 "bias" (features,); or "kernel" (features, *kernel_size, in_features) with kernel_layout="ODHWI" (ConvParams).
-`padding` is an int or 3 ints (explicit symmetric padding per axis, as
-lax.conv_general_dilated's [(p, p)] * 3), or "VALID" (= 0); "SAME"-style padding is not offered because a
-strided sparse convolution's output sites depend on it and explicit ints keep that visible.
+`padding` is as nn.Conv's, default "SAME": "SAME" (output grid ceil(X / stride) per axis, lax's split of the
+padding, the larger half after the grid), "VALID" (= 0), an int or 3 ints (symmetric padding per axis, as
+lax.conv_general_dilated's [(p, p)] * 3). nn.Conv's list of (low, high) pairs is not offered. kernel_size is
+required, as nn.Conv's. spconv's SparseConv3d pads 0 by default: pass padding=0 (or "VALID") to port one.
 An `out_capacity` too small for the output sites behaves as in the functional ops: ValueError outside jit;
 under jit the output's flag, `jsparse.overflowed(y)`, and (inside `jsparse.error_checks()`) a
 `jax.experimental.checkify` error naming the op.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import flax.linen as nn
@@ -35,23 +37,59 @@ def _padding(value, module) -> tuple[int, int, int]:
   if isinstance(value, str):
     if value.upper() == "VALID":
       return (0, 0, 0)
-    raise ValueError(f"{type(module).__name__}: padding must be ints or 'VALID', got {value!r}")
+    raise ValueError(f"{type(module).__name__}: padding must be 'SAME', 'VALID' or ints, got {value!r}")
   return _triple(value, "padding", module)
+
+
+def _is_same(value) -> bool:
+  return isinstance(value, str) and value.upper() == "SAME"
+
+
+def same_padding(spatial_shape, kernel_size, strides, dilation) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(low padding, extra high padding) per axis of lax's "SAME": total = max((ceil(X/s) - 1)*s + (k-1)*d + 1
+  - X, 0), low = total // 2, high = total - low, so the extra (high - low) is 0 or 1."""
+  low, extra = [], []
+  for n, k, s, d in zip(spatial_shape, kernel_size, strides, dilation):
+    total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
+    low.append(total // 2)
+    extra.append(total - 2 * (total // 2))
+  return tuple(low), tuple(extra)
+
+
+def _on_grid(x: SparseTensor, spatial_shape, caches=None) -> SparseTensor:
+  """x on a grid of another extent (the same sites): the symmetric padding of the core ops plus one empty slice
+  at the high end of an axis is "SAME"'s uneven padding. Maps keyed by the old grid are dropped."""
+  if tuple(spatial_shape) == x.spatial_shape:
+    return x
+  return dataclasses.replace(x, spatial_shape=tuple(spatial_shape), caches={} if caches is None else caches)
+
+
+def _geometry(module, x: SparseTensor):
+  """(x on the padded grid, padding) for the module's kernel_size, strides, padding and dilation."""
+  ks = _triple(module.kernel_size, "kernel_size", module)
+  st = _triple(module.strides, "strides", module)
+  dil = _triple(module.kernel_dilation, "kernel_dilation", module)
+  if not _is_same(module.padding):
+    return x, _padding(module.padding, module)
+  low, extra = same_padding(x.spatial_shape, ks, st, dil)
+  return _on_grid(x, [n + e for n, e in zip(x.spatial_shape, extra)]), low
 
 
 class SparseConv3d(ConvParams):
   """Strided sparse convolution (spconv's SparseConv3d): `jsparse.sparse_conv3d` with flax parameters.
 
-  Equals nn.Conv(features, kernel_size, strides, padding=[(p, p)] * 3, kernel_dilation) on x.todense()
-  read at the output sites (every output position whose window holds an active input).
-  out_capacity: static output rows (required under jit; None counts them, outside jit only).
-  The output carries the pair map, for SparseInverseConv3d(...)(y, like=x).
+  Equals nn.Conv(features, kernel_size, strides, padding, kernel_dilation) on x.todense() read at the output
+  sites (every output position whose window holds an active input), with the same parameters. Differences
+  from nn.Conv: padding takes "SAME" (default, as nn.Conv), "VALID" or symmetric ints, not (low, high)
+  pairs; no feature_group_count, input_dilation or mask; the input is a SparseTensor and the output sites are
+  data-dependent, so out_capacity sets their static row count (required under jit; None counts them, outside
+  jit only). The output carries the pair map, for SparseInverseConv3d(...)(y, like=x).
   """
 
   features: int
-  kernel_size: int | Sequence[int] = 3
+  kernel_size: int | Sequence[int]
   strides: int | Sequence[int] = 1
-  padding: int | Sequence[int] | str = 0
+  padding: int | Sequence[int] | str = "SAME"
   kernel_dilation: int | Sequence[int] = 1
   out_capacity: int | None = None
 
@@ -59,22 +97,24 @@ class SparseConv3d(ConvParams):
   def __call__(self, x: SparseTensor) -> SparseTensor:
     x = _sparse(x, self)
     ks = _triple(self.kernel_size, "kernel_size", self)
+    x, padding = _geometry(self, x)
     x, kernel, bias = self.conv_params(x, ks)
     return sparse_conv.sparse_conv3d(
-        x, kernel, bias, stride=_triple(self.strides, "strides", self), padding=_padding(self.padding, self),
+        x, kernel, bias, stride=_triple(self.strides, "strides", self), padding=padding,
         dilation=_triple(self.kernel_dilation, "kernel_dilation", self), out_capacity=self.out_capacity,
         implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
 
 
 class SparseInverseConv3d(ConvParams):
   """spconv's SparseInverseConv3d: `jsparse.sparse_inverse_conv3d`, called as `module(y, like=x)` where y
-  lives on the output coordinates of a SparseConv3d of x with the same kernel_size/strides/padding/dilation.
-  The output is on x's coordinates. kernel: (*kernel_size, y channels, features)."""
+  lives on the output coordinates of a SparseConv3d of x with the same kernel_size/strides/padding/dilation
+  (padding "SAME" by default, as SparseConv3d's; kernel_size required). The output is on x's coordinates.
+  kernel: (*kernel_size, y channels, features)."""
 
   features: int
-  kernel_size: int | Sequence[int] = 3
+  kernel_size: int | Sequence[int]
   strides: int | Sequence[int] = 1
-  padding: int | Sequence[int] | str = 0
+  padding: int | Sequence[int] | str = "SAME"
   kernel_dilation: int | Sequence[int] = 1
 
   @nn.compact
@@ -82,11 +122,13 @@ class SparseInverseConv3d(ConvParams):
     y = _sparse(y, self)
     like = _sparse(like, self)
     ks = _triple(self.kernel_size, "kernel_size", self)
+    padded_like, padding = _geometry(self, like)
     y, kernel, bias = self.conv_params(y, ks)
-    return sparse_conv.sparse_inverse_conv3d(
-        y, kernel, bias, like=like, stride=_triple(self.strides, "strides", self),
-        padding=_padding(self.padding, self), dilation=_triple(self.kernel_dilation, "kernel_dilation", self),
-        implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
+    out = sparse_conv.sparse_inverse_conv3d(
+        y, kernel, bias, like=padded_like, stride=_triple(self.strides, "strides", self), padding=padding,
+        dilation=_triple(self.kernel_dilation, "kernel_dilation", self), implementation=self.implementation,
+        precision=self.precision, weight_layout=self.kernel_layout)
+    return _on_grid(out, like.spatial_shape, like.caches)
 
 
 class SparseConvTranspose3d(ConvParams):

@@ -1,0 +1,100 @@
+"""flax.linen modules that sequence and convert SparseTensors: Sequential, TensorFn, ToDense, SparseDropout."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+
+from jsparse import norm, topology
+from jsparse.nn.layers import _check_sparse
+from jsparse.sparse_tensor import SparseTensor
+
+__all__ = ["Sequential", "TensorFn", "ToDense", "SparseDropout"]
+
+
+def _accepted(fn: Callable, kwargs: dict) -> dict:
+  """The entries of kwargs that fn's signature takes by name (all of them if it takes **kwargs)."""
+  try:
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    return {}
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+    return dict(kwargs)
+  names = {p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                                inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+  return {k: v for k, v in kwargs.items() if k in names}
+
+
+class TensorFn(nn.Module):
+  """Wraps a function of SparseTensors (e.g. `functools.partial(jsparse.sparse_max_pool3d, kernel_size=2)`) so
+  that `Sequential` passes it the tensor rather than the features."""
+
+  fn: Callable[[SparseTensor], Any]
+
+  def __call__(self, x: SparseTensor) -> Any:
+    return self.fn(x)
+
+
+class Sequential(nn.Module):
+  """Applies `layers` in order to a SparseTensor (flax's nn.Sequential for sparse networks).
+
+  Each layer is one of:
+  - a flax Module: called with the tensor (the output of the previous layer), plus those of Sequential's
+    keyword arguments that its `__call__` names, so that `Sequential(...)(x, use_running_average=False,
+    deterministic=False)` reaches every SparseBatchNorm and SparseDropout (and a nested Sequential gets all);
+  - any other callable: a function of feature arrays (`nn.relu`, `jax.nn.gelu`, `functools.partial(...)`),
+    applied to the valid rows' features by `jsparse.norm.activation` (padding rows stay zero even where
+    fn(0) != 0). Wrap a function of SparseTensors in `TensorFn` instead.
+  Outputs that are not SparseTensors (e.g. of ToDense or jsparse.global_pool) end the chain.
+  """
+
+  layers: Sequence[Callable[..., Any]]
+
+  @nn.compact
+  def __call__(self, x: SparseTensor, **kwargs: Any) -> Any:
+    if not self.layers:
+      raise ValueError("Sequential: layers is empty")
+    _check_sparse(x, type(self).__name__)
+    for index, layer in enumerate(self.layers):
+      if not isinstance(x, SparseTensor):
+        raise TypeError(f"Sequential: layer {index} ({type(layer).__name__}) gets a {type(x).__name__}: only the "
+                        "last layer may return something other than a SparseTensor")
+      if isinstance(layer, nn.Module):
+        x = layer(x, **_accepted(layer.__call__, kwargs))
+      elif callable(layer):
+        x = norm.activation(x, layer)
+      else:
+        raise TypeError(f"Sequential: layer {index} is a {type(layer).__name__}, not a module or a callable")
+    return x
+
+
+class ToDense(nn.Module):
+  """The dense array of a SparseTensor: [B, X, Y, Z, C] (flax's channels-last), or [B, C, X, Y, Z] with
+  channels_first=True (spconv's `dense()`, PyTorch's NCDHW). Inactive sites are zero."""
+
+  channels_first: bool = False
+
+  def __call__(self, x: SparseTensor) -> jax.Array:
+    return _check_sparse(x, type(self).__name__).todense(channels_first=self.channels_first)
+
+
+class SparseDropout(nn.Module):
+  """flax's nn.Dropout on a SparseTensor's features (`jsparse.topology.dropout`): same attributes and the
+  "dropout" rng stream, e.g. `model.apply(v, x, deterministic=False, rngs={"dropout": key})`. Padding rows
+  stay zero; the sites and maps are the input's."""
+
+  rate: float
+  deterministic: bool | None = None
+  rng_collection: str = "dropout"
+
+  @nn.compact
+  def __call__(self, x: SparseTensor, deterministic: bool | None = None, rng: jax.Array | None = None) -> SparseTensor:
+    _check_sparse(x, type(self).__name__)
+    deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+    if deterministic or self.rate == 0.0:
+      return topology.dropout(x, self.rate, deterministic=True)
+    if rng is None:
+      rng = self.make_rng(self.rng_collection)
+    return topology.dropout(x, self.rate, rng=rng)

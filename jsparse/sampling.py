@@ -1,13 +1,83 @@
-"""Sampling sparse voxel features at arbitrary points (trilinear or nearest)."""
+"""Sampling sparse voxel features at arbitrary points (trilinear or nearest).
+
+The convention, shared with `jsparse.voxelize.voxelize` and `jsparse.voxelize.voxel_centres`: a point p in
+world units sits at u = (p - origin) / voxel_size in voxel units; voxel (i, j, k) is the cell [i, i+1) x
+[j, j+1) x [k, k+1) of u, so a point's own voxel is floor(u) and the voxel's centre is u = (i, j, k) + 0.5
+(world origin + (index + 0.5) * voxel_size). "nearest" reads floor(u), which is the voxel `voxelize` put the
+point in (up to float rounding at a face: voxelize quantises in float64 on the host); "trilinear"
+blends the features of the 8 voxels whose centres surround u.
+
+Gathers of voxel features by many points (`gather_sites`) have a gradient that sums the points' cotangents
+per voxel by a sort and a segmented scan, not by a scatter-add.
+"""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from jsparse._types import ArrayLike
 from jsparse.neighbors import lookup_keys, sorted_site_keys
 from jsparse.sparse_tensor import SparseTensor, site_keys
 
 MODES = ("trilinear", "nearest")
+
+
+def _segment_heads(sorted_ids):
+  return sorted_ids != jnp.concatenate([jnp.full((1,), -1, sorted_ids.dtype), sorted_ids[:-1]])
+
+
+def _sum_by_row(g, rows, num_rows: int):
+  """[num_rows, C] float32: per row r, the sum of g[i] over the i with rows[i] == r (sort + segmented scan)."""
+  if g.shape[0] == 0 or num_rows == 0:
+    return jnp.zeros((num_rows,) + g.shape[1:], jnp.float32)
+  ids = jnp.where(rows >= 0, rows, num_rows)  # unread entries sort last and are never read back
+  sorted_ids, order = lax.sort((ids, lax.iota(jnp.int32, ids.shape[0])), num_keys=1)
+  sorted_g = g.astype(jnp.float32)[order]
+
+  def step(left, right):
+    (left_head, left_value), (right_head, right_value) = left, right
+    return left_head | right_head, jnp.where(right_head[:, None], right_value, left_value + right_value)
+
+  # A segmented scan sums each row's run on its own: an inf or NaN of one row reaches no other.
+  scanned = lax.associative_scan(step, (_segment_heads(sorted_ids), sorted_g))[1]
+  targets = jnp.arange(num_rows, dtype=sorted_ids.dtype)
+  start = jnp.searchsorted(sorted_ids, targets, side="left")
+  stop = jnp.searchsorted(sorted_ids, targets, side="right")
+  return jnp.where((stop > start)[:, None], scanned[jnp.maximum(stop - 1, 0)], 0)
+
+
+@jax.custom_vjp
+def _gather_sites(values, rows):
+  return jnp.where((rows >= 0)[:, None], values[jnp.maximum(rows, 0)], 0).astype(values.dtype)
+
+
+def _gather_sites_fwd(values, rows):
+  # An empty [M, 0] array carries the row count and dtype (residuals must be arrays).
+  return _gather_sites(values, rows), (rows, jnp.zeros((values.shape[0], 0), values.dtype))
+
+
+def _gather_sites_bwd(res, g):
+  rows, like = res
+  return _sum_by_row(g, rows, like.shape[0]).astype(like.dtype), None
+
+
+_gather_sites.defvjp(_gather_sites_fwd, _gather_sites_bwd)
+
+
+def gather_sites(values: jax.Array, rows: ArrayLike) -> jax.Array:
+  """values [M, C] read at rows [N] (int, -1 gives a zero row): each point's voxel features.
+
+  Many points may read one row. The gradient with respect to values sums each row's cotangents in float32
+  by sorting the rows and a segmented scan (no scatter-add, so no float atomics on a GPU).
+  """
+  values = jnp.asarray(values)
+  rows = jnp.asarray(rows)
+  if values.ndim != 2:
+    raise ValueError(f"values must be [M, C], got shape {values.shape}")
+  if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
+    raise ValueError(f"rows must be integer [N], got {rows.dtype} {rows.shape}")
+  return _gather_sites(values, rows.astype(jnp.int32))
 
 
 def lookup_rows(x: SparseTensor, query, ok=None) -> jax.Array:
@@ -29,17 +99,20 @@ def lookup_rows(x: SparseTensor, query, ok=None) -> jax.Array:
   return lookup_keys(sorted_keys, order, qk, inside).reshape(lead)
 
 
-def grid_sample(x: SparseTensor, points, mode: str = "trilinear", batch=None) -> jax.Array:
-  """Samples x's features at points in voxel units: [P, 3] -> [P, C], or [B, P, 3] -> [B, P, C].
+def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", batch: ArrayLike | None = None, *,
+                voxel_size: ArrayLike = 1.0, origin: ArrayLike = 0.0) -> jax.Array:
+  """Samples x's features at points: [P, 3] -> [P, C], or [B, P, 3] -> [B, P, C].
 
-  Voxel (i, j, k)'s feature sits at the point (i, j, k) (integer coordinates are voxel centres), and
-  inactive or out-of-grid voxels count as zero: trilinear mode blends the 8 surrounding integer sites
-  (like scipy's map_coordinates(order=1, mode="constant", cval=0) on x.todense()); nearest mode takes
-  the site floor(p + 0.5).
+  Points are in world units, u = (points - origin) / voxel_size in voxel units (the defaults: points already
+  in voxel units), with the module's convention: voxel (i, j, k) covers [i, i+1)^3 of u, centre at +0.5, as
+  `voxelize` with the same voxel_size and origin. mode "nearest": the voxel floor(u), the one voxelize puts
+  the point in; "trilinear": the blend of the 8 voxels whose centres surround u (scipy's
+  map_coordinates(x.todense(), u - 0.5, order=1, mode="constant", cval=0)). Inactive or out-of-grid voxels
+  count as zero.
   Batch of each point: the leading axis for [B, P, 3] points (B must equal x.batch_size), else `batch`
   ([P] ints, default 0).
-  Jit-able; differentiable with respect to x.feats (both modes) and points (trilinear; piecewise
-  linear, so the gradient jumps at integer coordinates).
+  Jit-able; differentiable with respect to x.feats (both modes, no scatter-add: `gather_sites`) and points
+  (trilinear; piecewise linear, so the gradient jumps where u - 0.5 is an integer).
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -53,33 +126,41 @@ def grid_sample(x: SparseTensor, points, mode: str = "trilinear", batch=None) ->
       raise ValueError("pass batch only with [P, 3] points")
     bsz, p = points.shape[:2]
     b = jnp.broadcast_to(jnp.arange(bsz, dtype=jnp.int32)[:, None], (bsz, p)).reshape(-1)
-    out = grid_sample(x, points.reshape(-1, 3), mode, batch=b)
+    out = grid_sample(x, points.reshape(-1, 3), mode, batch=b, voxel_size=voxel_size, origin=origin)
     return out.reshape(bsz, p, -1)
   if points.ndim != 2 or points.shape[1] != 3:
     raise ValueError(f"points must be [P, 3] or [B, P, 3], got shape {points.shape}")
+  vs = jnp.asarray(voxel_size, points.dtype)
+  org = jnp.asarray(origin, points.dtype)
+  if vs.shape not in ((), (3,)) or org.shape not in ((), (3,)):
+    raise ValueError(f"voxel_size and origin must be scalars or 3 values, got shapes {vs.shape} and {org.shape}")
   n = points.shape[0]
   b = jnp.zeros((n,), jnp.int32) if batch is None else jnp.asarray(batch).astype(jnp.int32)
   if b.shape != (n,):
     raise ValueError(f"batch must be [P={n}], got shape {b.shape}")
   if x.capacity == 0:  # nothing to gather from
     return jnp.zeros((n, x.num_channels), x.feats.dtype)
-  finite = jnp.all(jnp.isfinite(points), axis=-1)
+  u = (points - org) / vs
+  finite = jnp.all(jnp.isfinite(u), axis=-1)
   # Clamp far-away points so the int32 cast cannot overflow (they sample zeros either way).
   lim = float(max(x.spatial_shape) + 2)
-  pc = jnp.clip(jnp.where(finite[:, None], points, -lim), -lim, lim)
+  uc = jnp.clip(jnp.where(finite[:, None], u, -lim), -lim, lim)
   if mode == "nearest":
-    site = jnp.floor(jax.lax.stop_gradient(pc) + 0.5).astype(jnp.int32)
+    site = jnp.floor(lax.stop_gradient(uc)).astype(jnp.int32)
     rows = lookup_rows(x, jnp.concatenate([b[:, None], site], axis=-1), finite)
-    return jnp.where((rows >= 0)[:, None], x.feats[jnp.maximum(rows, 0)], 0)
-  base = jnp.floor(jax.lax.stop_gradient(pc))
-  frac = pc - base  # carries the gradient with respect to the points
+    return gather_sites(x.feats, rows)
+  centred = uc - 0.5  # voxel centres at integers
+  base = jnp.floor(lax.stop_gradient(centred))
+  frac = centred - base  # carries the gradient with respect to the points
   base = base.astype(jnp.int32)
   corners = jnp.array([[i, j, k] for i in (0, 1) for j in (0, 1) for k in (0, 1)], jnp.int32)  # [8, 3]
   sites = base[:, None, :] + corners[None]  # [P, 8, 3]
   query = jnp.concatenate([jnp.broadcast_to(b[:, None, None], (n, 8, 1)), sites], axis=-1)
   rows = lookup_rows(x, query, jnp.broadcast_to(finite[:, None], (n, 8)))  # [P, 8]
-  cf = corners.astype(pc.dtype)
+  cf = corners.astype(uc.dtype)
   w = jnp.prod(jnp.where(cf[None] > 0, frac[:, None, :], 1 - frac[:, None, :]), axis=-1)  # [P, 8]
   w = jnp.where(rows >= 0, w, 0).astype(x.feats.dtype)
-  vals = jnp.where((rows >= 0)[..., None], x.feats[jnp.maximum(rows, 0)], 0)  # [P, 8, C]
-  return jnp.sum(w[..., None] * vals, axis=1)  # elementwise: no TF32 matmul on GPUs
+  vals = gather_sites(x.feats, rows.reshape(-1)).reshape(n, 8, -1)  # [P, 8, C]
+  # Elementwise (no TF32 matmul on GPUs), accumulated in float32 for half-precision features.
+  blended = jnp.sum(w.astype(jnp.float32)[..., None] * vals.astype(jnp.float32), axis=1)
+  return blended.astype(x.feats.dtype)

@@ -41,11 +41,11 @@ def _gather(values, rows, back):
 
 
 def _gather_fwd(values, rows, back):
-  return _gather(values, rows, back), (rows, back, values.shape[0])
+  return _gather(values, rows, back), (rows, back)
 
 
 def _gather_bwd(res, g):
-  rows, back, _ = res
+  rows, back = res
   # Each source row feeds at most one output row (back names it), so the transposed gather is exact.
   return _gather(g, back, rows), None, None
 

@@ -1,5 +1,10 @@
 """Point clouds to sparse voxels and back.
 
+Convention (shared with `jsparse.sampling.grid_sample`): u = (p - origin) / voxel_size in voxel units, the
+point's voxel is floor(u) (cell [i, i+1) per axis) and a voxel's centre is origin + (index + 0.5) *
+voxel_size (`voxel_centres`). `return_index=True` gives each point's row in the result, and `devoxelize`
+reads the voxel features back at the points by those rows.
+
 `voxelize` quantises points on the host, validates them and merges points falling into the same voxel;
 `voxelize_jit` does the same inside `jax.jit` with a static capacity and reports overflow instead of
 raising. Both are differentiable with respect to the point features (the voxel assignment is not).
@@ -20,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jsparse._types import ArrayLike
+from jsparse.sampling import gather_sites
 from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, _as_spatial_shape, check_capacity, key_width, report,
                                    resolve_capacity, round_capacity, site_keys, wide_divmod)
 
@@ -269,7 +276,8 @@ def _padded_feats(feats, n, padded):
 
 
 def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None, batch=None,
-             batch_size=None, reduce="mean", capacity=None, dedup=None) -> SparseTensor:
+             batch_size=None, reduce="mean", capacity=None, dedup=None,
+             return_index: bool = False) -> SparseTensor | tuple[SparseTensor, jax.Array]:
   """Quantises points [N, 3] into a SparseTensor (host-side validation; call outside jit).
 
   Voxel of a point: floor((p - origin) / voxel_size), per axis, in float64.
@@ -293,6 +301,8 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
   (and of capacity). Feats that are jax Arrays are padded through a host copy; traced feats (under
   jax.grad) are padded where they are, which compiles the padding once per N.
   Rows are ordered by linear key (batch, x, y, z). Differentiable with respect to feats.
+  return_index: also return point_rows, int32 [N]: the row of the result holding each point's voxel (`devoxelize`
+    reads the voxel features back at the points through it).
   """
   if isinstance(points, jax.core.Tracer):
     raise TypeError("voxelize validates on the host; under jax.jit use voxelize_jit with a static capacity")
@@ -366,12 +376,20 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
   if capacity < nvox:
     raise ValueError(f"capacity {capacity} is smaller than the number of occupied voxels {nvox}")
   coords, out, num = _reduce_jit(plan, _padded_feats(feats, n, padded), capacity=capacity, reduce=reduce)
-  return SparseTensor(coords, out, num, spatial_shape, int(batch_size))
+  out = SparseTensor(coords, out, num, spatial_shape, int(batch_size))
+  return (out, _point_rows(plan.inverse[:n], capacity)) if return_index else out
+
+
+def _point_rows(inverse, capacity: int) -> jax.Array:
+  """Each point's voxel index as a row of the result: -1 for dropped points and voxels past the capacity."""
+  inverse = jnp.asarray(inverse)
+  return jnp.where((inverse >= 0) & (inverse < capacity), inverse, -1).astype(jnp.int32)
 
 
 def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capacity, batch=None,
-                 batch_size=1, reduce="mean"):
-  """`voxelize` usable under jax.jit: returns (SparseTensor, overflow).
+                 batch_size=1, reduce="mean", return_index: bool = False):
+  """`voxelize` usable under jax.jit: returns (SparseTensor, overflow), or (SparseTensor, overflow, point_rows)
+  with return_index=True (point_rows int32 [N]: each point's row, -1 for points dropped or past capacity).
 
   spatial_shape, capacity, batch_size, reduce are static; origin is required (no data-dependent default)
   and voxel_size/origin may be traced. batch_size * X * Y * Z must be < 2**62, each extent < 2**21
@@ -414,17 +432,39 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   overflow = plan.count > capacity
   report(overflow, f"voxelize_jit: {{count}} occupied voxels do not fit in capacity={capacity}; the voxels past "
          "it were dropped", eager=False, count=plan.count)
-  return SparseTensor(coords, out, num, spatial_shape, batch_size, overflow=overflow), overflow
+  out = SparseTensor(coords, out, num, spatial_shape, batch_size, overflow=overflow)
+  if return_index:
+    return out, overflow, _point_rows(plan.inverse[:n], capacity)
+  return out, overflow
 
 
-def devoxelize(x: SparseTensor, *, voxel_size=1.0, origin=0.0):
+def voxel_centres(x: SparseTensor, *, voxel_size: ArrayLike = 1.0,
+                  origin: ArrayLike = 0.0) -> tuple[jax.Array, jax.Array]:
   """Voxel centres in world units: (points [capacity, 3], valid bool [capacity]).
 
-  points = origin + (coords + 0.5) * voxel_size; padding rows hold 0. The batch id of row i is
-  x.coords[i, 0]. Jit-compatible.
+  points = origin + (coords + 0.5) * voxel_size (the module's convention: voxelizing a centre gives its voxel
+  back); padding rows hold 0. The batch id of row i is x.coords[i, 0]. Jit-compatible.
   """
   vs = jnp.broadcast_to(jnp.asarray(voxel_size, jnp.float32), (3,))
   org = jnp.broadcast_to(jnp.asarray(origin, jnp.float32), (3,))
   valid = x.valid_mask()
   pts = org + (x.coords[:, 1:].astype(jnp.float32) + 0.5) * vs
   return jnp.where(valid[:, None], pts, 0.0), valid
+
+
+def devoxelize(x: SparseTensor, point_rows: ArrayLike) -> jax.Array:
+  """The features of each point's voxel, [N, C]: x.feats at point_rows, zeros where it is -1.
+
+  point_rows: int [N], from `voxelize(..., return_index=True)` or `voxelize_jit` (for x or a tensor on the same
+  coordinates, e.g. the output of submanifold layers on it), or `jsparse.sampling.lookup_rows`. For points
+  without a voxel index, `grid_sample(x, points, "nearest", voxel_size=, origin=)` finds the same voxels by
+  coordinates. Jit-able; the gradient with respect to x.feats sums each voxel's points (no scatter-add).
+  """
+  if not isinstance(x, SparseTensor):
+    raise TypeError(f"x must be a jsparse.SparseTensor, got {type(x).__name__}")
+  rows = jnp.asarray(point_rows)
+  if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
+    raise ValueError(f"point_rows must be integer [N], got {rows.dtype} {rows.shape}")
+  if not isinstance(rows, jax.core.Tracer) and rows.size and int(rows.max()) >= x.capacity:
+    raise ValueError(f"point_rows has row {int(rows.max())} but x has capacity {x.capacity}")
+  return gather_sites(x.feats, rows)

@@ -12,7 +12,7 @@ from jsparse import serialize, shapes
 from jsparse import voxelize as voxelize_lib
 from jsparse.sampling import grid_sample, lookup_rows
 from jsparse.sparse_tensor import round_capacity
-from jsparse.voxelize import devoxelize, voxelize, voxelize_jit
+from jsparse.voxelize import devoxelize, voxel_centres, voxelize, voxelize_jit
 
 
 # ---- voxelize ----------------------------------------------------------------------------------------
@@ -240,10 +240,10 @@ def test_voxelize_grids_past_int32_keys():
   assert int(t.num) == 2 and not bool(overflow)
 
 
-def test_devoxelize():
+def test_voxel_centres():
   pts, feats, _ = _cloud(2, 50)
   t = voxelize(pts, feats, voxel_size=0.5, origin=(-1, -1, -1), spatial_shape=(4, 4, 4))
-  centres, valid = devoxelize(t, voxel_size=0.5, origin=(-1, -1, -1))
+  centres, valid = voxel_centres(t, voxel_size=0.5, origin=(-1, -1, -1))
   n = int(t.num)
   assert np.asarray(valid).sum() == n and centres.shape == (t.capacity, 3)
   c = np.asarray(centres[:n])
@@ -375,6 +375,8 @@ def _sample_tensor(seed=0, channels=3):
 
 
 def _dense_ref(t, points, batch, order):
+  """scipy's map_coordinates at the points shifted by half a voxel (voxel centres sit at index + 0.5)."""
+  points = np.asarray(points) - 0.5
   dense = t.todense()
   out = []
   for p, b in zip(points, batch):
@@ -388,7 +390,7 @@ def test_grid_sample_trilinear_matches_dense():
   t = _sample_tensor()
   rng = np.random.default_rng(0)
   pts = rng.uniform(-1.5, 8.5, (300, 3)).astype(np.float32)  # some outside the grid
-  pts[:20] = np.round(pts[:20])  # exactly on sites
+  pts[:20] = np.round(pts[:20]) + 0.5  # exactly on voxel centres
   batch = rng.integers(0, 2, 300)
   got = jax.jit(grid_sample)(t, pts, batch=batch)
   np.testing.assert_allclose(np.asarray(got), _dense_ref(t, pts, batch, 1), rtol=1e-5, atol=1e-5)
@@ -405,11 +407,11 @@ def test_grid_sample_nearest():
   t = _sample_tensor(1)
   rng = np.random.default_rng(1)
   pts = rng.uniform(-1, 8, (200, 3)).astype(np.float32)
-  pts = np.where(np.abs(pts - np.round(pts)) > 0.49, pts + 0.02, pts)  # keep away from rounding ties
+  pts = np.where(np.abs(pts - np.round(pts)) < 0.01, pts + 0.02, pts)  # keep away from voxel faces
   batch = rng.integers(0, 2, 200)
   got = grid_sample(t, pts, mode="nearest", batch=batch)
   dense = np.asarray(t.todense())
-  site = np.floor(pts + 0.5).astype(int)
+  site = np.floor(pts).astype(int)  # the voxel whose cell [i, i+1)^3 holds the point
   ref = np.zeros((200, 3), np.float32)
   for i, (s, b) in enumerate(zip(site, batch)):
     if np.all((s >= 0) & (s < 8)):
@@ -422,16 +424,16 @@ def test_grid_sample_nearest():
 def test_grid_sample_gradients():
   t = _sample_tensor(2, channels=2)
   rng = np.random.default_rng(2)
-  # Away from integer coordinates, where the trilinear blend is smooth.
-  pts = (rng.integers(0, 7, (40, 3)) + rng.uniform(0.1, 0.9, (40, 3))).astype(np.float32)
+  # Away from voxel centres (index + 0.5), where the trilinear blend is smooth.
+  pts = (rng.integers(0, 7, (40, 3)) + 0.5 + rng.uniform(0.1, 0.9, (40, 3))).astype(np.float32)
   batch = rng.integers(0, 2, 40)
   check_grads(lambda f: grid_sample(t.replace(feats=f), pts, batch=batch), (t.feats,), order=1,
               modes=("rev",), atol=1e-2, rtol=1e-2)
   check_grads(lambda p: grid_sample(t, p, batch=batch), (jnp.asarray(pts),), order=1, modes=("fwd", "rev"),
               atol=1e-2, rtol=1e-2, eps=1e-2)
-  # Gradient w.r.t. feats in nearest mode: one-hot scatter of the cotangent.
+  # Gradient w.r.t. feats in nearest mode: each voxel sums the cotangents of the points in it.
   g = jax.grad(lambda f: grid_sample(t.replace(feats=f), pts, mode="nearest", batch=batch).sum())(t.feats)
-  rows = np.asarray(lookup_rows(t, np.concatenate([batch[:, None], np.floor(pts + 0.5).astype(np.int32)], 1)))
+  rows = np.asarray(lookup_rows(t, np.concatenate([batch[:, None], np.floor(pts).astype(np.int32)], 1)))
   expected = np.zeros(t.capacity)
   np.add.at(expected, rows[rows >= 0], 1.0)
   np.testing.assert_allclose(np.asarray(g), np.repeat(expected[:, None], 2, 1))

@@ -1,0 +1,143 @@
+"""Points <-> voxels under one convention: voxelize's point -> row index, devoxelize, and grid_sample in world
+units finding every point's own voxel (issue 17 item 5)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse.sampling import gather_sites, grid_sample
+from jsparse.voxelize import devoxelize, voxel_centres, voxelize, voxelize_jit
+
+VOXEL, ORIGIN = 0.37, (-3.1, -2.9, -3.05)
+
+
+def _cloud(seed=0, n=3000, batch_size=2):
+  rng = np.random.default_rng(seed)
+  pts = rng.uniform(-2.9, 2.9, (n, 3)).astype(np.float32)
+  return pts, rng.normal(size=(n, 4)).astype(np.float32), rng.integers(0, batch_size, n)
+
+
+def _own_voxel(pts, batch):
+  """(batch, i, j, k) of every point: floor((p - origin) / voxel_size) in float64."""
+  idx = np.floor((pts.astype(np.float64) - np.asarray(ORIGIN)) / VOXEL).astype(np.int64)
+  return np.concatenate([batch[:, None], idx], axis=1)
+
+
+@pytest.mark.parametrize("dedup", ["numpy", "xla"])
+def test_voxelize_point_rows_name_each_points_voxel(dedup):
+  pts, feats, batch = _cloud()
+  x, rows = voxelize(pts, feats, voxel_size=VOXEL, origin=ORIGIN, batch=batch, return_index=True, dedup=dedup)
+  rows = np.asarray(rows)
+  assert rows.shape == (len(pts),) and rows.dtype == np.int32 and rows.min() >= 0 and rows.max() < int(x.num)
+  np.testing.assert_array_equal(np.asarray(x.coords)[rows], _own_voxel(pts, batch))
+  # The mean of a voxel's points, read back at the points, is the mean over the points sharing its row.
+  back = np.asarray(devoxelize(x, rows))
+  for r in np.unique(rows)[:50]:
+    np.testing.assert_allclose(back[rows == r], np.broadcast_to(feats[rows == r].mean(0), back[rows == r].shape),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_voxelize_jit_point_rows_and_overflow():
+  pts, feats, batch = _cloud(1, n=800)
+  x, rows = voxelize(pts, feats, voxel_size=VOXEL, origin=ORIGIN, spatial_shape=(17, 17, 17), batch=batch,
+                     batch_size=2, return_index=True)
+  run = jax.jit(lambda p, cap: voxelize_jit(p, feats, voxel_size=VOXEL, origin=ORIGIN, spatial_shape=(17, 17, 17),
+                                            capacity=cap, batch=batch, batch_size=2, return_index=True),
+                static_argnums=1)
+  y, overflow, rows_jit = run(pts, x.capacity)
+  assert not bool(overflow)
+  np.testing.assert_array_equal(np.asarray(rows_jit), np.asarray(rows))
+  small = int(x.num) - 5
+  y, overflow, rows_small = run(pts, small)
+  rows_small = np.asarray(rows_small)
+  assert bool(overflow)
+  # Points of the dropped voxels (the largest keys) have no row; the others keep theirs.
+  np.testing.assert_array_equal(rows_small, np.where(np.asarray(rows) < small, rows, -1))
+  assert np.all(np.asarray(devoxelize(y, rows_small))[rows_small < 0] == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grid_sample_nearest_finds_every_points_own_voxel(dtype):
+  pts, feats, batch = _cloud(2)
+  x, rows = voxelize(pts, feats.astype(dtype), voxel_size=VOXEL, origin=ORIGIN, batch=batch, return_index=True)
+  got = grid_sample(x, pts, "nearest", batch=batch, voxel_size=VOXEL, origin=ORIGIN)
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                np.asarray(devoxelize(x, rows).astype(jnp.float32)))
+  assert got.dtype == dtype
+  # Voxel centres map back to their own voxels, by voxelize and by grid_sample.
+  centres, valid = voxel_centres(x, voxel_size=VOXEL, origin=ORIGIN)
+  n = int(x.num)
+  c = np.asarray(centres[:n])
+  item = np.asarray(x.coords[:n, 0])
+  again, again_rows = voxelize(c, voxel_size=VOXEL, origin=ORIGIN, spatial_shape=x.spatial_shape, batch=item,
+                               batch_size=x.batch_size, return_index=True)
+  np.testing.assert_array_equal(np.asarray(again.coords[:n]), np.asarray(x.coords[:n]))
+  np.testing.assert_array_equal(np.asarray(again_rows), np.arange(n))
+  at_centres = grid_sample(x, c, "nearest", batch=item, voxel_size=VOXEL, origin=ORIGIN)
+  np.testing.assert_array_equal(np.asarray(at_centres.astype(jnp.float32)),
+                                np.asarray(x.feats[:n].astype(jnp.float32)))
+  # Trilinear sampling at a voxel centre reads that voxel alone.
+  tri = grid_sample(x, c, batch=item, voxel_size=VOXEL, origin=ORIGIN)
+  np.testing.assert_allclose(np.asarray(tri.astype(jnp.float32)), np.asarray(x.feats[:n].astype(jnp.float32)),
+                             rtol=2e-2 if dtype == jnp.bfloat16 else 1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_devoxelize_gradient_sums_each_voxels_points(dtype):
+  pts, feats, batch = _cloud(3, n=1500)
+  x, rows = voxelize(pts, feats.astype(dtype), voxel_size=VOXEL, origin=ORIGIN, batch=batch, return_index=True)
+  rows = np.array(rows)
+  rows[::7] = -1  # points without a voxel read zeros and send no gradient
+  cot = np.random.default_rng(4).normal(size=(len(pts), 4)).astype(np.float32)
+  out, vjp = jax.vjp(lambda f: devoxelize(x.replace(feats=f), rows), x.feats)
+  (g,) = vjp(jnp.asarray(cot, dtype))
+  expected_out = np.where((rows >= 0)[:, None], np.asarray(x.feats.astype(jnp.float32))[np.maximum(rows, 0)], 0)
+  np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), expected_out)
+  expected = np.zeros((x.capacity, 4), np.float64)
+  np.add.at(expected, rows[rows >= 0], np.asarray(jnp.asarray(cot, dtype).astype(jnp.float32))[rows >= 0])
+  assert g.dtype == dtype
+  tol = 1e-5 if dtype == jnp.float32 else 2e-3
+  np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)), expected, rtol=tol, atol=tol)
+  # Under jit too, and a non-finite cotangent stays in its own voxel.
+  cot_bad = cot.copy()
+  cot_bad[np.flatnonzero(rows >= 0)[0]] = np.inf
+  g_bad = jax.jit(lambda f, c: jax.vjp(lambda f: devoxelize(x.replace(feats=f), rows), f)[1](c)[0])(
+      x.feats, jnp.asarray(cot_bad, dtype))
+  bad_row = rows[np.flatnonzero(rows >= 0)[0]]
+  finite = np.isfinite(np.asarray(g_bad.astype(jnp.float32)))
+  assert not finite[bad_row].all() and finite[np.arange(x.capacity) != bad_row].all()
+
+
+def test_grid_sample_trilinear_gradient_matches_autodiff_gather():
+  pts, feats, batch = _cloud(5, n=600)
+  x = voxelize(pts, feats, voxel_size=VOXEL, origin=ORIGIN, batch=batch)
+  sample = lambda f: grid_sample(x.replace(feats=f), pts, batch=batch, voxel_size=VOXEL, origin=ORIGIN)
+  cot = jnp.asarray(np.random.default_rng(6).normal(size=(len(pts), 4)).astype(np.float32))
+  g = jax.vjp(sample, x.feats)[1](cot)[0]
+  # The same blend written with a plain gather (whose autodiff gradient is a scatter-add) as the reference.
+  u = (pts - np.asarray(ORIGIN, np.float32)) / np.float32(VOXEL) - 0.5
+  base = np.floor(u).astype(np.int32)
+  from jsparse.sampling import lookup_rows
+  corners = np.array(list(np.ndindex(2, 2, 2)))  # [8, 3]
+  sites = base[:, None] + corners[None]
+  query = np.concatenate([np.broadcast_to(batch[:, None, None], (len(pts), 8, 1)), sites], -1)
+  r = np.asarray(lookup_rows(x, query)).reshape(-1)
+  w = np.prod(np.where(corners[None] > 0, (u - base)[:, None], 1 - (u - base)[:, None]), axis=-1).reshape(-1)
+  ref_g = np.zeros((x.capacity, 4))
+  np.add.at(ref_g, r[r >= 0], (w[:, None] * np.repeat(np.asarray(cot), 8, axis=0))[r >= 0])
+  np.testing.assert_allclose(np.asarray(g), ref_g, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_arguments():
+  pts, feats, batch = _cloud(n=50)
+  x, rows = voxelize(pts, feats, voxel_size=VOXEL, origin=ORIGIN, batch=batch, return_index=True)
+  with pytest.raises(ValueError, match="point_rows"):
+    devoxelize(x, np.asarray(rows, np.float32))
+  with pytest.raises(ValueError, match="point_rows"):
+    devoxelize(x, np.full(3, x.capacity))
+  with pytest.raises(TypeError, match="SparseTensor"):
+    devoxelize(x.feats, rows)
+  with pytest.raises(ValueError, match="voxel_size"):
+    grid_sample(x, pts, voxel_size=(1.0, 2.0))
+  with pytest.raises(ValueError, match="rows"):
+    gather_sites(x.feats, np.zeros((3, 2), np.int32))

@@ -1,0 +1,270 @@
+"""Topology ops (issue 17 item 4): select, union / add / multiply, broadcast_per_item, child_labels, dropout,
+against dense references (values and gradients, float32 and a half type), under jit with overflow flags."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import jsparse
+import jsparse.nn as snn
+from reference import random_sparse
+
+HALF = jnp.bfloat16
+
+
+def _pair(seed=0, shape=(5, 6, 4), channels=3, dtype=np.float32, batch_size=2):
+  rng = np.random.default_rng(seed)
+  a = random_sparse(rng, shape, channels, batch_size=batch_size, density=0.35, pad=3)
+  b = random_sparse(rng, shape, channels, batch_size=batch_size, density=0.35, pad=6)
+  return a.replace(feats=a.feats.astype(dtype)), b.replace(feats=b.feats.astype(dtype))
+
+
+def _sites(x):
+  n = int(x.num)
+  return {tuple(c) for c in np.asarray(x.coords[:n]).tolist()}
+
+
+def _at(dense, x):
+  """dense [B, X, Y, Z, C] read at x's rows (zeros at padding rows)."""
+  c = jnp.maximum(x.coords, 0)
+  return jnp.where(x.valid_mask()[:, None], dense[c[:, 0], c[:, 1], c[:, 2], c[:, 3]], 0)
+
+
+def _check_padding(x):
+  n = int(x.num)
+  assert np.all(np.asarray(x.coords[n:]) == -1) and np.all(np.asarray(x.feats[n:]) == 0)
+
+
+def _tol(dtype):
+  return dict(rtol=2e-2, atol=2e-2) if dtype == HALF else dict(rtol=1e-6, atol=1e-6)
+
+
+# ---- select --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, HALF])
+def test_select_values_and_gradient(dtype):
+  x, _ = _pair(1, dtype=dtype)
+  rng = np.random.default_rng(2)
+  mask = jnp.asarray(rng.random(x.capacity) < 0.5).at[-1].set(True)  # a padding row asked for: never kept
+  y = jsparse.select(x, mask)
+  keep = np.asarray(mask & x.valid_mask())
+  assert y.capacity == x.capacity and int(y.num) == keep.sum() and y.dtype == x.dtype
+  np.testing.assert_array_equal(np.asarray(y.coords[: int(y.num)]), np.asarray(x.coords)[keep])  # order kept
+  np.testing.assert_array_equal(np.asarray(y.todense()), np.asarray(x.todense()) * np.asarray(
+      jsparse.select(x.replace(feats=jnp.ones_like(x.feats)), mask).todense()))
+  _check_padding(y)
+  cot = jnp.asarray(rng.normal(size=(y.capacity, x.num_channels)), dtype)
+  (g,) = jax.vjp(lambda f: jsparse.select(x.replace(feats=f), mask).feats, x.feats)[1](cot)
+  # Reference: the gradient of a dense mask, read at x's rows.
+  dense_cot = y.replace(feats=cot * y.valid_mask()[:, None].astype(dtype)).todense()
+  np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(_at(dense_cot, x), np.float32))
+  assert np.all(np.asarray(g)[~keep] == 0)
+
+
+def test_select_capacity_and_overflow_under_jit():
+  x, _ = _pair(3)
+  mask = jnp.arange(x.capacity) % 2 == 0
+  count = int(jnp.sum(mask & x.valid_mask()))
+  exact = jsparse.select(x, mask, capacity="exact")
+  assert exact.capacity == count and int(exact.num) == count
+  run = jax.jit(lambda x, m, cap: jsparse.select(x, m, capacity=cap, with_overflow=True), static_argnums=2)
+  y, flag = run(x, mask, count - 2)
+  assert bool(flag) and bool(jsparse.overflowed(y)) and int(y.num) == count - 2
+  np.testing.assert_array_equal(np.asarray(y.coords), np.asarray(exact.coords[: count - 2]))
+  y, flag = run(x, mask, count)
+  assert not bool(flag) and not bool(jsparse.overflowed(y))
+  err, _ = jax.jit(checkify.checkify(lambda x: jsparse.select(x, mask, capacity=count - 1)))(x)
+  assert "select" in err.get() and str(count) in err.get()
+  with pytest.raises(ValueError, match="select"):
+    jsparse.select(x, mask, capacity=count - 1)
+  # A flagged input stays flagged.
+  assert bool(jsparse.overflowed(jsparse.select(x.replace(overflow=jnp.array(True)), mask)))
+  with pytest.raises(ValueError, match="mask"):
+    jsparse.select(x, mask[:-1])
+  with pytest.raises(ValueError, match="mask"):
+    jsparse.select(x, mask.astype(jnp.int32))
+  with pytest.raises(TypeError, match="SparseTensor"):
+    jsparse.select(x.feats, mask)
+
+
+# ---- union, add, multiply ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, HALF])
+@pytest.mark.parametrize("op, dense_op", [(jsparse.add, jnp.add), (jsparse.multiply, jnp.multiply)])
+def test_add_multiply_match_dense(op, dense_op, dtype):
+  a, b = _pair(4, dtype=dtype)
+  y = op(a, b)
+  assert _sites(y) == _sites(a) | _sites(b) and y.dtype == a.dtype
+  keys = np.asarray(y.linear_keys()[: int(y.num)])
+  assert np.all(np.diff(keys) > 0)  # sorted by key
+  da, db = a.todense(), b.todense()
+  np.testing.assert_allclose(np.asarray(y.feats, np.float32), np.asarray(_at(dense_op(da, db), y), np.float32),
+                             **_tol(dtype))
+  _check_padding(y)
+  # Gradients: the dense op's, read at each input's sites.
+  cot = jnp.asarray(np.random.default_rng(5).normal(size=y.feats.shape), dtype)
+  ga, gb = jax.vjp(lambda fa, fb: op(a.replace(feats=fa), b.replace(feats=fb)).feats, a.feats, b.feats)[1](cot)
+  dense_cot = y.replace(feats=cot * y.valid_mask()[:, None].astype(dtype)).todense()
+  ra, rb = jax.vjp(dense_op, da, db)[1](dense_cot)
+  np.testing.assert_allclose(np.asarray(ga, np.float32), np.asarray(_at(ra, a), np.float32), **_tol(dtype))
+  np.testing.assert_allclose(np.asarray(gb, np.float32), np.asarray(_at(rb, b), np.float32), **_tol(dtype))
+
+
+def test_union_places_both_on_the_same_sites():
+  a, b = _pair(6)
+  b = b.replace(feats=jnp.concatenate([b.feats, b.feats[:, :1]], axis=1))  # channels may differ
+  ua, ub = jsparse.union(a, b)
+  assert ua.coords is ub.coords and ua.num_channels == 3 and ub.num_channels == 4
+  np.testing.assert_array_equal(np.asarray(ua.todense()), np.asarray(a.todense()))
+  np.testing.assert_array_equal(np.asarray(ub.todense()), np.asarray(b.todense()))
+  both = jsparse.concat(ua, ub)
+  assert both.num_channels == 7
+  # A tensor's union with itself is itself (on sorted rows).
+  same, _ = jsparse.union(a, a, capacity=a.capacity)
+  np.testing.assert_array_equal(np.asarray(same.todense()), np.asarray(a.todense()))
+  assert int(same.num) == int(a.num)
+
+
+def test_union_overflow_under_jit():
+  a, b = _pair(7)
+  count = len(_sites(a) | _sites(b))
+  run = jax.jit(lambda a, b, cap: jsparse.add(a, b, capacity=cap, with_overflow=True), static_argnums=2)
+  y, flag = run(a, b, count)
+  assert not bool(flag) and int(y.num) == count and not bool(jsparse.overflowed(y))
+  y, flag = run(a, b, count - 3)
+  assert bool(flag) and bool(jsparse.overflowed(y)) and int(y.num) == count - 3
+  full = jsparse.add(a, b, capacity="exact")
+  np.testing.assert_array_equal(np.asarray(y.coords), np.asarray(full.coords[: count - 3]))  # smallest keys kept
+  np.testing.assert_array_equal(np.asarray(y.feats), np.asarray(full.feats[: count - 3]))
+  err, _ = jax.jit(checkify.checkify(lambda a, b: jsparse.multiply(a, b, capacity=count - 1)))(a, b)
+  assert "multiply" in err.get() and str(count) in err.get()
+  with pytest.raises(ValueError, match="union"):
+    jsparse.union(a, b, capacity=count - 1)
+  with pytest.raises(TypeError, match="capacity"):
+    jax.jit(lambda a, b: jsparse.add(a, b))(a, b)
+  flagged = jsparse.add(a.replace(overflow=jnp.array(True)), b)
+  assert bool(jsparse.overflowed(flagged))
+
+
+def test_union_bad_arguments():
+  a, b = _pair(8)
+  other, _ = _pair(8, shape=(5, 6, 5))
+  with pytest.raises(ValueError, match="one grid"):
+    jsparse.union(a, other)
+  with pytest.raises(ValueError, match="channels"):
+    jsparse.add(a, b.replace(feats=b.feats[:, :2]))
+  with pytest.raises(ValueError, match="dtype"):
+    jsparse.multiply(a, b.replace(feats=b.feats.astype(jnp.float16)))
+  with pytest.raises(TypeError, match="b must be"):
+    jsparse.add(a, b.feats)
+
+
+def test_union_on_a_wide_grid():
+  shape = (2048, 2048, 1024)  # 2**32 sites: two-word keys
+  a = jsparse.SparseTensor.from_coords(np.array([[0, 2000, 5, 1000], [0, 1, 2, 3]]), np.array([[1.0], [2.0]]),
+                                       shape, capacity=3)
+  b = jsparse.SparseTensor.from_coords(np.array([[0, 1, 2, 3], [0, 2047, 2047, 1023]]), np.array([[10.0], [20.0]]),
+                                       shape, capacity=2)
+  assert a.key_width == 2
+  y = jsparse.add(a, b, capacity=4)
+  assert int(y.num) == 3
+  np.testing.assert_array_equal(np.asarray(y.coords[:3]), [[0, 1, 2, 3], [0, 2000, 5, 1000], [0, 2047, 2047, 1023]])
+  np.testing.assert_array_equal(np.asarray(y.feats[:, 0]), [12.0, 1.0, 20.0, 0.0])
+
+
+# ---- broadcast_per_item, child_labels ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, HALF])
+def test_broadcast_per_item(dtype):
+  x, _ = _pair(9, batch_size=3)
+  values = jnp.asarray(np.random.default_rng(9).normal(size=(3, 5)), dtype)
+  y = jax.jit(jsparse.broadcast_per_item)(x, values)
+  item = np.asarray(x.coords[:, 0])
+  expected = np.where(np.asarray(x.valid_mask())[:, None], np.asarray(values, np.float32)[np.maximum(item, 0)], 0)
+  assert y.dtype == dtype and y.num_channels == 5
+  np.testing.assert_array_equal(np.asarray(y.feats, np.float32), expected)
+  np.testing.assert_array_equal(np.asarray(y.coords), np.asarray(x.coords))
+  cot = jnp.asarray(np.random.default_rng(10).normal(size=y.feats.shape), dtype)
+  (g,) = jax.vjp(lambda v: jsparse.broadcast_per_item(x, v).feats, values)[1](cot)
+  ref = np.zeros((3, 5))
+  valid = np.asarray(x.valid_mask())
+  np.add.at(ref, item[valid], np.asarray(cot, np.float32)[valid])
+  np.testing.assert_allclose(np.asarray(g, np.float32), ref, **_tol(dtype))
+  with pytest.raises(ValueError, match="batch_size=3"):
+    jsparse.broadcast_per_item(x, values[:2])
+  with pytest.raises(TypeError, match="floating"):
+    jsparse.broadcast_per_item(x, jnp.ones((3, 2), jnp.int32))
+
+
+@pytest.mark.parametrize("shape, stride", [((6, 4, 8), 2), ((7, 5, 6), 2), ((6, 6, 3), (3, 2, 1))])
+def test_child_labels_match_dense(shape, stride):
+  fine, _ = _pair(11, shape=shape)
+  st = (stride,) * 3 if isinstance(stride, int) else stride
+  coarse = jsparse.nn.SparseConv3d(2, kernel_size=st, strides=st, padding="SAME")
+  coarse = coarse.apply(coarse.init(jax.random.key(0), fine), fine)
+  labels = jax.jit(jsparse.child_labels, static_argnums=2)(coarse, fine, stride)
+  t = int(np.prod(st))
+  assert labels.shape == (coarse.capacity, t) and labels.dtype == jnp.bool_
+  occupied = np.asarray(fine.replace(feats=jnp.ones_like(fine.feats)).todense()[..., 0] > 0)
+  expected = np.zeros((coarse.capacity, t), bool)
+  for row in range(int(coarse.num)):
+    b, *c = np.asarray(coarse.coords[row]).tolist()
+    for child, off in enumerate(np.ndindex(*st)):
+      p = np.asarray(c) * st + off
+      if np.all(p < shape):
+        expected[row, child] = occupied[b, p[0], p[1], p[2]]
+  np.testing.assert_array_equal(np.asarray(labels), expected)
+  assert expected[: int(coarse.num)].any(axis=1).all()  # every coarse site has a child (it came from fine)
+  # The labels as the transposed convolution's mask spawn exactly fine's sites.
+  w = jnp.ones(st + (coarse.num_channels, 1))
+  spawned = jsparse.sparse_conv_transpose3d(coarse, w, stride=st, mask=labels)
+  assert _sites(spawned) == _sites(fine)
+  with pytest.raises(ValueError, match="grid"):
+    jsparse.child_labels(fine, fine, stride)
+
+
+# ---- dropout -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, HALF])
+def test_dropout(dtype):
+  x, _ = _pair(12, shape=(8, 8, 8), channels=16, dtype=dtype)
+  assert jsparse.dropout(x, 0.3, deterministic=True) is x
+  y = jax.jit(lambda x, k: jsparse.dropout(x, 0.3, rng=k))(x, jax.random.key(1))
+  f, g = np.asarray(x.feats, np.float32), np.asarray(y.feats, np.float32)
+  valid = np.asarray(x.valid_mask())
+  kept = g[valid] != 0
+  assert abs(kept.mean() - 0.7) < 0.03 and y.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(y.coords), np.asarray(x.coords))
+  np.testing.assert_allclose(g[valid][kept], f[valid][kept] / 0.7, **_tol(dtype))
+  assert np.all(g[~valid] == 0)
+  # Gradient: the same mask and scale.
+  (grad,) = jax.vjp(lambda f: jsparse.dropout(x.replace(feats=f), 0.3, rng=jax.random.key(1)).feats, x.feats)[1](
+      jnp.ones_like(x.feats))
+  np.testing.assert_allclose(np.asarray(grad, np.float32), np.where(g != 0, 1 / 0.7, 0), **_tol(dtype))
+  assert np.all(np.asarray(jsparse.dropout(x, 1.0, rng=jax.random.key(0)).feats) == 0)
+  with pytest.raises(ValueError, match="rng"):
+    jsparse.dropout(x, 0.5)
+  with pytest.raises(ValueError, match="rate"):
+    jsparse.dropout(x, 1.5, rng=jax.random.key(0))
+
+
+def test_sparse_dropout_module():
+  x, _ = _pair(13, channels=8)
+  module = snn.SparseDropout(0.5)
+  assert module.apply({}, x, deterministic=True) is x
+  a = module.apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(0)})
+  b = jsparse.dropout(x, 0.5, rng=jax.random.key(0))
+  c = module.apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+  # Flax folds the module path into the stream: the same key gives one mask, another key another.
+  assert a.feats.shape == b.feats.shape and not np.array_equal(np.asarray(a.feats), np.asarray(c.feats))
+  dense_mask = nn.Dropout(0.5).apply({}, jnp.ones_like(x.feats), deterministic=False,
+                                     rngs={"dropout": jax.random.key(0)})
+  np.testing.assert_array_equal(np.asarray(a.feats != 0), np.asarray(dense_mask != 0) & np.asarray(x.feats != 0))
+  with pytest.raises(Exception, match="deterministic"):
+    module.apply({}, x)

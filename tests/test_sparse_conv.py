@@ -385,7 +385,7 @@ def test_flax_modules():
   assert SparseMaxPool3d(2).apply({}, x).spatial_shape == (4, 3, 3)
   assert SparseAvgPool3d(2, padding="VALID").apply({}, x).spatial_shape == (4, 3, 3)
   with pytest.raises(ValueError, match="padding"):
-    SparseConv3d(5, padding="SAME").init(jax.random.key(0), x)
+    SparseConv3d(5, 3, padding="FULL").init(jax.random.key(0), x)  # "SAME" is the default (tests/test_sequential.py)
   jitted = jax.jit(lambda p, x: SparseConv3d(5, 3, 2, 1, out_capacity=y.capacity).apply(p, x))(params, x)
   assert rel_err(jitted.feats, y.feats) < 1e-6
 

@@ -99,12 +99,13 @@ class SparseUNet(nn.Module):
     for level, width in enumerate(self.features[1:]):
       h = block(self.features[level], f"down_block{level}")(h, train)
       skips.append(h)
-      h = act(SparseConv3d(width, kernel_size=2, strides=2, out_capacity=h.capacity, name=f"down{level}",
-                           **common)(h))
+      # padding 0 (spconv's k2 s2 down-sampling); "SAME" differs only on odd extents, where it keeps the last slice.
+      h = act(SparseConv3d(width, kernel_size=2, strides=2, padding="VALID", out_capacity=h.capacity,
+                           name=f"down{level}", **common)(h))
     h = block(self.features[-1], "bottom")(h, train)
     for level in reversed(range(len(self.features) - 1)):
       skip = skips[level]
-      h = act(SparseInverseConv3d(self.features[level], kernel_size=2, strides=2, name=f"up{level}",
-                                  **common)(h, like=skip))
+      h = act(SparseInverseConv3d(self.features[level], kernel_size=2, strides=2, padding="VALID",
+                                  name=f"up{level}", **common)(h, like=skip))
       h = block(self.features[level], f"up_block{level}")(concat(h, skip), train)
     return SubMConv3d(self.out_features, kernel_size=1, name="head", **common)(h)

@@ -53,8 +53,9 @@ print("jax", jax.__version__, "| backend:", jax.default_backend(), f"| SMALL={SM
 One primitive per shape, of three kinds: a solid sphere, an axis-aligned box or a torus (around a random
 axis), with random size and position (`jsparse.shapes` masks). A new reader can then judge the samples by
 eye (is it a sphere, a box, a ring?) and we can measure it (section 7). The shapes are kept both as dense
-bool masks (the targets at every level: max-pooling the fine mask gives the occupancy at R/2 and R/4) and
-as `SparseTensor` batches. Every batch is padded to the same static capacity, so the training step
+bool masks (max-pooling the fine mask gives the occupancy at R/2 and R/4, for statistics and capacities) and
+as `SparseTensor` batches; the decoder's targets are the sites of the input and of the encoder's R/2 level
+(`jsparse.child_labels`). Every batch is padded to the same static capacity, so the training step
 compiles once. A second set of shapes from the same distribution, never trained on, serves as reference."""),
     new_code_cell("""KINDS = ("sphere", "box", "torus")
 
@@ -107,13 +108,8 @@ with 8 logits per site (one per child in the 2x2x2 block: "is this child occupie
 the mask is the ground truth (teacher forcing), so the decoder always sees the right sites; when sampling
 it is `logits > 0`. The loss is the binary cross-entropy of the child logits at both levels plus a small KL
 term."""),
-    new_code_cell("""OFFSETS = np.array([(a, b, c) for a in range(2) for b in range(2) for c in range(2)], np.int32)  # child order
-
-def child_targets(x, dense_next):
-    \"\"\"bool [capacity, 8]: which children of each site of x are occupied in dense_next [B, 2X, 2Y, 2Z].\"\"\"
-    c = jnp.maximum(x.coords, 0)
-    xyz = 2 * c[:, None, 1:] + OFFSETS[None]
-    return dense_next[c[:, None, 0], xyz[..., 0], xyz[..., 1], xyz[..., 2]]
+    new_code_cell("""# The occupancy targets of a level: jsparse.child_labels(h, finer)[i, t] says whether child t of site i of h
+# (in SparseConvTranspose3d's child order) is a site of the finer tensor: the encoder's mid sites, or the input.
 
 class Block(nn.Module):   # two submanifold 3x3x3 convolutions with group norm and a residual
     features: int
@@ -127,25 +123,25 @@ class Encoder(nn.Module):
     def __call__(self, x):
         h = activation(snn.SubMConv3d(WIDTH)(x), nn.silu)
         h = Block(WIDTH)(h)
-        h = snn.SparseConv3d(2 * WIDTH, kernel_size=2, strides=2, out_capacity=self.caps[0])(h)   # R -> R/2
+        h = mid = snn.SparseConv3d(2 * WIDTH, kernel_size=2, strides=2, out_capacity=self.caps[0])(h)   # R -> R/2
         h = Block(2 * WIDTH)(activation(h, nn.silu))
         h = snn.SparseConv3d(2 * WIDTH, kernel_size=2, strides=2, out_capacity=self.caps[1])(h)   # R/2 -> R/4
         h = Block(2 * WIDTH)(activation(h, nn.silu))
         stats = snn.SubMConv3d(2 * LATENT, kernel_size=1)(h)
-        return h.replace(feats=stats.feats[:, :LATENT]), stats.feats[:, LATENT:]   # (mean on coarse sites, logvar)
+        return h.replace(feats=stats.feats[:, :LATENT]), stats.feats[:, LATENT:], mid   # (mean, logvar, mid sites)
 
 class Decoder(nn.Module):
     caps: tuple          # out capacities of the two upsamplings (mid, fine)
     @nn.compact
     def __call__(self, z, targets=None):
-        \"\"\"z: latents on coarse sites. targets: (mid, fine) dense bool for teacher forcing, or None (sample).
+        \"\"\"z: latents on coarse sites. targets: the (mid, fine) SparseTensors for teacher forcing, or None (sample).
         Returns the child logits of both levels, the sites of both levels, and the final fine shape.\"\"\"
         h = activation(snn.SubMConv3d(2 * WIDTH)(z), nn.silu)
         logits, sites = [], []
         for level, (features, cap) in enumerate(zip((2 * WIDTH, WIDTH), self.caps)):
             h = Block(features)(h)
             lg = snn.SubMConv3d(8, name=f"head{level}")(h).feats            # [capacity, 8]: child logits
-            mask = child_targets(h, targets[level]) if targets is not None else lg > 0
+            mask = jsparse.child_labels(h, targets[level]) if targets is not None else lg > 0
             logits.append(lg); sites.append(h)
             h = snn.SparseConvTranspose3d(features if level == 0 else WIDTH, out_capacity=cap)(h, mask=mask)
         return logits, sites, h
@@ -156,10 +152,11 @@ class VAE(nn.Module):
     def setup(self):
         self.encoder = Encoder(self.enc_caps)
         self.decoder = Decoder(self.dec_caps)
-    def __call__(self, x, key, targets=None):
-        mean, logvar = self.encoder(x)
+    def __call__(self, x, key, teacher_forcing=True):
+        mean, logvar, mid = self.encoder(x)
         z = mean.feats + jnp.exp(0.5 * logvar) * jax.random.normal(key, logvar.shape)
-        return mean, logvar, self.decoder(mean.replace(feats=z), targets)
+        targets = (mid, x) if teacher_forcing else None
+        return mean, logvar, targets, self.decoder(mean.replace(feats=z), targets)
     def encode(self, x):
         return self.encoder(x)
     def decode(self, z, targets=None):
@@ -169,15 +166,15 @@ def bce(logits, target, valid):
     l = optax.sigmoid_binary_cross_entropy(logits, target.astype(jnp.float32)).mean(-1)
     return jnp.sum(jnp.where(valid, l, 0)) / jnp.maximum(jnp.sum(valid), 1)
 
-def vae_loss(params, x, dense_mid, dense_fine, key, kl_weight=KL_WEIGHT):
-    mean, logvar, (logits, sites, _) = VAE().apply({"params": params}, x, key, (dense_mid, dense_fine))
-    rec = [bce(lg, child_targets(s, d), s.valid_mask()) for lg, s, d in zip(logits, sites, (dense_mid, dense_fine))]
+def vae_loss(params, x, key, kl_weight=KL_WEIGHT):
+    mean, logvar, targets, (logits, sites, _) = VAE().apply({"params": params}, x, key)
+    rec = [bce(lg, jsparse.child_labels(s, t), s.valid_mask()) for lg, s, t in zip(logits, sites, targets)]
     valid = mean.valid_mask()[:, None]
     kl = 0.5 * jnp.sum(jnp.where(valid, mean.feats ** 2 + jnp.exp(logvar) - 1 - logvar, 0)) / jnp.maximum(mean.num, 1)
     return rec[0] + rec[1] + kl_weight * kl, (rec[0], rec[1], kl)
 
 vae = VAE()
-params = jax.jit(vae.init)(jax.random.key(1), batches[0], jax.random.key(2), (jnp.asarray(levels[1][:BATCH]), jnp.asarray(levels[0][:BATCH])))["params"]
+params = jax.jit(vae.init)(jax.random.key(1), batches[0], jax.random.key(2))["params"]
 print(f"VAE: {sum(p.size for p in jax.tree_util.tree_leaves(params)):,} parameters")"""),
     new_markdown_cell("""## 3. Training the VAE
 A jitted optax step (Adam with a cosine schedule). All batches share one capacity per level, so it compiles
@@ -188,19 +185,17 @@ once; the first step includes compilation."""),
 
 opt = optax.adam(optax.cosine_decay_schedule(2e-3, VAE_STEPS, alpha=0.05))
 opt_state = opt.init(params)
-mids = [jnp.asarray(levels[1][i * BATCH:(i + 1) * BATCH]) for i in range(num_batches)]
-fines = [jnp.asarray(levels[0][i * BATCH:(i + 1) * BATCH]) for i in range(num_batches)]
 
 @jax.jit
-def vae_step(params, opt_state, x, mid, fine, key):
-    (loss, parts), grads = jax.value_and_grad(vae_loss, has_aux=True)(params, x, mid, fine, key)
+def vae_step(params, opt_state, x, key):
+    (loss, parts), grads = jax.value_and_grad(vae_loss, has_aux=True)(params, x, key)
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, parts
 
 history, t0 = [], time.time()
 for step in tqdm(range(VAE_STEPS), desc="VAE"):
     i = step % num_batches
-    params, opt_state, loss, parts = vae_step(params, opt_state, batches[i], mids[i], fines[i], jax.random.key(1000 + step))
+    params, opt_state, loss, parts = vae_step(params, opt_state, batches[i], jax.random.key(1000 + step))
     history.append([float(loss), *map(float, parts)])
     if step % (VAE_STEPS // 6) == 0 or step == VAE_STEPS - 1:
         progress(step, VAE_STEPS, t0, loss=history[-1][0], bce_mid=history[-1][1], bce_fine=history[-1][2], kl=history[-1][3])"""),
@@ -222,7 +217,7 @@ checkpointer.wait_until_finished()                             # saving is async
 abstract = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
 restored = checkpointer.restore(ckpt_path, abstract)
 size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ckpt_path) for f in fs)
-args = (batches[0], mids[0], fines[0], jax.random.key(7))
+args = (batches[0], jax.random.key(7))
 loss_fn = jax.jit(lambda p: vae_loss(p, *args)[0])
 a, b = float(loss_fn(params)), float(loss_fn(restored))
 print(f"saved {size / 1e6:.1f} MB to {ckpt_path} | loss before {a:.6f}, after restore {b:.6f}"

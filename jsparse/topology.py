@@ -63,6 +63,21 @@ def gather_rows(values: jax.Array, rows: jax.Array, back: jax.Array) -> jax.Arra
   return _gather(values, rows.astype(jnp.int32), back.astype(jnp.int32))
 
 
+def _compaction(keep: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+  """(rows [size], rank [N]): the indices of the first `size` True entries of keep [N] in order (-1 after
+  them), and each kept entry's position among them (-1 where not kept or past size).
+
+  A prefix sum and a store to distinct positions: jnp.nonzero would scatter-add ones that all collide.
+  """
+  n = keep.shape[0]
+  rank = jnp.cumsum(keep, dtype=jnp.int32) - 1
+  rank = jnp.where(keep & (rank < size), rank, -1)
+  everywhere = jnp.arange(n, dtype=jnp.int32)
+  target = jnp.where(rank >= 0, rank, size + everywhere)  # distinct, and out of range where not stored
+  rows = jnp.full((size,), -1, jnp.int32).at[target].set(everywhere, mode="drop", unique_indices=True)
+  return rows, rank
+
+
 # ---- select / prune ----------------------------------------------------------------------------------
 
 
@@ -94,11 +109,7 @@ def select(x: SparseTensor, mask: ArrayLike, *, capacity: Capacity = None,
   count = jnp.sum(keep, dtype=jnp.int32)
   capacity = x.capacity if capacity is None else resolve_capacity(capacity, count, "capacity", "kept rows")
   overflow = _finish("select", "kept rows", count, capacity, with_overflow)
-  # The output row of each kept input row is its rank among the kept ones.
-  rank = jnp.cumsum(keep, dtype=jnp.int32) - 1
-  back = jnp.where(keep & (rank < capacity), rank, -1)
-  (rows,) = jnp.nonzero(keep, size=capacity, fill_value=-1)
-  rows = rows.astype(jnp.int32)
+  rows, back = _compaction(keep, capacity)  # the output row of each kept input row is its rank
   coords = jnp.where((rows >= 0)[:, None], x.coords[jnp.maximum(rows, 0)], -1)
   out = SparseTensor(coords, gather_rows(x.feats, rows, back), jnp.minimum(count, capacity), x.spatial_shape,
                      x.batch_size, overflow=x.overflow | overflow)
@@ -139,8 +150,8 @@ def _union_sites(a_coords, a_num, b_coords, b_num, spatial_shape, batch_size: in
     new = new | (w != jnp.concatenate([jnp.full((1,), -1, w.dtype), w[:-1]]))
   heads = new & ~empty
   count = jnp.sum(heads, dtype=jnp.int32)
-  (pos,) = jnp.nonzero(heads, size=capacity, fill_value=merged[0].shape[0])
-  out_keys = tuple(jnp.concatenate([w, jnp.full((1,), _BIG, w.dtype)])[pos] for w in merged)  # ascending
+  pos, _ = _compaction(heads, capacity)
+  out_keys = tuple(jnp.where(pos >= 0, w[jnp.maximum(pos, 0)], _BIG) for w in merged)  # ascending, then _BIG
   filled = jnp.arange(capacity) < jnp.minimum(count, capacity)
   coords = sites_of_keys(tuple(jnp.where(filled, w, 0) for w in out_keys), batch_size, spatial_shape)
   coords = jnp.where(filled[:, None], coords, -1)

@@ -465,6 +465,8 @@ def devoxelize(x: SparseTensor, point_rows: ArrayLike) -> jax.Array:
   rows = jnp.asarray(point_rows)
   if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
     raise ValueError(f"point_rows must be integer [N], got {rows.dtype} {rows.shape}")
-  if not isinstance(rows, jax.core.Tracer) and rows.size and int(rows.max()) >= x.capacity:
-    raise ValueError(f"point_rows has row {int(rows.max())} but x has capacity {x.capacity}")
+  if not isinstance(point_rows, jax.core.Tracer) and rows.size:
+    largest = int(np.max(np.asarray(point_rows)))  # on the host: under an outer jit too
+    if largest >= x.capacity:
+      raise ValueError(f"point_rows has row {largest} but x has capacity {x.capacity}")
   return gather_sites(x.feats, rows)

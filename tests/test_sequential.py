@@ -186,3 +186,14 @@ def test_valid_and_int_padding_unchanged():
     np.testing.assert_allclose(np.asarray(y.feats), np.asarray(ref.feats), rtol=1e-6)
   with pytest.raises(ValueError, match="padding"):
     snn.SparseConv3d(2, 3, padding="FULL").init(jax.random.key(0), x)
+
+
+def test_readme_sequential_snippet():
+  """The README's "Sequential models and topology ops" example runs as written."""
+  from test_packaging import readme_snippet
+
+  namespace = {}
+  exec(compile(readme_snippet("### Sequential models and topology ops"), "README.md", "exec"), namespace)
+  assert namespace["dense"].shape == (2, 8, 4, 4, 4)
+  assert namespace["labels"].shape == (namespace["coarse"].capacity, 8)
+  assert int(namespace["both"].num) == int(namespace["x"].num)  # kept's sites are x's

@@ -84,6 +84,10 @@ class SubMConv3d(ConvParams):
     implementation: None | "xla" | "pallas" (see `jsparse.submconv3d`).
     algorithm: "auto" or a forced Pallas algorithm (see `jsparse.submconv3d`).
 
+  Differences from nn.Conv: kernel_size defaults to 3 (nn.Conv requires it) and must be odd; strides and
+  padding admit only their defaults; no feature_group_count, input_dilation or mask; the input and output are
+  SparseTensors (`jsparse.nn.ToDense` gives the dense array).
+
   The neighbour map is taken from (and attached to) the SparseTensor's `caches`, so a stack of these
   layers on the same coordinates builds it once. Inside `nn.scan` / `lax.cond`, give the carried tensor its
   maps before the loop, `jsparse.with_maps(x, kernel_size)`, so that the layer does not change its structure.

@@ -34,10 +34,11 @@ def _triple(value, name: str, module) -> tuple[int, int, int]:
 
 
 def _padding(value, module) -> tuple[int, int, int]:
+  """Explicit padding: ints or "VALID" (the pools, and the convolutions once "SAME" is resolved by _geometry)."""
   if isinstance(value, str):
     if value.upper() == "VALID":
       return (0, 0, 0)
-    raise ValueError(f"{type(module).__name__}: padding must be 'SAME', 'VALID' or ints, got {value!r}")
+    raise ValueError(f"{type(module).__name__}: padding must be ints or 'VALID', got {value!r}")
   return _triple(value, "padding", module)
 
 
@@ -70,6 +71,8 @@ def _geometry(module, x: SparseTensor):
   st = _triple(module.strides, "strides", module)
   dil = _triple(module.kernel_dilation, "kernel_dilation", module)
   if not _is_same(module.padding):
+    if isinstance(module.padding, str) and module.padding.upper() != "VALID":
+      raise ValueError(f"{type(module).__name__}: padding must be 'SAME', 'VALID' or ints, got {module.padding!r}")
     return x, _padding(module.padding, module)
   low, extra = same_padding(x.spatial_shape, ks, st, dil)
   return _on_grid(x, [n + e for n, e in zip(x.spatial_shape, extra)]), low

@@ -246,18 +246,22 @@ def child_labels(coarse: SparseTensor, fine: SparseTensor, stride: Size3 = 2) ->
 
   Child t of site c is c * stride + (i, j, k), t the C-order index of (i, j, k) in [0, stride)^3: the child
   order of `sparse_conv_transpose3d`'s mask, so the result is the teacher-forcing mask and the occupancy
-  target of a coarse-to-fine decoder. coarse.spatial_shape must be ceil(fine.spatial_shape / stride) (the
-  output grid of a kernel-size-equals-stride convolution of fine, padded "SAME"); padding rows are all False.
+  target of a coarse-to-fine decoder. coarse.spatial_shape must be fine's divided by stride, rounded up (the
+  output grid of a kernel-size-equals-stride convolution or pool of fine padded "SAME") or down (padded 0);
+  children outside fine's grid are False, and so are padding rows.
   """
   check_sparse_tensor(coarse, "coarse")
   check_sparse_tensor(fine, "fine")
   st = as_triple(stride, "stride")
   if min(st) < 1:
     raise ValueError(f"stride must be >= 1, got {st}")
-  expected = tuple(-(-n // s) for n, s in zip(fine.spatial_shape, st))
-  if coarse.spatial_shape != expected or coarse.batch_size != fine.batch_size:
+  low = tuple(n // s for n, s in zip(fine.spatial_shape, st))
+  high = tuple(-(-n // s) for n, s in zip(fine.spatial_shape, st))
+  fits = all(lo <= c <= hi for lo, c, hi in zip(low, coarse.spatial_shape, high))
+  if not fits or coarse.batch_size != fine.batch_size:
     raise ValueError(f"coarse (spatial_shape={coarse.spatial_shape}, batch_size={coarse.batch_size}) is not the "
-                     f"stride-{st} grid of fine (expected spatial_shape={expected}, batch_size={fine.batch_size})")
+                     f"stride-{st} grid of fine (spatial_shape between {low} and {high}, batch_size="
+                     f"{fine.batch_size})")
   t = math.prod(st)
   child = jnp.stack(jnp.unravel_index(jnp.arange(t), st), axis=-1).astype(jnp.int32)  # [T, 3], C order
   xyz = coarse.coords[:, None, 1:] * jnp.asarray(st, jnp.int32) + child[None]

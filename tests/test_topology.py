@@ -226,6 +226,13 @@ def test_child_labels_match_dense(shape, stride):
   assert _sites(spawned) == _sites(fine)
   with pytest.raises(ValueError, match="grid"):
     jsparse.child_labels(fine, fine, stride)
+  # A coarse grid rounded down (padding 0 on an odd extent): children past fine's grid are not asked about.
+  pooled = jsparse.sparse_max_pool3d(fine, st)
+  itself = np.asarray(jsparse.child_labels(fine, fine, 1))  # stride 1: every site is its own single child
+  assert itself[: int(fine.num)].all() and not itself[int(fine.num):].any()
+  down = jsparse.child_labels(pooled, fine, stride)
+  assert np.asarray(down).sum() == sum(1 for c in _sites(fine) if all(
+      v < (n // s) * s for v, n, s in zip(c[1:], shape, st)))
 
 
 # ---- dropout -----------------------------------------------------------------------------------------------

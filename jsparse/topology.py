@@ -3,7 +3,7 @@ pruning and union, coarse-to-fine labels), and feature dropout.
 
 Every site lookup here sorts linear site keys and binary-searches them (neighbors.sorted_site_keys,
 neighbors.lookup_keys), so there is no hash table and no scatter. Moving features between two row sets goes
-through `gather_rows`, whose gradient is the gather the other way (each source row lands in at most one
+through `gather_injective`, whose gradient is the gather the other way (each source row lands in at most one
 output row, so the transposed map is known): no scatter-add in the forward or backward pass.
 
 Capacities follow the rest of the library: an int (required under jit), "exact" (the count) or None (a
@@ -27,7 +27,7 @@ from jsparse.sampling import lookup_rows
 from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_sparse_tensor, report,
                                    resolve_capacity, site_keys, sites_of_keys)
 
-__all__ = ["select", "union", "add", "multiply", "broadcast_per_item", "child_labels", "dropout", "gather_rows"]
+__all__ = ["select", "union", "add", "multiply", "broadcast_per_item", "child_labels", "dropout", "gather_injective"]
 
 _BIG = jnp.iinfo(jnp.int32).max
 
@@ -53,7 +53,7 @@ def _gather_bwd(res, g):
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def gather_rows(values: jax.Array, rows: jax.Array, back: jax.Array) -> jax.Array:
+def gather_injective(values: jax.Array, rows: jax.Array, back: jax.Array) -> jax.Array:
   """values [N, C] read at `rows` [M] (int32, -1 gives a zero row), for an injective map.
 
   back [N]: the output row that reads each source row, or -1 (the inverse of rows: rows[back[j]] == j
@@ -111,7 +111,7 @@ def select(x: SparseTensor, mask: ArrayLike, *, capacity: Capacity = None,
   overflow = _finish("select", "kept rows", count, capacity, with_overflow)
   rows, back = _compaction(keep, capacity)  # the output row of each kept input row is its rank
   coords = jnp.where((rows >= 0)[:, None], x.coords[jnp.maximum(rows, 0)], -1)
-  out = SparseTensor(coords, gather_rows(x.feats, rows, back), jnp.minimum(count, capacity), x.spatial_shape,
+  out = SparseTensor(coords, gather_injective(x.feats, rows, back), jnp.minimum(count, capacity), x.spatial_shape,
                      x.batch_size, overflow=x.overflow | overflow)
   return (out, overflow) if with_overflow else out
 
@@ -174,8 +174,8 @@ def _union(op: str, a: SparseTensor, b: SparseTensor, capacity, with_overflow: b
   overflow = _finish(op, "union sites", count, capacity, with_overflow)
   flag = a.overflow | b.overflow | overflow
   num = jnp.minimum(count, capacity)
-  a_out = SparseTensor(coords, gather_rows(a.feats, a_rows, a_back), num, *grid, overflow=flag)
-  b_out = SparseTensor(coords, gather_rows(b.feats, b_rows, b_back), num, *grid, overflow=flag)
+  a_out = SparseTensor(coords, gather_injective(a.feats, a_rows, a_back), num, *grid, overflow=flag)
+  b_out = SparseTensor(coords, gather_injective(b.feats, b_rows, b_back), num, *grid, overflow=flag)
   return a_out, b_out, overflow
 
 

@@ -74,6 +74,8 @@ def test_sequential_tensor_functions_to_dense_and_nesting():
     snn.Sequential([snn.ToDense(), nn.relu]).apply({}, x)
   with pytest.raises(TypeError, match="SparseTensor"):
     snn.Sequential([nn.relu]).apply({}, x.feats)
+  with pytest.raises(TypeError, match="determinstic"):
+    model.apply(variables, x, determinstic=True)
   with pytest.raises(ValueError, match="empty"):
     snn.Sequential([]).apply({}, x)
   with pytest.raises(TypeError, match="not a module or a callable"):

@@ -44,6 +44,7 @@ class Sequential(nn.Module):
   - a flax Module: called with the tensor (the output of the previous layer), plus those of Sequential's
     keyword arguments that its `__call__` names, so that `Sequential(...)(x, use_running_average=False,
     deterministic=False)` reaches every SparseBatchNorm and SparseDropout (and a nested Sequential gets all);
+    a keyword that no layer names raises TypeError;
   - any other callable: a function of feature arrays (`nn.relu`, `jax.nn.gelu`, `functools.partial(...)`),
     applied to the valid rows' features by `jsparse.norm.activation` (padding rows stay zero even where
     fn(0) != 0). Wrap a function of SparseTensors in `TensorFn` instead.
@@ -57,16 +58,21 @@ class Sequential(nn.Module):
     if not self.layers:
       raise ValueError("Sequential: layers is empty")
     _check_sparse(x, type(self).__name__)
+    unused = set(kwargs)
     for index, layer in enumerate(self.layers):
       if not isinstance(x, SparseTensor):
         raise TypeError(f"Sequential: layer {index} ({type(layer).__name__}) gets a {type(x).__name__}: only the "
                         "last layer may return something other than a SparseTensor")
       if isinstance(layer, nn.Module):
-        x = layer(x, **_accepted(layer.__call__, kwargs))
+        accepted = _accepted(layer.__call__, kwargs)
+        unused -= set(accepted)
+        x = layer(x, **accepted)
       elif callable(layer):
         x = norm.activation(x, layer)
       else:
         raise TypeError(f"Sequential: layer {index} is a {type(layer).__name__}, not a module or a callable")
+    if unused:  # a misspelt flag would otherwise be dropped silently
+      raise TypeError(f"Sequential: no layer takes the keyword argument(s) {sorted(unused)}")
     return x
 
 

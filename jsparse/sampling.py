@@ -49,6 +49,8 @@ def _sum_by_row(g, rows, num_rows: int):
 
 @jax.custom_vjp
 def _gather_sites(values, rows):
+  if values.shape[0] == 0:  # nothing to read (an empty tensor)
+    return jnp.zeros((rows.shape[0],) + values.shape[1:], values.dtype)
   return jnp.where((rows >= 0)[:, None], values[jnp.maximum(rows, 0)], 0).astype(values.dtype)
 
 

@@ -37,6 +37,8 @@ _BIG = jnp.iinfo(jnp.int32).max
 
 @jax.custom_vjp
 def _gather(values, rows, back):
+  if values.shape[0] == 0:  # nothing to read (an empty tensor)
+    return jnp.zeros((rows.shape[0],) + values.shape[1:], values.dtype)
   return jnp.where((rows >= 0)[:, None], values[jnp.maximum(rows, 0)], 0).astype(values.dtype)
 
 

@@ -275,3 +275,21 @@ def test_sparse_dropout_module():
   np.testing.assert_array_equal(np.asarray(a.feats != 0), np.asarray(dense_mask != 0) & np.asarray(x.feats != 0))
   with pytest.raises(Exception, match="deterministic"):
     module.apply({}, x)
+
+
+def test_empty_tensors():
+  empty = jsparse.SparseTensor.from_coords(np.zeros((0, 4), np.int32), np.zeros((0, 2), np.float32), (4, 4, 4),
+                                           capacity="exact")
+  padded = jsparse.SparseTensor.from_coords(np.zeros((0, 4), np.int32), np.zeros((0, 2), np.float32), (4, 4, 4),
+                                            capacity=3)
+  one = jsparse.SparseTensor.from_coords(np.array([[0, 1, 2, 3]]), np.full((1, 2), 5.0, np.float32), (4, 4, 4),
+                                         capacity=2)
+  assert jsparse.select(empty, jnp.zeros((0,), bool)).capacity == 0
+  assert int(jsparse.select(padded, jnp.ones((3,), bool)).num) == 0
+  y = jsparse.add(empty, one, capacity=2)
+  np.testing.assert_array_equal(np.asarray(y.todense()), np.asarray(one.todense()))
+  assert int(jsparse.multiply(padded, padded, capacity=4).num) == 0
+  g = jax.grad(lambda f: jsparse.add(one.replace(feats=f), empty, capacity=2).feats.sum())(one.feats)
+  np.testing.assert_array_equal(np.asarray(g), [[1.0, 1.0], [0.0, 0.0]])
+  assert jsparse.broadcast_per_item(empty, jnp.ones((1, 3))).feats.shape == (0, 3)
+  assert jsparse.child_labels(jsparse.sparse_max_pool3d(empty, 2, out_capacity=0), empty).shape == (0, 8)

@@ -9,7 +9,8 @@ output row, so the transposed map is known): no scatter-add in the forward or ba
 Capacities follow the rest of the library: an int (required under jit), "exact" (the count) or None (a
 bucket, `round_capacity`); `select` defaults to its input's capacity, which always fits. Sites that do not
 fit raise ValueError outside jit; under jit the output's overflow flag is set (`jsparse.overflowed`),
-`jax.experimental.checkify` reports the op and counts, and `with_overflow=True` also returns this op's flag.
+`jax.experimental.checkify` reports the op and counts inside `jsparse.error_checks()`, and `with_overflow=True`
+also returns this op's flag.
 """
 from __future__ import annotations
 

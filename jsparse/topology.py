@@ -25,10 +25,18 @@ from jsparse import per_item
 from jsparse._types import ArrayLike, Capacity, Size3
 from jsparse.neighbors import as_triple, lookup_keys, sorted_site_keys
 from jsparse.sampling import lookup_rows
-from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_sparse_tensor, report,
-                                   resolve_capacity, site_keys, sites_of_keys)
+from jsparse.sparse_tensor import (
+  EXACT,
+  SparseTensor,
+  check_capacity,
+  check_sparse_tensor,
+  report,
+  resolve_capacity,
+  site_keys,
+  sites_of_keys,
+)
 
-__all__ = ["select", "union", "add", "multiply", "broadcast_per_item", "child_labels", "dropout", "gather_injective"]
+__all__ = ["add", "broadcast_per_item", "child_labels", "dropout", "gather_injective", "multiply", "select", "union"]
 
 _BIG = jnp.iinfo(jnp.int32).max
 

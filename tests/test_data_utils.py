@@ -12,7 +12,7 @@ from jsparse import serialize, shapes
 from jsparse import voxelize as voxelize_lib
 from jsparse.sampling import grid_sample, lookup_rows
 from jsparse.sparse_tensor import round_capacity
-from jsparse.voxelize import devoxelize, voxel_centres, voxelize, voxelize_jit
+from jsparse.voxelize import voxel_centres, voxelize, voxelize_jit
 
 
 # ---- voxelize ----------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def test_grid_sample_nearest_finds_every_points_own_voxel(dtype):
                                 np.asarray(devoxelize(x, rows).astype(jnp.float32)))
   assert got.dtype == dtype
   # Voxel centres map back to their own voxels, by voxelize and by grid_sample.
-  centres, valid = voxel_centres(x, voxel_size=VOXEL, origin=ORIGIN)
+  centres, _ = voxel_centres(x, voxel_size=VOXEL, origin=ORIGIN)
   n = int(x.num)
   c = np.asarray(centres[:n])
   item = np.asarray(x.coords[:n, 0])

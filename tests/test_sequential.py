@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from reference import random_sparse
 
 import jsparse
 import jsparse.nn as snn
-from reference import random_sparse
 
 
 def _x(seed=0, shape=(6, 5, 7), channels=3, batch_size=2, dtype=np.float32):
@@ -138,7 +138,7 @@ def test_same_padding_matches_nn_conv(shape, kernel, strides, dilation, dtype):
   variables = conv.init(jax.random.key(0), x)
   dense = nn.Conv(4, kernel if isinstance(kernel, tuple) else (kernel,) * 3, strides, kernel_dilation=dilation,
                   precision="highest")
-  tol = dict(rtol=3e-2, atol=3e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+  tol = {"rtol": 3e-2, "atol": 3e-2} if dtype == jnp.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
 
   def sparse_out(p, f):
     return conv.apply({"params": p}, x.replace(feats=f))
@@ -195,7 +195,7 @@ def test_readme_sequential_snippet():
   from test_packaging import readme_snippet
 
   namespace = {}
-  exec(compile(readme_snippet("### Sequential models and topology ops"), "README.md", "exec"), namespace)
+  exec(compile(readme_snippet("### Sequential models and topology ops"), "README.md", "exec"), namespace)  # noqa: S102
   assert namespace["dense"].shape == (2, 8, 4, 4, 4)
   assert namespace["labels"].shape == (namespace["coarse"].capacity, 8)
   assert int(namespace["both"].num) == int(namespace["x"].num)  # kept's sites are x's

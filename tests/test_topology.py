@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import checkify
+from reference import random_sparse
 
 import jsparse
 import jsparse.nn as snn
-from reference import random_sparse
 
 HALF = jnp.bfloat16
 
@@ -38,7 +38,7 @@ def _check_padding(x):
 
 
 def _tol(dtype):
-  return dict(rtol=2e-2, atol=2e-2) if dtype == HALF else dict(rtol=1e-6, atol=1e-6)
+  return {"rtol": 2e-2, "atol": 2e-2} if dtype == HALF else {"rtol": 1e-6, "atol": 1e-6}
 
 
 # ---- select --------------------------------------------------------------------------------------------

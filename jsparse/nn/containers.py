@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -11,7 +12,7 @@ from jsparse import norm, topology
 from jsparse.nn.layers import _check_sparse
 from jsparse.sparse_tensor import SparseTensor
 
-__all__ = ["Sequential", "TensorFn", "ToDense", "SparseDropout"]
+__all__ = ["Sequential", "SparseDropout", "TensorFn", "ToDense"]
 
 
 def _accepted(fn: Callable, kwargs: dict) -> dict:

@@ -487,6 +487,71 @@ def test_plot_grid_and_limits(agg, tmp_path):
     plot_grid(batch, titles=["x"])
 
 
+
+def _voxel_face_colours(ax):
+  return np.concatenate([np.asarray(c.get_facecolor()) for c in ax.collections])
+
+
+def _is_shade_of(faces, colour):
+  """Per face: is its RGB `colour` darkened by ax.voxels' lighting (one factor in [0.3, 1] on every channel)?"""
+  ratio = faces[:, :3] / np.asarray(colour[:3])
+  return (np.ptp(ratio, axis=1) < 0.02) & (ratio.min(1) > 0.29) & (ratio.max(1) < 1.01)
+
+
+def test_plot_axes_labels_titles_and_colour_bar(agg):
+  from jsparse.plot import plot_grid, plot_voxels
+  t = shapes.random_shapes(jax.random.key(7), 2, 12, channels=2)
+  ax = plot_voxels(t, color_by=1, title="mine")
+  assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_zlabel()) == ("x (voxel)", "y (voxel)", "z (voxel)")
+  assert ax.get_title() == "mine"
+  bars = [a for a in ax.figure.axes if a is not ax]
+  assert len(bars) == 1 and bars[0].get_ylabel() == "channel 1"  # the colour bar, named by its channel
+  assert plot_voxels(t, axis_labels=False).get_xlabel() == ""
+  assert len(plot_voxels(t).figure.axes) == 1  # one colour: no colour bar
+  # A pooled view keeps the user's title and says it is pooled; its axes still read in input voxels.
+  big = shapes.box(80, half_size=10)
+  ax = plot_voxels(big, title="a box")
+  assert ax.get_title() == "a box\n(downsampled x2)" and ax.get_xlim() == (0.0, 80.0)
+  fig = plot_grid([big, t], ncols=2, titles=["box", "shapes"], color_by=0, value_label="occupancy")
+  assert [a.get_title() for a in fig.axes[:2]] == ["box\n(downsampled x2)", "shapes"]
+  assert len(fig.axes) == 3 and fig.axes[2].get_ylabel() == "occupancy"  # one colour bar shared by the panels
+  # Panels laid out without overlap: each panel's labels and title stay inside its own cell.
+  fig = plot_grid(shapes.random_shapes(jax.random.key(8), 6, 8), ncols=3, panel_size=2.2,
+                  titles=[f"a long title for panel number {i}" for i in range(6)])
+  renderer = fig.canvas.get_renderer()
+  boxes = [a.get_tightbbox(renderer) for a in fig.axes]
+  for i, a in enumerate(boxes):
+    assert a.x0 >= -1 and a.y0 >= -1 and a.x1 <= fig.bbox.x1 + 1 and a.y1 <= fig.bbox.y1 + 1
+    for b in boxes[i + 1:]:
+      assert not a.overlaps(b), (a, b)
+  with pytest.raises(TypeError, match="color_by"):
+    plot_voxels(t, color_by=0.5)
+  with pytest.raises(ValueError, match="vmin"):
+    plot_voxels(t, color_by=0, vmin=2.0, vmax=1.0)
+  with pytest.raises(ValueError, match="panel_size"):
+    plot_grid(t, panel_size=0)
+
+
+def test_plot_colours_follow_values(agg):
+  from jsparse.plot import plot_voxels, value_range
+  cmap = __import__("matplotlib").colormaps["viridis"]
+  # All values equal: every voxel takes the colour map's middle colour, and the scale is centred on the value.
+  ones = shapes.random_shapes(jax.random.key(9), 1, 10)
+  assert value_range(np.ones(5)) == (0.5, 1.5) and value_range(np.full(3, -40.0)) == (-42.0, -38.0)
+  faces = _voxel_face_colours(plot_voxels(ones, color_by=0))
+  assert len(faces) > 0 and _is_shade_of(faces, cmap(0.5)).all()
+  assert value_range(np.array([1.0, np.nan, 3.0, np.inf])) == (1.0, 3.0)
+  assert value_range(np.array([]), 0.0, 2.0) == (0.0, 2.0)
+  # Two values on one grid: the low voxel's faces take the bottom colour, the high one's the top colour.
+  coords = np.array([[0, 0, 0, 0], [0, 3, 3, 3]], np.int32)
+  two = SparseTensor.from_coords(coords, np.array([[-1.0], [5.0]], np.float32), (4, 4, 4), capacity="exact")
+  faces = _voxel_face_colours(plot_voxels(two, color_by=0))
+  low, high = _is_shade_of(faces, cmap(0.0)), _is_shade_of(faces, cmap(1.0))
+  assert (low | high).all() and low.sum() == high.sum() > 0
+  # vmin / vmax fix the scale: 5.0 on a -1..11 scale is the middle colour.
+  faces = _voxel_face_colours(plot_voxels(two, color_by=0, vmin=-1.0, vmax=11.0))
+  assert _is_shade_of(faces, cmap(0.0)).sum() == _is_shade_of(faces, cmap(0.5)).sum() > 0
+
 def test_empty_inputs():
   e = SparseTensor.from_coords(np.zeros((0, 4), np.int32), np.zeros((0, 2), np.float32), (4, 4, 4),
                                capacity="exact")

@@ -82,7 +82,24 @@ variables = jax.jit(model.init)(jax.random.key(3), x)   # jitted: one compiled p
 out = jax.jit(model.apply)(variables, x)
 n_params = sum(p.size for p in jax.tree_util.tree_leaves(variables))
 print(out, "|", n_params, "parameters")"""),
-    new_code_cell("""fig = jsparse.plot.plot_grid([(out, 0)], ncols=1, color_by=0, titles=["U-Net output, coloured by channel 0"])
+    new_markdown_cell("""An untrained network's output is not a picture of anything, but it is not uniform either: with every
+input feature equal to 1, only the geometry varies, so the output changes with how deep a site lies inside the
+shape. Cutting the shape open at its centre shows it next to the number of active neighbours of each site."""),
+    new_code_cell("""def back_half(t, b=0):
+    \"\"\"Batch element b of t without the sites in front of its centre plane (small y, nearer the viewer).\"\"\"
+    n = int(t.num)
+    c, f = np.asarray(t.coords[:n]), np.asarray(t.feats[:n])
+    keep = (c[:, 0] == b) & (c[:, 2] >= np.median(c[c[:, 0] == b, 2]))
+    return jsparse.SparseTensor.from_coords(c[keep], f[keep], t.spatial_shape, batch_size=t.batch_size)
+
+n_active = (cache.nbr >= 0).sum(1).astype(jnp.float32)[:, None]   # active sites in each site's 3x3x3 block
+panels = [(x.replace(feats=n_active), "input (all features 1): active sites\\nin each 3x3x3 block, cut open",
+           "active neighbours"),
+          (out, "untrained U-Net output,\\ncut open", "output channel 0")]
+fig = plt.figure(figsize=(10, 4.4))
+for k, (t, title, label) in enumerate(panels):
+    ax = fig.add_subplot(1, 2, k + 1, projection="3d")
+    jsparse.plot.plot_voxels(back_half(t), color_by=0, ax=ax, title=title, value_label=label)
 plt.close(fig)
 fig"""),
 ]
@@ -142,18 +159,29 @@ time, so > 1 means jsparse is faster. The file below is the H200 result summaris
     new_code_cell("""root = os.path.join(os.path.dirname(os.path.abspath(jsparse.__file__)), "..", "benchmarks", "results")
 
 path = os.path.join(root, "2026-11-23_h200_odhwi_merged.json")   # the latest runs, merged (BENCHMARKS.md)
-rows = {}
+rows, device = {}, "a GPU"
 if os.path.exists(path):
-    rows = {(r["dtype"], r["mode"], r["row"]): r for r in json.load(open(path))["results"] if "ratio" in r}
+    result = json.load(open(path))
+    rows = {(r["dtype"], r["mode"], r["row"]): r for r in result["results"] if "ratio" in r}
+    device = result["meta"]["device_kind"]
 print(len(rows), "workloads" if rows else "workloads: no result files next to this checkout")
-fig, axes = plt.subplots(1, 2, figsize=(11, 3), sharey=True)
+fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+top = max([r["ratio"] for r in rows.values()], default=1.0) * 1.15       # head room for the value labels
 for ax, dtype in zip(axes, ["fp16", "tf32"]):
-    for k, mode in enumerate(["inference", "train"]):
+    for k, (mode, colour) in enumerate([("inference", "#4c72b0"), ("train", "#dd8452")]):
         rs = sorted((r for (d, m, _), r in rows.items() if d == dtype and m == mode), key=lambda r: r["res"])
-        ax.bar(np.arange(len(rs)) + 0.4 * k, [r["ratio"] for r in rs], 0.38, label=mode)
-        ax.set_xticks(np.arange(len(rs)) + 0.2, [r["row"] for r in rs], rotation=30, fontsize=7)
-    ax.axhline(1.0, color="k", lw=0.8); ax.set_title(f"{dtype}: FlexGEMM time / jsparse time"); ax.legend()
-fig.tight_layout(); plt.close(fig)
+        bars = ax.bar(np.arange(len(rs)) + 0.4 * (k - 0.5), [r["ratio"] for r in rs], 0.38, label=mode, color=colour)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+        ax.set_xticks(np.arange(len(rs)), [f"{r['res']}³\\n{r['channels']} ch\\n{r['layers']} layers" for r in rs],
+                      fontsize=8)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylim(0, top)
+    ax.set_title("fp16" if dtype == "fp16" else "tf32 (float32 inputs, TF32 matmuls)", fontsize=10)
+    ax.set_xlabel("workload: grid resolution, channels, 3x3x3 layers", fontsize=9)
+axes[0].set_ylabel("speed-up over FlexGEMM\\n(FlexGEMM time / jsparse time)", fontsize=9)
+fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", fontsize=8, ncol=2, frameon=False)
+fig.suptitle(f"SubMConv3d suite on {device}: above 1, jsparse is faster", fontsize=11)
+fig.tight_layout(rect=(0, 0, 1, 0.96)); plt.close(fig)
 fig"""),
     new_markdown_cell("""On the H200 (2026-11-23, weights held Cout-first as FlexGEMM holds them: `weight_layout="ODHWI"`)
 jsparse is ahead of FlexGEMM on every row, as geometric means: fp16 1.35x for inference and 1.83x for

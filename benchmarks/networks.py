@@ -1054,9 +1054,10 @@ def render_profile(rec) -> str:
   return "\n".join(lines) + "\n"
 
 
-def plot_speedups(results, path: str, anchor: str = "spconv") -> str:
+def plot_speedups(results, path: str, anchor: str = "spconv", device: str | None = None) -> str:
   """Bar chart of anchor time / jsparse time per network cell (one group per network and size, one bar per
-  dtype and mode), with the 1x and 2x lines."""
+  dtype and mode, each labelled with its value; "n/a" where either side has no time), with the 1x and 2x
+  lines. device: named in the title when given."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -1064,7 +1065,7 @@ def plot_speedups(results, path: str, anchor: str = "spconv") -> str:
   cells = [(d, m) for d in ("fp16", "tf32") for m in MODES]
   groups = []
   for r in results:
-    key = f"{r['network']}\n{r['size']} ({r['sites'] / 1e6:.2f}M, b{r['batch_size']})"
+    key = f"{r['network']}\n{r['size']} ({r['sites'] / 1e6:.2f}M sites, b{r['batch_size']})"
     if key not in [g[0] for g in groups]:
       groups.append((key, {}))
     table = dict(groups)[key]
@@ -1072,19 +1073,24 @@ def plot_speedups(results, path: str, anchor: str = "spconv") -> str:
       js, an = r["jsparse"].get(mode, {}), r["anchors"].get(anchor, {}).get(mode, {})
       if js.get("ok") and an.get("ok"):
         table[(r["dtype"], mode)] = an["median_ms"] / js["median_ms"]
-  fig, ax = plt.subplots(figsize=(max(6.0, 1.9 * len(groups)), 4.2))
+  fig, ax = plt.subplots(figsize=(max(6.5, 2.2 * len(groups)), 4.6))
   width = 0.8 / len(cells)
   colours = ["#1f77b4", "#aec7e8", "#d62728", "#ff9896"]
+  top = max([v for _, t in groups for v in t.values()], default=2.0)
   for k, (cell, colour) in enumerate(zip(cells, colours)):
     xs = [i + (k - (len(cells) - 1) / 2) * width for i in range(len(groups))]
     ys = [g[1].get(cell, 0.0) for g in groups]
-    ax.bar(xs, ys, width, label=f"{cell[0]} {cell[1]}", color=colour)
+    bars = ax.bar(xs, ys, width, label=f"{cell[0]} {cell[1]}", color=colour)
+    ax.bar_label(bars, [f"{y:.2f}" if y else "n/a" for y in ys], fontsize=7, padding=1)
   ax.axhline(1.0, color="black", linewidth=0.8)
   ax.axhline(2.0, color="grey", linewidth=0.8, linestyle="--")
+  ax.set_ylim(0, max(top, 2.0) * 1.12)  # head room for the value labels
   ax.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
-  ax.set_ylabel(f"speed-up ({anchor} time / jsparse time)")
-  ax.set_title(f"jsparse vs {anchor}: whole networks, maps built every call", fontsize=10)
-  ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.22))
+  ax.set_xlabel("network, input size (sites, batch)", fontsize=9)
+  ax.set_ylabel(f"speed-up ({anchor} time / jsparse time)", fontsize=9)
+  where = f"\n{device}" if device else ""
+  ax.set_title(f"jsparse vs {anchor}: whole networks, maps built every call{where}", fontsize=10)
+  ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25), frameon=False)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -1108,6 +1114,8 @@ def parse_args(argv=None):
   ap.add_argument("--profile", action="store_true",
                   help="per-op GPU time of each step (traces; the tables show training): jsparse's, or the anchors' with --skip-jsparse")
   ap.add_argument("--out", default=None)
+  ap.add_argument("--chart", metavar="RESULT_JSON", default=None,
+                  help="only draw the speed-up chart of a saved networks.json, as the .png beside it")
   args = ap.parse_args(argv)
   for n in args.networks:
     if n not in NETWORKS:
@@ -1132,6 +1140,13 @@ def write_results(data, out_dir: str) -> str:
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.chart:
+    with open(args.chart) as f:
+      saved = json.load(f)
+    anchor = (saved.get("args", {}).get("anchors") or ["spconv"])[0]
+    print(plot_speedups(saved["results"], os.path.splitext(args.chart)[0] + ".png", anchor,
+                        device=saved.get("meta", {}).get("device_kind")))
+    return saved
   data = run(args)
   print(write_results(data, args.out) if args.out else render_markdown(data))
   return data

@@ -133,3 +133,32 @@ def test_decoder_matches_dense_reference(batch_size):
   assert n == len(ref[0]) == len(inp.targets[-1]) and set(np.unique(ref[0][:, 0])) == set(range(batch_size))
   check = networks.cross_check((np.asarray(coords[:n]), np.asarray(feats[:n])), ref)
   assert check["same_sites"] and check["rel_err"] < 1e-5, check
+
+
+def test_speedup_chart_shows_each_ratio(tmp_path, monkeypatch):
+  """plot_speedups draws anchor time / jsparse time for every cell, labels each bar with it, marks a cell
+  without times n/a, and --chart redraws it from a saved networks.json."""
+  pytest.importorskip("matplotlib")
+  import json
+
+  import matplotlib.pyplot as plt
+
+  def side(ms):
+    return {m: ({"ok": True, "median_ms": ms} if ms else {"ok": False}) for m in networks.MODES}
+
+  results = [{"network": "second", "size": "small", "sites": 2000, "batch_size": 2, "dtype": d,
+              "jsparse": side(js), "anchors": {"spconv": side(sp)}}
+             for d, js, sp in (("fp16", 2.0, 5.0), ("tf32", 4.0, None))]
+  saved = tmp_path / "networks.json"
+  saved.write_text(json.dumps({"meta": {"device_kind": "Test GPU"}, "args": {"anchors": ["spconv"]},
+                               "results": results}))
+  figures = []
+  monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read it back
+  networks.main(["--chart", str(saved)])
+  assert (tmp_path / "networks.png").read_bytes()[:4] == b"\x89PNG"
+  ax = figures[0].axes[0]
+  heights = [p.get_height() for p in ax.patches]
+  assert heights == [2.5, 2.5, 0.0, 0.0]  # fp16 inference, fp16 train, tf32 (no spconv time) twice
+  labels = [t.get_text() for t in ax.texts]
+  assert labels == ["2.50", "2.50", "n/a", "n/a"]
+  assert ax.get_xlabel() and "spconv time / jsparse time" in ax.get_ylabel() and "Test GPU" in ax.get_title()

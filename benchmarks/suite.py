@@ -590,6 +590,7 @@ def plot(data, path) -> str | None:
     ax.set_xticks(xs, [f"{rec['row']}\n{r}" for rec, r in zip(recs, ratios)], fontsize=8)
     ax.set_ylim(0, 1.25)
     ax.set_yticks([])
+    ax.set_ylabel("relative speed\n(fastest = 1)", fontsize=8)
     ax.set_title(f"{dtype} {mode}: relative speed (fastest = 1.00); below: FlexGEMM time / jsparse time",
                  fontsize=9)
     for y in np.arange(0.2, 1.2, 0.2):

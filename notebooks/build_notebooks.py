@@ -86,11 +86,10 @@ print(out, "|", n_params, "parameters")"""),
 input feature equal to 1, only the geometry varies, so the output changes with how deep a site lies inside the
 shape. Cutting the shape open at its centre shows it next to the number of active neighbours of each site."""),
     new_code_cell("""def back_half(t, b=0):
-    \"\"\"Batch element b of t without the sites in front of its centre plane (small y, nearer the viewer).\"\"\"
-    n = int(t.num)
-    c, f = np.asarray(t.coords[:n]), np.asarray(t.feats[:n])
-    keep = (c[:, 0] == b) & (c[:, 2] >= np.median(c[c[:, 0] == b, 2]))
-    return jsparse.SparseTensor.from_coords(c[keep], f[keep], t.spatial_shape, batch_size=t.batch_size)
+    \"\"\"Batch element b of t without its sites in front of the centre plane (small y, nearer the viewer).\"\"\"
+    c = np.asarray(t.coords)
+    mine = (c[:, 0] == b) & (np.arange(t.capacity) < int(t.num))
+    return jsparse.select(t, mine & (c[:, 2] >= np.median(c[mine, 2])))   # prune rows by a mask
 
 n_active = (cache.nbr >= 0).sum(1).astype(jnp.float32)[:, None]   # active sites in each site's 3x3x3 block
 panels = [(x.replace(feats=n_active), "input (all features 1): active sites\\nin each 3x3x3 block, cut open",

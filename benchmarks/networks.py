@@ -843,7 +843,8 @@ def _trace_events(trace_dir: str):
 def device_kernel_events(events) -> tuple[list, list]:
   """Kernel events on the GPU's stream tracks (not the derived per-op tracks, which would count twice), and
   the thread names seen (for the log)."""
-  procs = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  procs = {e["pid"]: e["args"].get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
   threads = {(e["pid"], e["tid"]): e["args"].get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
   gpu = {pid for pid, name in procs.items() if "GPU" in name or "gpu" in name}
@@ -881,7 +882,8 @@ def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
     op_name = meta.get(e["name"], "") or meta.get(args.get("hlo_op", ""), "")
     group = op_group(_scope_kind(op_name), e["name"])
     rows[group] = rows.get(group, 0.0) + e.get("dur", 0.0) / 1e3 / calls
-    row_bytes[group] = row_bytes.get(group, 0.0) + (sizes.get(e["name"]) or sizes.get(args.get("hlo_op", ""), 0)) / calls
+    size = sizes.get(e["name"]) or sizes.get(args.get("hlo_op", ""), 0)
+    row_bytes[group] = row_bytes.get(group, 0.0) + size / calls
     key = f"{group} :: {e['name'][:60]} :: {op_name[-90:]}"
     by_name[key] = by_name.get(key, 0.0) + e.get("dur", 0.0) / 1e3 / calls
   unattributed = sorted({e["name"] for e in kernels if not meta.get(e["name"]) and not e["name"].startswith(
@@ -1112,7 +1114,8 @@ def parse_args(argv=None):
   ap.add_argument("--skip-jsparse", action="store_true",
                   help="anchors only (torch's profiler and JAX's cannot both hold CUPTI in one process)")
   ap.add_argument("--profile", action="store_true",
-                  help="per-op GPU time of each step (traces; the tables show training): jsparse's, or the anchors' with --skip-jsparse")
+                  help="per-op GPU time of each step (traces; the tables show training): jsparse's, or the "
+                       "anchors' with --skip-jsparse")
   ap.add_argument("--out", default=None)
   ap.add_argument("--chart", metavar="RESULT_JSON", default=None,
                   help="only draw the speed-up chart of a saved networks.json, as the .png beside it")

@@ -527,7 +527,8 @@ def render_markdown(data) -> str:
     if not nm.get("ok", True):
       pairs += " (jsparse map: MISMATCH)"
       errors.append(f"{rec['row']} {rec['dtype']} {rec['mode']} jsparse neighbour map: "
-                    + (f"{nm['pairs']:,} pairs, expected {rec.get('pairs', 0):,}" if "pairs" in nm else nm.get("error")))
+                    + (f"{nm['pairs']:,} pairs, expected {rec.get('pairs', 0):,}" if "pairs" in nm
+                       else nm.get("error")))
     compile_s = f"{js['compile_s']:.1f}" if js.get("ok") else "-"
     cc_s = f"{cc['rel_err']:.1e}" if cc else "-"
     lines.append(f"| {rec['row']} | {rec['dtype']} | {rec['mode']} | {pairs} | {cells[0]} | {cells[1]} | "

@@ -152,7 +152,8 @@ def render(sections) -> str:
 def type_aliases() -> list[str]:
   """The aliases of jsparse/_types.py with the docstrings under them, as Markdown lines."""
   tree = ast.parse((ROOT / "jsparse" / "_types.py").read_text())
-  lines = ["## Type aliases", "", "Names used in the signatures above (`jsparse._types`; `ArrayLike` is `jax.typing.ArrayLike`).",
+  lines = ["## Type aliases", "",
+           "Names used in the signatures above (`jsparse._types`; `ArrayLike` is `jax.typing.ArrayLike`).",
            ""]
   for node, nxt in zip(tree.body, tree.body[1:]):
     if isinstance(node, ast.Assign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):

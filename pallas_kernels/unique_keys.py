@@ -39,7 +39,8 @@ the number of valid proposals (a lane fills at most one EMPTY slot), at most cap
 is the smaller bound the table stays at most 2/3 full (the bound is loose: a LiDAR scan's proposals fill
 a few percent, and the table is the largest buffer of a strided convolution's site search) and no probe
 loop (bounded by ``max_probes``, default ``T``) can run out. When the output grid is the smaller bound,
-filling the table would need more racing second copies than distinct sites; either way an exhausted bound only sets ``overflow``.
+filling the table would need more racing second copies than distinct sites; either way an exhausted bound only
+sets ``overflow``.
 
 Wide grids (``wide_keys=True``, output grid of 2**31 sites or more): the table holds proposal indices
 ``p = j*V + v`` instead of keys, and the same three kernels compare the sites the indices propose (recomputed

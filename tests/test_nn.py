@@ -156,7 +156,8 @@ def test_batch_norm_matches_numpy_and_flax_on_valid_rows():
   cot = jnp.asarray(np.random.default_rng(1).standard_normal(x.feats.shape), jnp.float32)
   flax_bn = nn.BatchNorm(use_running_average=False, momentum=0.9, use_fast_variance=False)
   bn_vars = {"batch_stats": variables["batch_stats"]}
-  fs = lambda p, f: jnp.sum(m.apply({"params": p, **bn_vars}, x.replace(feats=f), False, mutable=["batch_stats"])[0].feats * cot)
+  fs = lambda p, f: jnp.sum(
+      m.apply({"params": p, **bn_vars}, x.replace(feats=f), False, mutable=["batch_stats"])[0].feats * cot)
   fd = lambda p, f: jnp.sum(flax_bn.apply({"params": p, **bn_vars}, f[:n], mutable=["batch_stats"])[0] * cot[:n])
   gs, gd = jax.grad(fs, (0, 1))(params, x.feats), jax.grad(fd, (0, 1))(params, x.feats)
   for a, b in zip(jax.tree.leaves(gs), jax.tree.leaves(gd)):

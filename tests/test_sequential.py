@@ -49,7 +49,8 @@ def test_sequential_matches_the_layers_by_hand_with_training_flags():
   h_eval = snn.SparseBatchNorm().apply({"params": p["layers_1"], "batch_stats": updates["batch_stats"]["layers_1"]},
                                        h_eval, use_running_average=True)
   h_eval = snn.SubMConv3d(4, 1).apply({"params": p["layers_4"]}, jsparse.norm.activation(h_eval, nn.relu))
-  np.testing.assert_allclose(np.asarray(y_eval.feats), np.asarray(jsparse.norm.activation(h_eval, lambda f: f + 1).feats),
+  np.testing.assert_allclose(np.asarray(y_eval.feats),
+                             np.asarray(jsparse.norm.activation(h_eval, lambda f: f + 1).feats),
                              rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(updates["batch_stats"]["layers_1"]["mean"]),
                              np.asarray(bn_updates["batch_stats"]["mean"]), rtol=1e-4, atol=1e-8)

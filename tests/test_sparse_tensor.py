@@ -16,7 +16,8 @@ def test_roundtrip_dense_and_padding():
   dense = x.todense()
   assert dense.shape == (2, 4, 6, 5, 3)
   c = np.asarray(x.coords[: int(x.num)])
-  np.testing.assert_array_equal(np.asarray(dense)[c[:, 0], c[:, 1], c[:, 2], c[:, 3]], np.asarray(x.feats[: int(x.num)]))
+  np.testing.assert_array_equal(np.asarray(dense)[c[:, 0], c[:, 1], c[:, 2], c[:, 3]],
+                                np.asarray(x.feats[: int(x.num)]))
   assert int((np.abs(np.asarray(dense)).sum(-1) > 0).sum()) == int(x.num)
   y = jsparse.SparseTensor.from_dense(dense, capacity=int(x.num) + 3)
   assert int(y.num) == int(x.num) and y.spatial_shape == (4, 6, 5) and y.batch_size == 2

@@ -303,7 +303,7 @@ def test_wide_mark_keeps_the_first_reference():
   from pallas_kernels import unique_keys
   from pallas_kernels.hash_table import EMPTY, site_home
 
-  shape, batch, tsize = (2048,) * 3, 4, 64
+  shape, tsize = (2048,) * 3, 64
   geom = unique_keys.ProposalGeometry(((0, 0, 0),), (1, 1, 1), (0, 0, 0), shape)  # p = j, site = coords[j]
   coords = jnp.array([[3, 1024, 7, 9], [3, 1024, 7, 9], [0, 0, 7, 9]], jnp.int32)  # rows 0, 1: one site
   home = int(site_home(tuple(coords[0]), shape, tsize - 1))

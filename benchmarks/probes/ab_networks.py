@@ -3,7 +3,8 @@
 Machines of one pool differ by several percent, so a change is measured against its parent in the same call:
 
   git archive <base-commit> | (mkdir -p .ab/base && tar -x -C .ab/base)      # here; .ab/ is gitignored
-  python -m benchmarks.probes.ab_networks .ab/base . --rounds 2 -- --networks second --sizes large --dtypes fp16 --anchors ''
+  python -m benchmarks.probes.ab_networks .ab/base . --rounds 2 -- \
+      --networks second --sizes large --dtypes fp16 --anchors ''
 
 Each round runs `benchmarks.networks` once per tree in a fresh process (PYTHONPATH pointing at the tree), and the
 table at the end gives each cell's median over rounds for both trees and their ratio.

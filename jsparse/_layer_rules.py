@@ -1,18 +1,21 @@
 """What the flax.linen modules (jsparse.nn) and the flax.nnx modules (jsparse.nnx) share besides the functional
-ops they call: hyper-parameter checks, the kernel's layout and initialisation, dtype promotion and the batch norm
-step with its running averages. Each function is written once here so that the two module families cannot
+ops they call: hyper-parameter checks, the strided convolutions' padding (nn.Conv's "SAME" included), the
+kernel's layout and initialisation, dtype promotion, the batch norm step with its running averages, and the
+containers' passing of flags and feature functions to their layers. Each function is written once here so that the two module families cannot
 drift apart (their parameters are interchangeable, see `jsparse.nnx.linen_to_nnx`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+import inspect
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax.linen import dtypes as flax_dtypes
 from jax import lax
 
-from jsparse import norm
+from jsparse import norm, topology
 from jsparse.conv import WEIGHT_LAYOUTS
 from jsparse.neighbors import as_triple
 from jsparse.sparse_tensor import SparseTensor
@@ -45,6 +48,62 @@ def submanifold_geometry(module: str, kernel_size, strides, padding, kernel_dila
   if not (isinstance(padding, str) and padding.upper() == "SAME"):
     raise ValueError(f"{module}: padding must be 'SAME' (the output sites are the input sites), got {padding!r}")
   return ks, triple(kernel_dilation, "kernel_dilation", module)
+
+
+def is_same_padding(value) -> bool:
+  return isinstance(value, str) and value.upper() == "SAME"
+
+
+def explicit_padding(value, module: str) -> tuple[int, int, int]:
+  """Symmetric padding per axis from ints or "VALID" (the pools' padding, and a convolution's once "SAME" is
+  resolved by `strided_geometry`)."""
+  if isinstance(value, str):
+    if value.upper() == "VALID":
+      return (0, 0, 0)
+    raise ValueError(f"{module}: padding must be ints or 'VALID', got {value!r}")
+  return triple(value, "padding", module)
+
+
+def check_conv_padding(value, module: str) -> None:
+  """A strided convolution's padding: "SAME", "VALID", an int or 3 ints."""
+  if isinstance(value, str):
+    if value.upper() not in ("SAME", "VALID"):
+      raise ValueError(f"{module}: padding must be 'SAME', 'VALID' or ints, got {value!r}")
+    return
+  explicit_padding(value, module)
+
+
+def same_padding(spatial_shape, kernel_size, strides, dilation) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(low padding, extra high padding) per axis of lax's "SAME": total = max((ceil(X/s) - 1)*s + (k-1)*d + 1
+  - X, 0), low = total // 2, high = total - low, so the extra (high - low) is 0 or 1."""
+  low, extra = [], []
+  for n, k, s, d in zip(spatial_shape, kernel_size, strides, dilation):
+    total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
+    low.append(total // 2)
+    extra.append(total - 2 * (total // 2))
+  return tuple(low), tuple(extra)
+
+
+def on_grid(x: SparseTensor, spatial_shape, caches=None) -> SparseTensor:
+  """x on a grid of another extent (the same sites): the symmetric padding of the core ops plus one empty slice
+  at the high end of an axis is "SAME"'s uneven padding. Maps keyed by the old grid are dropped."""
+  if tuple(spatial_shape) == x.spatial_shape:
+    return x
+  return dataclasses.replace(x, spatial_shape=tuple(spatial_shape), caches={} if caches is None else caches)
+
+
+def strided_geometry(module: str, x: SparseTensor, kernel_size, strides, padding,
+                     kernel_dilation) -> tuple[SparseTensor, tuple[int, int, int]]:
+  """(x on the padded grid, symmetric padding) of a strided convolution (or of the SparseConv3d whose output
+  an inverse convolution carries back onto x): "SAME" is lax's, "VALID" is 0, ints are symmetric padding."""
+  check_conv_padding(padding, module)
+  if not is_same_padding(padding):
+    return x, explicit_padding(padding, module)
+  ks = triple(kernel_size, "kernel_size", module)
+  st = triple(strides, "strides", module)
+  dil = triple(kernel_dilation, "kernel_dilation", module)
+  low, extra = same_padding(x.spatial_shape, ks, st, dil)
+  return on_grid(x, [n + e for n, e in zip(x.spatial_shape, extra)]), low
 
 
 def check_conv_features(module: str, features, kernel_layout: str, name: str = "features") -> None:
@@ -131,3 +190,50 @@ def batch_norm_step(x: SparseTensor, scale, bias, running_mean, running_var, *, 
     return y, running_mean, running_var
   mean, var = lax.stop_gradient(mean), lax.stop_gradient(var)
   return (y, momentum * running_mean + (1 - momentum) * mean, momentum * running_var + (1 - momentum) * var)
+
+
+def accepted_kwargs(fn: Callable, kwargs: dict) -> dict:
+  """The entries of kwargs that fn's signature takes by name (all of them if it takes **kwargs)."""
+  try:
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    return {}
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+    return dict(kwargs)
+  names = {p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                                inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+  return {k: v for k, v in kwargs.items() if k in names}
+
+
+def apply_layers(module: str, layers: Sequence[Callable[..., Any]], x: SparseTensor, kwargs: dict,
+                 module_type: type) -> Any:
+  """What Sequential does in either family: each layer of `module_type` gets the tensor and the keyword
+  arguments its `__call__` names; any other callable is a function of the valid rows' features
+  (`jsparse.norm.activation`); a keyword that no layer names raises TypeError."""
+  if not layers:
+    raise ValueError(f"{module}: layers is empty")
+  check_sparse(x, module)
+  unused = set(kwargs)
+  for index, layer in enumerate(layers):
+    if not isinstance(x, SparseTensor):
+      raise TypeError(f"{module}: layer {index} ({type(layer).__name__}) gets a {type(x).__name__}: only the "
+                      "last layer may return something other than a SparseTensor")
+    if isinstance(layer, module_type):
+      accepted = accepted_kwargs(layer.__call__, kwargs)
+      unused -= set(accepted)
+      x = layer(x, **accepted)
+    elif callable(layer):
+      x = norm.activation(x, layer)
+    else:
+      raise TypeError(f"{module}: layer {index} is a {type(layer).__name__}, not a module or a callable")
+  if unused:  # a misspelt flag would otherwise be dropped silently
+    raise TypeError(f"{module}: no layer takes the keyword argument(s) {sorted(unused)}")
+  return x
+
+
+def dropout_step(x: SparseTensor, rate: float, deterministic: bool, make_key: Callable[[], jax.Array]) -> SparseTensor:
+  """SparseDropout in either family: the input as it is when deterministic or rate is 0, else
+  `jsparse.topology.dropout` with a key drawn (only then) by make_key."""
+  if deterministic or rate == 0.0:
+    return topology.dropout(x, rate, deterministic=True)
+  return topology.dropout(x, rate, rng=make_key())

@@ -1,31 +1,17 @@
 """flax.linen modules that sequence and convert SparseTensors: Sequential, TensorFn, ToDense, SparseDropout."""
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 
-from jsparse import norm, topology
+from jsparse import _layer_rules as rules
 from jsparse.nn.layers import _check_sparse
 from jsparse.sparse_tensor import SparseTensor
 
 __all__ = ["Sequential", "SparseDropout", "TensorFn", "ToDense"]
-
-
-def _accepted(fn: Callable, kwargs: dict) -> dict:
-  """The entries of kwargs that fn's signature takes by name (all of them if it takes **kwargs)."""
-  try:
-    params = inspect.signature(fn).parameters.values()
-  except (TypeError, ValueError):
-    return {}
-  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-    return dict(kwargs)
-  names = {p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY,
-                                                inspect.Parameter.POSITIONAL_OR_KEYWORD)}
-  return {k: v for k, v in kwargs.items() if k in names}
 
 
 class TensorFn(nn.Module):
@@ -56,25 +42,7 @@ class Sequential(nn.Module):
 
   @nn.compact
   def __call__(self, x: SparseTensor, **kwargs: Any) -> Any:
-    if not self.layers:
-      raise ValueError("Sequential: layers is empty")
-    _check_sparse(x, type(self).__name__)
-    unused = set(kwargs)
-    for index, layer in enumerate(self.layers):
-      if not isinstance(x, SparseTensor):
-        raise TypeError(f"Sequential: layer {index} ({type(layer).__name__}) gets a {type(x).__name__}: only the "
-                        "last layer may return something other than a SparseTensor")
-      if isinstance(layer, nn.Module):
-        accepted = _accepted(layer.__call__, kwargs)
-        unused -= set(accepted)
-        x = layer(x, **accepted)
-      elif callable(layer):
-        x = norm.activation(x, layer)
-      else:
-        raise TypeError(f"Sequential: layer {index} is a {type(layer).__name__}, not a module or a callable")
-    if unused:  # a misspelt flag would otherwise be dropped silently
-      raise TypeError(f"Sequential: no layer takes the keyword argument(s) {sorted(unused)}")
-    return x
+    return rules.apply_layers(type(self).__name__, self.layers, x, kwargs, nn.Module)
 
 
 class ToDense(nn.Module):
@@ -100,8 +68,5 @@ class SparseDropout(nn.Module):
   def __call__(self, x: SparseTensor, deterministic: bool | None = None, rng: jax.Array | None = None) -> SparseTensor:
     _check_sparse(x, type(self).__name__)
     deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
-    if deterministic or self.rate == 0.0:
-      return topology.dropout(x, self.rate, deterministic=True)
-    if rng is None:
-      rng = self.make_rng(self.rng_collection)
-    return topology.dropout(x, self.rate, rng=rng)
+    return rules.dropout_step(x, self.rate, deterministic,
+                              lambda: self.make_rng(self.rng_collection) if rng is None else rng)

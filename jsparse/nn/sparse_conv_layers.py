@@ -12,11 +12,11 @@ under jit the output's flag, `jsparse.overflowed(y)`, and (inside `jsparse.error
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import flax.linen as nn
 
+from jsparse import _layer_rules as rules
 from jsparse import pool, sparse_conv
 from jsparse.nn.layers import ConvParams, _check_sparse
 from jsparse.nn.layers import _triple as _triple_named
@@ -34,48 +34,14 @@ def _triple(value, name: str, module) -> tuple[int, int, int]:
 
 
 def _padding(value, module) -> tuple[int, int, int]:
-  """Explicit padding: ints or "VALID" (the pools, and the convolutions once "SAME" is resolved by _geometry)."""
-  if isinstance(value, str):
-    if value.upper() == "VALID":
-      return (0, 0, 0)
-    raise ValueError(f"{type(module).__name__}: padding must be ints or 'VALID', got {value!r}")
-  return _triple(value, "padding", module)
-
-
-def _is_same(value) -> bool:
-  return isinstance(value, str) and value.upper() == "SAME"
-
-
-def same_padding(spatial_shape, kernel_size, strides, dilation) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """(low padding, extra high padding) per axis of lax's "SAME": total = max((ceil(X/s) - 1)*s + (k-1)*d + 1
-  - X, 0), low = total // 2, high = total - low, so the extra (high - low) is 0 or 1."""
-  low, extra = [], []
-  for n, k, s, d in zip(spatial_shape, kernel_size, strides, dilation):
-    total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
-    low.append(total // 2)
-    extra.append(total - 2 * (total // 2))
-  return tuple(low), tuple(extra)
-
-
-def _on_grid(x: SparseTensor, spatial_shape, caches=None) -> SparseTensor:
-  """x on a grid of another extent (the same sites): the symmetric padding of the core ops plus one empty slice
-  at the high end of an axis is "SAME"'s uneven padding. Maps keyed by the old grid are dropped."""
-  if tuple(spatial_shape) == x.spatial_shape:
-    return x
-  return dataclasses.replace(x, spatial_shape=tuple(spatial_shape), caches={} if caches is None else caches)
+  return rules.explicit_padding(value, type(module).__name__)
 
 
 def _geometry(module, x: SparseTensor):
-  """(x on the padded grid, padding) for the module's kernel_size, strides, padding and dilation."""
-  ks = _triple(module.kernel_size, "kernel_size", module)
-  st = _triple(module.strides, "strides", module)
-  dil = _triple(module.kernel_dilation, "kernel_dilation", module)
-  if not _is_same(module.padding):
-    if isinstance(module.padding, str) and module.padding.upper() != "VALID":
-      raise ValueError(f"{type(module).__name__}: padding must be 'SAME', 'VALID' or ints, got {module.padding!r}")
-    return x, _padding(module.padding, module)
-  low, extra = same_padding(x.spatial_shape, ks, st, dil)
-  return _on_grid(x, [n + e for n, e in zip(x.spatial_shape, extra)]), low
+  """(x on the padded grid, padding) for the module's kernel_size, strides, padding and dilation (the rule
+  the nnx twins share, in jsparse/_layer_rules.py)."""
+  return rules.strided_geometry(type(module).__name__, x, module.kernel_size, module.strides, module.padding,
+                                module.kernel_dilation)
 
 
 class SparseConv3d(ConvParams):
@@ -131,7 +97,7 @@ class SparseInverseConv3d(ConvParams):
         y, kernel, bias, like=padded_like, stride=_triple(self.strides, "strides", self), padding=padding,
         dilation=_triple(self.kernel_dilation, "kernel_dilation", self), implementation=self.implementation,
         precision=self.precision, weight_layout=self.kernel_layout)
-    return _on_grid(out, like.spatial_shape, like.caches)
+    return rules.on_grid(out, like.spatial_shape, like.caches)
 
 
 class SparseConvTranspose3d(ConvParams):

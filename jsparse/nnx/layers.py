@@ -17,8 +17,6 @@ from flax.nnx import initializers
 from jsparse import _layer_rules as rules
 from jsparse import norm, pool, sparse_conv
 from jsparse.conv import submconv3d
-# The linen layers' own reading of `padding`, so that both families accept and reject the same values.
-from jsparse.nn.sparse_conv_layers import _padding as conv_padding
 from jsparse.sparse_tensor import SparseTensor
 
 Dtype = Any
@@ -101,69 +99,81 @@ class SubMConv3d(_ConvParams):
                       precision=self.precision, algorithm=self.algorithm, weight_layout=self.kernel_layout)
 
 
-class SparseConv3d(_ConvParams):
+class _StridedConv(_ConvParams):
+  """The geometry of SparseConv3d and SparseInverseConv3d, read as their linen twins read it
+  (`jsparse._layer_rules.strided_geometry`): padding "SAME" (default, lax's), "VALID" or symmetric ints."""
+
+  def _init_geometry(self, kernel_size, strides, padding, kernel_dilation) -> tuple[int, int, int]:
+    name = type(self).__name__
+    ks = rules.triple(kernel_size, "kernel_size", name)
+    self.kernel_size, self.strides = ks, rules.triple(strides, "strides", name)
+    rules.check_conv_padding(padding, name)  # checked now, resolved against each input's grid at each call
+    self.padding = _hashable(padding)
+    self.kernel_dilation = rules.triple(kernel_dilation, "kernel_dilation", name)
+    return ks
+
+  def _geometry(self, x: SparseTensor) -> tuple[SparseTensor, tuple[int, int, int]]:
+    return rules.strided_geometry(type(self).__name__, x, self.kernel_size, self.strides, self.padding,
+                                  self.kernel_dilation)
+
+
+class SparseConv3d(_StridedConv):
   """Strided sparse convolution: the nnx twin of `jsparse.nn.SparseConv3d` (`jsparse.sparse_conv3d`).
 
-  padding: an int, 3 ints or "VALID". out_capacity: static output rows (required under jit; None counts them,
-  outside jit only); a call's `out_capacity=` argument overrides it (e.g. the input's capacity bucket).
+  kernel_size is required (as nnx.Conv's). padding: "SAME" (default, as nnx.Conv: output grid
+  ceil(X / stride), the odd cell of padding after the grid), "VALID" (= 0), an int or 3 ints (symmetric).
+  out_capacity: static output rows (required under jit; None counts them, outside jit only); a call's
+  `out_capacity=` argument overrides it (e.g. the input's capacity bucket).
   """
 
-  def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int] = 3,
-               strides: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
+  def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int],
+               strides: int | Sequence[int] = 1, padding: int | Sequence[int] | str = "SAME",
                kernel_dilation: int | Sequence[int] = 1, *, out_capacity: int | None = None, use_bias: bool = True,
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32, precision: Any = None,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
                implementation: str | None = None, kernel_layout: str = "DHWIO", rngs: nnx.Rngs):
-    name = type(self).__name__
-    ks = rules.triple(kernel_size, "kernel_size", name)
+    ks = self._init_geometry(kernel_size, strides, padding, kernel_dilation)
     self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
                     implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
-    self.kernel_size, self.strides = ks, rules.triple(strides, "strides", name)
-    conv_padding(padding, self)  # checked now, read at each call
-    self.padding = _hashable(padding)
-    self.kernel_dilation = rules.triple(kernel_dilation, "kernel_dilation", name)
     self.out_capacity = out_capacity
 
   def __call__(self, x: SparseTensor, out_capacity: int | None = None) -> SparseTensor:
     """The strided convolution of x; the output carries the pair map for SparseInverseConv3d."""
     x, kernel, bias = self._conv_inputs(x)
+    x, padding = self._geometry(x)
     return sparse_conv.sparse_conv3d(
-        x, kernel, bias, stride=self.strides, padding=conv_padding(self.padding, self),
-        dilation=self.kernel_dilation,
+        x, kernel, bias, stride=self.strides, padding=padding, dilation=self.kernel_dilation,
         out_capacity=self.out_capacity if out_capacity is None else out_capacity,
         implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
 
 
-class SparseInverseConv3d(_ConvParams):
+class SparseInverseConv3d(_StridedConv):
   """The nnx twin of `jsparse.nn.SparseInverseConv3d` (`jsparse.sparse_inverse_conv3d`), called as
-  `module(y, like=x)` where y lives on the output coordinates of a SparseConv3d of x with the same geometry;
-  the output is on x's coordinates. in_features: y's channels."""
+  `module(y, like=x)` where y lives on the output coordinates of a SparseConv3d of x with the same
+  kernel_size / strides / padding / kernel_dilation (padding "SAME" by default, kernel_size required, as
+  SparseConv3d's); the output is on x's coordinates. in_features: y's channels."""
 
-  def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int] = 3,
-               strides: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
+  def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int],
+               strides: int | Sequence[int] = 1, padding: int | Sequence[int] | str = "SAME",
                kernel_dilation: int | Sequence[int] = 1, *, use_bias: bool = True, dtype: Dtype | None = None,
                param_dtype: Dtype = jnp.float32, precision: Any = None,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
                implementation: str | None = None, kernel_layout: str = "DHWIO", rngs: nnx.Rngs):
-    name = type(self).__name__
-    ks = rules.triple(kernel_size, "kernel_size", name)
+    ks = self._init_geometry(kernel_size, strides, padding, kernel_dilation)
     self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
                     implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
-    self.kernel_size, self.strides = ks, rules.triple(strides, "strides", name)
-    conv_padding(padding, self)  # checked now, read at each call
-    self.padding = _hashable(padding)
-    self.kernel_dilation = rules.triple(kernel_dilation, "kernel_dilation", name)
 
   def __call__(self, y: SparseTensor, *, like: SparseTensor) -> SparseTensor:
     """y carried back onto like's coordinates."""
     y, kernel, bias = self._conv_inputs(y)
     like = rules.check_sparse(like, type(self).__name__)
-    return sparse_conv.sparse_inverse_conv3d(
-        y, kernel, bias, like=like, stride=self.strides, padding=conv_padding(self.padding, self),
-        dilation=self.kernel_dilation,
+    padded_like, padding = self._geometry(like)
+    out = sparse_conv.sparse_inverse_conv3d(
+        y, kernel, bias, like=padded_like, stride=self.strides, padding=padding, dilation=self.kernel_dilation,
         implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
+    return rules.on_grid(out, like.spatial_shape, like.caches)
 
 
 class SparseConvTranspose3d(_ConvParams):
@@ -194,7 +204,7 @@ class SparseConvTranspose3d(_ConvParams):
 class _Pool(nnx.Module):
   def __init__(self, kernel_size: int | Sequence[int] = 2, strides: int | Sequence[int] | None = None,
                padding: int | Sequence[int] | str = 0, *, out_capacity: int | None = None):
-    conv_padding(padding, self)  # checked now, read at each call
+    rules.explicit_padding(padding, type(self).__name__)  # checked now, read at each call
     self.kernel_size, self.strides = _hashable(kernel_size), _hashable(strides)
     self.padding, self.out_capacity = _hashable(padding), out_capacity
 
@@ -206,7 +216,7 @@ class SparseMaxPool3d(_Pool):
   def __call__(self, x: SparseTensor) -> SparseTensor:
     """The pooled tensor."""
     return pool.sparse_max_pool3d(rules.check_sparse(x, type(self).__name__), self.kernel_size, self.strides,
-                                  conv_padding(self.padding, self), out_capacity=self.out_capacity)
+                                  rules.explicit_padding(self.padding, type(self).__name__), out_capacity=self.out_capacity)
 
 
 class SparseAvgPool3d(_Pool):
@@ -216,7 +226,7 @@ class SparseAvgPool3d(_Pool):
   def __call__(self, x: SparseTensor) -> SparseTensor:
     """The pooled tensor."""
     return pool.sparse_avg_pool3d(rules.check_sparse(x, type(self).__name__), self.kernel_size, self.strides,
-                                  conv_padding(self.padding, self), out_capacity=self.out_capacity)
+                                  rules.explicit_padding(self.padding, type(self).__name__), out_capacity=self.out_capacity)
 
 
 class _Affine(nnx.Module):

@@ -116,6 +116,114 @@ def test_conv_layers_match_linen(name, dtype):
   assert float(jnp.max(jnp.abs(yn.astype(jnp.float32)))) > 0
 
 
+def test_strided_conv_defaults_are_linen_ones():
+  """Every default the linen SparseConv3d / SparseInverseConv3d fields have, the nnx constructor has; neither
+  defaults kernel_size."""
+  import dataclasses
+  import inspect
+  for linen_cls, nnx_cls in ((snn.SparseConv3d, snnx.SparseConv3d),
+                             (snn.SparseInverseConv3d, snnx.SparseInverseConv3d)):
+    fields = {f.name: f for f in dataclasses.fields(linen_cls)}
+    params = inspect.signature(nnx_cls.__init__).parameters
+    assert params["kernel_size"].default is inspect.Parameter.empty
+    assert fields["kernel_size"].default is dataclasses.MISSING
+    for name in ("strides", "padding", "kernel_dilation", "use_bias", "dtype", "param_dtype", "precision",
+                 "implementation", "kernel_layout", "out_capacity"):
+      if name in fields:
+        assert params[name].default == fields[name].default, name
+    assert params["padding"].default == "SAME"
+
+
+def _dense_same_conv_at(x, kernel, bias, strides, dilation, sites):
+  """nn.Conv's "SAME" convolution of x.todense() in float32, read at the rows of `sites`."""
+  from jax import lax
+  dense = lax.conv_general_dilated(
+      x.todense().astype(jnp.float32), kernel.astype(jnp.float32), strides, "SAME", rhs_dilation=dilation,
+      dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision="highest") + bias.astype(jnp.float32)
+  c = jnp.maximum(sites.coords, 0)
+  return jnp.where(sites.valid_mask()[:, None], dense[c[:, 0], c[:, 1], c[:, 2], c[:, 3]], 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("kernel_size,strides,dilation", [(2, 2, 1), (3, 2, 1), ((3, 2, 1), (2, 1, 2), (1, 1, 2))],
+                         ids=["even", "odd", "mixed"])
+def test_same_padding_conv_and_inverse_match_linen(kernel_size, strides, dilation, dtype):
+  """The default ("SAME") SparseConv3d on odd extents (uneven padding) and the SparseInverseConv3d back onto x:
+  nnx equals linen in values and in the gradients of parameters and features, and the convolution is the
+  dense "SAME" convolution."""
+  rng = np.random.default_rng(7)
+  x = random_sparse(rng, (7, 6, 5), 3, batch_size=2, density=0.35, pad=6, dtype=np.float32)
+  x = x.replace(feats=x.feats.astype(dtype))
+  down_l = snn.SparseConv3d(4, kernel_size, strides, kernel_dilation=dilation, out_capacity=x.capacity,
+                            dtype=dtype, param_dtype=dtype)
+  up_l = snn.SparseInverseConv3d(5, kernel_size, strides, kernel_dilation=dilation, dtype=dtype,
+                                 param_dtype=dtype)
+  v_down = perturb(down_l.init(KEY, x))
+  y_l = down_l.apply(v_down, x)
+  v_up = perturb(up_l.init(KEY, y_l, like=x), seed=2)
+  down = snnx.SparseConv3d(3, 4, kernel_size, strides, kernel_dilation=dilation, out_capacity=x.capacity,
+                           dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+  up = snnx.SparseInverseConv3d(4, 5, kernel_size, strides, kernel_dilation=dilation, dtype=dtype,
+                                param_dtype=dtype, rngs=nnx.Rngs(1))
+  nnx.update(down, snnx.linen_to_nnx(v_down, down))
+  nnx.update(up, snnx.linen_to_nnx(v_up, up))
+  st = (strides,) * 3 if isinstance(strides, int) else strides
+  assert y_l.spatial_shape == tuple(-(-n // s) for n, s in zip(x.spatial_shape, st))
+  tol = HALF_TOL[dtype]
+
+  # The strided convolution alone, against linen and the dense convolution.
+  cot = jnp.asarray(rng.standard_normal((x.capacity, 4)), jnp.float32)
+  yn, gn, gxn = nnx_value_and_grads(down, x, cot, lambda m, t: m(t))
+  yl, gl, gxl = linen_value_and_grads(down_l, v_down, x, cot, lambda m, v, t: m.apply(v, t))
+  assert yn.dtype == jnp.dtype(dtype)
+  assert rel_err(yn, yl) <= tol and rel_err(gxn, gxl) <= tol
+  assert_trees_close(gn, gl, tol)
+  y = down(x)
+  assert y.spatial_shape == y_l.spatial_shape and int(y.num) == int(y_l.num) > 0
+  dense = _dense_same_conv_at(x, v_down["params"]["kernel"], v_down["params"]["bias"], st,
+                              (dilation,) * 3 if isinstance(dilation, int) else dilation, y)
+  assert rel_err(y.feats.astype(jnp.float32), dense) <= max(tol, 1e-5)
+
+  # The pair: down then back up onto x, gradients through both.
+  def nnx_pair(models, feats):
+    d, u = models
+    t = x.replace(feats=feats)
+    return u(d(t), like=t)
+
+  def loss_nnx(models, feats):
+    out = nnx_pair(models, feats)
+    return jnp.sum(out.feats.astype(jnp.float32) * cot5), out.feats
+
+  def loss_linen(params, feats):
+    t = x.replace(feats=feats)
+    out = up_l.apply({"params": params[1]}, down_l.apply({"params": params[0]}, t), like=t)
+    return jnp.sum(out.feats.astype(jnp.float32) * cot5), out.feats
+
+  cot5 = jnp.asarray(rng.standard_normal((x.capacity, 5)), jnp.float32)
+  (_, zn), (gmn, gfn) = nnx.jit(nnx.value_and_grad(loss_nnx, argnums=(0, 1), has_aux=True))((down, up), x.feats)
+  (_, zl), (gpl, gfl) = jax.jit(jax.value_and_grad(loss_linen, (0, 1), has_aux=True))(
+      (v_down["params"], v_up["params"]), x.feats)
+  assert rel_err(zn, zl) <= tol and rel_err(gfn, gfl) <= tol
+  assert_trees_close(nnx.to_pure_dict(gmn[0]), gpl[0], tol)
+  assert_trees_close(nnx.to_pure_dict(gmn[1]), gpl[1], tol)
+  z = nnx_pair((down, up), x.feats)
+  assert z.spatial_shape == x.spatial_shape and np.array_equal(np.asarray(z.coords), np.asarray(x.coords))
+  assert float(jnp.max(jnp.abs(zn.astype(jnp.float32)))) > 0
+
+
+def test_valid_and_int_padding_keep_the_grid():
+  """padding="VALID" is padding 0, and ints pad symmetrically, in both families alike."""
+  x = random_sparse(np.random.default_rng(3), (7, 6, 5), 3, batch_size=2, density=0.35, pad=6)
+  for padding, expect in (("VALID", (3, 3, 2)), ((1, 0, 1), (4, 3, 3))):
+    linen = snn.SparseConv3d(4, 2, 2, padding=padding, out_capacity=x.capacity)
+    v = perturb(linen.init(KEY, x))
+    model = snnx.SparseConv3d(3, 4, 2, 2, padding=padding, out_capacity=x.capacity, rngs=nnx.Rngs(0))
+    nnx.update(model, snnx.linen_to_nnx(v, model))
+    y, y_l = model(x), linen.apply(v, x)
+    assert y.spatial_shape == y_l.spatial_shape == expect
+    assert rel_err(y.feats, y_l.feats) <= 1e-6
+
+
 def test_submconv_matches_dense_reference_and_round_trips():
   """An nnx layer's own parameters, exported to linen, give the same output, and that output is the dense
   convolution's (the other direction of linen_to_nnx)."""
@@ -327,9 +435,15 @@ def test_bad_arguments_errors():
   with pytest.raises(ValueError, match="in_features must be a positive int"):
     snnx.SubMConv3d(0, 4, rngs=r)
   with pytest.raises(ValueError, match="kernel_layout must be one of"):
-    snnx.SparseConv3d(3, 4, kernel_layout="OIDHW", rngs=r)
-  with pytest.raises(ValueError, match="SparseConv3d: padding must be"):
-    snnx.SparseConv3d(3, 4, padding="FULL", rngs=r)
+    snnx.SparseConv3d(3, 4, 3, kernel_layout="OIDHW", rngs=r)
+  with pytest.raises(ValueError, match="SparseConv3d: padding must be 'SAME', 'VALID' or ints"):
+    snnx.SparseConv3d(3, 4, 3, padding="FULL", rngs=r)
+  with pytest.raises(ValueError, match="SparseInverseConv3d: padding must be 'SAME', 'VALID' or ints"):
+    snnx.SparseInverseConv3d(3, 4, 3, padding="full", rngs=r)
+  with pytest.raises(TypeError, match="kernel_size"):
+    snnx.SparseConv3d(3, 4, rngs=r)  # required, as nnx.Conv's
+  with pytest.raises(TypeError, match="kernel_size"):
+    snnx.SparseInverseConv3d(3, 4, rngs=r)
   with pytest.raises(ValueError, match="SparseMaxPool3d: padding must be"):
     snnx.SparseMaxPool3d(2, padding="FULL")
   with pytest.raises(TypeError, match="rngs must be an nnx.Rngs"):
@@ -346,6 +460,24 @@ def test_bad_arguments_errors():
     snnx.SparseLayerNorm(5, rngs=r)(x)
   with pytest.raises(ValueError, match="norm must be 'batch', 'group' or None"):
     snnx.SparseResNetBlock(3, 4, norm="layer", rngs=r)
+  with pytest.raises(TypeError, match="layer 1 is a flax.linen module"):
+    snnx.Sequential(snnx.SubMConv3d(3, 4, rngs=r), snn.SubMConv3d(4))
+  with pytest.raises(TypeError, match="layer 0 is a int"):
+    snnx.Sequential(3)
+  with pytest.raises(ValueError, match="Sequential: layers is empty"):
+    snnx.Sequential()
+  with pytest.raises(TypeError, match=r"no layer takes the keyword argument\(s\) \['determinstic'\]"):
+    snnx.Sequential(snnx.SparseDropout(0.5, deterministic=True))(x, determinstic=True)
+  with pytest.raises(TypeError, match="SparseDropout takes a jsparse.SparseTensor"):
+    snnx.SparseDropout(0.5, deterministic=True)(x.feats)
+  with pytest.raises(ValueError, match="no rngs were given"):
+    snnx.SparseDropout(0.5)(x)
+  with pytest.raises(ValueError, match=r"rate must be a number in \[0, 1\]"):
+    snnx.SparseDropout(1.5)
+  with pytest.raises(TypeError, match="rngs must be an nnx.Rngs, an nnx.RngStream or None"):
+    snnx.SparseDropout(0.5, rngs=0)
+  with pytest.raises(TypeError, match="ToDense takes a jsparse.SparseTensor"):
+    snnx.ToDense()(x.feats)
 
 
 # ---- training ---------------------------------------------------------------------------------------------

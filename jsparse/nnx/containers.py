@@ -43,21 +43,33 @@ class Sequential(nnx.Module):
   - any other callable: a function of feature arrays (`nnx.relu`, `functools.partial(...)`), applied to the
     valid rows' features by `jsparse.norm.activation` (padding rows stay zero). Wrap a function of
     SparseTensors in `TensorFn` instead.
-  Outputs that are not SparseTensors (e.g. of ToDense) end the chain.
+  Outputs that are not SparseTensors (e.g. of ToDense) end the chain. The layers are the attributes
+  `layers_0`, `layers_1`, ... (linen's names for them), so parameters move to and from a `jsparse.nn.Sequential`
+  of the twin layers with `linen_to_nnx` / `nnx_to_linen`.
   """
 
   def __init__(self, *layers: Callable[..., Any]):
+    if not layers:
+      raise ValueError("Sequential: layers is empty")
     for index, layer in enumerate(layers):
       if isinstance(layer, nn.Module):
         raise TypeError(f"Sequential: layer {index} is a flax.linen module ({type(layer).__name__}); use its "
                         "jsparse.nnx twin")
       if not callable(layer):
         raise TypeError(f"Sequential: layer {index} is a {type(layer).__name__}, not a module or a callable")
-    self.layers = nnx.List(layers)
+    # Named as linen names the entries of its `layers` field, so that linen_to_nnx / nnx_to_linen map them.
+    for index, layer in enumerate(layers):
+      setattr(self, f"layers_{index}", layer)
+    self.num_layers = len(layers)
+
+  @property
+  def layers(self) -> list[Callable[..., Any]]:
+    """The layers in order."""
+    return [getattr(self, f"layers_{index}") for index in range(self.num_layers)]
 
   def __call__(self, x: SparseTensor, **kwargs: Any) -> Any:
     """The last layer's output."""
-    return rules.apply_layers(type(self).__name__, list(self.layers), x, kwargs, nnx.Module)
+    return rules.apply_layers(type(self).__name__, self.layers, x, kwargs, nnx.Module)
 
 
 class ToDense(nnx.Module):

@@ -533,3 +533,140 @@ def test_readme_nnx_snippet(tmp_path):
   """The README's flax.nnx example runs as written (training step, eval, linen <-> nnx conversion)."""
   from test_packaging import readme_snippet, run_snippet
   run_snippet(readme_snippet("### flax.nnx") + "print('OK')\n", tmp_path, {"JAX_PLATFORMS": "cpu"})
+
+
+# ---- containers --------------------------------------------------------------------------------------------
+
+
+def _linen_and_nnx_sequentials(dtype=jnp.float32):
+  """The same network in both families: convolutions, a batch norm, feature functions, dropout, a stride-2
+  "SAME" SparseConv3d and a function of SparseTensors."""
+  import functools
+  pool = functools.partial(jsparse.sparse_max_pool3d, kernel_size=(2, 1, 2), stride=1, out_capacity=256)
+  linen = snn.Sequential([snn.SubMConv3d(8, 3, dtype=dtype, param_dtype=dtype), snn.SparseBatchNorm(), nn.relu,
+                          snn.SparseDropout(0.3), snn.SparseConv3d(6, 3, 2, out_capacity=256, dtype=dtype,
+                                                                   param_dtype=dtype),
+                          jnp.tanh, snn.TensorFn(pool), snn.SubMConv3d(2, 1, dtype=dtype, param_dtype=dtype)])
+  r = nnx.Rngs(0, dropout=1)
+  model = snnx.Sequential(snnx.SubMConv3d(3, 8, 3, dtype=dtype, param_dtype=dtype, rngs=r),
+                          snnx.SparseBatchNorm(8, rngs=r), nnx.relu, snnx.SparseDropout(0.3, rngs=r),
+                          snnx.SparseConv3d(8, 6, 3, 2, out_capacity=256, dtype=dtype, param_dtype=dtype, rngs=r),
+                          jnp.tanh, snnx.TensorFn(pool), snnx.SubMConv3d(6, 2, 1, dtype=dtype, param_dtype=dtype,
+                                                                         rngs=r))
+  return linen, model
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_sequential_matches_linen_values_gradients_and_statistics(dtype):
+  """linen variables drive the nnx Sequential to the same output and gradients, with batch statistics in
+  training mode (dropout off) and running statistics in eval mode; parameters convert both ways."""
+  x = random_sparse(np.random.default_rng(4), (7, 6, 5), 3, batch_size=2, density=0.35, pad=6)
+  x = x.replace(feats=x.feats.astype(dtype))
+  linen, model = _linen_and_nnx_sequentials(dtype)
+  variables = linen.init(KEY, x, use_running_average=False, deterministic=True)
+  assert set(variables["params"]) == {"layers_0", "layers_1", "layers_4", "layers_7"}
+  variables = {"params": perturb(variables["params"]), "batch_stats": variables["batch_stats"]}
+  nnx.update(model, snnx.linen_to_nnx(variables, model))
+  tol = HALF_TOL[dtype]
+  cot = jnp.asarray(np.random.default_rng(5).standard_normal((256, 2)), jnp.float32)
+
+  # Training mode, dropout off: batch statistics, which move the running averages the same way.
+  call_linen = lambda m, v, t: m.apply(v, t, use_running_average=False, deterministic=True,  # noqa: E731
+                                       mutable=["batch_stats"])[0]
+  yl, gl, gxl = linen_value_and_grads(linen, variables, x, cot, call_linen)
+  yn, gn, gxn = nnx_value_and_grads(model, x, cot, lambda m, t: m(t, deterministic=True))
+  assert yn.dtype == jnp.dtype(dtype)
+  assert rel_err(yn, yl) <= tol and rel_err(gxn, gxl) <= tol
+  assert_trees_close(gn, gl, tol)
+  _, updated = linen.apply(variables, x, use_running_average=False, deterministic=True, mutable=["batch_stats"])
+  # The nnx training pass above moved the running averages in place, by the same step.
+  assert_trees_close(snnx.nnx_to_linen(model)["batch_stats"], updated["batch_stats"], 1e-5)
+  assert not np.allclose(np.asarray(model.layers_1.mean[...]), 0)
+
+  # Eval mode: model.eval() sets every flag; the linen twin is told them per call.
+  model.eval()
+  assert model.layers_3.deterministic and model.layers_1.use_running_average
+  y_eval = nnx.jit(lambda m, t: m(t))(model, x)
+  y_eval_l = linen.apply({"params": variables["params"], "batch_stats": updated["batch_stats"]}, x,
+                         use_running_average=True, deterministic=True)
+  assert rel_err(y_eval.feats, y_eval_l.feats) <= tol
+  assert float(jnp.max(jnp.abs(y_eval.feats.astype(jnp.float32)))) > 0
+  assert np.all(np.asarray(y_eval.feats[int(y_eval.num):]) == 0)
+  # nnx -> linen: the nnx parameters drive the linen model to the same eval output.
+  back = snnx.nnx_to_linen(model)
+  y_back = linen.apply(back, x, use_running_average=True, deterministic=True)
+  assert rel_err(y_back.feats, y_eval.feats) <= tol
+
+
+def test_dropout_matches_linen_for_a_key_and_follows_train_eval():
+  x = random_sparse(np.random.default_rng(6), (5, 5, 5), 4, batch_size=2, density=0.4, pad=5)
+  key = jax.random.key(3)
+  linen = snn.SparseDropout(0.4)
+  y_l = linen.apply({}, x, deterministic=False, rng=key)
+  model = snnx.SparseDropout(0.4)  # no stream: keys come per call
+  y = model(x, rngs=key)
+  np.testing.assert_array_equal(np.asarray(y.feats), np.asarray(y_l.feats))
+  n = int(x.num)
+  kept = np.asarray(y.feats[:n]) != 0
+  assert 0.3 < kept.mean() < 0.9
+  np.testing.assert_allclose(np.asarray(y.feats[:n])[kept], (np.asarray(x.feats[:n]) / 0.6)[kept], rtol=1e-6)
+  assert np.all(np.asarray(y.feats[n:]) == 0) and y.coords is x.coords
+  # A stream from the constructor: each call draws a new key; eval() (or deterministic=True) passes x through.
+  model = snnx.SparseDropout(0.4, rngs=nnx.Rngs(dropout=0))
+  step = nnx.jit(lambda m, t: m(t))
+  a, b = step(model, x), step(model, x)
+  assert not np.array_equal(np.asarray(a.feats), np.asarray(b.feats))
+  assert model(x, deterministic=True).feats is x.feats
+  model.eval()
+  assert step(model, x).feats.shape == x.feats.shape
+  np.testing.assert_array_equal(np.asarray(step(model, x).feats), np.asarray(x.feats))
+  model.train()
+  assert not np.array_equal(np.asarray(step(model, x).feats), np.asarray(x.feats))
+  # Rate 0 draws no key, so it needs no rngs.
+  assert snnx.SparseDropout(0.0)(x).feats is x.feats
+
+
+@pytest.mark.parametrize("channels_first", [False, True])
+def test_to_dense_matches_linen(channels_first):
+  x = random_sparse(np.random.default_rng(8), (4, 5, 3), 3, batch_size=2, density=0.4, pad=3)
+  d = snnx.ToDense(channels_first)(x)
+  np.testing.assert_array_equal(np.asarray(d), np.asarray(snn.ToDense(channels_first).apply({}, x)))
+  assert d.shape == ((2, 3, 4, 5, 3) if channels_first else (2, 4, 5, 3, 3))
+  # At the end of a Sequential, gradients reach the convolution through the dense array.
+  model = snnx.Sequential(snnx.SubMConv3d(3, 2, 3, rngs=nnx.Rngs(0)), snnx.ToDense(channels_first))
+  g = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+  assert float(jnp.abs(g.layers_0.kernel[...]).sum()) > 0
+
+
+def test_sequential_trains_in_an_nnx_step():
+  """A Sequential with batch norm, dropout and a "SAME" stride-2 convolution under nnx.jit + nnx.Optimizer:
+  the loss goes down, the running statistics move, dropout draws new masks per step, eval() is deterministic."""
+  rng = np.random.default_rng(9)
+  r = nnx.Rngs(0, dropout=1)
+  model = snnx.Sequential(snnx.SubMConv3d(3, 16, 3, rngs=r), snnx.SparseBatchNorm(16, activation=nnx.relu, rngs=r),
+                          snnx.SparseDropout(0.1, rngs=r), snnx.SparseConv3d(16, 16, 3, 2, rngs=r),
+                          nnx.gelu, snnx.SubMConv3d(16, 1, 1, rngs=r))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  x = _random_batch(rng, 200)
+  target_of = lambda y: jnp.where(y.valid_mask()[:, None],  # noqa: E731
+                                  jnp.sin(0.6 * y.coords[:, 1:2].astype(jnp.float32)), 0)
+
+  @nnx.jit
+  def train_step(model, optimizer, x):
+    def loss_fn(model):
+      y = model(x, out_capacity=x.capacity)
+      return jnp.sum((y.feats - target_of(y)) ** 2) / jnp.maximum(y.num, 1)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  stats_before = np.asarray(model.layers_1.mean[...])
+  losses = [float(train_step(model, optimizer, x)) for _ in range(25)]
+  assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
+  assert not np.allclose(np.asarray(model.layers_1.mean[...]), stats_before)
+  model.eval()
+  infer = nnx.jit(lambda m, t: m(t, out_capacity=t.capacity))
+  y1, y2 = infer(model, x), infer(model, x)
+  np.testing.assert_array_equal(np.asarray(y1.feats), np.asarray(y2.feats))
+  assert y1.spatial_shape == (5, 5, 5) and np.all(np.isfinite(np.asarray(y1.feats)))

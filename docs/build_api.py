@@ -61,6 +61,10 @@ def _default(value):
 def _signature(obj) -> str:
   try:
     sig = inspect.signature(obj)
+    if inspect.isclass(obj) and all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
+      # flax.nnx modules are built through a metaclass that takes (*args, **kwargs); their __init__ says what.
+      init = inspect.signature(obj.__init__)
+      sig = init.replace(parameters=list(init.parameters.values())[1:], return_annotation=None)
   except (TypeError, ValueError):
     return ""
   params = [p.replace(annotation=_raw(p.annotation), default=_default(p.default))

@@ -215,8 +215,9 @@ class SparseMaxPool3d(_Pool):
 
   def __call__(self, x: SparseTensor) -> SparseTensor:
     """The pooled tensor."""
-    return pool.sparse_max_pool3d(rules.check_sparse(x, type(self).__name__), self.kernel_size, self.strides,
-                                  rules.explicit_padding(self.padding, type(self).__name__), out_capacity=self.out_capacity)
+    name = type(self).__name__
+    return pool.sparse_max_pool3d(rules.check_sparse(x, name), self.kernel_size, self.strides,
+                                  rules.explicit_padding(self.padding, name), out_capacity=self.out_capacity)
 
 
 class SparseAvgPool3d(_Pool):
@@ -225,8 +226,9 @@ class SparseAvgPool3d(_Pool):
 
   def __call__(self, x: SparseTensor) -> SparseTensor:
     """The pooled tensor."""
-    return pool.sparse_avg_pool3d(rules.check_sparse(x, type(self).__name__), self.kernel_size, self.strides,
-                                  rules.explicit_padding(self.padding, type(self).__name__), out_capacity=self.out_capacity)
+    name = type(self).__name__
+    return pool.sparse_avg_pool3d(rules.check_sparse(x, name), self.kernel_size, self.strides,
+                                  rules.explicit_padding(self.padding, name), out_capacity=self.out_capacity)
 
 
 class _Affine(nnx.Module):

@@ -1,8 +1,9 @@
 """What the flax.linen modules (jsparse.nn) and the flax.nnx modules (jsparse.nnx) share besides the functional
 ops they call: hyper-parameter checks, the strided convolutions' padding (nn.Conv's "SAME" included), the
 kernel's layout and initialisation, dtype promotion, the batch norm step with its running averages, and the
-containers' passing of flags and feature functions to their layers. Each function is written once here so that the two module families cannot
-drift apart (their parameters are interchangeable, see `jsparse.nnx.linen_to_nnx`).
+containers' passing of flags and feature functions to their layers. Each function is written once here so
+that the two module families cannot drift apart (their parameters are interchangeable, see
+`jsparse.nnx.linen_to_nnx`).
 """
 from __future__ import annotations
 

@@ -4,24 +4,42 @@ Top level: the SparseTensor, neighbour maps, the convolution family and tuning. 
 jsparse.nn (flax.linen modules), jsparse.nnx (their flax.nnx twins), jsparse.norm (normalisation,
 activations), jsparse.voxelize, jsparse.shapes (procedural data), jsparse.serialize (Morton / Hilbert),
 jsparse.sampling (grid_sample), jsparse.plot (matplotlib renders). jsparse.topology (select, union, add,
-multiply, broadcast_per_item, child_labels, dropout) is also re-exported at the top level.
+multiply, broadcast_per_item, child_labels, dropout) is also re-exported at the top level. Advanced,
+array-level: jsparse.map_gemm (the GEMM every convolution runs), jsparse.pass_config and jsparse.tuning (what
+a tuned config is, and the tables that hold them).
 """
+from jsparse._types import WeightLayout
 from jsparse.autotuning import autotune
-from jsparse.conv import submconv3d, submconv_xla
+from jsparse.conv import submconv3d
 from jsparse.dispatch import IMPLEMENTATIONS
+from jsparse.gemm_xla import submconv_xla
 from jsparse.neighbors import NeighborCache, kernel_offsets, neighbor_map, with_maps
+from jsparse.pass_config import ALGORITHM_CHOICES as ALGORITHMS
+from jsparse.pass_config import Explicit, Implicit, Masked, PassConfig, ShapeKey
 from jsparse.pool import global_pool, sparse_avg_pool3d, sparse_max_pool3d
 from jsparse.sparse_conv import concat, sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d, strided_map
 from jsparse.sparse_tensor import SparseTensor, error_checks, key_width, overflowed, round_capacity
 from jsparse.topology import add, broadcast_per_item, child_labels, dropout, multiply, select, union
-from jsparse.tuning import ALGORITHMS, ConfigTable, PassConfig
-from jsparse import nn, nnx, norm, plot, sampling, serialize, shapes, topology, voxelize  # noqa: E402  (submodules)
+from jsparse.tuning import ConfigTable
+from jsparse import map_gemm, nn, nnx, norm, pass_config, plot, sampling, serialize, shapes, tuning  # noqa: E402
+from jsparse import topology, voxelize  # noqa: E402
 
 __all__ = [
-    "SparseTensor", "round_capacity", "key_width", "overflowed", "error_checks", "NeighborCache", "neighbor_map", "with_maps",
-    "kernel_offsets", "submconv3d", "submconv_xla", "sparse_conv3d", "sparse_inverse_conv3d", "sparse_conv_transpose3d",
-    "sparse_max_pool3d", "sparse_avg_pool3d", "global_pool", "concat", "strided_map", "IMPLEMENTATIONS", "autotune",
-    "ConfigTable", "PassConfig", "ALGORITHMS", "nn", "nnx", "norm", "plot", "sampling", "serialize", "shapes",
-    "voxelize", "select", "union", "add", "multiply", "broadcast_per_item", "child_labels", "dropout", "topology",
+    # data
+    "SparseTensor", "round_capacity", "key_width", "overflowed", "error_checks",
+    # neighbour maps
+    "NeighborCache", "neighbor_map", "with_maps", "kernel_offsets",
+    # convolutions and pooling
+    "submconv3d", "sparse_conv3d", "sparse_inverse_conv3d", "sparse_conv_transpose3d", "sparse_max_pool3d",
+    "sparse_avg_pool3d", "global_pool", "concat", "WeightLayout", "IMPLEMENTATIONS", "ALGORITHMS",
+    # topology
+    "select", "union", "add", "multiply", "broadcast_per_item", "child_labels", "dropout",
+    # tuning
+    "autotune", "ConfigTable", "ShapeKey", "PassConfig", "Explicit", "Implicit", "Masked",
+    # advanced, array level (maps and GEMMs without a SparseTensor)
+    "strided_map", "submconv_xla",
+    # submodules
+    "nn", "nnx", "norm", "plot", "sampling", "serialize", "shapes", "voxelize", "topology", "map_gemm", "pass_config",
+    "tuning",
 ]
 __version__ = "0.1.0"

@@ -17,7 +17,7 @@ from flax.linen import dtypes as flax_dtypes
 from jax import lax
 
 from jsparse import norm, topology
-from jsparse.conv import WEIGHT_LAYOUTS
+from jsparse._types import WeightLayout
 from jsparse.neighbors import as_triple
 from jsparse.sparse_tensor import SparseTensor
 
@@ -110,8 +110,7 @@ def strided_geometry(module: str, x: SparseTensor, kernel_size, strides, padding
 def check_conv_features(module: str, features, kernel_layout: str, name: str = "features") -> None:
   if not isinstance(features, int) or isinstance(features, bool) or features <= 0:
     raise ValueError(f"{module}: {name} must be a positive int, got {features!r}")
-  if kernel_layout not in WEIGHT_LAYOUTS:
-    raise ValueError(f"{module}: kernel_layout must be one of {tuple(WEIGHT_LAYOUTS)}, got {kernel_layout!r}")
+  WeightLayout.of(kernel_layout, f"{module}: kernel_layout")
 
 
 def kernel_shape(kernel_size, in_features: int, features: int, kernel_layout: str) -> tuple[int, ...]:

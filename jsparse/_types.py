@@ -1,4 +1,4 @@
-"""Type aliases used in the public signatures (annotations only; nothing here is checked at run time)."""
+"""Types used in the public signatures: aliases (annotations only, not checked at run time) and WeightLayout."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -7,7 +7,9 @@ from typing import Literal
 import jax
 from jax.typing import ArrayLike
 
-__all__ = ["ArrayLike", "Size3", "Capacity", "PrecisionLike"]
+from pallas_kernels.weight_layout import WeightLayout
+
+__all__ = ["ArrayLike", "Size3", "Capacity", "PrecisionLike", "WeightLayout"]
 
 Size3 = int | Sequence[int]
 """A kernel size, stride, padding or dilation: one int for all three axes, or three ints (x, y, z)."""

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jsparse import dispatch, tuning
+from jsparse import dispatch
 from jsparse._types import Size3
+from jsparse.map_gemm import ConvMaps, plan_block_sizes as default_plan_block_sizes
 from pallas_kernels import gemm_plan
 from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int, report, site_keys
 
@@ -46,8 +47,10 @@ def kernel_offsets(kernel_size: Size3, dilation: Size3 = 1) -> tuple[tuple[int, 
 
   Offset v and offset V-1-v are opposite (kernel sizes are odd), which the backward pass relies on.
   """
-  ks = check_kernel_size(kernel_size)
-  d = check_dilation(dilation)
+  return _offsets(check_kernel_size(kernel_size), check_dilation(dilation))
+
+
+def _offsets(ks: tuple[int, int, int], d: tuple[int, int, int]) -> tuple[tuple[int, int, int], ...]:
   if any((k // 2) * s > MAX_KEYS for k, s in zip(ks, d)):
     raise ValueError(f"kernel_size {ks} with dilation {d} reaches offsets past int32 (2**31 - 1)")
   return tuple(
@@ -82,13 +85,14 @@ class NeighborCache:
 
   def plan(self, block_m: int) -> gemm_plan.MaskedPlan:
     """The masked-GEMM plan for blocks of `block_m` rows (built now if the cache has none for it)."""
-    if block_m in self.plans:
-      return self.plans[block_m]
-    return gemm_plan.masked_plan(self.nbr, self.num, block_m)
+    return self._maps().plan(block_m)
 
   def pair_lists(self) -> gemm_plan.PairLists:
     """The weight gradient's pair lists (mirrored: half the offsets), built now if the cache has none."""
-    return self.pairs if self.pairs is not None else gemm_plan.pair_lists(self.nbr, mirrored=True)
+    return self._maps().pair_lists()
+
+  def _maps(self) -> ConvMaps:
+    return ConvMaps(self.nbr, self.num, plans=self.plans, pairs=self.pairs)
 
   @property
   def num_offsets(self) -> int:
@@ -109,12 +113,12 @@ class NeighborCache:
     return self
 
 
-def cache_key(kernel_size, dilation, implementation: str | None) -> str:
-  """The key under which a SparseTensor carries the submanifold map for this kernel (see SparseTensor.caches)."""
-  ks = check_kernel_size(kernel_size)
-  d = check_dilation(dilation)
-  impl = dispatch.resolve(implementation)
-  return f"subm/k{ks[0]}x{ks[1]}x{ks[2]}/d{d[0]}x{d[1]}x{d[2]}/{impl.name}"
+def cache_key(kernel_size: tuple[int, int, int], dilation: tuple[int, int, int],
+              implementation: dispatch.Implementation) -> str:
+  """The key under which a SparseTensor carries the submanifold map for this (validated) kernel
+  (see SparseTensor.caches)."""
+  ks, d = kernel_size, dilation
+  return f"subm/k{ks[0]}x{ks[1]}x{ks[2]}/d{d[0]}x{d[1]}x{d[2]}/{implementation.name}"
 
 
 def neighbor_map(x: SparseTensor, kernel_size: Size3 = 3, dilation: Size3 = 1, implementation: str | None = None, *,
@@ -122,13 +126,17 @@ def neighbor_map(x: SparseTensor, kernel_size: Size3 = 3, dilation: Size3 = 1, i
   """The submanifold neighbour map of `x`'s coordinates for a kernel of `kernel_size` and `dilation`.
 
   implementation: None (GPU hash table on a GPU, XLA elsewhere), "pallas" or "xla".
-  plan_block_sizes: block sizes to build masked-GEMM plans for (Pallas only); None = the block size the
+  plan_block_sizes: block sizes to build masked-GEMM plans for (Pallas only); None = the block sizes the
     convolutions will pick for this capacity.
   """
-  ks = check_kernel_size(kernel_size)
-  dil = check_dilation(dilation)
-  offsets = kernel_offsets(ks, dil)
-  impl = dispatch.resolve(implementation)
+  return build_neighbor_map(x, check_kernel_size(kernel_size), check_dilation(dilation),
+                            dispatch.resolve(implementation), plan_block_sizes)
+
+
+def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilation: tuple[int, int, int],
+                       impl: dispatch.Implementation, plan_block_sizes: Sequence[int] | None = None) -> NeighborCache:
+  """`neighbor_map` for arguments already validated (a ConvSpec's)."""
+  offsets = _offsets(kernel_size, dilation)
   if impl.is_pallas:
     from pallas_kernels.hash_table import neighbor_map_hashed
 
@@ -140,10 +148,10 @@ def neighbor_map(x: SparseTensor, kernel_size: Size3 = 3, dilation: Size3 = 1, i
     overflow = jnp.zeros((), bool)
   plans, pairs = {}, None
   if impl.is_pallas:
-    sizes = plan_block_sizes if plan_block_sizes is not None else tuning.plan_block_sizes(x.capacity)
+    sizes = plan_block_sizes if plan_block_sizes is not None else default_plan_block_sizes(x.capacity)
     plans = {int(bm): gemm_plan.masked_plan(nbr, x.num, int(bm)) for bm in sizes}
     pairs = gemm_plan.pair_lists(nbr, mirrored=True)  # a submanifold map is its own mirror image
-  cache = NeighborCache(nbr, overflow, ks, dil, plans, pairs, x.num, x.coords)
+  cache = NeighborCache(nbr, overflow, kernel_size, dilation, plans, pairs, x.num, x.coords)
   report(overflow, "neighbor_map: the neighbour hash table overflowed (a probe ran past its bound); the map is "
          "invalid", error=RuntimeError)
   return cache
@@ -159,10 +167,12 @@ def with_maps(x: SparseTensor, kernel_size: Size3 = 3, *more_kernel_sizes: Size3
   `implementation` the layers use (the map is keyed by them), e.g. `with_maps(x, 3, 1)` for a body with
   3x3x3 and 1x1x1 convolutions.
   """
+  dil, impl = check_dilation(dilation), dispatch.resolve(implementation)
   for kernel_size in (kernel_size,) + more_kernel_sizes:
-    key = cache_key(kernel_size, dilation, implementation)
+    ks = check_kernel_size(kernel_size)
+    key = cache_key(ks, dil, impl)
     if key not in x.caches:
-      x = x.with_cache(key, neighbor_map(x, kernel_size, dilation, implementation))
+      x = x.with_cache(key, build_neighbor_map(x, ks, dil, impl))
   return x
 
 

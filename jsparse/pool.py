@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jsparse import per_item
 from jsparse._types import Capacity, Size3
-from jsparse.conv import gather_rows
+from jsparse.gemm_xla import gather_rows
 from jsparse.sparse_conv import pair_map
 from jsparse.sparse_tensor import SparseTensor, check_sparse_tensor
 

@@ -7,7 +7,7 @@ Maps. Every op here is a gather-GEMM over an int32 map between two coordinate se
   convolution each (j, v) feeds at most one output, since o*stride = position + padding - offset*dilation).
 A strided convolution's forward runs over `nbr` and its input gradient over `inv` (flipped: the GEMM kernel
 reads offset V-1-v with the transposed weight). The inverse convolution is the same op with the two maps
-swapped, so one custom_vjp (conv._submconv_pallas) serves submanifold, strided and inverse convolutions.
+swapped, so one op (jsparse.map_gemm) serves submanifold, strided, inverse and transposed convolutions.
 
 Output coordinates (jit-friendly): every valid input proposes, per kernel offset, the output it would
 feed (where the stride divides and the output is inside the grid). XLA: the proposals are sorted and
@@ -46,14 +46,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jsparse import autotuning, dispatch, tuning
+from jsparse import dispatch
 from jsparse._types import ArrayLike, Capacity, PrecisionLike, Size3
-from jsparse.conv import (WEIGHT_LAYOUTS, _MapArrays, _PallasOptions, _submconv_pallas, check_weight, submconv_xla,
-                          weight_dims)
+from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
 from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
 from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_same_sites, key_width, report,
                                    resolve_capacity, site_keys, sites_of_keys)
-from pallas_kernels import gemm_plan, unique_keys
+from pallas_kernels import unique_keys
+from pallas_kernels.tiling import dot_precision
+from pallas_kernels.weight_layout import WeightLayout
 
 _BIG = int(np.iinfo(np.int32).max)
 
@@ -297,36 +298,6 @@ def strided_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 1, padding:
   return pm.out_coords, pm.out_num, pm.nbr, pm.overflow
 
 
-# ---- the GEMM over a map ----------------------------------------------------------------------------
-
-
-def _map_gemm(feats, w, bias, nbr, num, transposed, num_in, impl: dispatch.Implementation, precision,
-              algorithm: str = "auto", weight_layout: str = "DHWIO"):
-  """out[i] = sum_v feats[nbr[i, v]] @ w[v] + bias for i < num, differentiable in feats, w, bias.
-
-  transposed: [rows of feats, V] with transposed[j, V-1-v] = i iff nbr[i, v] = j (the input gradient's map);
-  num_in: valid rows of feats. XLA: gather + one matmul. Pallas: conv.py's gather-GEMM custom_vjp.
-  w: [V, Cin, Cout], or [Cout, V, Cin] for weight_layout "ODHWI" (check_weight's flattened weight).
-  """
-  if not impl.is_pallas:
-    return submconv_xla(feats, w, bias, nbr, num, precision=precision, weight_layout=weight_layout)
-  m, v = nbr.shape
-  layout = WEIGHT_LAYOUTS[weight_layout]
-  _, cin, cout = weight_dims(w, layout)
-  # Under jsparse.autotune (eager), report this map so its passes can be tuned too.
-  autotuning.record_call(autotuning.ConvCall(m, cin, cout, v, jnp.dtype(feats.dtype), nbr, num, precision,
-                                             transposed, num_in, layout))
-  configs = [tuning.choose("forward", m, cin, cout, v, feats.dtype, algorithm),
-             tuning.choose("input_grad", feats.shape[0], cin, cout, v, feats.dtype, algorithm),
-             tuning.choose("weight_grad", m, cin, cout, v, feats.dtype, algorithm)]
-  fwd_plan = gemm_plan.masked_plan(nbr, num, configs[0].tiles.block_m) if configs[0].masked else None
-  grad_plan = gemm_plan.masked_plan(transposed, num_in, configs[1].tiles.block_m) if configs[1].masked else None
-  pairs = gemm_plan.pair_lists(nbr) if configs[2].masked else None
-  maps = _MapArrays(nbr, num, fwd_plan, grad_plan, pairs, transposed, num_in)
-  return _submconv_pallas(feats, w, bias, maps, _PallasOptions(precision, impl.interpret, *configs,
-                                                                weight_layout=layout))
-
-
 # ---- convolutions -----------------------------------------------------------------------------------
 
 
@@ -334,7 +305,7 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = N
                   padding: Size3 = 0, dilation: Size3 = 1, out_capacity: Capacity = None,
                   cache: PairMap | None = None, implementation: str | None = None, precision: PrecisionLike = None,
                   algorithm: str = "auto", with_overflow: bool = False,
-                  weight_layout: str = "DHWIO") -> SparseTensor | tuple[SparseTensor, jax.Array]:
+                  weight_layout: WeightLayout | str = "DHWIO") -> SparseTensor | tuple[SparseTensor, jax.Array]:
   """Strided (non-submanifold) sparse 3D convolution, spconv's SparseConv3d.
 
   Output sites: every output position whose receptive field holds a valid input (`pair_map`), sorted by
@@ -350,9 +321,9 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = N
   implementation / precision / algorithm: as submconv3d; implementation also picks how the output sites are
   found (`pair_map`).
   """
-  ks, w, b = check_weight(x, weight, bias, weight_layout)
-  tuning.check_algorithm(algorithm)
-  impl = dispatch.resolve(implementation)
+  layout = WeightLayout.of(weight_layout)
+  ks, w, b = check_weight(x.num_channels, x.dtype, weight, bias, layout)
+  spec = ConvSpec.build(ks, check_dilation(dilation), implementation, layout, precision, algorithm)
   if cache is None:
     cache = pair_map(x, ks, stride, padding, dilation, out_capacity, implementation=implementation,
                      op="sparse_conv3d")
@@ -361,8 +332,7 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = N
     raise ValueError("cache was built for another geometry or input capacity than this convolution")
   else:
     check_same_sites("sparse_conv3d", "cache (a PairMap)", cache.in_coords, cache.in_num, x.coords, x.num)
-  feats = _map_gemm(x.feats, w, b, cache.nbr, cache.out_num, jnp.flip(cache.inv, 1), x.num, impl, precision,
-                    algorithm, weight_layout)
+  feats = map_gemm(x.feats, w, b, ConvMaps(cache.nbr, cache.out_num, jnp.flip(cache.inv, 1), x.num), spec)
   out = cache.output(feats, x)
   return (out, cache.overflow) if with_overflow else out
 
@@ -424,7 +394,7 @@ def _check_same_geometry(y: SparseTensor, like: SparseTensor, geom: Geometry) ->
 def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *, like: SparseTensor,
                           stride: Size3 = 1, padding: Size3 = 0, dilation: Size3 = 1,
                           implementation: str | None = None, precision: PrecisionLike = None,
-                          algorithm: str = "auto", weight_layout: str = "DHWIO") -> SparseTensor:
+                          algorithm: str = "auto", weight_layout: WeightLayout | str = "DHWIO") -> SparseTensor:
   """spconv's SparseInverseConv3d: the transposed convolution from y back onto like's coordinates.
 
   `y` is on the coordinates of `sparse_conv3d(like, ..., stride, padding, dilation)` with a kernel of
@@ -441,18 +411,17 @@ def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike, bias: ArrayLike | 
   (under jit: checkify), as spconv ties an inverse to its forward's indice_key.
   The output has like's coordinates and caches, and the overflow flag of both inputs.
   """
-  ks, w, b = check_weight(y, weight, bias, weight_layout)
-  tuning.check_algorithm(algorithm)
+  layout = WeightLayout.of(weight_layout)
+  ks, w, b = check_weight(y.num_channels, y.dtype, weight, bias, layout)
   geom = geometry(like.spatial_shape, ks, stride, padding, dilation)
+  spec = ConvSpec.build(ks, geom.dilation, implementation, layout, precision, algorithm)
   if y.spatial_shape != geom.out_shape or y.batch_size != like.batch_size:
     raise ValueError(
         f"y (spatial_shape={y.spatial_shape}, batch_size={y.batch_size}) is not on the output grid "
         f"{geom.out_shape} (batch_size={like.batch_size}) of this convolution of `like`")
-  impl = dispatch.resolve(implementation)
   inv, nbr = _inverse_maps(y, like, geom)
   # The forward map of the inverse is the transposed map of the convolution, and vice versa.
-  feats = _map_gemm(y.feats, w, b, inv, like.num, jnp.flip(nbr, 1), y.num, impl, precision, algorithm,
-                    weight_layout)
+  feats = map_gemm(y.feats, w, b, ConvMaps(inv, like.num, jnp.flip(nbr, 1), y.num), spec)
   return like.replace(feats=feats, overflow=like.overflow | y.overflow)
 
 
@@ -460,7 +429,7 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike 
                             out_capacity: Capacity = None, mask: ArrayLike | None = None,
                             implementation: str | None = None, precision: PrecisionLike = None,
                             algorithm: str = "auto", with_overflow: bool = False,
-                            weight_layout: str = "DHWIO") -> SparseTensor | tuple[SparseTensor, jax.Array]:
+                            weight_layout: WeightLayout | str = "DHWIO") -> SparseTensor | tuple[SparseTensor, jax.Array]:
   """Generative upsampling: every valid site c spawns its children c*stride + t, t in [0, stride)^3.
 
   The kernel size equals the stride, so every child has exactly one parent and child t of c gets
@@ -482,12 +451,12 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike 
   st = as_triple(stride, "stride")
   if min(st) < 1:
     raise ValueError(f"stride must be >= 1, got {st}")
-  ks, w, b = check_weight(x, weight, bias, weight_layout)
+  layout = WeightLayout.of(weight_layout)
+  ks, w, b = check_weight(x.num_channels, x.dtype, weight, bias, layout)
   if ks != st:
     raise ValueError(f"the weight's kernel size {ks} must equal the stride {st} (weight shape {jnp.shape(weight)}, "
-                     f"weight_layout={weight_layout!r})")
-  tuning.check_algorithm(algorithm)
-  impl = dispatch.resolve(implementation)
+                     f"weight_layout={layout.value!r})")
+  spec = ConvSpec.build(ks, (1, 1, 1), implementation, layout, precision, algorithm)
   t_count = math.prod(st)
   out_shape = tuple(n * s for n, s in zip(x.spatial_shape, st))
   _check_keys(x.batch_size, out_shape)
@@ -512,19 +481,16 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike 
   pc = x.coords[parent]
   xyz = pc[:, 1:] * jnp.asarray(st, jnp.int32) + child_off[child]
   out_coords = jnp.where(filled[:, None], jnp.concatenate([pc[:, :1], xyz], axis=1), -1)
-  if impl.is_pallas:
+  if spec.implementation.is_pallas:
     # One-hot map: row r reads its parent at offset child[r]; the transposed map names each child row.
     nbr = jnp.full((out_capacity, t_count), -1, jnp.int32).at[jnp.arange(out_capacity), child].set(
         jnp.where(filled, parent, -1))
     inv = _scatter_transpose(nbr, x.capacity)
-    feats = _map_gemm(x.feats, w, b, nbr, out_num, jnp.flip(inv, 1), x.num, impl, precision, algorithm,
-                      weight_layout)
+    feats = map_gemm(x.feats, w, b, ConvMaps(nbr, out_num, jnp.flip(inv, 1), x.num), spec)
   else:
     # All children of every row in one matmul (no zero-padded gather), then pick the kept ones.
-    from pallas_kernels.tiling import dot_precision
-
-    spec = "jc,otc->jto" if weight_layout == "ODHWI" else "jc,tco->jto"
-    everything = jnp.einsum(spec, x.feats, w, precision=dot_precision(precision, x.dtype),
+    subscripts = "jc,otc->jto" if layout.cout_major else "jc,tco->jto"
+    everything = jnp.einsum(subscripts, x.feats, w, precision=dot_precision(precision, x.dtype),
                             preferred_element_type=jnp.float32)
     feats = everything[parent, child]
     if b is not None:

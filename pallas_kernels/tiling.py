@@ -16,17 +16,12 @@ class TileConfig:
   split: how many programs share the reduction (partial sums are added afterwards); 1 = no split.
   columns_fastest (gather-GEMM only): launch the column blocks of a row block next to each other, so they
     read its gathered rows while those are still in L2 (else every column block re-gathers them from DRAM).
-  weight_k_major (the gather-GEMM pass that finds its weight stored N-contiguous: the forward of a flax-layout
-    weight, the input gradient of a Cout-first one; ignored by the other): read the weight through a
-    K-contiguous copy (True), straight (False), or as `gather_gemm.reads_weight_k_major` decides (None). The
-    copy costs a pass over the weight per call; it pays off where many row blocks re-read the weight (TF32
-    needs it there), not on few rows, where the copy can take as long as the GEMM (docs/perf_notes.md).
-  swap_operands (gather-GEMM only): accumulate the transposed product W^T x^T (the weight tile as the MMA's
-    left operand), True / False, or as `gather_gemm.swaps_operands` decides (None).
-  balanced (weight gradient only, needs pair lists): cut all offsets' pairs together into ~V * split equal
-    chunks and give each program one chunk of one offset, instead of cutting every offset into `split`
-    pieces: the full centre offset and a sparse corner one then get programs in proportion to their pairs,
-    so no program's share is tiny and the wave stays even (WarpConvNet's grouped weight-gradient GEMMs).
+  weight_k_major (gather-GEMM pass whose weight is stored N-contiguous): read it through a K-contiguous copy
+    (True), straight (False), or as `gather_gemm_config.reads_weight_k_major` decides (None).
+  swap_operands (gather-GEMM only): accumulate the transposed product W^T x^T, True / False, or as
+    `gather_gemm_config.swaps_operands` decides (None).
+  balanced (weight gradient only, needs pair lists): cut all offsets' pairs together into about V * split
+    equal chunks, one program per chunk, so offsets get programs in proportion to their pairs.
   """
 
   block_m: int = 64
@@ -47,17 +42,6 @@ class TileConfig:
         raise ValueError(f"{name} must be a power of two >= 16, got {v}")
     if self.split < 1:
       raise ValueError(f"split must be >= 1, got {self.split}")
-
-
-# How the GEMM kernels take a convolution weight, its kernel axes flattened into V: "vio" [V, Cin, Cout] (flax's
-# (Kx, Ky, Kz, Cin, Cout)) or "ovi" [Cout, V, Cin] (PyTorch / spconv / FlexGEMM's (Cout, Kx, Ky, Kz, Cin)).
-WEIGHT_LAYOUTS = ("vio", "ovi")
-
-
-def check_weight_layout(weight_layout: str) -> str:
-  if weight_layout not in WEIGHT_LAYOUTS:
-    raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
-  return weight_layout
 
 
 def next_pow2(n: int) -> int:

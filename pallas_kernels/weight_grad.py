@@ -12,12 +12,10 @@ offsets' pairs together into equal chunks (`balanced_work`), so programs get equ
 takes one chunk of one offset, and the chunks' partial sums are added per offset afterwards. Both ways run
 the same loop; they differ only in which list entries [start, stop) of which offset a program takes.
 
-The reduction runs over sites, so both operand tiles are [sites, channels] with the channels contiguous:
-"MN-major" for the tensor cores. Hopper's TF32 MMA has no such mode and Triton restages float32 tiles
-through registers (measured ~50 TFLOP/s on an H200 against ~350 for fp16; transposed copies of x and dy
-made the gathers uncoalesced and ran 2-6x slower still). So float32 inputs at TF32 precision run as three
-bf16 products of hi/lo splits, x_hi dy_hi + x_hi dy_lo + x_lo dy_hi, which bf16 MMAs take MN-major; the
-result is more accurate than TF32 (about 1e-5 relative instead of 3e-4).
+Both operand tiles are [sites, channels] (MN-major), which Hopper's TF32 MMA cannot take without restaging,
+so float32 inputs at TF32 precision run as three bf16 products of hi/lo splits, x_hi dy_hi + x_hi dy_lo +
+x_lo dy_hi (about 1e-5 relative error instead of TF32's 3e-4; measurements in docs/perf_notes.md).
+Tile defaults and candidates: weight_grad_config.py.
 """
 from __future__ import annotations
 
@@ -33,22 +31,21 @@ from jax import lax
 from pallas_kernels.gemm_plan import PairLists
 from pallas_kernels.out_struct import out_struct, same_vma
 from pallas_kernels.mma import mma
-from pallas_kernels.tiling import TileConfig, check_weight_layout, clamp_pow2, dot_precision, gpu_num_sms
+from pallas_kernels.tiling import TileConfig, dot_precision
+from pallas_kernels.weight_grad_config import default_config
+from pallas_kernels.weight_layout import WeightLayout
 
 
-def default_config(num_rows: int, cin: int, cout: int, num_offsets: int, dtype) -> TileConfig:
-  """Heuristic tiles, from H200 measurements (benchmarks/tf32_probe.py, docs/perf_notes.md): 128x128
-  (Cin x Cout) tiles, 4 warps, 5 stages (1.2-1.4x faster than 3-4), and a split over sites that gives ~8
-  programs per SM (at RES 256, C 256: split 10-20 ran 1.1-1.3x faster than 5). float32 runs as bf16
-  hi/lo products (module doc): two tiles per operand, so half the reduction chunk."""
-  block_m = clamp_pow2(cin, 16, 128)
-  block_n = clamp_pow2(cout, 16, 128)
-  block_k = 32 if jnp.dtype(dtype) == jnp.float32 else 64
-  tiles = num_offsets * -(-cin // block_m) * -(-cout // block_n)
-  # Aim for ~8 programs per SM, but keep at least ~8 row chunks per program.
-  want = max(1, -(-8 * gpu_num_sms() // tiles))
-  split = max(1, min(want, num_rows // (8 * block_k)))
-  return TileConfig(block_m, block_n, block_k, num_warps=4, num_stages=5, split=split)
+class WeightGradOperands(NamedTuple):
+  """The kernel's inputs, in the order they are passed (None fields are absent: the kernel gets None)."""
+
+  x: jax.Array  # [R, Cin] (float32 with bf16 products: its bf16 high part)
+  dy: jax.Array  # [M, Cout]
+  nbr: jax.Array | None  # int32 [M, V]; None with pair lists
+  x_lo: jax.Array | None  # bf16 low parts (float32 as bf16 products only)
+  dy_lo: jax.Array | None
+  pairs: PairLists | None
+  work: "WorkList | None"  # balanced configs only
 
 
 class WorkList(NamedTuple):
@@ -88,15 +85,9 @@ def balanced_work(counts: jax.Array, split: int, block_k: int) -> WorkList:
   return WorkList(offset, jnp.where(used, start, 0), jnp.where(used, stop, 0))
 
 
-def _weight_grad_kernel(x_ref, dy_ref, *refs, use_pairs, mirrored, balanced, split, num_rows, num_offsets, cin,
-                        cout, block_m, block_n, block_k, bf16_split, precision, cout_major):
-  refs = list(refs)
-  o_ref = refs.pop()
-  nbr_ref = None if use_pairs else refs.pop(0)
-  x_lo_ref, dy_lo_ref = (refs.pop(0), refs.pop(0)) if bf16_split else (None, None)
-  if balanced:
-    work_refs, refs = refs[-3:], refs[:-3]
-  pair_rows_ref, pair_counts_ref, pair_sources_ref = refs if use_pairs else (None, None, None)
+def _weight_grad_kernel(ops: WeightGradOperands, o_ref, *, mirrored, split, num_rows, num_offsets, cin, cout,
+                        block_m, block_n, block_k, precision, cout_major):
+  use_pairs, balanced, bf16_split = ops.pairs is not None, ops.work is not None, ops.x_lo is not None
   ci = pl.program_id(1) * block_m + jnp.arange(block_m)
   co = pl.program_id(2) * block_n + jnp.arange(block_n)
   ci_ok = ci < cin
@@ -105,11 +96,11 @@ def _weight_grad_kernel(x_ref, dy_ref, *refs, use_pairs, mirrored, balanced, spl
   # partial sum goes to o_ref[out].
   if balanced:  # one work item of balanced_work
     out = pl.program_id(0)
-    v, start, stop = (plgpu.load(r.at[out]) for r in work_refs)
+    v, start, stop = (plgpu.load(r.at[out]) for r in ops.work)
   else:  # piece s of `split` equal pieces of offset v
     v, s = pl.program_id(0), pl.program_id(3)
     out = s * num_offsets + v
-    length = plgpu.load(pair_counts_ref.at[v]) if use_pairs else num_rows
+    length = plgpu.load(ops.pairs.counts.at[v]) if use_pairs else num_rows
     per = pl.cdiv(pl.cdiv(length, split), block_k) * block_k
     start = s * per
     stop = jnp.minimum(start + per, length)
@@ -121,11 +112,11 @@ def _weight_grad_kernel(x_ref, dy_ref, *refs, use_pairs, mirrored, balanced, spl
 
   def load_pairs(idx):
     if not mirrored:
-      return (plgpu.load(pair_rows_ref.at[v, idx], mask=idx < stop, other=0),
-              plgpu.load(pair_sources_ref.at[v, idx], mask=idx < stop, other=-1))
+      return (plgpu.load(ops.pairs.rows.at[v, idx], mask=idx < stop, other=0),
+              plgpu.load(ops.pairs.sources.at[v, idx], mask=idx < stop, other=-1))
     listed = idx < stop
-    first = plgpu.load(pair_rows_ref.at[stored, idx], mask=listed, other=0)
-    second = plgpu.load(pair_sources_ref.at[stored, idx], mask=listed, other=0)
+    first = plgpu.load(ops.pairs.rows.at[stored, idx], mask=listed, other=0)
+    second = plgpu.load(ops.pairs.sources.at[stored, idx], mask=listed, other=0)
     return (jnp.where(listed, jnp.where(swap, second, first), 0),
             jnp.where(listed, jnp.where(swap, first, second), -1))
 
@@ -135,19 +126,19 @@ def _weight_grad_kernel(x_ref, dy_ref, *refs, use_pairs, mirrored, balanced, spl
       rows, nb = load_pairs(idx)
     else:
       rows = idx
-      nb = plgpu.load(nbr_ref.at[rows, v], mask=rows < stop, other=-1)
+      nb = plgpu.load(ops.nbr.at[rows, v], mask=rows < stop, other=-1)
     has = nb >= 0
     src = jnp.where(has, nb, 0)
     a_mask = has[:, None] & ci_ok[None, :]
     b_mask = has[:, None] & co_ok[None, :]
 
     def matmul(acc):
-      a = plgpu.load(x_ref.at[src[:, None], ci[None, :]], mask=a_mask, other=0)
-      b = plgpu.load(dy_ref.at[rows[:, None], co[None, :]], mask=b_mask, other=0)
+      a = plgpu.load(ops.x.at[src[:, None], ci[None, :]], mask=a_mask, other=0)
+      b = plgpu.load(ops.dy.at[rows[:, None], co[None, :]], mask=b_mask, other=0)
       acc = mma(a.T, b, acc, precision)
       if bf16_split:
-        a_lo = plgpu.load(x_lo_ref.at[src[:, None], ci[None, :]], mask=a_mask, other=0)
-        b_lo = plgpu.load(dy_lo_ref.at[rows[:, None], co[None, :]], mask=b_mask, other=0)
+        a_lo = plgpu.load(ops.x_lo.at[src[:, None], ci[None, :]], mask=a_mask, other=0)
+        b_lo = plgpu.load(ops.dy_lo.at[rows[:, None], co[None, :]], mask=b_mask, other=0)
         acc = mma(a.T, b_lo, acc, precision)
         acc = mma(a_lo.T, b, acc, precision)
       return acc
@@ -195,7 +186,7 @@ def uses_bf16_split(dtype, precision) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("config", "precision", "interpret", "out_dtype", "weight_layout"))
 def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfig | None = None, precision=None,
-                interpret: bool = False, out_dtype=None, weight_layout: str = "vio"):
+                interpret: bool = False, out_dtype=None, weight_layout: WeightLayout | str = WeightLayout.DHWIO):
   """dW [V, Cin, Cout] = per offset v, sum over sites i with nbr[i, v] >= 0 of outer(x[nbr[i, v]], dy[i]).
 
   x: [R, Cin] (gathered through nbr), dy: [M, Cout] (rows >= num must have nbr == -1), nbr: int32 [M, V], or
@@ -204,11 +195,11 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
     (else all rows, skipping chunks with none at run time). Required by a `config.balanced` config.
   precision: for float32, None/"tf32" (run as bf16 hi/lo products, see the module doc) or "highest"
     (full float32 products).
-  weight_layout: "vio" returns [V, Cin, Cout]; "ovi" returns [Cout, V, Cin] (the programs store their tiles
-    there, so no transpose follows).
+  weight_layout: the flattened weight layout to return, DHWIO [V, Cin, Cout] or ODHWI [Cout, V, Cin] (the
+    programs store their tiles there, so no transpose follows).
   Accumulates in float32; returns out_dtype (default x.dtype).
   """
-  cout_major = check_weight_layout(weight_layout) == "ovi"
+  cout_major = WeightLayout.of(weight_layout).cout_major
   if nbr is None and pairs is None:
     raise ValueError("weight_grad: pass nbr, or pair lists (pairs=...)")
   m = dy.shape[0]
@@ -227,37 +218,33 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   if bf16_split:
     (x, x_lo), (dy, dy_lo) = _split_bf16(x), _split_bf16(dy)
   kernel = functools.partial(
-      _weight_grad_kernel, use_pairs=pairs is not None, mirrored=pairs is not None and pairs.mirrored,
-      balanced=cfg.balanced, split=cfg.split, num_rows=m, num_offsets=num_offsets, cin=cin, cout=cout,
-      block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, bf16_split=bf16_split,
+      _weight_grad_kernel, mirrored=pairs is not None and pairs.mirrored, split=cfg.split, num_rows=m,
+      num_offsets=num_offsets, cin=cin, cout=cout, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
       precision=dot_precision(precision, x.dtype), cout_major=cout_major)
-  # With pair lists the map itself is not read (nor kept alive for the backward pass).
-  args = [x, dy] + ([nbr] if pairs is None else [])
-  if bf16_split:
-    args += [x_lo, dy_lo]
-  if pairs is not None:
-    args += [pairs.rows, pairs.counts, pairs.sources]
   tiles = (pl.cdiv(cin, cfg.block_m), pl.cdiv(cout, cfg.block_n))
   if cfg.balanced:
     work = balanced_work(pairs.counts, cfg.split, cfg.block_k)
-    args += list(work)
     grid = (work.offset.shape[0],) + tiles
     partial_shape = (work.offset.shape[0],) + ((cout, cin) if cout_major else (cin, cout))
   else:
     grid = (num_offsets,) + tiles + (cfg.split,)
     partial_shape = (cfg.split, cout, num_offsets, cin) if cout_major else (cfg.split * num_offsets, cin, cout)
   # One piece per offset: nothing to add up, so the programs write the gradient in its final dtype (a float32
-  # buffer of the whole gradient, then a cast, would sit at the training peak: 113 MB at C 1024, V 27).
+  # buffer of the whole gradient, then a cast, would sit at the training peak).
   direct = cfg.split == 1 and not cfg.balanced
-  args = same_vma(*args)
+  # With pair lists the map itself is not read (nor kept alive for the backward pass).
+  ops = WeightGradOperands(x, dy, nbr if pairs is None else None, x_lo if bf16_split else None,
+                           dy_lo if bf16_split else None, pairs, work if cfg.balanced else None)
+  leaves, tree = jax.tree.flatten(ops)
+  ops = jax.tree.unflatten(tree, same_vma(*leaves))
   partial = pl.pallas_call(
       kernel,
-      out_shape=out_struct(partial_shape, jnp.dtype(out_dtype or in_dtype) if direct else jnp.float32, *args),
+      out_shape=out_struct(partial_shape, jnp.dtype(out_dtype or in_dtype) if direct else jnp.float32, *leaves),
       grid=grid,
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="weight_grad",
-  )(*args)
+  )(ops)
   if direct:
     dw = partial.reshape((cout, num_offsets, cin) if cout_major else (num_offsets, cin, cout))
   elif cfg.balanced:

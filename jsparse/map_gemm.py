@@ -1,0 +1,311 @@
+"""The differentiable map-GEMM every convolution runs: out[i] = sum_v feats[nbr[i, v]] @ W_v (+ bias).
+
+`map_gemm(feats, weight, bias, maps, spec)` is the one op behind submconv3d and the strided, inverse and
+transposed convolutions (each of those only builds its maps). This module owns what happens inside: the
+validated arguments (`ConvSpec`), the choice of a config per pass (`choose`: a tuned table entry, else the
+heuristic), the plans those configs need, what the tuner records, and the custom_vjp. How one pass runs for a
+config is `run_pass`, which the tuner and benchmarks/kernels.py call too.
+
+The Pallas path is three bilinear GEMMs over one map, each a custom_vjp whose backward is the other two (and
+itself), so gradients of any order run the same kernels:
+  forward       y = F(x, W)      y[i] = sum_v x[nbr[i, v]] @ W_v (+ bias)
+  input grad   dx = T(g, W)     dx[j] = sum_v g[t[j, v]] @ W_{V-1-v}^T  (t: the transposed map)
+  weight grad  dW = G(x, g)   dW_v = sum_i x[nbr[i, v]]^T g[i]
+with vjp F = (T(h, W), G(x, h)), vjp T = (F(h, W), G(h, g)), vjp G = (T(g, H), F(x, H)).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jsparse import dispatch, tuning
+from jsparse._types import PrecisionLike
+from jsparse.gemm_xla import submconv_xla
+from jsparse.pass_config import (PASSES, PassConfig, PassInputs, RunOptions, ShapeKey, check_algorithm, check_pass,
+                                 heuristic)
+from pallas_kernels import gemm_plan
+from pallas_kernels.weight_layout import WeightLayout
+
+
+# ---- validated arguments -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvSpec:
+  """A convolution's static arguments, validated once by the public op and passed down.
+
+  kernel_size, dilation: 3 ints each (checked by the op: submanifold kernels are odd).
+  implementation: the resolved `dispatch.Implementation`. weight_layout: a WeightLayout.
+  precision: for float32, None / "tf32" / "highest" or a lax.Precision. algorithm: one of
+  pass_config.ALGORITHM_CHOICES ("auto" lets `choose` decide per pass).
+  """
+
+  kernel_size: tuple[int, int, int]
+  dilation: tuple[int, int, int]
+  implementation: dispatch.Implementation
+  weight_layout: WeightLayout = WeightLayout.DHWIO
+  precision: Any = None
+  algorithm: str = "auto"
+
+  @classmethod
+  def build(cls, kernel_size, dilation, implementation: str | None, weight_layout, precision: PrecisionLike = None,
+            algorithm: str = "auto") -> "ConvSpec":
+    return cls(tuple(kernel_size), tuple(dilation), dispatch.resolve(implementation),
+               WeightLayout.of(weight_layout), precision, check_algorithm(algorithm))
+
+
+def _check_real(name: str, value: jax.Array) -> None:
+  # The cast to the features' dtype would drop a complex value's imaginary part without a word.
+  if not (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
+    raise TypeError(f"{name} must be real (floating point or integer), got dtype {value.dtype}")
+
+
+def check_weight(num_channels: int, dtype, weight, bias, weight_layout: WeightLayout):
+  """Validates a 5-D weight in `weight_layout` and a (Cout,) bias against features of `num_channels` channels;
+  returns (kernel_size, the weight with its kernel axes flattened, in `dtype`, the bias in `dtype` or None)."""
+  weight = jnp.asarray(weight)
+  _check_real("weight", weight)
+  if weight.ndim != 5:
+    raise ValueError(f"weight must be {weight_layout.describe()} (weight_layout={weight_layout.value!r}), got "
+                     f"shape {weight.shape}")
+  if 0 in weight.shape:
+    raise ValueError(f"weight must have nonzero kernel sizes and channel counts, got shape {weight.shape}")
+  kernel_size, cin, cout = weight_layout.split_shape(weight.shape)
+  if cin != num_channels:
+    raise ValueError(f"weight expects {cin} input channels but the features have {num_channels} "
+                     f"(weight shape {weight.shape}, weight_layout={weight_layout.value!r})")
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    _check_real("bias", bias)
+    if bias.shape != (cout,):
+      raise ValueError(f"bias must have shape ({cout},), got {bias.shape}")
+    bias = bias.astype(dtype)
+  return kernel_size, weight_layout.flatten(weight).astype(dtype), bias
+
+
+# ---- maps ------------------------------------------------------------------------------------------------
+
+
+class ConvMaps(NamedTuple):
+  """The integer arrays a map-GEMM reads (no gradients flow into them).
+
+  nbr: int32 [M, V], the input row output i reads at offset v, or -1; num: valid output rows.
+  transposed: int32 [rows of feats, V] with transposed[j, V-1-v] = i iff nbr[i, v] = j, the input gradient's
+    map, and num_in the valid input rows; None for a submanifold map, which is its own transpose.
+  plans: {block_m: MaskedPlan} already built for nbr; pairs: PairLists already built (else built on demand).
+  """
+
+  nbr: jax.Array
+  num: jax.Array
+  transposed: jax.Array | None = None
+  num_in: jax.Array | None = None
+  plans: dict | None = None
+  pairs: gemm_plan.PairLists | None = None
+
+  def plan(self, block_m: int) -> gemm_plan.MaskedPlan:
+    """The forward's masked plan for blocks of block_m rows."""
+    if self.plans and block_m in self.plans:
+      return self.plans[block_m]
+    return gemm_plan.masked_plan(self.nbr, self.num, block_m)
+
+  def input_grad_plan(self, block_m: int) -> gemm_plan.MaskedPlan:
+    if self.transposed is None:
+      return self.plan(block_m)
+    return gemm_plan.masked_plan(self.transposed, self.num_in, block_m)
+
+  def pair_lists(self) -> gemm_plan.PairLists:
+    """The weight gradient's pair lists (mirrored, half the offsets, for a submanifold map)."""
+    if self.pairs is not None:
+      return self.pairs
+    return gemm_plan.pair_lists(self.nbr, mirrored=self.transposed is None)
+
+
+# ---- choosing configs, recording for the tuner ---------------------------------------------------------------
+
+
+def choose(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
+           algorithm: str = "auto") -> PassConfig:
+  """The config for one pass: with algorithm "auto" a tuned entry if an active table has one for this shape,
+  else (or for a named algorithm) `pass_config.heuristic`."""
+  check_pass(pass_name)
+  if algorithm == "auto":
+    cfg = tuning.lookup(ShapeKey.of(pass_name, num_rows, cin, cout, num_offsets, dtype))
+    if cfg is not None:
+      return cfg
+  return heuristic(pass_name, num_rows, cin, cout, num_offsets, jnp.dtype(dtype), algorithm)
+
+
+def plan_block_sizes(num_rows: int) -> tuple[int, ...]:
+  """Block sizes whose masked plans convolutions on `num_rows` rows may ask for: the default and any tuned
+  one in an active table (neighbor_map builds these with the map; under jit XLA drops unused ones)."""
+  rows = 1 << max(int(num_rows) - 1, 0).bit_length()
+  sizes = {gemm_plan.default_block_m(num_rows)}
+  for table in tuning.active_tables():
+    for key, cfg in table.entries.items():
+      if key.rows == rows and cfg.uses_plan and key.pass_name != "weight_grad":
+        sizes.add(cfg.tiles.block_m)
+  return tuple(sorted(sizes))
+
+
+class ConvCall(NamedTuple):
+  """What one Pallas map-GEMM reported while `recording`: its shapes, maps and options."""
+
+  num_rows: int
+  cin: int
+  cout: int
+  num_offsets: int
+  dtype: jnp.dtype
+  maps: ConvMaps
+  precision: object
+  weight_layout: WeightLayout
+
+
+_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("jsparse_record", default=None)
+
+
+@contextlib.contextmanager
+def recording(into: list):
+  """Appends a ConvCall to `into` for every Pallas map-GEMM run eagerly inside the block (used by autotune)."""
+  token = _RECORD.set(into)
+  try:
+    yield into
+  finally:
+    _RECORD.reset(token)
+
+
+def _record(call: ConvCall) -> None:
+  calls = _RECORD.get()
+  if calls is not None and not isinstance(call.maps.nbr, jax.core.Tracer):
+    calls.append(call)
+
+
+# ---- the op ------------------------------------------------------------------------------------------------
+
+
+def run_pass(pass_name: str, cfg: PassConfig, inputs: PassInputs, options: RunOptions):
+  """One pass as the convolution runs it (see pass_config.PassInputs for what each pass reads)."""
+  return cfg.run(pass_name, inputs, options)
+
+
+def map_gemm(feats: jax.Array, weight: jax.Array, bias: jax.Array | None, maps: ConvMaps,
+             spec: ConvSpec) -> jax.Array:
+  """out[i] = sum_v feats[nbr[i, v]] @ W_v (+ bias) for i < maps.num, zero rows after; differentiable in
+  feats, weight and bias (any order on the Pallas path).
+
+  weight: flattened in spec.weight_layout ([V, Cin, Cout] or [Cout, V, Cin]) and in feats' dtype; bias (Cout,)
+  or None. XLA: gather + one matmul, differentiated by JAX. Pallas: the configs `choose` picks per pass.
+  """
+  layout = spec.weight_layout
+  if not spec.implementation.is_pallas:
+    return submconv_xla(feats, weight, bias, maps.nbr, maps.num, precision=spec.precision, weight_layout=layout)
+  m, v = maps.nbr.shape
+  _, cin, cout = layout.flat_dims(weight)
+  _record(ConvCall(m, cin, cout, v, jnp.dtype(feats.dtype), maps, spec.precision, layout))
+  configs = (choose("forward", m, cin, cout, v, feats.dtype, spec.algorithm),
+             choose("input_grad", feats.shape[0], cin, cout, v, feats.dtype, spec.algorithm),
+             choose("weight_grad", m, cin, cout, v, feats.dtype, spec.algorithm))
+  arrays = _PassArrays(maps.nbr, maps.num, maps.plan(configs[0].tiles.block_m) if configs[0].uses_plan else None,
+                       maps.input_grad_plan(configs[1].tiles.block_m) if configs[1].uses_plan else None,
+                       maps.pair_lists() if configs[2].uses_plan else None, maps.transposed, maps.num_in)
+  options = _Options(configs, RunOptions(spec.precision, spec.implementation.interpret, layout))
+  return _forward(feats, weight, bias, arrays, options)
+
+
+class _PassArrays(NamedTuple):
+  """The maps and the plans the chosen configs need, carried through the custom_vjp."""
+
+  nbr: jax.Array
+  num: jax.Array
+  forward_plan: Any
+  input_grad_plan: Any
+  pairs: Any
+  transposed: Any
+  num_in: Any
+
+  def inputs(self, pass_name: str, lhs, rhs, bias=None) -> PassInputs:
+    if pass_name == "forward":
+      return PassInputs(lhs, rhs, self.nbr, self.num, bias, plan=self.forward_plan)
+    if pass_name == "input_grad":
+      t_map = self.nbr if self.transposed is None else self.transposed
+      t_num = self.num if self.num_in is None else self.num_in
+      return PassInputs(lhs, rhs, t_map, t_num, plan=self.input_grad_plan)
+    return PassInputs(lhs, rhs, self.nbr, self.num, pairs=self.pairs)
+
+
+class _Options(NamedTuple):
+  """Static options (hashable, for custom_vjp's nondiff_argnums): a config per pass and how to run them."""
+
+  configs: tuple
+  run: RunOptions
+
+  def run_pass(self, pass_name: str, inputs: PassInputs):
+    return run_pass(pass_name, self.configs[PASSES.index(pass_name)], inputs, self.run)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _forward(feats, w, bias, arrays: _PassArrays, opts: _Options):
+  return opts.run_pass("forward", arrays.inputs("forward", feats, w, bias))
+
+
+def _forward_fwd(feats, w, bias, arrays, opts):
+  return _forward(feats, w, bias, arrays, opts), (feats, w, bias, arrays)
+
+
+def _forward_bwd(opts, residuals, g):
+  feats, w, bias, arrays = residuals
+  # Outputs at padding rows are constant zeros, so g there must not count: the maps never point at padding
+  # rows and never list them, and the bias gradient masks them.
+  d_feats = _input_grad(g, w, arrays, opts)
+  d_w = _weight_grad(feats, g, arrays, opts).astype(w.dtype)
+  d_bias = None
+  if bias is not None:
+    valid = jnp.arange(g.shape[0]) < arrays.num
+    d_bias = jnp.sum(jnp.where(valid[:, None], g, 0), axis=0, dtype=jnp.float32).astype(bias.dtype)
+  return d_feats, d_w, d_bias, None
+
+
+_forward.defvjp(_forward_fwd, _forward_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _input_grad(g, w, arrays: _PassArrays, opts: _Options):
+  """T(g, W): the input gradient for the output gradient g, [rows of feats, Cin]."""
+  return opts.run_pass("input_grad", arrays.inputs("input_grad", g, w))
+
+
+def _input_grad_fwd(g, w, arrays, opts):
+  return _input_grad(g, w, arrays, opts), (g, w, arrays)
+
+
+def _input_grad_bwd(opts, residuals, h):
+  g, w, arrays = residuals
+  return _forward(h, w, None, arrays, opts), _weight_grad(h, g, arrays, opts).astype(w.dtype), None
+
+
+_input_grad.defvjp(_input_grad_fwd, _input_grad_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _weight_grad(feats, g, arrays: _PassArrays, opts: _Options):
+  """G(x, g): the weight gradient, in the flattened weight's layout and feats' dtype."""
+  return opts.run_pass("weight_grad", arrays.inputs("weight_grad", feats, g))
+
+
+def _weight_grad_fwd(feats, g, arrays, opts):
+  return _weight_grad(feats, g, arrays, opts), (feats, g, arrays)
+
+
+def _weight_grad_bwd(opts, residuals, d_w):
+  feats, g, arrays = residuals
+  d_feats = _input_grad(g, d_w.astype(feats.dtype), arrays, opts)
+  d_g = _forward(feats, d_w.astype(feats.dtype), None, arrays, opts).astype(g.dtype)
+  return d_feats, d_g, None
+
+
+_weight_grad.defvjp(_weight_grad_fwd, _weight_grad_bwd)

@@ -1,0 +1,279 @@
+"""How one pass of the map-GEMM runs: a small sum type of algorithms, the shape key tuned configs are filed
+under, their JSON form, and the default choice.
+
+A pass (forward, input gradient or weight gradient) runs as one of
+- `Explicit()`: gather, then one XLA matmul (jsparse/gemm_xla.py);
+- `Implicit(tiles)`: the Pallas GEMM with the gather fused in, every block looping over every offset;
+- `Masked(tiles)`: the same GEMM walking a masked plan (forward, input gradient) or pair lists (weight
+  gradient), so blocks skip the offsets their rows do not use.
+Split-K is a tile field (`tiles.split > 1`). `ALGORITHMS` is the registry: one line per algorithm.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import ClassVar, NamedTuple
+
+import jax.numpy as jnp
+
+from jsparse import gemm_xla
+from pallas_kernels import gather_gemm, gather_gemm_config, weight_grad, weight_grad_config
+from pallas_kernels.tiling import TileConfig
+from pallas_kernels.weight_layout import WeightLayout
+
+PASSES = ("forward", "input_grad", "weight_grad")
+
+
+class PassInputs(NamedTuple):
+  """What one pass reads. forward: lhs = features, rhs = the flattened weight, nbr / num = the map and its
+  valid rows; input_grad: lhs = output gradient, rhs = the weight, nbr / num = the transposed map over the
+  input rows; weight_grad: lhs = features, rhs = output gradient, nbr / num = the map."""
+
+  lhs: object
+  rhs: object
+  nbr: object
+  num: object
+  bias: object = None  # forward only
+  plan: object = None  # a gemm_plan.MaskedPlan (Masked forward / input gradient)
+  pairs: object = None  # gemm_plan.PairLists (Masked weight gradient)
+
+
+class RunOptions(NamedTuple):
+  precision: object
+  interpret: bool
+  weight_layout: WeightLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Explicit:
+  """Gather, then one XLA matmul per pass."""
+
+  kind: ClassVar[str] = "explicit"
+  tiles: ClassVar[None] = None
+  uses_plan: ClassVar[bool] = False
+
+  def run(self, pass_name: str, p: PassInputs, o: RunOptions):
+    if pass_name == "forward":
+      return gemm_xla.submconv_xla(p.lhs, p.rhs, p.bias, p.nbr, p.num, precision=o.precision,
+                                   weight_layout=o.weight_layout)
+    if pass_name == "input_grad":
+      return gemm_xla.input_grad_xla(p.lhs, p.rhs, p.nbr, p.num, precision=o.precision,
+                                     weight_layout=o.weight_layout)
+    return gemm_xla.weight_grad_xla(p.lhs, p.rhs, p.nbr, p.num, precision=o.precision,
+                                    weight_layout=o.weight_layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implicit:
+  """The gather-fused Pallas GEMMs; blocks skip an offset none of their rows use at run time."""
+
+  tiles: TileConfig
+  kind: ClassVar[str] = "implicit"
+  uses_plan: ClassVar[bool] = False
+
+  def __post_init__(self):
+    if not isinstance(self.tiles, TileConfig):
+      raise TypeError(f"{type(self).__name__}.tiles must be a TileConfig, got {self.tiles!r}")
+
+  def run(self, pass_name: str, p: PassInputs, o: RunOptions):
+    kw = dict(config=self.tiles, precision=o.precision, interpret=o.interpret, weight_layout=o.weight_layout)
+    if pass_name == "forward":
+      return gather_gemm.conv_forward(p.lhs, p.rhs, p.nbr, p.num, p.bias, plan=p.plan, **kw)
+    if pass_name == "input_grad":
+      return gather_gemm.conv_input_grad(p.lhs, p.rhs, p.nbr, p.num, plan=p.plan, **kw)
+    # With pair lists the map is not passed: the backward pass then keeps the lists alive, not the map too.
+    return weight_grad.weight_grad(p.lhs, p.rhs, p.nbr if p.pairs is None else None, pairs=p.pairs,
+                                   out_dtype=p.lhs.dtype, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Masked(Implicit):
+  """The same Pallas GEMMs over a masked plan (forward, input gradient: rows sorted so that blocks loop
+  only over their offsets) or pair lists (weight gradient)."""
+
+  kind: ClassVar[str] = "masked"
+  uses_plan: ClassVar[bool] = True
+
+
+PassConfig = Explicit | Implicit | Masked
+
+# The registry: an algorithm's JSON / `algorithm=` name and its config class.
+ALGORITHMS: dict[str, type] = {"explicit": Explicit, "implicit": Implicit, "masked": Masked}
+
+# What a convolution's `algorithm=` argument accepts: "auto", an algorithm, or a tiled one with "_splitk"
+# (split-K forced on).
+ALGORITHM_CHOICES = ("auto",) + tuple(ALGORITHMS) + tuple(f"{k}_splitk" for k, c in ALGORITHMS.items()
+                                                          if c is not Explicit)
+
+
+def check_algorithm(algorithm: str) -> str:
+  if algorithm not in ALGORITHM_CHOICES:
+    raise ValueError(f"algorithm must be one of {ALGORITHM_CHOICES}, got {algorithm!r}")
+  return algorithm
+
+
+def check_pass(pass_name: str) -> str:
+  if pass_name not in PASSES:
+    raise ValueError(f"pass must be one of {PASSES}, got {pass_name!r}")
+  return pass_name
+
+
+def describe(cfg: PassConfig) -> str:
+  """The algorithm as a user names it: the kind, "_splitk" when the tiles split the reduction."""
+  return cfg.kind + ("_splitk" if cfg.tiles is not None and cfg.tiles.split > 1 else "")
+
+
+# ---- shape keys ------------------------------------------------------------------------------------------
+
+_KEY_RE = re.compile(r"(forward|input_grad|weight_grad)/n(\d+)/ci(\d+)/co(\d+)/v(\d+)/(\w+)")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class ShapeKey:
+  """The bucket a tuned config applies to: the pass, rows rounded up to a power of two, exact channels,
+  offsets and dtype. Written "forward/n1024/ci32/co64/v27/float32" in tables."""
+
+  pass_name: str
+  rows: int
+  cin: int
+  cout: int
+  num_offsets: int
+  dtype: str
+
+  @classmethod
+  def of(cls, pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype) -> "ShapeKey":
+    rows = 1 << max(int(num_rows) - 1, 0).bit_length()
+    return cls(check_pass(pass_name), rows, int(cin), int(cout), int(num_offsets), jnp.dtype(dtype).name)
+
+  @classmethod
+  def parse(cls, text) -> "ShapeKey":
+    if isinstance(text, ShapeKey):
+      return text
+    match = _KEY_RE.fullmatch(text) if isinstance(text, str) else None
+    if match is None:
+      raise ValueError(f"table keys look like 'forward/n1024/ci32/co64/v27/float32', got {text!r}")
+    p, rows, cin, cout, v, dtype = match.groups()
+    return cls(p, int(rows), int(cin), int(cout), int(v), jnp.dtype(dtype).name)
+
+  def __str__(self) -> str:
+    return f"{self.pass_name}/n{self.rows}/ci{self.cin}/co{self.cout}/v{self.num_offsets}/{self.dtype}"
+
+
+# ---- JSON (table schema 2: {"algorithm": kind, "tiles": {TileConfig fields}}) ------------------------------
+
+_OPTIONAL_BOOLS = ("weight_k_major", "swap_operands")  # True / False / None (decided per call)
+# Tile fields every tiled entry must give; the others have defaults.
+REQUIRED_TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split")
+
+
+def config_to_json(cfg: PassConfig) -> dict:
+  out = {"algorithm": cfg.kind}
+  if cfg.tiles is not None:
+    out["tiles"] = dataclasses.asdict(cfg.tiles)
+  return out
+
+
+def _tiles_from_json(d: dict, key: str) -> TileConfig:
+  if not isinstance(d, dict):
+    raise ValueError(f"{key}: 'tiles' must be a JSON object, got {type(d).__name__}")
+  fields = {f.name: f for f in dataclasses.fields(TileConfig)}
+  unknown = sorted(set(d) - set(fields))
+  if unknown:
+    raise TypeError(f"{key}: unknown tile fields {unknown} (TileConfig has {sorted(fields)})")
+  for name, value in d.items():
+    if name in _OPTIONAL_BOOLS:
+      ok = value is None or isinstance(value, bool)
+    elif fields[name].type in (bool, "bool"):
+      ok = isinstance(value, bool)
+    else:
+      ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if not ok:
+      raise ValueError(f"{key}: tile field {name} has the invalid value {value!r}")
+  try:
+    tiles = TileConfig(**d)  # its own range checks (block sizes powers of two >= 16)
+  except ValueError as e:
+    raise ValueError(f"{key}: {e}") from None
+  missing = [name for name in REQUIRED_TILE_FIELDS if name not in d]
+  if missing:
+    raise ValueError(f"{key}: a tiled algorithm needs the tile fields {missing}")
+  return tiles
+
+
+def config_from_json(d: dict, key: str = "entry") -> PassConfig:
+  """A PassConfig from its schema-2 JSON form, validated (`key` names the entry in error messages)."""
+  if not isinstance(d, dict):
+    raise ValueError(f"{key}: a config must be a JSON object, got {type(d).__name__}")
+  if "algorithm" not in d:
+    raise ValueError(f"{key}: missing field 'algorithm' (one of {tuple(ALGORITHMS)})")
+  kind = d["algorithm"]
+  if kind not in ALGORITHMS:
+    raise ValueError(f"{key}: algorithm must be one of {tuple(ALGORITHMS)}, got {kind!r}")
+  extra = sorted(set(d) - {"algorithm", "tiles"})
+  if extra:
+    raise TypeError(f"{key}: unknown fields {extra} (an entry has 'algorithm' and 'tiles')")
+  cls = ALGORITHMS[kind]
+  if cls is Explicit:
+    if "tiles" in d:
+      raise ValueError(f"{key}: algorithm 'explicit' takes no tiles")
+    return Explicit()
+  if "tiles" not in d:
+    raise ValueError(f"{key}: algorithm {kind!r} needs 'tiles'")
+  return cls(_tiles_from_json(d["tiles"], key))
+
+
+def config_from_json_v1(d: dict, key: str = "entry") -> PassConfig:
+  """A schema-1 entry (tables without a "schema" field): {"algorithm": "masked_splitk", <tile fields>}."""
+  if not isinstance(d, dict):
+    raise ValueError(f"{key}: a config must be a JSON object, got {type(d).__name__}")
+  d = dict(d)
+  if "algorithm" not in d:
+    raise ValueError(f"{key}: missing field 'algorithm' (one of {ALGORITHM_CHOICES[1:]})")
+  name = d.pop("algorithm")
+  if name == "auto":
+    raise ValueError(f"{key}: a tuned entry names a concrete algorithm, not 'auto'")
+  check_algorithm(name)
+  kind = name.removesuffix("_splitk")
+  if kind == "explicit":
+    if d:
+      raise ValueError(f"{key}: algorithm 'explicit' takes no tile fields, got {sorted(d)}")
+    return Explicit()
+  return ALGORITHMS[kind](_tiles_from_json(d, key))
+
+
+# ---- the default choice --------------------------------------------------------------------------------
+
+
+def heuristic(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
+              algorithm: str = "auto") -> PassConfig:
+  """A reasonable config without measurements, for a convolution's `algorithm=` request: "auto" picks
+  masked tiles wherever there is more than one offset and splits the reduction where the GPU would idle."""
+  check_pass(pass_name)
+  check_algorithm(algorithm)
+  if algorithm == "explicit":
+    return Explicit()
+  auto = algorithm == "auto"
+  splitk = algorithm.endswith("_splitk")
+  masked = algorithm.startswith("masked") or (auto and num_offsets > 1)
+  cls = Masked if masked else Implicit
+  if pass_name == "weight_grad":
+    tiles = weight_grad_config.default_config(num_rows, cin, cout, num_offsets, dtype)
+    if not (splitk or auto):
+      tiles = dataclasses.replace(tiles, split=1)
+    return cls(tiles)
+  k, n = (cin, cout) if pass_name == "forward" else (cout, cin)
+  tiles = gather_gemm_config.default_config(num_rows, k, n, dtype)
+  split = gather_gemm_config.default_split(num_rows, k, n, num_offsets, tiles, require=splitk, allow=auto)
+  return cls(dataclasses.replace(tiles, split=split))
+
+
+def candidates(key_pass: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
+               weight_layout: WeightLayout) -> list[PassConfig]:
+  """The configs the tuner times for one pass: the kernels' candidate tiles, masked, and the default implicit."""
+  if key_pass == "weight_grad":
+    return [Masked(t) for t in weight_grad_config.candidates(num_rows, cin, cout, num_offsets, dtype)]
+  forward = key_pass == "forward"
+  k, n = (cin, cout) if forward else (cout, cin)
+  tiles = gather_gemm_config.candidates(num_rows, k, n, num_offsets, dtype,
+                                        n_contiguous=gather_gemm_config.stored_n_contiguous(forward, weight_layout))
+  base = gather_gemm_config.default_config(num_rows, k, n, dtype)
+  return [Masked(t) for t in tiles] + [Implicit(dataclasses.replace(base, split=1))]

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 import jsparse
-from jsparse import autotuning, tuning
+from jsparse import autotuning, map_gemm, pass_config, tuning
+from jsparse.pass_config import Explicit, Implicit, Masked, ShapeKey
+from pallas_kernels import gather_gemm_config
 from pallas_kernels.gemm_plan import default_block_m
 from pallas_kernels.tiling import TileConfig
 from reference import random_sparse, rel_err
@@ -25,16 +27,15 @@ ODD_TILES = TileConfig(block_m=32, block_n=128, block_k=16, num_warps=8, num_sta
                        balanced=True)
 
 
-def _check_consistent(cfg: tuning.PassConfig):
-  """A PassConfig as the convolution can run it: its name agrees with its tiles."""
-  assert isinstance(cfg, tuning.PassConfig)
-  assert cfg.algorithm in tuning.ALGORITHMS and cfg.algorithm != "auto"
-  if cfg.algorithm == "explicit":
+def _check_consistent(cfg: pass_config.PassConfig):
+  """A PassConfig as the convolution can run it: a registered algorithm, with tiles unless explicit."""
+  assert type(cfg) in pass_config.ALGORITHMS.values()
+  assert pass_config.ALGORITHMS[cfg.kind] is type(cfg)
+  if isinstance(cfg, Explicit):
     assert cfg.tiles is None
     return
   assert isinstance(cfg.tiles, TileConfig)
-  assert (cfg.tiles.split > 1) == cfg.algorithm.endswith("_splitk"), cfg
-  assert cfg.masked == cfg.algorithm.startswith("masked")
+  assert cfg.uses_plan == isinstance(cfg, Masked)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -42,34 +43,43 @@ def _check_consistent(cfg: tuning.PassConfig):
 
 
 def test_shape_key_buckets_rows_and_keeps_the_rest_exact():
-  assert tuning.shape_key("forward", 1000, 32, 64, 27, jnp.float32) == "forward/n1024/ci32/co64/v27/float32"
-  assert tuning.shape_key("forward", 1024, 32, 64, 27, "float32") == "forward/n1024/ci32/co64/v27/float32"
-  assert tuning.shape_key("forward", 1025, 32, 64, 27, np.float32) == "forward/n2048/ci32/co64/v27/float32"
-  assert tuning.shape_key("weight_grad", 1, 3, 5, 1, jnp.bfloat16) == "weight_grad/n1/ci3/co5/v1/bfloat16"
+  assert str(ShapeKey.of("forward", 1000, 32, 64, 27, jnp.float32)) == "forward/n1024/ci32/co64/v27/float32"
+  assert str(ShapeKey.of("forward", 1024, 32, 64, 27, "float32")) == "forward/n1024/ci32/co64/v27/float32"
+  assert str(ShapeKey.of("forward", 1025, 32, 64, 27, np.float32)) == "forward/n2048/ci32/co64/v27/float32"
+  assert str(ShapeKey.of("weight_grad", 1, 3, 5, 1, jnp.bfloat16)) == "weight_grad/n1/ci3/co5/v1/bfloat16"
   # input_grad keys keep the convolution's (Cin, Cout) order, as the convolution asks for them.
-  assert tuning.shape_key("input_grad", 60, 4, 8, 27, jnp.float16) == "input_grad/n64/ci4/co8/v27/float16"
+  key = ShapeKey.of("input_grad", 60, 4, 8, 27, jnp.float16)
+  assert str(key) == "input_grad/n64/ci4/co8/v27/float16"
+  assert (key.pass_name, key.rows, key.cin, key.cout, key.num_offsets, key.dtype) == ("input_grad", 64, 4, 8, 27,
+                                                                                     "float16")
+  assert ShapeKey.parse(str(key)) == key
+  for bad in ("forward/n1024/ci32", "fwd/n1/ci1/co1/v1/float32", "forward/n1024/ci32/co64/v27/float32/x", 7):
+    with pytest.raises(ValueError, match="table keys"):
+      ShapeKey.parse(bad)
+  with pytest.raises(ValueError, match="pass"):
+    ShapeKey.of("backward", 1, 1, 1, 1, jnp.float32)
 
 
 def test_config_table_json_round_trip(tmp_path):
   entries = {
-      "forward/n1024/ci32/co64/v27/float32": tuning.PassConfig("masked_splitk", ODD_TILES),
-      "input_grad/n1024/ci32/co64/v27/float32": tuning.PassConfig(
-          "implicit", TileConfig(64, 32, 64, 4, 5, 1, columns_fastest=False)),
-      "weight_grad/n1024/ci32/co64/v27/float32": tuning.PassConfig("explicit"),
-      "forward/n256/ci16/co16/v1/float16": tuning.PassConfig(
-          "implicit_splitk", TileConfig(16, 16, 16, 2, 2, split=7, columns_fastest=True)),
-      "forward/n512/ci16/co16/v27/float32": tuning.PassConfig(
-          "masked_splitk", TileConfig(32, 16, 16, 4, 5, split=9, weight_k_major=False)),
+      "forward/n1024/ci32/co64/v27/float32": Masked(ODD_TILES),
+      "input_grad/n1024/ci32/co64/v27/float32": Implicit(TileConfig(64, 32, 64, 4, 5, 1, columns_fastest=False)),
+      "weight_grad/n1024/ci32/co64/v27/float32": Explicit(),
+      "forward/n256/ci16/co16/v1/float16": Implicit(TileConfig(16, 16, 16, 2, 2, split=7, columns_fastest=True)),
+      "forward/n512/ci16/co16/v27/float32": Masked(TileConfig(32, 16, 16, 4, 5, split=9, weight_k_major=False)),
   }
   table = tuning.ConfigTable(entries, device_kind="Some GPU")
   text = table.to_json()
+  assert json.loads(text)["schema"] == tuning.SCHEMA_VERSION == 2
   raw = json.loads(text)["entries"]
-  assert raw["forward/n1024/ci32/co64/v27/float32"]["columns_fastest"] is True
-  assert raw["forward/n1024/ci32/co64/v27/float32"]["split"] == 4
-  assert raw["forward/n1024/ci32/co64/v27/float32"]["balanced"] is True
-  assert "block_m" not in raw["weight_grad/n1024/ci32/co64/v27/float32"]
-  assert raw["forward/n512/ci16/co16/v27/float32"]["weight_k_major"] is False
-  assert raw["forward/n1024/ci32/co64/v27/float32"]["weight_k_major"] is None
+  assert raw["forward/n1024/ci32/co64/v27/float32"]["algorithm"] == "masked"
+  assert raw["forward/n1024/ci32/co64/v27/float32"]["tiles"]["columns_fastest"] is True
+  assert raw["forward/n1024/ci32/co64/v27/float32"]["tiles"]["split"] == 4
+  assert raw["forward/n1024/ci32/co64/v27/float32"]["tiles"]["balanced"] is True
+  assert raw["weight_grad/n1024/ci32/co64/v27/float32"] == {"algorithm": "explicit"}
+  assert raw["forward/n512/ci16/co16/v27/float32"]["tiles"]["weight_k_major"] is False
+  assert raw["forward/n1024/ci32/co64/v27/float32"]["tiles"]["weight_k_major"] is None
+  entries = {ShapeKey.parse(k): v for k, v in entries.items()}
 
   for back in (tuning.ConfigTable.from_json(text), None):
     if back is None:
@@ -81,7 +91,7 @@ def test_config_table_json_round_trip(tmp_path):
     assert back.entries == entries
     for key, cfg in entries.items():
       got = back.get(key)
-      assert got.algorithm == cfg.algorithm
+      assert type(got) is type(cfg)
       if cfg.tiles is None:
         assert got.tiles is None
       else:
@@ -89,25 +99,57 @@ def test_config_table_json_round_trip(tmp_path):
   assert tuning.ConfigTable.from_json(tuning.ConfigTable({}).to_json()).entries == {}
 
 
-def test_config_json_older_entry_without_columns_fastest():
+def test_schema_1_tables_are_migrated():
+  """Tables without a "schema" field are schema 1 (flat entries, "_splitk" in the name, fields added over time
+  missing): they load as schema 2 configs and save as schema 2."""
   old = {"algorithm": "masked_splitk", "block_m": 128, "block_n": 64, "block_k": 32, "num_warps": 4,
          "num_stages": 3, "split": 3}
-  cfg = tuning.config_from_json(old)
-  assert cfg == tuning.PassConfig("masked_splitk", TileConfig(128, 64, 32, 4, 3, 3, columns_fastest=False))
+  cfg = pass_config.config_from_json_v1(old)
+  assert cfg == Masked(TileConfig(128, 64, 32, 4, 3, 3, columns_fastest=False))
   assert cfg.tiles.columns_fastest is False and cfg.tiles.balanced is False
-  table = tuning.ConfigTable.from_json(json.dumps({"entries": {"forward/n64/ci4/co8/v27/float32": old}}))
+  implicit = {"algorithm": "implicit", "block_m": 64, "block_n": 32, "block_k": 16, "num_warps": 4,
+              "num_stages": 2, "split": 1, "swap_operands": True}
+  table = tuning.ConfigTable.from_json(json.dumps({"entries": {"forward/n64/ci4/co8/v27/float32": old,
+                                                               "input_grad/n64/ci4/co8/v27/float32": implicit,
+                                                               "weight_grad/n64/ci4/co8/v27/float32":
+                                                                   {"algorithm": "explicit"}}}))
   assert table.device_kind is None
-  assert table.get("forward/n64/ci4/co8/v27/float32").tiles.columns_fastest is False
-  assert tuning.config_from_json({"algorithm": "explicit"}) == tuning.PassConfig("explicit", None)
+  assert table.get("forward/n64/ci4/co8/v27/float32") == cfg
+  assert table.get("input_grad/n64/ci4/co8/v27/float32") == Implicit(TileConfig(64, 32, 16, 4, 2, 1,
+                                                                                swap_operands=True))
+  assert table.get("weight_grad/n64/ci4/co8/v27/float32") == Explicit()
+  again = json.loads(table.to_json())
+  assert again["schema"] == 2 and tuning.ConfigTable.from_json(json.dumps(again)).entries == table.entries
+  with pytest.raises(ValueError, match="schema"):
+    tuning.ConfigTable.from_json(json.dumps({"schema": 3, "entries": {}}))
 
 
 def test_config_json_rejects_bad_entries():
+  tiles = {"block_m": 64, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 3, "split": 1}
+  assert pass_config.config_from_json({"algorithm": "masked", "tiles": tiles}) == Masked(TileConfig(64, 64, 32, 4, 3))
+  assert pass_config.config_from_json({"algorithm": "explicit"}) == Explicit()
   with pytest.raises(ValueError, match="algorithm"):
-    tuning.config_from_json({"algorithm": "fastest", "block_m": 64})
+    pass_config.config_from_json({"algorithm": "fastest", "tiles": tiles})
+  with pytest.raises(ValueError, match="algorithm"):  # schema 2 names the kind; split-K is a tile field
+    pass_config.config_from_json({"algorithm": "masked_splitk", "tiles": tiles})
   with pytest.raises(ValueError, match="block_m"):
-    tuning.config_from_json({"algorithm": "masked", "block_m": 48})
+    pass_config.config_from_json({"algorithm": "masked", "tiles": dict(tiles, block_m=48)})
+  with pytest.raises(ValueError, match="split"):
+    pass_config.config_from_json({"algorithm": "masked", "tiles": {"block_m": 64}})
+  with pytest.raises(ValueError, match="needs 'tiles'"):
+    pass_config.config_from_json({"algorithm": "implicit"})
+  with pytest.raises(ValueError, match="no tiles"):
+    pass_config.config_from_json({"algorithm": "explicit", "tiles": tiles})
   with pytest.raises(TypeError):
-    tuning.config_from_json({"algorithm": "masked", "block_m": 64, "no_such_field": 1})
+    pass_config.config_from_json({"algorithm": "masked", "tiles": dict(tiles, no_such_field=1)})
+  with pytest.raises(TypeError):
+    pass_config.config_from_json({"algorithm": "masked", "tiles": tiles, "extra": 1})
+  with pytest.raises(ValueError, match="algorithm"):
+    pass_config.config_from_json_v1({"algorithm": "fastest", "block_m": 64})
+  with pytest.raises(ValueError, match="auto"):
+    pass_config.config_from_json_v1({"algorithm": "auto"})
+  with pytest.raises(TypeError):
+    Masked(None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -115,7 +157,7 @@ def test_config_json_rejects_bad_entries():
 
 
 SHAPE = dict(num_rows=1000, cin=32, cout=64, num_offsets=27, dtype=jnp.float32)
-KEY = tuning.shape_key("forward", **SHAPE)
+KEY = ShapeKey.of("forward", **SHAPE)
 
 
 def test_choose_outside_tables_is_the_heuristic():
@@ -123,81 +165,80 @@ def test_choose_outside_tables_is_the_heuristic():
   if jax.default_backend() == "gpu":
     pytest.skip("a shipped table may be active on a GPU")
   assert list(tuning.active_tables()) == []
-  for p in tuning.PASSES:
+  for p in pass_config.PASSES:
     for dtype in (jnp.float32, "float32", np.dtype(np.float16)):
       shape = dict(SHAPE, dtype=dtype)
-      assert tuning.choose(p, **shape) == tuning.heuristic(p, **shape)
+      assert map_gemm.choose(p, **shape) == pass_config.heuristic(p, **shape)
 
 
 def test_nested_tables_inner_wins_then_outer_then_heuristic():
   if jax.default_backend() == "gpu":
     pytest.skip("a shipped table may be active on a GPU")
-  heur = tuning.choose("forward", **SHAPE)
-  outer_cfg = tuning.PassConfig("masked", TileConfig(16, 16, 16, 4, 2, 1))
-  inner_cfg = tuning.PassConfig("implicit_splitk", ODD_TILES)
+  heur = map_gemm.choose("forward", **SHAPE)
+  outer_cfg = Masked(TileConfig(16, 16, 16, 4, 2, 1))
+  inner_cfg = Implicit(ODD_TILES)
   assert len({heur, outer_cfg, inner_cfg}) == 3
-  other_key = tuning.shape_key("weight_grad", **SHAPE)
-  outer_wg = tuning.PassConfig("masked_splitk", TileConfig(16, 32, 64, 4, 5, 2))
+  other_key = ShapeKey.of("weight_grad", **SHAPE)
+  outer_wg = Masked(TileConfig(16, 32, 64, 4, 5, 2))
   outer = tuning.ConfigTable({KEY: outer_cfg, other_key: outer_wg})
   inner = tuning.ConfigTable({KEY: inner_cfg})
 
   with outer as entered:
     assert entered is outer
-    assert tuning.choose("forward", **SHAPE) == outer_cfg
+    assert map_gemm.choose("forward", **SHAPE) == outer_cfg
     with inner:
       assert list(tuning.active_tables()) == [inner, outer]
-      assert tuning.choose("forward", **SHAPE) == inner_cfg
+      assert map_gemm.choose("forward", **SHAPE) == inner_cfg
       # The inner table has no weight_grad entry: the outer one's applies.
-      assert tuning.choose("weight_grad", **SHAPE) == outer_wg
+      assert map_gemm.choose("weight_grad", **SHAPE) == outer_wg
       # Same bucket (rows rounded up to 1024) -> same entry; another bucket -> the heuristic.
-      assert tuning.choose("forward", **dict(SHAPE, num_rows=513)) == inner_cfg
-      assert tuning.choose("forward", **dict(SHAPE, num_rows=1025)) == tuning.heuristic(
+      assert map_gemm.choose("forward", **dict(SHAPE, num_rows=513)) == inner_cfg
+      assert map_gemm.choose("forward", **dict(SHAPE, num_rows=1025)) == pass_config.heuristic(
           "forward", **dict(SHAPE, num_rows=1025))
       # Other dtype, channels or pass: not this key.
-      assert tuning.choose("forward", **dict(SHAPE, dtype=jnp.float16)) == tuning.heuristic(
+      assert map_gemm.choose("forward", **dict(SHAPE, dtype=jnp.float16)) == pass_config.heuristic(
           "forward", **dict(SHAPE, dtype=jnp.float16))
-      assert tuning.choose("input_grad", **SHAPE) == tuning.heuristic("input_grad", **SHAPE)
+      assert map_gemm.choose("input_grad", **SHAPE) == pass_config.heuristic("input_grad", **SHAPE)
       # A named algorithm bypasses every table.
       for algo in ("explicit", "implicit", "masked", "masked_splitk", "implicit_splitk"):
-        assert tuning.choose("forward", **SHAPE, algorithm=algo) == tuning.heuristic("forward", **SHAPE,
+        assert map_gemm.choose("forward", **SHAPE, algorithm=algo) == pass_config.heuristic("forward", **SHAPE,
                                                                                      algorithm=algo)
-        assert tuning.choose("weight_grad", **SHAPE, algorithm=algo) == tuning.heuristic(
+        assert map_gemm.choose("weight_grad", **SHAPE, algorithm=algo) == pass_config.heuristic(
             "weight_grad", **SHAPE, algorithm=algo)
-    assert tuning.choose("forward", **SHAPE) == outer_cfg
+    assert map_gemm.choose("forward", **SHAPE) == outer_cfg
     # Entering the inner table again after an exception inside it still restores the outer one.
     with pytest.raises(RuntimeError):
       with inner:
-        assert tuning.choose("forward", **SHAPE) == inner_cfg
+        assert map_gemm.choose("forward", **SHAPE) == inner_cfg
         raise RuntimeError
-    assert tuning.choose("forward", **SHAPE) == outer_cfg
+    assert map_gemm.choose("forward", **SHAPE) == outer_cfg
     # The same table entered twice (re-entrant) stays active until the outer `with` ends.
     with inner:
       with inner:
         pass
-      assert tuning.choose("forward", **SHAPE) == inner_cfg
-    assert tuning.choose("forward", **SHAPE) == outer_cfg
+      assert map_gemm.choose("forward", **SHAPE) == inner_cfg
+    assert map_gemm.choose("forward", **SHAPE) == outer_cfg
   assert list(tuning.active_tables()) == []
-  assert tuning.choose("forward", **SHAPE) == heur
-  assert tuning.choose("weight_grad", **SHAPE) == tuning.heuristic("weight_grad", **SHAPE)
+  assert map_gemm.choose("forward", **SHAPE) == heur
+  assert map_gemm.choose("weight_grad", **SHAPE) == pass_config.heuristic("weight_grad", **SHAPE)
 
 
 def test_plan_block_sizes_follow_active_tables():
   if jax.default_backend() == "gpu":
     pytest.skip("a shipped table may be active on a GPU")
   base = default_block_m(1000)
-  assert tuning.plan_block_sizes(1000) == (base,)
+  assert map_gemm.plan_block_sizes(1000) == (base,)
   odd = 16 if base != 16 else 32
   table = tuning.ConfigTable({
-      tuning.shape_key("input_grad", **SHAPE): tuning.PassConfig("masked", TileConfig(odd, 16, 16)),
+      ShapeKey.of("input_grad", **SHAPE): Masked(TileConfig(odd, 16, 16)),
       # Weight-gradient and non-masked entries need no masked plan; nor does another capacity bucket.
-      tuning.shape_key("weight_grad", **SHAPE): tuning.PassConfig("masked", TileConfig(256, 16, 16)),
-      tuning.shape_key("forward", **SHAPE): tuning.PassConfig("implicit", TileConfig(512, 16, 16)),
-      tuning.shape_key("forward", **dict(SHAPE, num_rows=5000)): tuning.PassConfig("masked",
-                                                                                   TileConfig(1024, 16, 16)),
+      ShapeKey.of("weight_grad", **SHAPE): Masked(TileConfig(256, 16, 16)),
+      ShapeKey.of("forward", **SHAPE): Implicit(TileConfig(512, 16, 16)),
+      ShapeKey.of("forward", **dict(SHAPE, num_rows=5000)): Masked(TileConfig(1024, 16, 16)),
   })
   with table:
-    assert tuning.plan_block_sizes(1000) == tuple(sorted({base, odd}))
-  assert tuning.plan_block_sizes(1000) == (base,)
+    assert map_gemm.plan_block_sizes(1000) == tuple(sorted({base, odd}))
+  assert map_gemm.plan_block_sizes(1000) == (base,)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -217,12 +258,12 @@ def test_shipped_tables_cover_the_suite_shapes(device_kind):
   table = tuning.shipped_table(device_kind)
   assert isinstance(table, tuning.ConfigTable) and table.device_kind == device_kind
   for key, cfg in table.entries.items():
-    assert KEY_RE.fullmatch(key), key
+    assert KEY_RE.fullmatch(str(key)), key
     _check_consistent(cfg)
   for row in workloads.SUITE:
-    for p in tuning.PASSES:
-      assert tuning.shape_key(p, row.voxels, row.channels, row.channels, 27, jnp.float16) in table.entries, (row, p)
-  assert sum(k.startswith("forward/") and k.endswith("float32") for k in table.entries) >= 6
+    for p in pass_config.PASSES:
+      assert ShapeKey.of(p, row.voxels, row.channels, row.channels, 27, jnp.float16) in table.entries, (row, p)
+  assert sum(k.pass_name == "forward" and k.dtype == "float32" for k in table.entries) >= 6
 
 
 def test_no_shipped_table_off_the_gpu_but_h200_table_loads(monkeypatch):
@@ -242,44 +283,41 @@ def test_no_shipped_table_off_the_gpu_but_h200_table_loads(monkeypatch):
   assert len(h200) > 0
   passes_seen = set()
   for key, cfg in h200.entries.items():
-    m = KEY_RE.fullmatch(key)
-    assert m, key
-    p, n, ci, co, v, dtype = m.groups()
-    passes_seen.add(p)
-    assert tuning.shape_key(p, int(n), int(ci), int(co), int(v), jnp.dtype(dtype)) == key
-    assert int(n) & (int(n) - 1) == 0
+    assert isinstance(key, ShapeKey)
+    passes_seen.add(key.pass_name)
+    assert ShapeKey.of(*_key_args(key)) == key
+    assert key.rows & (key.rows - 1) == 0
     _check_consistent(cfg)
-    assert cfg.algorithm != "explicit"
-  assert passes_seen == set(tuning.PASSES)
+    assert not isinstance(cfg, Explicit)
+  assert passes_seen == set(pass_config.PASSES)
 
   # Loaded but not active off the GPU: choose still gives the heuristic; inside `with h200:` the entries.
   differs = [k for k, cfg in h200.entries.items()
-             if cfg != tuning.heuristic(*_key_args(k))]
+             if cfg != pass_config.heuristic(*_key_args(k))]
   assert differs, "every shipped entry equals the heuristic; the check below would be vacuous"
   key = differs[0]
-  assert tuning.choose(*_key_args(key)) == tuning.heuristic(*_key_args(key))
+  assert map_gemm.choose(*_key_args(key)) == pass_config.heuristic(*_key_args(key))
   with h200:
     for k, cfg in h200.entries.items():
-      assert tuning.choose(*_key_args(k)) == cfg
+      assert map_gemm.choose(*_key_args(k)) == cfg
 
   # On an H200 it is active by default, after every entered table.
-  mine = tuning.PassConfig("masked", TileConfig(16, 16, 16))
+  mine = Masked(TileConfig(16, 16, 16))
   with monkeypatch.context() as mp:
     mp.setattr(jax, "devices", lambda *a, **k: [_FakeH200()])
     mp.setattr(jax, "default_backend", lambda: "gpu")
     assert tuning.shipped_table() is h200
     assert list(tuning.active_tables()) == [h200]
-    assert tuning.choose(*_key_args(key)) == h200.get(key)
+    assert map_gemm.choose(*_key_args(key)) == h200.get(key)
     with tuning.ConfigTable({key: mine}) as t:
       assert list(tuning.active_tables()) == [t, h200]
-      assert tuning.choose(*_key_args(key)) == mine
-    assert tuning.choose(*_key_args(key)) == h200.get(key)
-  assert tuning.choose(*_key_args(key)) == tuning.heuristic(*_key_args(key))
+      assert map_gemm.choose(*_key_args(key)) == mine
+    assert map_gemm.choose(*_key_args(key)) == h200.get(key)
+  assert map_gemm.choose(*_key_args(key)) == pass_config.heuristic(*_key_args(key))
 
 
-def _key_args(key):
-  p, n, ci, co, v, dtype = KEY_RE.fullmatch(key).groups()
-  return p, int(n), int(ci), int(co), int(v), jnp.dtype(dtype)
+def _key_args(key: ShapeKey):
+  return key.pass_name, key.rows, key.cin, key.cout, key.num_offsets, jnp.dtype(key.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -290,28 +328,28 @@ HEUR_SHAPES = [(60, 4, 8, 27), (256, 64, 32, 1), (1024, 1024, 1024, 27), (100_00
                (1 << 20, 128, 128, 27)]
 
 
-@pytest.mark.parametrize("pass_name", tuning.PASSES)
-def test_heuristic_names_agree_with_tiles(pass_name):
+@pytest.mark.parametrize("pass_name", pass_config.PASSES)
+def test_heuristic_follows_the_requested_algorithm(pass_name):
   gemm = pass_name != "weight_grad"
   for shape in HEUR_SHAPES:
     for dtype in (jnp.float32, jnp.float16, jnp.bfloat16):
-      for algo in tuning.ALGORITHMS:
-        cfg = tuning.heuristic(pass_name, *shape, dtype, algo)
+      for algo in pass_config.ALGORITHM_CHOICES:
+        cfg = pass_config.heuristic(pass_name, *shape, dtype, algo)
         _check_consistent(cfg)
         if algo == "explicit":
-          assert cfg == tuning.PassConfig("explicit", None)
+          assert cfg == Explicit()
           continue
         assert cfg.tiles.split >= 1
         if algo == "auto":
           # One offset has nothing to skip: the implicit GEMM; otherwise masked.
-          assert cfg.masked == (shape[3] > 1), (shape, cfg)
+          assert type(cfg) is (Masked if shape[3] > 1 else Implicit), (shape, cfg)
           continue
         # A named algorithm keeps its family; a non-split one never splits.
-        assert cfg.masked == algo.startswith("masked"), (algo, cfg)
+        assert cfg.kind == algo.removesuffix("_splitk"), (algo, cfg)
         if not algo.endswith("_splitk"):
-          assert cfg.algorithm == algo and cfg.tiles.split == 1
+          assert pass_config.describe(cfg) == algo and cfg.tiles.split == 1
         elif gemm:
-          assert cfg.algorithm == algo and cfg.tiles.split > 1
+          assert pass_config.describe(cfg) == algo and cfg.tiles.split > 1
 
 
 def test_gemm_candidates_weight_layouts_and_splits():
@@ -321,7 +359,9 @@ def test_gemm_candidates_weight_layouts_and_splits():
   for rows, k, n, v in [(192, 1024, 1024, 27), (848, 1024, 1024, 27), (1 << 18, 256, 256, 27), (300, 8, 8, 1)]:
     for dtype in (jnp.float32, jnp.float16):
       for forward in (True, False):
-        cands = autotuning.gemm_candidates(rows, k, n, v, dtype, forward=forward)
+        key_cin, key_cout = (k, n) if forward else (n, k)
+        cands = pass_config.candidates("forward" if forward else "input_grad", rows, key_cin, key_cout, v, dtype,
+                                       jsparse.WeightLayout.DHWIO)
         assert len(set(cands)) == len(cands)
         for cfg in cands:
           _check_consistent(cfg)
@@ -329,8 +369,8 @@ def test_gemm_candidates_weight_layouts_and_splits():
           assert cfg.tiles.split <= max(1, min(32, steps // 8)), (rows, cfg)
         straight = [c for c in cands if c.tiles.weight_k_major is False]
         few_f32_forward = forward and dtype == jnp.float32 and rows <= 4096
-        half_copying_forward = forward and dtype == jnp.float16 and tuning.gather_gemm.reads_weight_k_major(
-            rows, tuning.gather_gemm.default_config(rows, k, n, dtype), dtype)
+        half_copying_forward = forward and dtype == jnp.float16 and gather_gemm_config.reads_weight_k_major(
+            rows, gather_gemm_config.default_config(rows, k, n, dtype), dtype)
         assert bool(straight) == (few_f32_forward or half_copying_forward), (rows, dtype, forward)
         assert all(c.tiles.weight_k_major in (None, False) for c in cands)
         if few_f32_forward:
@@ -340,40 +380,40 @@ def test_gemm_candidates_weight_layouts_and_splits():
 
 def test_gemm_candidates_follow_the_weight_layout():
   """The straight-read candidates go to whichever pass finds its weight stored N-contiguous: the forward of a
-  "vio" weight, the input gradient of an "ovi" one (whose forward reads in place, never copying)."""
+  DHWIO weight, the input gradient of an ODHWI one (whose forward reads in place, never copying)."""
   for forward in (True, False):
-    for layout in ("vio", "ovi"):
-      cands = autotuning.gemm_candidates(848, 1024, 1024, 27, jnp.float32, forward=forward, weight_layout=layout)
+    for layout in ("DHWIO", "ODHWI"):
+      cands = pass_config.candidates("forward" if forward else "input_grad", 848, 1024, 1024, 27, jnp.float32,
+                                     jsparse.WeightLayout(layout))
       straight = [c for c in cands if c.tiles.weight_k_major is False]
-      assert bool(straight) == (forward == (layout == "vio")), (forward, layout)
-  fast, lean = (tuning.PassConfig("masked", TileConfig(64, 64, 32, weight_k_major=k)) for k in (True, False))
+      assert bool(straight) == (forward == (layout == "DHWIO")), (forward, layout)
+  fast, lean = (Masked(TileConfig(64, 64, 32, weight_k_major=k)) for k in (True, False))
   near = 1.0 + autotuning.NO_COPY_SLACK / 2
-  assert autotuning.pick_best([(1.0, fast), (near, lean)], "forward", 1000, jnp.float32, "ovi") == (1.0, fast)
+  assert autotuning.pick_best([(1.0, fast), (near, lean)], "forward", 1000, jnp.float32, "ODHWI") == (1.0, fast)
 
 
 def test_autotune_tunes_an_odhwi_convolution_with_its_layout(monkeypatch):
   """autotune records the convolution's weight layout and times every candidate reading the weight that way."""
   x, w, b = _problem()
   seen = []
-  real_pass_fn = autotuning._pass_fn
+  real_pass_fn = autotuning.pass_function
 
-  def gemm(num_rows, k, n, num_offsets, dtype, forward=False, weight_layout="vio"):
-    seen.append(("candidates", forward, weight_layout))
-    return list(GEMM_CANDIDATES)
+  def cands(pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout):
+    seen.append(("candidates", pass_name, weight_layout))
+    return list(WG_CANDIDATES if pass_name == "weight_grad" else GEMM_CANDIDATES)
 
-  def pass_fn(pass_name, cfg, precision, weight_layout="vio"):
+  def pass_fn(pass_name, cfg, precision, weight_layout):
     seen.append((pass_name, weight_layout))
     return real_pass_fn(pass_name, cfg, precision, weight_layout)
 
-  monkeypatch.setattr(autotuning, "gemm_candidates", gemm)
-  monkeypatch.setattr(autotuning, "weight_grad_candidates", lambda *a: list(WG_CANDIDATES))
-  monkeypatch.setattr(autotuning, "_pass_fn", pass_fn)
+  monkeypatch.setattr(pass_config, "candidates", cands)
+  monkeypatch.setattr(autotuning, "pass_function", pass_fn)
   w_odhwi = jnp.transpose(w, (4, 0, 1, 2, 3))
   fn = lambda f, w, b: jsparse.submconv3d(x.replace(feats=f), w, b, implementation="pallas", precision="highest",
                                           weight_layout="ODHWI").feats
   table = jsparse.autotune(fn, x.feats, w_odhwi, b, warmup=0, repeats=1)
   assert len(table) == 3
-  assert {s[-1] for s in seen} == {"ovi"}
+  assert {s[-1] for s in seen} == {jsparse.WeightLayout.ODHWI}
   assert {s[0] for s in seen} >= {"candidates", "forward", "input_grad", "weight_grad"}
   with table:  # the tuned configs drive the ODHWI convolution, which still matches the flax-layout one
     y = jax.jit(fn)(x.feats, w_odhwi, b)
@@ -384,9 +424,9 @@ def test_autotune_tunes_an_odhwi_convolution_with_its_layout(monkeypatch):
 def test_pick_best_prefers_the_forward_without_a_weight_copy():
   """Within NO_COPY_SLACK of the fastest, a forward reading the weight straight (no per-call copy, less peak
   memory) wins; a slower one does not, and the other passes take the fastest."""
-  copy = tuning.PassConfig("masked", TileConfig(64, 64, 32, weight_k_major=True))
-  straight = tuning.PassConfig("masked", TileConfig(32, 64, 32, weight_k_major=False))
-  rule = tuning.PassConfig("masked", TileConfig(64, 64, 32))  # float32: the rule copies
+  copy = Masked(TileConfig(64, 64, 32, weight_k_major=True))
+  straight = Masked(TileConfig(32, 64, 32, weight_k_major=False))
+  rule = Masked(TileConfig(64, 64, 32))  # float32: the rule copies
   near = 1.0 + autotuning.NO_COPY_SLACK / 2
   far = 1.0 + autotuning.NO_COPY_SLACK * 2
   assert autotuning.pick_best([(1.0, copy), (near, straight)], "forward", 1000, jnp.float32) == (near, straight)
@@ -395,7 +435,7 @@ def test_pick_best_prefers_the_forward_without_a_weight_copy():
   assert autotuning.pick_best([(1.0, rule), (near, straight)], "input_grad", 1000, jnp.float32) == (1.0, rule)
   # Half precision on few row blocks: the rule reads straight, so the fastest stands.
   assert autotuning.pick_best([(1.0, rule), (near, straight)], "forward", 500, jnp.float16) == (1.0, rule)
-  explicit = tuning.PassConfig("explicit")
+  explicit = Explicit()
   assert autotuning.pick_best([(1.0, explicit), (near, copy)], "forward", 1000, jnp.float32) == (1.0, explicit)
 
 
@@ -404,33 +444,34 @@ def test_weight_grad_candidates_include_balanced():
   the heuristic itself never picks one."""
   for shape in HEUR_SHAPES:
     for dtype in (jnp.float32, jnp.float16):
-      cands = autotuning.weight_grad_candidates(*shape, dtype)
+      cands = pass_config.candidates("weight_grad", *shape, dtype, jsparse.WeightLayout.DHWIO)
       assert len(set(cands)) == len(cands)
       for cfg in cands:
         _check_consistent(cfg)
       balanced = [c for c in cands if c.tiles.balanced]
-      assert all(c.masked for c in balanced)
+      assert all(isinstance(c, Masked) for c in balanced)
       splits = any(c.tiles.split > 1 for c in cands)
       assert bool(balanced) == (splits and shape[3] > 1), (shape, cands)
-      assert not tuning.heuristic("weight_grad", *shape, dtype).tiles.balanced
-  assert any(c.tiles.balanced for c in autotuning.weight_grad_candidates(1 << 20, 128, 128, 27, jnp.float16))
+      assert not pass_config.heuristic("weight_grad", *shape, dtype).tiles.balanced
+  assert any(c.tiles.balanced for c in pass_config.candidates("weight_grad", 1 << 20, 128, 128, 27, jnp.float16,
+                                                             jsparse.WeightLayout.DHWIO))
 
 
 def test_heuristic_and_choose_reject_bad_names():
   with pytest.raises(ValueError, match="algorithm"):
-    tuning.heuristic("forward", 64, 4, 8, 27, jnp.float32, "fastest")
+    pass_config.heuristic("forward", 64, 4, 8, 27, jnp.float32, "fastest")
   with pytest.raises(ValueError, match="algorithm"):
-    tuning.choose("forward", 64, 4, 8, 27, jnp.float32, "fastest")
+    map_gemm.choose("forward", 64, 4, 8, 27, jnp.float32, "fastest")
   for bad in ("weightgrad", "backward", "auto"):
     with pytest.raises(ValueError, match="pass"):
-      tuning.heuristic(bad, 64, 4, 8, 27, jnp.float32)
+      pass_config.heuristic(bad, 64, 4, 8, 27, jnp.float32)
     with pytest.raises(ValueError, match="pass"):
-      tuning.heuristic(bad, 64, 4, 8, 27, jnp.float32, "explicit")
+      pass_config.heuristic(bad, 64, 4, 8, 27, jnp.float32, "explicit")
     with pytest.raises(ValueError, match="pass"):
-      tuning.choose(bad, 64, 4, 8, 27, jnp.float32)
+      map_gemm.choose(bad, 64, 4, 8, 27, jnp.float32)
   with pytest.raises(ValueError, match="algorithm"):
-    tuning.check_algorithm("masked-splitk")
-  assert tuning.check_algorithm("masked_splitk") == "masked_splitk"
+    pass_config.check_algorithm("masked-splitk")
+  assert pass_config.check_algorithm("masked_splitk") == "masked_splitk"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -438,12 +479,12 @@ def test_heuristic_and_choose_reject_bad_names():
 
 CIN, COUT = 4, 8
 GEMM_CANDIDATES = [
-    tuning.PassConfig("masked", TileConfig(16, 16, 16, 4, 2, 1)),
-    tuning.PassConfig("implicit_splitk", TileConfig(32, 16, 16, 4, 2, 2, columns_fastest=True)),
+    Masked(TileConfig(16, 16, 16, 4, 2, 1)),
+    Implicit(TileConfig(32, 16, 16, 4, 2, 2, columns_fastest=True)),
 ]
 WG_CANDIDATES = [
-    tuning.PassConfig("masked", TileConfig(16, 16, 16, 4, 2, 1)),
-    tuning.PassConfig("implicit_splitk", TileConfig(16, 16, 32, 4, 3, 2)),
+    Masked(TileConfig(16, 16, 16, 4, 2, 1)),
+    Implicit(TileConfig(16, 16, 32, 4, 3, 2)),
 ]
 
 
@@ -461,13 +502,9 @@ def tuned():
   x, w, b = _problem()
   asked = []
 
-  def gemm(num_rows, k, n, num_offsets, dtype, forward=False, weight_layout="vio"):
-    asked.append(("gemm", num_rows, k, n, num_offsets, jnp.dtype(dtype)))
-    return list(GEMM_CANDIDATES)
-
-  def wg(num_rows, cin, cout, num_offsets, dtype):
-    asked.append(("wg", num_rows, cin, cout, num_offsets, jnp.dtype(dtype)))
-    return list(WG_CANDIDATES)
+  def cands(pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout):
+    asked.append((pass_name, num_rows, cin, cout, num_offsets, jnp.dtype(dtype)))
+    return list(WG_CANDIDATES if pass_name == "weight_grad" else GEMM_CANDIDATES)
 
   def fn(feats, w, b):
     xs = x.replace(feats=feats)
@@ -478,8 +515,7 @@ def tuned():
 
   lines = []
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(autotuning, "gemm_candidates", gemm)
-    mp.setattr(autotuning, "weight_grad_candidates", wg)
+    mp.setattr(pass_config, "candidates", cands)
     table = jsparse.autotune(fn, x.feats, w, b, warmup=0, repeats=1, log=lines.append)
   return table, asked, lines, (x, w, b)
 
@@ -490,17 +526,16 @@ def test_autotune_keys_and_choices(tuned):
   assert 40 <= cap <= 128
   assert isinstance(table, tuning.ConfigTable)
   assert table.device_kind is None  # off the GPU
-  expected = {tuning.shape_key(p, cap, CIN, COUT, 27, jnp.float32): (p, CIN, COUT) for p in tuning.PASSES}
+  expected = {ShapeKey.of(p, cap, CIN, COUT, 27, jnp.float32): (p, CIN, COUT) for p in pass_config.PASSES}
   assert set(table.entries) == set(expected)
   for key, (p, cin, cout) in expected.items():
     cfg = table.get(key)
     assert cfg in (WG_CANDIDATES if p == "weight_grad" else GEMM_CANDIDATES), (key, cfg)
     assert any(line.startswith(f"best {key}:") for line in lines)
-  # The candidate lists were asked for with the pass's GEMM shape (input_grad swaps K and N), once per pass
-  # although two convolutions of these shapes ran.
+  # The candidate lists were asked for with the pass's key shape, once per pass although two convolutions of
+  # these shapes ran.
   f32 = jnp.dtype(jnp.float32)
-  assert asked == [("gemm", cap, CIN, COUT, 27, f32), ("gemm", cap, COUT, CIN, 27, f32),
-                   ("wg", cap, CIN, COUT, 27, f32)]
+  assert asked == [(p, cap, CIN, COUT, 27, f32) for p in pass_config.PASSES]
   # Every candidate was timed (none failed).
   timed = [line for line in lines if line.endswith(" ms") and not line.startswith("best")]
   assert len(timed) == 3 * 2, lines
@@ -513,11 +548,11 @@ def test_tuned_table_drives_the_convolution(tuned, monkeypatch, tmp_path):
   table, _, _, (x, w, b) = tuned
   cap = x.capacity
   shape = (cap, CIN, COUT, 27, jnp.float32)
-  tuned_cfgs = {p: table.get(tuning.shape_key(p, *shape)) for p in tuning.PASSES}
+  tuned_cfgs = {p: table.get(ShapeKey.of(p, *shape)) for p in pass_config.PASSES}
   # The tuned entries are not what the heuristic would pick, so using them is observable.
   for p, cfg in tuned_cfgs.items():
-    assert cfg != tuning.heuristic(p, *shape)
-    assert tuning.choose(p, *shape) == tuning.heuristic(p, *shape)
+    assert cfg != pass_config.heuristic(p, *shape)
+    assert map_gemm.choose(p, *shape) == pass_config.heuristic(p, *shape)
 
   # Saved and loaded, the table drives the convolution the same way.
   table.save(str(tmp_path / "tuned.json"))
@@ -525,14 +560,14 @@ def test_tuned_table_drives_the_convolution(tuned, monkeypatch, tmp_path):
   assert loaded.entries == table.entries
 
   chosen = []
-  real_choose = tuning.choose
+  real_choose = map_gemm.choose
 
   def spy(*args, **kw):
     cfg = real_choose(*args, **kw)
     chosen.append((args[0], cfg))
     return cfg
 
-  monkeypatch.setattr(tuning, "choose", spy)
+  monkeypatch.setattr(map_gemm, "choose", spy)
   rng = np.random.default_rng(9)
   cot = jnp.asarray(rng.standard_normal((cap, COUT)).astype(np.float32))
 
@@ -542,20 +577,20 @@ def test_tuned_table_drives_the_convolution(tuned, monkeypatch, tmp_path):
 
   grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
   with loaded:
-    for p in tuning.PASSES:
+    for p in pass_config.PASSES:
       assert real_choose(p, *shape) == tuned_cfgs[p]
     # Traced inside the context (a fresh jit), so it picks the tuned configs.
     (_, yp), gp = jax.jit(grad, static_argnums=3)(x.feats, w, b, "pallas")
   assert dict(chosen) == tuned_cfgs
-  assert [p for p, _ in chosen] == list(tuning.PASSES)
+  assert [p for p, _ in chosen] == list(pass_config.PASSES)
   (_, yx), gx = jax.jit(grad, static_argnums=3)(x.feats, w, b, "xla")
   assert rel_err(yp, yx) < 1e-5
   assert np.all(np.asarray(yp[int(x.num):]) == 0)
   for a, r in zip(gp, gx):
     assert rel_err(a, r) < 1e-5
   # Outside the context again: the heuristic.
-  for p in tuning.PASSES:
-    assert real_choose(p, *shape) == tuning.heuristic(p, *shape)
+  for p in pass_config.PASSES:
+    assert real_choose(p, *shape) == pass_config.heuristic(p, *shape)
 
 
 def test_autotune_without_pallas_conv_raises():
@@ -578,29 +613,25 @@ def test_autotune_tunes_strided_convolutions(monkeypatch):
   out_cap = jsparse.sparse_conv.pair_map(x, 3, stride=2, padding=1, implementation="xla").out_capacity
   asked = []
 
-  def gemm(num_rows, k, n, num_offsets, dtype, forward=False, weight_layout="vio"):
-    asked.append(("gemm", num_rows, k, n))
-    return list(GEMM_CANDIDATES)
-
-  def wg(num_rows, cin, cout, num_offsets, dtype):
-    asked.append(("wg", num_rows, cin, cout))
-    return list(WG_CANDIDATES)
+  def cands(pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout):
+    asked.append((pass_name, num_rows, cin, cout))
+    return list(WG_CANDIDATES if pass_name == "weight_grad" else GEMM_CANDIDATES)
 
   def conv(feats, w, b, impl):
     y = jsparse.sparse_conv3d(x.replace(feats=feats), w, b, stride=2, padding=1, out_capacity=out_cap,
                               implementation=impl, precision="highest")
     return y.feats
 
-  monkeypatch.setattr(autotuning, "gemm_candidates", gemm)
-  monkeypatch.setattr(autotuning, "weight_grad_candidates", wg)
+  monkeypatch.setattr(pass_config, "candidates", cands)
   table = jsparse.autotune(lambda f, w, b: conv(f, w, b, "pallas"), x.feats, w, b, warmup=0, repeats=1)
   in_cap = x.capacity
   assert out_cap != in_cap  # the test needs distinct row counts to tell the passes' keys apart
   f32 = jnp.float32
-  assert set(table.entries) == {tuning.shape_key("forward", out_cap, CIN, COUT, 27, f32),
-                                tuning.shape_key("input_grad", in_cap, CIN, COUT, 27, f32),
-                                tuning.shape_key("weight_grad", out_cap, CIN, COUT, 27, f32)}
-  assert asked == [("gemm", out_cap, CIN, COUT), ("gemm", in_cap, COUT, CIN), ("wg", out_cap, CIN, COUT)]
+  assert set(table.entries) == {ShapeKey.of("forward", out_cap, CIN, COUT, 27, f32),
+                                ShapeKey.of("input_grad", in_cap, CIN, COUT, 27, f32),
+                                ShapeKey.of("weight_grad", out_cap, CIN, COUT, 27, f32)}
+  assert asked == [("forward", out_cap, CIN, COUT), ("input_grad", in_cap, CIN, COUT),
+                   ("weight_grad", out_cap, CIN, COUT)]
 
   def loss(feats, w, b, impl):
     y = conv(feats, w, b, impl)

@@ -113,11 +113,15 @@ class NeighborCache:
     return self
 
 
-def cache_key(kernel_size: tuple[int, int, int], dilation: tuple[int, int, int],
-              implementation: dispatch.Implementation) -> str:
-  """The key under which a SparseTensor carries the submanifold map for this (validated) kernel
-  (see SparseTensor.caches)."""
-  ks, d = kernel_size, dilation
+def cache_key(kernel_size: Size3, dilation: Size3, implementation: dispatch.Implementation | str | None) -> str:
+  """The key under which a SparseTensor carries the submanifold map for this kernel (see SparseTensor.caches).
+
+  kernel_size, dilation: as the convolution takes them (validated by it); implementation: a resolved
+  dispatch.Implementation or a name for `dispatch.resolve`.
+  """
+  ks, d = as_triple(kernel_size, "kernel_size"), as_triple(dilation, "dilation")
+  if not isinstance(implementation, dispatch.Implementation):
+    implementation = dispatch.resolve(implementation)
   return f"subm/k{ks[0]}x{ks[1]}x{ks[2]}/d{d[0]}x{d[1]}x{d[2]}/{implementation.name}"
 
 

@@ -175,7 +175,7 @@ def test_kernels_direct_on_empty_operands():
   assert gather_gemm(jnp.ones((5, 3)), jnp.ones((27, 3, 4)), jnp.zeros((0, 27), jnp.int32), jnp.int32(0),
                      interpret=True).shape == (0, 4)
   assert weight_grad(jnp.zeros((0, 3)), jnp.zeros((0, 4)), jnp.zeros((0, 27), jnp.int32), interpret=True,
-                     weight_layout="ovi").shape == (4, 27, 3)
+                     weight_layout="ODHWI").shape == (4, 27, 3)
   np.testing.assert_array_equal(
       np.asarray(weight_grad(jnp.ones((5, 0)), jnp.ones((5, 4)), jnp.zeros((5, 27), jnp.int32), interpret=True)),
       np.zeros((27, 0, 4)))

@@ -84,7 +84,7 @@ def test_swapped_product_matches_xla(weight_k_major, dtype):
 
 
 def test_swap_rule():
-  rule = gather_gemm_lib.swaps_operands
+  from pallas_kernels.gather_gemm_config import swaps_operands as rule
   assert rule(TileConfig(), jnp.float32, True)
   assert not rule(TileConfig(), jnp.float32, False)
   assert not rule(TileConfig(), jnp.float16, True)

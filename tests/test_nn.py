@@ -269,13 +269,13 @@ class ThreeConvs(nn.Module):
 
 def test_conv_stack_builds_neighbor_map_once(monkeypatch):
   calls = []
-  original = jsparse.conv.neighbor_map
+  original = jsparse.conv.build_neighbor_map
 
   def counting(*args, **kwargs):
     calls.append(1)
     return original(*args, **kwargs)
 
-  monkeypatch.setattr(jsparse.conv, "neighbor_map", counting)
+  monkeypatch.setattr(jsparse.conv, "build_neighbor_map", counting)
   x = random_sparse(np.random.default_rng(0), (6, 6, 6), 4, batch_size=2, pad=6)
   model = ThreeConvs()
   variables = jax.jit(model.init)(KEY, x)

@@ -403,13 +403,15 @@ def test_config_table_load_rejects_bad_tables(tmp_path, table, match):
 
 
 def test_config_table_rejects_entries_without_tiles():
-  with pytest.raises(ValueError, match="needs tiles"):
-    tuning.ConfigTable({_KEY: tuning.PassConfig("masked")})
+  with pytest.raises(TypeError, match="tiles must be a TileConfig"):
+    tuning.ConfigTable({_KEY: jsparse.Masked(None)})
+  with pytest.raises(TypeError, match="PassConfig"):
+    tuning.ConfigTable({_KEY: "masked"})
   with pytest.raises(ValueError, match="not valid JSON"):
     tuning.ConfigTable.from_json("{")
   good = tuning.ConfigTable.from_json(json.dumps({"entries": {_KEY: _entry(), "weight_grad/n1/ci1/co1/v1/float16":
                                                               {"algorithm": "explicit"}}}))
-  assert good.get(_KEY) == tuning.PassConfig("masked", TileConfig(64, 64, 32, 4, 3, 1))
+  assert good.get(_KEY) == jsparse.Masked(TileConfig(64, 64, 32, 4, 3, 1))
   tuned = os.path.join(os.path.dirname(jsparse.__file__), "tuned")
   for name in os.listdir(tuned):  # the shipped tables pass the checks
     assert len(tuning.ConfigTable.load(os.path.join(tuned, name))) > 0

@@ -10,7 +10,7 @@ from jsparse import dispatch
 from jsparse.neighbors import as_triple
 from jsparse.pool import global_pool, sparse_avg_pool3d, sparse_max_pool3d
 from jsparse.sparse_conv import (
-    _map_gemm, concat, pair_map, sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d, strided_map)
+    concat, pair_map, sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d, strided_map)
 from reference import random_sparse, rel_err
 
 DN = ("NDHWC", "DHWIO", "NDHWC")
@@ -345,12 +345,14 @@ def test_pallas_output_sites_in_pools():
 def test_new_pallas_paths_lower_to_triton():
   from triton_lowering import lower_for_cuda
 
-  impl = dispatch.Implementation("pallas", interpret=False)
+  from jsparse.map_gemm import ConvMaps, ConvSpec, map_gemm
+
+  spec_gpu = ConvSpec((3, 3, 3), (1, 1, 1), dispatch.Implementation("pallas", interpret=False))
   spec = jax.ShapeDtypeStruct
   m, r, v, cin, cout = 1000, 3000, 27, 32, 64
   for dtype in (jnp.float16, jnp.float32):
     def loss(feats, w, b, nbr, transposed):
-      out = _map_gemm(feats, w, b, nbr, jnp.int32(900), transposed, jnp.int32(2900), impl, None)
+      out = map_gemm(feats, w, b, ConvMaps(nbr, jnp.int32(900), transposed, jnp.int32(2900)), spec_gpu)
       return jnp.sum(out.astype(jnp.float32))
 
     # Rectangular maps (M != R rows): forward over nbr, input gradient over the transposed map.

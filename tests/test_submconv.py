@@ -256,17 +256,17 @@ def test_bad_input_errors():
 def test_pallas_forward_reads_k_major_weight(dtype):
   """Inputs with many row blocks, and every float32 input, take the forward through the transposed
   (K-contiguous) weight read."""
-  from jsparse import tuning
-  from pallas_kernels import gather_gemm as gather_gemm_lib
+  from jsparse import map_gemm
+  from pallas_kernels import gather_gemm_config
 
   rng = np.random.default_rng(12)
   x = random_sparse(rng, (16, 16, 16), 4, density=0.3, pad=3)
   x = x.replace(feats=x.feats.astype(dtype))
   w, b = random_weights(rng, (3, 3, 3), 4, 5, True)
-  cfg = tuning.choose("forward", x.capacity, 4, 5, 27, dtype)
-  assert gather_gemm_lib.reads_weight_k_major(x.capacity, cfg.tiles, dtype)
-  assert gather_gemm_lib.reads_weight_k_major(64, cfg.tiles, jnp.float32)
-  assert not gather_gemm_lib.reads_weight_k_major(64, cfg.tiles, jnp.float16)
+  cfg = map_gemm.choose("forward", x.capacity, 4, 5, 27, dtype)
+  assert gather_gemm_config.reads_weight_k_major(x.capacity, cfg.tiles, dtype)
+  assert gather_gemm_config.reads_weight_k_major(64, cfg.tiles, jnp.float32)
+  assert not gather_gemm_config.reads_weight_k_major(64, cfg.tiles, jnp.float16)
   cache = jsparse.neighbor_map(x, 3, implementation="xla")
   yp = jsparse.submconv3d(x, w, b, cache=cache, implementation="pallas", precision="highest")
   yx = jsparse.submconv3d(x.replace(feats=x.feats.astype(jnp.float32)), w, b, cache=cache, implementation="xla",
@@ -279,8 +279,9 @@ def test_pallas_forward_reads_k_major_weight(dtype):
 def test_forward_weight_layouts_match_xla(weight_k_major, dtype):
   """conv_forward reads the weight straight or through its K-major copy, as TileConfig.weight_k_major says
   (the tuner picks per shape); every choice, split or not, gives the XLA path's values."""
-  from jsparse.conv import submconv_xla
+  from jsparse.gemm_xla import submconv_xla
   from pallas_kernels import gather_gemm as gather_gemm_lib
+  from pallas_kernels import gather_gemm_config
   from pallas_kernels.gemm_plan import masked_plan
   from pallas_kernels.tiling import TileConfig
 
@@ -295,7 +296,7 @@ def test_forward_weight_layouts_match_xla(weight_k_major, dtype):
   for split in (1, 3):
     cfg = TileConfig(32, 16, 16, split=split, weight_k_major=weight_k_major)
     if weight_k_major is not None:
-      assert gather_gemm_lib.reads_weight_k_major(x.capacity, cfg, dtype) is weight_k_major
+      assert gather_gemm_config.reads_weight_k_major(x.capacity, cfg, dtype) is weight_k_major
     y = gather_gemm_lib.conv_forward(feats, w, nbr, x.num, b, plan=masked_plan(nbr, x.num, 32), config=cfg,
                                      precision="highest", interpret=True)
     assert y.dtype == dtype
@@ -310,8 +311,8 @@ def test_layers_share_the_map_the_tensor_carries(monkeypatch):
   w1, b1 = random_weights(rng, (3, 3, 3), 3, 4, True)
   w2, b2 = random_weights(rng, (3, 3, 3), 4, 2, True)
   built = []
-  real = conv.neighbor_map
-  monkeypatch.setattr(conv, "neighbor_map", lambda *a, **k: built.append(1) or real(*a, **k))
+  real = conv.build_neighbor_map
+  monkeypatch.setattr(conv, "build_neighbor_map", lambda *a, **k: built.append(1) or real(*a, **k))
 
   @jax.jit
   def net(x):
@@ -444,15 +445,15 @@ def test_balanced_weight_grad_config_drives_submconv():
   w, b = random_weights(rng, (3, 3, 3), 5, 6, True)
   cache = jsparse.neighbor_map(x, 3, implementation="pallas")
   cot = jnp.asarray(rng.standard_normal((x.capacity, 6)).astype(np.float32))
-  key = tuning.shape_key("weight_grad", x.capacity, 5, 6, 27, jnp.float32)
-  cfg = tuning.PassConfig("masked_splitk", TileConfig(16, 16, 16, split=2, balanced=True))
+  key = jsparse.ShapeKey.of("weight_grad", x.capacity, 5, 6, 27, jnp.float32)
+  cfg = jsparse.Masked(TileConfig(16, 16, 16, split=2, balanced=True))
 
   def loss(w, impl):
     y = jsparse.submconv3d(x, w, b, cache=cache, implementation=impl, precision="highest")
     return jnp.sum(y.feats * cot)
 
   with tuning.ConfigTable({key: cfg}):
-    assert tuning.choose("weight_grad", x.capacity, 5, 6, 27, jnp.float32) == cfg
+    assert jsparse.map_gemm.choose("weight_grad", x.capacity, 5, 6, 27, jnp.float32) == cfg
     gp = jax.grad(loss)(w, "pallas")
   assert rel_err(gp, jax.grad(loss)(w, "xla")) < 1e-5
 
@@ -485,12 +486,12 @@ def test_mirrored_pair_lists(v_kernel):
   dy = jnp.where(x.valid_mask()[:, None], dy, 0)
   ref = _weight_grad_reference(x.feats, dy, nbr)
   for cfg in (TileConfig(16, 16, 16, split=3), TileConfig(16, 16, 16, split=2, balanced=True)):
-    for layout in ("vio", "ovi"):
+    for layout in ("DHWIO", "ODHWI"):
       dw = weight_grad(x.feats, dy, None, pairs=half, config=cfg, precision="highest", interpret=True,
                        weight_layout=layout)
       dw_full = weight_grad(x.feats, dy, nbr, pairs=full, config=cfg, precision="highest", interpret=True,
                             weight_layout=layout)
-      if layout == "ovi":
+      if layout == "ODHWI":
         dw, dw_full = jnp.transpose(dw, (1, 2, 0)), jnp.transpose(dw_full, (1, 2, 0))
       assert rel_err(dw, ref) < 1e-5 and rel_err(dw_full, ref) < 1e-5
   with pytest.raises(ValueError, match="pair lists"):

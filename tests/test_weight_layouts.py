@@ -74,13 +74,13 @@ def test_conv_passes_agree_across_layouts(weight_k_major, masked):
   kw = dict(plan=plan, config=cfg, precision="highest", interpret=True)
   gathered = jnp.where(nbr[..., None] >= 0, x[jnp.maximum(nbr, 0)], 0)
   ref = jnp.where((jnp.arange(m) < num)[:, None], jnp.einsum("mvk,vkn->mn", gathered, w_vio, precision="highest"), 0)
-  for layout, w in (("vio", w_vio), ("ovi", w_ovi)):
+  for layout, w in (("DHWIO", w_vio), ("ODHWI", w_ovi)):
     assert rel_err(conv_forward(x, w, nbr, num, weight_layout=layout, **kw), ref) < 1e-6
   # Input gradient over the same map: dx[j] = sum_v g[nbr[j, v]] @ W_{V-1-v}^T.
   g_gathered = jnp.where(nbr[..., None] >= 0, g[jnp.maximum(nbr, 0)], 0)
   ref_dx = jnp.einsum("mvn,vkn->mk", g_gathered, w_vio[::-1], precision="highest")
   ref_dx = jnp.where((jnp.arange(m) < num)[:, None], ref_dx, 0)
-  for layout, w in (("vio", w_vio), ("ovi", w_ovi)):
+  for layout, w in (("DHWIO", w_vio), ("ODHWI", w_ovi)):
     assert rel_err(conv_input_grad(g, w, nbr, num, weight_layout=layout, **kw), ref_dx) < 1e-6
   with pytest.raises(ValueError, match="weight_layout"):
     conv_forward(x, w_vio, nbr, num, weight_layout="oiv", **kw)
@@ -99,7 +99,7 @@ def test_weight_grad_cout_major_output(split, balanced, use_pairs, precision, to
   ref = jnp.einsum("mvk,mn->nvk", gathered, dy, precision="highest")  # [Cout, V, Cin]
   cfg = TileConfig(block_m=16, block_n=32, block_k=32, split=split, balanced=balanced)
   pairs = pair_lists(nbr) if use_pairs else None
-  dw = weight_grad(x, dy, nbr, pairs=pairs, config=cfg, precision=precision, interpret=True, weight_layout="ovi")
+  dw = weight_grad(x, dy, nbr, pairs=pairs, config=cfg, precision=precision, interpret=True, weight_layout="ODHWI")
   assert dw.shape == (cout, v, cin)
   assert rel_err(dw, ref) < tol
   dw_vio = weight_grad(x, dy, nbr, pairs=pairs, config=cfg, precision=precision, interpret=True)
@@ -213,17 +213,17 @@ def test_odhwi_kernels_lower_for_triton(dtype):
   num = jax.ShapeDtypeStruct((), jnp.int32)
   for cfg in (TileConfig(64, 64, 32), TileConfig(64, 64, 32, split=3)):
     lower_for_cuda(lambda x, w, nbr, num: conv_forward(x, w, nbr, num, plan=masked_plan(nbr, num, 64), config=cfg,
-                                                       weight_layout="ovi"), x, w, nbr, num)
+                                                       weight_layout="ODHWI"), x, w, nbr, num)
   for k_major in (True, False):
     c = TileConfig(64, 64, 32, weight_k_major=k_major)
-    lower_for_cuda(lambda g, w, nbr, num: conv_input_grad(g, w, nbr, num, config=c, weight_layout="ovi"),
+    lower_for_cuda(lambda g, w, nbr, num: conv_input_grad(g, w, nbr, num, config=c, weight_layout="ODHWI"),
                    g, w, nbr, num)
   for c in (TileConfig(64, 64, 32, split=2), TileConfig(64, 64, 32, split=2, balanced=True)):
     lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, nbr, pairs=pair_lists(nbr) if c.balanced else None, config=c,
-                                                 weight_layout="ovi"), x, g, nbr)
+                                                 weight_layout="ODHWI"), x, g, nbr)
 
 
-@pytest.mark.parametrize("weight_layout", ["vio", "ovi"])
+@pytest.mark.parametrize("weight_layout", ["DHWIO", "ODHWI"])
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("out_dtype", [None, jnp.float32])
 def test_half_precision_weight_grad_dtype_and_values(weight_layout, split, out_dtype):
@@ -236,7 +236,7 @@ def test_half_precision_weight_grad_dtype_and_values(weight_layout, split, out_d
   nbr = _random_map(rng, m, num, v, num)
   gathered = jnp.where(nbr[..., None] >= 0, x.astype(jnp.float32)[jnp.maximum(nbr, 0)], 0)
   ref = jnp.einsum("mvk,mn->vkn", gathered, dy.astype(jnp.float32), precision="highest")
-  if weight_layout == "ovi":
+  if weight_layout == "ODHWI":
     ref = jnp.transpose(ref, (2, 0, 1))
   cfg = TileConfig(block_m=16, block_n=32, block_k=32, split=split)
   dw = weight_grad(x, dy, nbr, config=cfg, interpret=True, out_dtype=out_dtype, weight_layout=weight_layout)

@@ -7,12 +7,9 @@
   TF32), the ceiling each kernel's useful rate is compared with (fp16 kernels with fp16, tf32 with TF32).
 - neighbour map: jsparse.neighbor_map (jitted) on the sphere shells of RES in --res; FlexGEMM's
   SubMConv3dFunction._compute_neighbor_cache (masked-GEMM plan, no backward data) beside it.
-- GEMM kernels on (RES, C) in --shapes, C -> C, 3x3x3, fp16 and tf32:
-  forward      pallas_kernels.gather_gemm.conv_forward(x, w[V, Cin, Cout], nbr, num, bias) (the weight layout
-               submconv3d reads: a K-major copy for float32)
-  input grad   gather_gemm(g, w, nbr, num, weight_axes="vnk", flip_offsets=True)
-  weight grad  pallas_kernels.weight_grad.weight_grad(x, g, nbr)
-               and, for a masked config, beside it the same with TileConfig.balanced ("weight_grad_balanced")
+- GEMM kernels on (RES, C) in --shapes, C -> C, 3x3x3, fp16 and tf32, a DHWIO weight: each pass exactly as
+  jsparse.submconv3d runs it (`jsparse.map_gemm.run_pass` with the config `map_gemm.choose` picks), and for a
+  masked weight gradient beside it the same with TileConfig.balanced ("weight_grad_balanced")
   and FlexGEMM's forward layer (sparse_submanifold_conv3d with a prebuilt neighbour cache) beside them.
   Useful TFLOP/s = 2 * pairs * Cin * Cout / time.
 
@@ -43,10 +40,8 @@ import jsparse  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 from benchmarks.suite import (Interrupted, import_flexgemm, install_sigterm_handler, metadata, rel_err,  # noqa: E402
                               short_error, time_calls)
-from jsparse import tuning  # noqa: E402
-from jsparse.conv import submconv_xla  # noqa: E402
-from pallas_kernels.gather_gemm import conv_forward, gather_gemm  # noqa: E402
-from pallas_kernels.weight_grad import weight_grad  # noqa: E402
+from jsparse import map_gemm  # noqa: E402
+from jsparse.pass_config import PASSES, PassInputs, RunOptions, describe  # noqa: E402
 
 DTYPES = {"fp16": jnp.float16, "tf32": jnp.float32}
 ON_GPU = jax.default_backend() == "gpu"
@@ -153,27 +148,23 @@ def flexgemm_neighbor_map(fg, res, coords, args) -> dict:
 
 
 def pass_fn(pass_name, cfg, interpret):
-  """The op one pass of jsparse.submconv3d runs for config `cfg` (tuning.PassConfig), as f(x, g, w, b, maps)."""
-  tiles, prec = cfg.tiles, None
-  if cfg.algorithm == "explicit":  # gather + one XLA matmul; its gradients through JAX
+  """The op one pass of jsparse.submconv3d runs for config `cfg` (a PassConfig), as f(x, g, w, b, maps)."""
+  options = RunOptions(None, interpret, jsparse.WeightLayout.DHWIO)
+
+  def run(x, g, w, b, m):
     if pass_name == "forward":
-      return lambda x, g, w, b, m: submconv_xla(x, w, b, m["nbr"], m["num"], precision=prec)
-    if pass_name == "input_grad":
-      return lambda x, g, w, b, m: jax.vjp(lambda f: submconv_xla(f, w, None, m["nbr"], m["num"]), x)[1](g)[0]
-    return lambda x, g, w, b, m: jax.vjp(lambda w_: submconv_xla(x, w_, None, m["nbr"], m["num"]), w)[1](g)[0]
-  if pass_name == "forward":  # as the convolution runs it: conv_forward picks the weight layout
-    return lambda x, g, w, b, m: conv_forward(x, w, m["nbr"], m["num"], b, plan=m["plan_forward"], config=tiles,
-                                              precision=prec, interpret=interpret)
-  if pass_name == "input_grad":
-    return lambda x, g, w, b, m: gather_gemm(g, w, m["nbr"], m["num"], plan=m["plan_input_grad"],
-                                             weight_axes="vnk", flip_offsets=True, config=tiles, precision=prec,
-                                             interpret=interpret)
-  return lambda x, g, w, b, m: weight_grad(x, g, m["nbr"], pairs=m["pairs"], config=tiles, precision=prec,
-                                           interpret=interpret)
+      inputs = PassInputs(x, w, m["nbr"], m["num"], b, plan=m["plan_forward"])
+    elif pass_name == "input_grad":
+      inputs = PassInputs(g, w, m["nbr"], m["num"], plan=m["plan_input_grad"])
+    else:
+      inputs = PassInputs(x, g, m["nbr"], m["num"], pairs=m["pairs"])
+    return map_gemm.run_pass(pass_name, cfg, inputs, options)
+
+  return run
 
 
 def bench_gemms(args, fg, peaks) -> list[dict]:
-  """Each pass as jsparse.submconv3d runs it (tuning.choose picks algorithm and tiles) for --algorithms."""
+  """Each pass as jsparse.submconv3d runs it (map_gemm.choose picks the config) for --algorithms."""
   rows = []
   interpret = not ON_GPU
   for res, c in args.shapes:
@@ -206,17 +197,17 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
         if "ms" in fr:
           fr["tflops"] = flops / (fr["ms"] * 1e-3) / 1e12
       for algorithm in args.algorithms:
-        for kernel in tuning.PASSES + ("weight_grad_balanced",):
+        for kernel in PASSES + ("weight_grad_balanced",):
           pass_name = kernel.removesuffix("_balanced")
           rec = dict(base, kernel=kernel, algorithm=algorithm, pairs=pairs)
           try:
-            cfg = tuning.choose(pass_name, x0.capacity, c, c, 27, dt, algorithm)
+            cfg = map_gemm.choose(pass_name, x0.capacity, c, c, 27, dt, algorithm)
             if kernel != pass_name:  # the chosen weight-gradient tiles, balanced (needs pair lists: masked only)
-              if not cfg.masked or cfg.tiles.balanced:
+              if not cfg.uses_plan or cfg.tiles.balanced:
                 continue
               cfg = dataclasses.replace(cfg, tiles=dataclasses.replace(cfg.tiles, balanced=True))
-            rec["config"] = f"{cfg.algorithm} {cfg.tiles}" if cfg.tiles else cfg.algorithm
-            masked = cfg.masked and cfg.algorithm != "explicit"
+            rec["config"] = f"{describe(cfg)} {cfg.tiles}" if cfg.tiles else describe(cfg)
+            masked = cfg.uses_plan
             # The map and its plans are arguments (not jit constants), shared by all sets, built outside timing.
             maps = {"nbr": cache.nbr, "num": x0.num,
                     "plan_forward": cache.plan(cfg.tiles.block_m) if masked and pass_name == "forward" else None,
@@ -341,7 +332,7 @@ def parse_args(argv=None):
   ap.add_argument("--matmul-n", type=int, default=8192)
   ap.add_argument("--impl", default=None, choices=("xla", "pallas"), help="neighbour-map implementation")
   ap.add_argument("--algorithms", default="auto",
-                  help=f"GEMM algorithms to time, of {list(tuning.ALGORITHMS)} (auto = what submconv3d picks)")
+                  help=f"GEMM algorithms to time, of {list(jsparse.ALGORITHMS)} (auto = what submconv3d picks)")
   ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/jsparse_bench")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 repeats: tests the harness on a CPU")
   args = ap.parse_args(argv)
@@ -353,8 +344,8 @@ def parse_args(argv=None):
   args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
   args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
   for a in args.algorithms:
-    if a not in tuning.ALGORITHMS:
-      ap.error(f"unknown algorithm {a!r}; choose from {list(tuning.ALGORITHMS)}")
+    if a not in jsparse.ALGORITHMS:
+      ap.error(f"unknown algorithm {a!r}; choose from {list(jsparse.ALGORITHMS)}")
   for s in args.sections:
     if s not in ("matmul", "neighbor_map", "gemm"):
       ap.error(f"unknown section {s!r}; choose from matmul, neighbor_map, gemm")

@@ -50,7 +50,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jsparse  # noqa: E402
-from jsparse import tuning  # noqa: E402
 from jsparse._progress import progress_bar  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 
@@ -647,7 +646,7 @@ def parse_args(argv=None):
   ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/jsparse_bench")
   ap.add_argument("--impl", default=None, choices=("xla", "pallas"),
                   help="jsparse implementation (default: Pallas on a GPU, XLA elsewhere)")
-  ap.add_argument("--algorithm", default="auto", choices=tuning.ALGORITHMS,
+  ap.add_argument("--algorithm", default="auto", choices=jsparse.ALGORITHMS,
                   help="jsparse submconv3d algorithm (Pallas only; auto = chosen per pass)")
   ap.add_argument("--weight-layout", default="ODHWI", choices=("ODHWI", "DHWIO"),
                   help="jsparse's weight layout: ODHWI = (Cout, 3, 3, 3, Cin), as FlexGEMM holds its weights; "

@@ -24,11 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import jsparse  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 from benchmarks.suite import DTYPES, SMOKE_ROW, jsparse_fns, jsparse_weight, row_inputs  # noqa: E402
-
-
-def table_file_name(device_kind: str) -> str:
-  """The file name jsparse/tuning.py looks up for a device kind."""
-  return "".join(c if c.isalnum() else "_" for c in device_kind.lower()) + ".json"
+from jsparse.tuning import table_file_name  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -116,21 +116,21 @@ import json, os
 import jax, jax.numpy as jnp, numpy as np
 import matplotlib.pyplot as plt
 import jsparse
-from jsparse import tuning
+from jsparse import map_gemm, pass_config, tuning
 
 ON_GPU = jax.default_backend() == "gpu"
 print("backend:", jax.default_backend(), "| algorithms:", jsparse.ALGORITHMS)"""),
     new_markdown_cell("""## 1. What runs for a given shape
-`algorithm="auto"` asks `tuning.choose` per pass: a tuned entry if an active `ConfigTable` (or the table
+`algorithm="auto"` asks `jsparse.map_gemm.choose` per pass: a tuned entry if an active `ConfigTable` (or the table
 shipped for this GPU model) has one for the shape bucket, else a heuristic. Here: 252k voxels, 256 channels,
 fp16, with no table and with the H200 table that ships in `jsparse/tuned/` (an H100 table ships too)."""),
     new_code_cell("""shape = dict(num_rows=252_392, cin=256, cout=256, num_offsets=27, dtype=jnp.float16)
 h200 = tuning.shipped_table("NVIDIA H200")
 print(h200)
-for p in tuning.PASSES:
-    print(f"{p:12s} heuristic: {tuning.heuristic(p, **shape)}")
+for p in pass_config.PASSES:
+    print(f"{p:12s} heuristic: {pass_config.heuristic(p, **shape)}")
     with h200:
-        print(f"{'':12s} H200 table: {tuning.choose(p, **shape)}")"""),
+        print(f"{'':12s} H200 table: {map_gemm.choose(p, **shape)}")"""),
     new_markdown_cell("""## 2. Autotuning your own model
 `jsparse.autotune(fn, *args)` runs `fn` once eagerly, records every Pallas convolution's shapes and real
 neighbour map, times candidate configs for each pass, and returns a `ConfigTable`. Use it as a context

@@ -107,7 +107,7 @@ def test_gpu_forward_weight_layouts_match_xla(dtype, precision, tol):
   """The forward reading the weight straight and through its K-major copy (TileConfig.weight_k_major, a
   tuner choice), both operand orders (TileConfig.swap_operands), with and without split-K, on few rows and
   many channels, against the XLA path."""
-  from jsparse.tuning import heuristic
+  from jsparse.pass_config import heuristic
   from pallas_kernels.gather_gemm import conv_forward
   from pallas_kernels.gemm_plan import masked_plan
   from pallas_kernels.tiling import TileConfig
@@ -141,7 +141,7 @@ def test_gpu_odhwi_weight_matches_xla(dtype, precision, tol):
   through submconv3d's gradients against the XLA path on the flax layout."""
   import dataclasses
 
-  from jsparse import tuning
+  from jsparse import pass_config, tuning
 
   for res, c, pad in ((16, 256, 40), (64, 64, 7)):
     x = shell_tensor(res, c, dtype, seed=res, pad=pad)
@@ -157,12 +157,11 @@ def test_gpu_odhwi_weight_matches_xla(dtype, precision, tol):
     for k_major, split, balanced in ((None, 1, False), (True, 4, True), (False, 1, False), (False, 8, False)):
       def table_for(rows, cin, cout):
         entries = {}
-        for p in tuning.PASSES:
-          base = tuning.heuristic(p, rows, cin, cout, 27, dtype)
+        for p in pass_config.PASSES:
+          base = pass_config.heuristic(p, rows, cin, cout, 27, dtype)
           tiles = dataclasses.replace(base.tiles, weight_k_major=k_major, split=max(split, 1),
                                       balanced=balanced and p == "weight_grad")
-          entries[tuning.shape_key(p, rows, cin, cout, 27, dtype)] = tuning.PassConfig(
-              "masked_splitk" if tiles.split > 1 else "masked", tiles)
+          entries[jsparse.ShapeKey.of(p, rows, cin, cout, 27, dtype)] = jsparse.Masked(tiles)
         return tuning.ConfigTable(entries)
 
       def loss(feats, w_o, b):
@@ -187,7 +186,7 @@ def test_gpu_balanced_weight_grad_matches_xla(dtype, precision, tol):
   same in two runs."""
   import dataclasses
 
-  from jsparse import tuning
+  from jsparse import pass_config, tuning
 
   c = 64
   x = shell_tensor(128, c, dtype, pad=1000)
@@ -200,10 +199,10 @@ def test_gpu_balanced_weight_grad_matches_xla(dtype, precision, tol):
   cot = jnp.asarray(rng.standard_normal((x.capacity, c)).astype(np.float32))
   x32 = x.replace(feats=x.feats.astype(jnp.float32))
   _, gr = _grads(x32, w.astype(jnp.float32), b.astype(jnp.float32), cache_p, "xla", "highest", cot)
-  default = tuning.heuristic("weight_grad", x.capacity, c, c, 27, dtype)
-  assert default.masked and default.tiles.split > 1 and not default.tiles.balanced
+  default = pass_config.heuristic("weight_grad", x.capacity, c, c, 27, dtype)
+  assert isinstance(default, jsparse.Masked) and default.tiles.split > 1 and not default.tiles.balanced
   balanced = dataclasses.replace(default, tiles=dataclasses.replace(default.tiles, balanced=True))
-  key = tuning.shape_key("weight_grad", x.capacity, c, c, 27, dtype)
+  key = jsparse.ShapeKey.of("weight_grad", x.capacity, c, c, 27, dtype)
   dws = {}
   for name, cfg in (("default", default), ("balanced", balanced), ("again", balanced)):
     with tuning.ConfigTable({key: cfg}):

@@ -7,6 +7,11 @@ A pass (forward, input gradient or weight gradient) runs as one of
 - `Masked(tiles)`: the same GEMM walking a masked plan (forward, input gradient) or pair lists (weight
   gradient), so blocks skip the offsets their rows do not use.
 Split-K is a tile field (`tiles.split > 1`). `ALGORITHMS` is the registry: one line per algorithm.
+
+A config class gives `kind` (its registry name), `tiles` (a TileConfig or None), `uses_plan` (whether the
+map-GEMM builds masked plans and pair lists for it), `default(...)` (its untuned config for a shape),
+`candidates(...)` (what the tuner times) and `run(pass_name, PassInputs, RunOptions)` (how a pass runs).
+It needs nothing from jsparse, so a new algorithm's class may live in its kernel's config file.
 """
 from __future__ import annotations
 
@@ -52,6 +57,14 @@ class Explicit:
   tiles: ClassVar[None] = None
   uses_plan: ClassVar[bool] = False
 
+  @classmethod
+  def default(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, *, split: str = "none") -> "Explicit":
+    return cls()
+
+  @classmethod
+  def candidates(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout) -> list:
+    return []
+
   def run(self, pass_name: str, p: PassInputs, o: RunOptions):
     if pass_name == "forward":
       return gemm_xla.submconv_xla(p.lhs, p.rhs, p.bias, p.nbr, p.num, precision=o.precision,
@@ -75,6 +88,27 @@ class Implicit:
     if not isinstance(self.tiles, TileConfig):
       raise TypeError(f"{type(self).__name__}.tiles must be a TileConfig, got {self.tiles!r}")
 
+  @classmethod
+  def default(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, *, split: str = "none"):
+    """The kernels' default tiles; split "none" (never split-K), "auto" (where the GPU would idle) or
+    "require" (at least 2)."""
+    if pass_name == "weight_grad":
+      tiles = weight_grad_config.default_config(num_rows, cin, cout, num_offsets, dtype)
+      return cls(tiles if split != "none" else dataclasses.replace(tiles, split=1))
+    k, n = (cin, cout) if pass_name == "forward" else (cout, cin)
+    tiles = gather_gemm_config.default_config(num_rows, k, n, dtype)
+    factor = gather_gemm_config.default_split(num_rows, k, n, num_offsets, tiles, require=split == "require",
+                                              allow=split == "auto")
+    return cls(dataclasses.replace(tiles, split=factor))
+
+  @classmethod
+  def candidates(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout) -> list:
+    """Implicit: the default tiles unsplit (GEMM passes only)."""
+    if pass_name == "weight_grad":
+      return []
+    k, n = (cin, cout) if pass_name == "forward" else (cout, cin)
+    return [cls(dataclasses.replace(gather_gemm_config.default_config(num_rows, k, n, dtype), split=1))]
+
   def run(self, pass_name: str, p: PassInputs, o: RunOptions):
     kw = dict(config=self.tiles, precision=o.precision, interpret=o.interpret, weight_layout=o.weight_layout)
     if pass_name == "forward":
@@ -94,11 +128,23 @@ class Masked(Implicit):
   kind: ClassVar[str] = "masked"
   uses_plan: ClassVar[bool] = True
 
+  @classmethod
+  def candidates(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout) -> list:
+    """The kernels' candidate tiles."""
+    if pass_name == "weight_grad":
+      return [cls(t) for t in weight_grad_config.candidates(num_rows, cin, cout, num_offsets, dtype)]
+    forward = pass_name == "forward"
+    k, n = (cin, cout) if forward else (cout, cin)
+    n_contiguous = gather_gemm_config.stored_n_contiguous(forward, weight_layout)
+    return [cls(t) for t in gather_gemm_config.candidates(num_rows, k, n, num_offsets, dtype,
+                                                          n_contiguous=n_contiguous)]
+
 
 PassConfig = Explicit | Implicit | Masked
 
-# The registry: an algorithm's JSON / `algorithm=` name and its config class.
-ALGORITHMS: dict[str, type] = {"explicit": Explicit, "implicit": Implicit, "masked": Masked}
+# The registry: an algorithm's JSON / `algorithm=` name and its config class. The tuner times candidates in
+# this order.
+ALGORITHMS: dict[str, type] = {"explicit": Explicit, "masked": Masked, "implicit": Implicit}
 
 # What a convolution's `algorithm=` argument accepts: "auto", an algorithm, or a tiled one with "_splitk"
 # (split-K forced on).
@@ -246,34 +292,21 @@ def config_from_json_v1(d: dict, key: str = "entry") -> PassConfig:
 def heuristic(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
               algorithm: str = "auto") -> PassConfig:
   """A reasonable config without measurements, for a convolution's `algorithm=` request: "auto" picks
-  masked tiles wherever there is more than one offset and splits the reduction where the GPU would idle."""
+  masked tiles wherever there is more than one offset and splits the reduction where the GPU would idle; a
+  named algorithm takes its default tiles, split-K only when asked for with "_splitk"."""
   check_pass(pass_name)
   check_algorithm(algorithm)
-  if algorithm == "explicit":
-    return Explicit()
-  auto = algorithm == "auto"
-  splitk = algorithm.endswith("_splitk")
-  masked = algorithm.startswith("masked") or (auto and num_offsets > 1)
-  cls = Masked if masked else Implicit
-  if pass_name == "weight_grad":
-    tiles = weight_grad_config.default_config(num_rows, cin, cout, num_offsets, dtype)
-    if not (splitk or auto):
-      tiles = dataclasses.replace(tiles, split=1)
-    return cls(tiles)
-  k, n = (cin, cout) if pass_name == "forward" else (cout, cin)
-  tiles = gather_gemm_config.default_config(num_rows, k, n, dtype)
-  split = gather_gemm_config.default_split(num_rows, k, n, num_offsets, tiles, require=splitk, allow=auto)
-  return cls(dataclasses.replace(tiles, split=split))
+  if algorithm == "auto":
+    cls = Masked if num_offsets > 1 else Implicit
+    return cls.default(pass_name, num_rows, cin, cout, num_offsets, dtype, split="auto")
+  kind = algorithm.removesuffix("_splitk")
+  split = "require" if algorithm.endswith("_splitk") else "none"
+  return ALGORITHMS[kind].default(pass_name, num_rows, cin, cout, num_offsets, dtype, split=split)
 
 
-def candidates(key_pass: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
+def candidates(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
                weight_layout: WeightLayout) -> list[PassConfig]:
-  """The configs the tuner times for one pass: the kernels' candidate tiles, masked, and the default implicit."""
-  if key_pass == "weight_grad":
-    return [Masked(t) for t in weight_grad_config.candidates(num_rows, cin, cout, num_offsets, dtype)]
-  forward = key_pass == "forward"
-  k, n = (cin, cout) if forward else (cout, cin)
-  tiles = gather_gemm_config.candidates(num_rows, k, n, num_offsets, dtype,
-                                        n_contiguous=gather_gemm_config.stored_n_contiguous(forward, weight_layout))
-  base = gather_gemm_config.default_config(num_rows, k, n, dtype)
-  return [Masked(t) for t in tiles] + [Implicit(dataclasses.replace(base, split=1))]
+  """The configs the tuner times for one pass: every registered algorithm's candidates."""
+  check_pass(pass_name)
+  return [cfg for cls in ALGORITHMS.values()
+          for cfg in cls.candidates(pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout)]

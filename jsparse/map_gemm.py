@@ -32,6 +32,9 @@ from jsparse.pass_config import (PASSES, PassConfig, PassInputs, RunOptions, Sha
 from pallas_kernels import gemm_plan
 from pallas_kernels.weight_layout import WeightLayout
 
+__all__ = ["map_gemm", "ConvSpec", "ConvMaps", "check_weight", "choose", "plan_block_sizes", "run_pass", "recording",
+           "ConvCall"]
+
 
 # ---- validated arguments -------------------------------------------------------------------------------
 
@@ -56,6 +59,8 @@ class ConvSpec:
   @classmethod
   def build(cls, kernel_size, dilation, implementation: str | None, weight_layout, precision: PrecisionLike = None,
             algorithm: str = "auto") -> "ConvSpec":
+    """A spec from the op's arguments (kernel_size and dilation already checked by the op): resolves the
+    implementation and the layout and checks the algorithm."""
     return cls(tuple(kernel_size), tuple(dilation), dispatch.resolve(implementation),
                WeightLayout.of(weight_layout), precision, check_algorithm(algorithm))
 
@@ -115,6 +120,7 @@ class ConvMaps(NamedTuple):
     return gemm_plan.masked_plan(self.nbr, self.num, block_m)
 
   def input_grad_plan(self, block_m: int) -> gemm_plan.MaskedPlan:
+    """The input gradient's masked plan (over the transposed map; a submanifold map's own plan)."""
     if self.transposed is None:
       return self.plan(block_m)
     return gemm_plan.masked_plan(self.transposed, self.num_in, block_m)
@@ -273,39 +279,31 @@ def _forward_bwd(opts, residuals, g):
 _forward.defvjp(_forward_fwd, _forward_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _input_grad(g, w, arrays: _PassArrays, opts: _Options):
-  """T(g, W): the input gradient for the output gradient g, [rows of feats, Cin]."""
-  return opts.run_pass("input_grad", arrays.inputs("input_grad", g, w))
+def _bilinear_pass(pass_name: str, backward):
+  """A custom_vjp op f(a, b, arrays, opts) running `pass_name`, whose vjp is backward(opts, a, b, arrays, ct)."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+  def op(a, b, arrays: _PassArrays, opts: _Options):
+    return opts.run_pass(pass_name, arrays.inputs(pass_name, a, b))
+
+  def op_fwd(a, b, arrays, opts):
+    return op(a, b, arrays, opts), (a, b, arrays)
+
+  op.defvjp(op_fwd, lambda opts, residuals, ct: backward(opts, *residuals, ct))
+  return op
 
 
-def _input_grad_fwd(g, w, arrays, opts):
-  return _input_grad(g, w, arrays, opts), (g, w, arrays)
-
-
-def _input_grad_bwd(opts, residuals, h):
-  g, w, arrays = residuals
+def _input_grad_bwd(opts, g, w, arrays, h):
   return _forward(h, w, None, arrays, opts), _weight_grad(h, g, arrays, opts).astype(w.dtype), None
 
 
-_input_grad.defvjp(_input_grad_fwd, _input_grad_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _weight_grad(feats, g, arrays: _PassArrays, opts: _Options):
-  """G(x, g): the weight gradient, in the flattened weight's layout and feats' dtype."""
-  return opts.run_pass("weight_grad", arrays.inputs("weight_grad", feats, g))
-
-
-def _weight_grad_fwd(feats, g, arrays, opts):
-  return _weight_grad(feats, g, arrays, opts), (feats, g, arrays)
-
-
-def _weight_grad_bwd(opts, residuals, d_w):
-  feats, g, arrays = residuals
+def _weight_grad_bwd(opts, feats, g, arrays, d_w):
   d_feats = _input_grad(g, d_w.astype(feats.dtype), arrays, opts)
   d_g = _forward(feats, d_w.astype(feats.dtype), None, arrays, opts).astype(g.dtype)
   return d_feats, d_g, None
 
 
-_weight_grad.defvjp(_weight_grad_fwd, _weight_grad_bwd)
+# T(g, W): the input gradient for the output gradient g, [rows of feats, Cin].
+_input_grad = _bilinear_pass("input_grad", _input_grad_bwd)
+# G(x, g): the weight gradient, in the flattened weight's layout and feats' dtype.
+_weight_grad = _bilinear_pass("weight_grad", _weight_grad_bwd)

@@ -26,6 +26,10 @@ from pallas_kernels import gather_gemm, gather_gemm_config, weight_grad, weight_
 from pallas_kernels.tiling import TileConfig
 from pallas_kernels.weight_layout import WeightLayout
 
+__all__ = ["Explicit", "Implicit", "Masked", "PassConfig", "ALGORITHMS", "ALGORITHM_CHOICES", "PASSES", "ShapeKey",
+           "PassInputs", "RunOptions", "heuristic", "candidates", "describe", "check_algorithm", "config_to_json",
+           "config_from_json", "config_from_json_v1"]
+
 PASSES = ("forward", "input_grad", "weight_grad")
 
 
@@ -44,6 +48,8 @@ class PassInputs(NamedTuple):
 
 
 class RunOptions(NamedTuple):
+  """How every pass of one convolution runs: matmul precision, interpret mode, the weight's layout."""
+
   precision: object
   interpret: bool
   weight_layout: WeightLayout
@@ -66,6 +72,7 @@ class Explicit:
     return []
 
   def run(self, pass_name: str, p: PassInputs, o: RunOptions):
+    """One pass in plain XLA."""
     if pass_name == "forward":
       return gemm_xla.submconv_xla(p.lhs, p.rhs, p.bias, p.nbr, p.num, precision=o.precision,
                                    weight_layout=o.weight_layout)
@@ -110,6 +117,7 @@ class Implicit:
     return [cls(dataclasses.replace(gather_gemm_config.default_config(num_rows, k, n, dtype), split=1))]
 
   def run(self, pass_name: str, p: PassInputs, o: RunOptions):
+    """One pass on the Pallas kernels (a masked plan or pair lists in `p` make it walk only used offsets)."""
     kw = dict(config=self.tiles, precision=o.precision, interpret=o.interpret, weight_layout=o.weight_layout)
     if pass_name == "forward":
       return gather_gemm.conv_forward(p.lhs, p.rhs, p.nbr, p.num, p.bias, plan=p.plan, **kw)
@@ -153,12 +161,14 @@ ALGORITHM_CHOICES = ("auto",) + tuple(ALGORITHMS) + tuple(f"{k}_splitk" for k, c
 
 
 def check_algorithm(algorithm: str) -> str:
+  """`algorithm` if a convolution accepts it (one of ALGORITHM_CHOICES), else ValueError naming it."""
   if algorithm not in ALGORITHM_CHOICES:
     raise ValueError(f"algorithm must be one of {ALGORITHM_CHOICES}, got {algorithm!r}")
   return algorithm
 
 
 def check_pass(pass_name: str) -> str:
+  """`pass_name` if it is one of PASSES, else ValueError."""
   if pass_name not in PASSES:
     raise ValueError(f"pass must be one of {PASSES}, got {pass_name!r}")
   return pass_name
@@ -213,6 +223,7 @@ REQUIRED_TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stage
 
 
 def config_to_json(cfg: PassConfig) -> dict:
+  """The schema-2 JSON form of a config: {"algorithm": kind} plus {"tiles": TileConfig fields} when tiled."""
   out = {"algorithm": cfg.kind}
   if cfg.tiles is not None:
     out["tiles"] = dataclasses.asdict(cfg.tiles)

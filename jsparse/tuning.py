@@ -15,6 +15,8 @@ import jax
 from jsparse.pass_config import (Explicit, Implicit, PassConfig, ShapeKey, config_from_json, config_from_json_v1,
                                  config_to_json)
 
+__all__ = ["ConfigTable", "SCHEMA_VERSION", "shipped_table", "active_tables", "lookup", "table_file_name"]
+
 # Version of the JSON layout `ConfigTable.to_json` writes. 1: no "schema" field, each entry
 # {"algorithm": "masked_splitk", <tile fields>}; 2: {"algorithm": "masked", "tiles": {...}}. Older versions
 # are migrated on load; newer ones are rejected.

@@ -14,7 +14,7 @@ from jsparse.conv import submconv3d
 from jsparse.dispatch import IMPLEMENTATIONS
 from jsparse.gemm_xla import submconv_xla
 from jsparse.neighbors import NeighborCache, kernel_offsets, neighbor_map, with_maps
-from jsparse.pass_config import ALGORITHM_CHOICES as ALGORITHMS
+from jsparse.pass_config import ALGORITHMS
 from jsparse.pass_config import Explicit, Implicit, Masked, PassConfig, ShapeKey
 from jsparse.pool import global_pool, sparse_avg_pool3d, sparse_max_pool3d
 from jsparse.sparse_conv import concat, sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d, strided_map

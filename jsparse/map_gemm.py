@@ -46,7 +46,7 @@ class ConvSpec:
   kernel_size, dilation: 3 ints each (checked by the op: submanifold kernels are odd).
   implementation: the resolved `dispatch.Implementation`. weight_layout: a WeightLayout.
   precision: for float32, None / "tf32" / "highest" or a lax.Precision. algorithm: one of
-  pass_config.ALGORITHM_CHOICES ("auto" lets `choose` decide per pass).
+  pass_config.ALGORITHMS ("auto" lets `choose` decide per pass).
   """
 
   kernel_size: tuple[int, int, int]

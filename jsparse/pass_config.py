@@ -6,7 +6,7 @@ A pass (forward, input gradient or weight gradient) runs as one of
 - `Implicit(tiles)`: the Pallas GEMM with the gather fused in, every block looping over every offset;
 - `Masked(tiles)`: the same GEMM walking a masked plan (forward, input gradient) or pair lists (weight
   gradient), so blocks skip the offsets their rows do not use.
-Split-K is a tile field (`tiles.split > 1`). `ALGORITHMS` is the registry: one line per algorithm.
+Split-K is a tile field (`tiles.split > 1`). `REGISTRY` names the algorithms: one line per algorithm.
 
 A config class gives `kind` (its registry name), `tiles` (a TileConfig or None), `uses_plan` (whether the
 map-GEMM builds masked plans and pair lists for it), `default(...)` (its untuned config for a shape),
@@ -26,7 +26,7 @@ from pallas_kernels import gather_gemm, gather_gemm_config, weight_grad, weight_
 from pallas_kernels.tiling import TileConfig
 from pallas_kernels.weight_layout import WeightLayout
 
-__all__ = ["Explicit", "Implicit", "Masked", "PassConfig", "ALGORITHMS", "ALGORITHM_CHOICES", "PASSES", "ShapeKey",
+__all__ = ["Explicit", "Implicit", "Masked", "PassConfig", "REGISTRY", "ALGORITHMS", "PASSES", "ShapeKey",
            "PassInputs", "RunOptions", "heuristic", "candidates", "describe", "check_algorithm", "config_to_json",
            "config_from_json", "config_from_json_v1"]
 
@@ -152,18 +152,18 @@ PassConfig = Explicit | Implicit | Masked
 
 # The registry: an algorithm's JSON / `algorithm=` name and its config class. The tuner times candidates in
 # this order.
-ALGORITHMS: dict[str, type] = {"explicit": Explicit, "masked": Masked, "implicit": Implicit}
+REGISTRY: dict[str, type] = {"explicit": Explicit, "masked": Masked, "implicit": Implicit}
 
 # What a convolution's `algorithm=` argument accepts: "auto", an algorithm, or a tiled one with "_splitk"
 # (split-K forced on).
-ALGORITHM_CHOICES = ("auto",) + tuple(ALGORITHMS) + tuple(f"{k}_splitk" for k, c in ALGORITHMS.items()
+ALGORITHMS = ("auto",) + tuple(REGISTRY) + tuple(f"{k}_splitk" for k, c in REGISTRY.items()
                                                           if c is not Explicit)
 
 
 def check_algorithm(algorithm: str) -> str:
-  """`algorithm` if a convolution accepts it (one of ALGORITHM_CHOICES), else ValueError naming it."""
-  if algorithm not in ALGORITHM_CHOICES:
-    raise ValueError(f"algorithm must be one of {ALGORITHM_CHOICES}, got {algorithm!r}")
+  """`algorithm` if a convolution accepts it (one of ALGORITHMS), else ValueError naming it."""
+  if algorithm not in ALGORITHMS:
+    raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
   return algorithm
 
 
@@ -261,14 +261,14 @@ def config_from_json(d: dict, key: str = "entry") -> PassConfig:
   if not isinstance(d, dict):
     raise ValueError(f"{key}: a config must be a JSON object, got {type(d).__name__}")
   if "algorithm" not in d:
-    raise ValueError(f"{key}: missing field 'algorithm' (one of {tuple(ALGORITHMS)})")
+    raise ValueError(f"{key}: missing field 'algorithm' (one of {tuple(REGISTRY)})")
   kind = d["algorithm"]
-  if kind not in ALGORITHMS:
-    raise ValueError(f"{key}: algorithm must be one of {tuple(ALGORITHMS)}, got {kind!r}")
+  if kind not in REGISTRY:
+    raise ValueError(f"{key}: algorithm must be one of {tuple(REGISTRY)}, got {kind!r}")
   extra = sorted(set(d) - {"algorithm", "tiles"})
   if extra:
     raise TypeError(f"{key}: unknown fields {extra} (an entry has 'algorithm' and 'tiles')")
-  cls = ALGORITHMS[kind]
+  cls = REGISTRY[kind]
   if cls is Explicit:
     if "tiles" in d:
       raise ValueError(f"{key}: algorithm 'explicit' takes no tiles")
@@ -284,7 +284,7 @@ def config_from_json_v1(d: dict, key: str = "entry") -> PassConfig:
     raise ValueError(f"{key}: a config must be a JSON object, got {type(d).__name__}")
   d = dict(d)
   if "algorithm" not in d:
-    raise ValueError(f"{key}: missing field 'algorithm' (one of {ALGORITHM_CHOICES[1:]})")
+    raise ValueError(f"{key}: missing field 'algorithm' (one of {ALGORITHMS[1:]})")
   name = d.pop("algorithm")
   if name == "auto":
     raise ValueError(f"{key}: a tuned entry names a concrete algorithm, not 'auto'")
@@ -294,7 +294,7 @@ def config_from_json_v1(d: dict, key: str = "entry") -> PassConfig:
     if d:
       raise ValueError(f"{key}: algorithm 'explicit' takes no tile fields, got {sorted(d)}")
     return Explicit()
-  return ALGORITHMS[kind](_tiles_from_json(d, key))
+  return REGISTRY[kind](_tiles_from_json(d, key))
 
 
 # ---- the default choice --------------------------------------------------------------------------------
@@ -312,12 +312,12 @@ def heuristic(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: i
     return cls.default(pass_name, num_rows, cin, cout, num_offsets, dtype, split="auto")
   kind = algorithm.removesuffix("_splitk")
   split = "require" if algorithm.endswith("_splitk") else "none"
-  return ALGORITHMS[kind].default(pass_name, num_rows, cin, cout, num_offsets, dtype, split=split)
+  return REGISTRY[kind].default(pass_name, num_rows, cin, cout, num_offsets, dtype, split=split)
 
 
 def candidates(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
                weight_layout: WeightLayout) -> list[PassConfig]:
   """The configs the tuner times for one pass: every registered algorithm's candidates."""
   check_pass(pass_name)
-  return [cfg for cls in ALGORITHMS.values()
+  return [cfg for cls in REGISTRY.values()
           for cfg in cls.candidates(pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout)]

@@ -29,8 +29,8 @@ ODD_TILES = TileConfig(block_m=32, block_n=128, block_k=16, num_warps=8, num_sta
 
 def _check_consistent(cfg: pass_config.PassConfig):
   """A PassConfig as the convolution can run it: a registered algorithm, with tiles unless explicit."""
-  assert type(cfg) in pass_config.ALGORITHMS.values()
-  assert pass_config.ALGORITHMS[cfg.kind] is type(cfg)
+  assert type(cfg) in pass_config.REGISTRY.values()
+  assert pass_config.REGISTRY[cfg.kind] is type(cfg)
   if isinstance(cfg, Explicit):
     assert cfg.tiles is None
     return
@@ -333,7 +333,7 @@ def test_heuristic_follows_the_requested_algorithm(pass_name):
   gemm = pass_name != "weight_grad"
   for shape in HEUR_SHAPES:
     for dtype in (jnp.float32, jnp.float16, jnp.bfloat16):
-      for algo in pass_config.ALGORITHM_CHOICES:
+      for algo in pass_config.ALGORITHMS:
         cfg = pass_config.heuristic(pass_name, *shape, dtype, algo)
         _check_consistent(cfg)
         if algo == "explicit":

@@ -2,8 +2,8 @@
 
 fn runs once eagerly (jit disabled) so that every Pallas convolution it makes (submanifold, strided, inverse,
 transposed) reports its shapes and maps; then each distinct (pass, shape bucket) is timed with candidate
-configs on those real maps, and the fastest is kept. The result is a `ConfigTable`: a context manager that makes the choices active,
-and JSON to save and ship.
+configs on those real maps (`map_gemm.run_pass`, as the convolution runs them), and the fastest is kept. The
+result is a `ConfigTable`: a context manager that makes the choices active, and JSON to save and ship.
 
     table = jsparse.autotune(train_step, params, batch)
     table.save("tuned.json")
@@ -100,9 +100,7 @@ def tune_call(call: ConvCall, passes=PASSES, warmup: int = 2, repeats: int = 10,
         if pass_name == "forward":
           inputs = PassInputs(x, w, maps.nbr, maps.num, plan=plan)
         else:
-          t_map = maps.nbr if maps.transposed is None else maps.transposed
-          t_num = maps.num if maps.num_in is None else maps.num_in
-          inputs = PassInputs(g, w, t_map, t_num, plan=plan)
+          inputs = PassInputs(g, w, *maps.input_grad_map(), plan=plan)
       try:
         ms = median_ms(pass_function(pass_name, cfg, call.precision, call.weight_layout), (inputs,), warmup,
                        repeats)

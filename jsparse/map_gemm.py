@@ -119,6 +119,10 @@ class ConvMaps(NamedTuple):
       return self.plans[block_m]
     return gemm_plan.masked_plan(self.nbr, self.num, block_m)
 
+  def input_grad_map(self) -> tuple[jax.Array, jax.Array]:
+    """(map, valid rows) the input gradient runs over: the transposed map, or a submanifold map itself."""
+    return (self.nbr, self.num) if self.transposed is None else (self.transposed, self.num_in)
+
   def input_grad_plan(self, block_m: int) -> gemm_plan.MaskedPlan:
     """The input gradient's masked plan (over the transposed map; a submanifold map's own plan)."""
     if self.transposed is None:
@@ -216,9 +220,10 @@ def map_gemm(feats: jax.Array, weight: jax.Array, bias: jax.Array | None, maps: 
   configs = (choose("forward", m, cin, cout, v, feats.dtype, spec.algorithm),
              choose("input_grad", feats.shape[0], cin, cout, v, feats.dtype, spec.algorithm),
              choose("weight_grad", m, cin, cout, v, feats.dtype, spec.algorithm))
-  arrays = _PassArrays(maps.nbr, maps.num, maps.plan(configs[0].tiles.block_m) if configs[0].uses_plan else None,
+  arrays = _PassArrays(maps.nbr, maps.num, *maps.input_grad_map(),
+                       maps.plan(configs[0].tiles.block_m) if configs[0].uses_plan else None,
                        maps.input_grad_plan(configs[1].tiles.block_m) if configs[1].uses_plan else None,
-                       maps.pair_lists() if configs[2].uses_plan else None, maps.transposed, maps.num_in)
+                       maps.pair_lists() if configs[2].uses_plan else None)
   options = _Options(configs, RunOptions(spec.precision, spec.implementation.interpret, layout))
   return _forward(feats, weight, bias, arrays, options)
 
@@ -228,19 +233,17 @@ class _PassArrays(NamedTuple):
 
   nbr: jax.Array
   num: jax.Array
+  input_grad_nbr: jax.Array
+  input_grad_num: jax.Array
   forward_plan: Any
   input_grad_plan: Any
   pairs: Any
-  transposed: Any
-  num_in: Any
 
   def inputs(self, pass_name: str, lhs, rhs, bias=None) -> PassInputs:
     if pass_name == "forward":
       return PassInputs(lhs, rhs, self.nbr, self.num, bias, plan=self.forward_plan)
     if pass_name == "input_grad":
-      t_map = self.nbr if self.transposed is None else self.transposed
-      t_num = self.num if self.num_in is None else self.num_in
-      return PassInputs(lhs, rhs, t_map, t_num, plan=self.input_grad_plan)
+      return PassInputs(lhs, rhs, self.input_grad_nbr, self.input_grad_num, plan=self.input_grad_plan)
     return PassInputs(lhs, rhs, self.nbr, self.num, pairs=self.pairs)
 
 

@@ -26,8 +26,8 @@ from pallas_kernels import gather_gemm, gather_gemm_config, weight_grad, weight_
 from pallas_kernels.tiling import TileConfig
 from pallas_kernels.weight_layout import WeightLayout
 
-__all__ = ["Explicit", "Implicit", "Masked", "PassConfig", "REGISTRY", "ALGORITHMS", "PASSES", "ShapeKey",
-           "PassInputs", "RunOptions", "heuristic", "candidates", "describe", "check_algorithm", "config_to_json",
+__all__ = ["Explicit", "Implicit", "Masked", "PassConfig", "REGISTRY", "ALGORITHMS", "algorithm_names", "PASSES",
+           "ShapeKey", "PassInputs", "RunOptions", "heuristic", "candidates", "describe", "check_algorithm", "config_to_json",
            "config_from_json", "config_from_json_v1"]
 
 PASSES = ("forward", "input_grad", "weight_grad")
@@ -154,16 +154,20 @@ PassConfig = Explicit | Implicit | Masked
 # this order.
 REGISTRY: dict[str, type] = {"explicit": Explicit, "masked": Masked, "implicit": Implicit}
 
-# What a convolution's `algorithm=` argument accepts: "auto", an algorithm, or a tiled one with "_splitk"
-# (split-K forced on).
-ALGORITHMS = ("auto",) + tuple(REGISTRY) + tuple(f"{k}_splitk" for k, c in REGISTRY.items()
-                                                          if c is not Explicit)
+def algorithm_names() -> tuple[str, ...]:
+  """What a convolution's `algorithm=` argument accepts: "auto", a registered algorithm, or a tiled one with
+  "_splitk" (split-K forced on)."""
+  return ("auto",) + tuple(REGISTRY) + tuple(f"{k}_splitk" for k, c in REGISTRY.items() if c is not Explicit)
+
+
+ALGORITHMS = algorithm_names()
 
 
 def check_algorithm(algorithm: str) -> str:
-  """`algorithm` if a convolution accepts it (one of ALGORITHMS), else ValueError naming it."""
-  if algorithm not in ALGORITHMS:
-    raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+  """`algorithm` if a convolution accepts it (`algorithm_names()`), else ValueError naming it."""
+  names = algorithm_names()
+  if algorithm not in names:
+    raise ValueError(f"algorithm must be one of {names}, got {algorithm!r}")
   return algorithm
 
 
@@ -284,7 +288,7 @@ def config_from_json_v1(d: dict, key: str = "entry") -> PassConfig:
     raise ValueError(f"{key}: a config must be a JSON object, got {type(d).__name__}")
   d = dict(d)
   if "algorithm" not in d:
-    raise ValueError(f"{key}: missing field 'algorithm' (one of {ALGORITHMS[1:]})")
+    raise ValueError(f"{key}: missing field 'algorithm' (one of {algorithm_names()[1:]})")
   name = d.pop("algorithm")
   if name == "auto":
     raise ValueError(f"{key}: a tuned entry names a concrete algorithm, not 'auto'")

@@ -429,7 +429,8 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike 
                             out_capacity: Capacity = None, mask: ArrayLike | None = None,
                             implementation: str | None = None, precision: PrecisionLike = None,
                             algorithm: str = "auto", with_overflow: bool = False,
-                            weight_layout: WeightLayout | str = "DHWIO") -> SparseTensor | tuple[SparseTensor, jax.Array]:
+                            weight_layout: WeightLayout | str = "DHWIO"
+                            ) -> SparseTensor | tuple[SparseTensor, jax.Array]:
   """Generative upsampling: every valid site c spawns its children c*stride + t, t in [0, stride)^3.
 
   The kernel size equals the stride, so every child has exactly one parent and child t of c gets

@@ -7,6 +7,7 @@ the convolution are exercised for real.
 import dataclasses
 import json
 import re
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -645,3 +646,41 @@ def test_autotune_tunes_strided_convolutions(monkeypatch):
   assert rel_err(yp, yx) < 1e-5
   for a, r in zip(gp, gx):
     assert rel_err(a, r) < 1e-5
+
+
+def test_a_registered_algorithm_is_usable_by_name_in_tables_and_by_the_tuner(monkeypatch):
+  """The extension point docs/architecture.md describes: one REGISTRY entry makes a new config class a name
+  convolutions accept, an entry tables read and write, and candidates the tuner times; its `run` is what the
+  passes call."""
+  runs = []
+
+  @dataclasses.dataclass(frozen=True)
+  class Traced(Masked):
+    kind: ClassVar[str] = "traced"
+
+    def run(self, pass_name, inputs, options):
+      runs.append(pass_name)
+      return super().run(pass_name, inputs, options)
+
+  monkeypatch.setitem(pass_config.REGISTRY, "traced", Traced)
+  assert {"traced", "traced_splitk"} <= set(pass_config.algorithm_names())
+  x, w, b = _problem()
+  cot = jnp.asarray(np.random.default_rng(3).standard_normal((x.capacity, COUT)).astype(np.float32))
+
+  def loss(w, b, impl, algorithm):
+    y = jsparse.submconv3d(x, w, b, implementation=impl, precision="highest", algorithm=algorithm)
+    return jnp.sum(y.feats * cot)
+
+  got = jax.grad(loss, argnums=(0, 1))(w, b, "pallas", "traced")
+  want = jax.grad(loss, argnums=(0, 1))(w, b, "xla", "auto")
+  assert sorted(set(runs)) == ["forward", "input_grad", "weight_grad"]
+  for a, r in zip(got, want):
+    assert rel_err(a, r) < 1e-5
+  cfg = map_gemm.choose("forward", x.capacity, CIN, COUT, 27, jnp.float32, "traced_splitk")
+  assert type(cfg) is Traced and cfg.tiles.split > 1
+  key = ShapeKey.of("forward", x.capacity, CIN, COUT, 27, jnp.float32)
+  text = tuning.ConfigTable({key: cfg}).to_json()
+  assert json.loads(text)["entries"][str(key)]["algorithm"] == "traced"
+  assert tuning.ConfigTable.from_json(text).get(key) == cfg
+  cands = pass_config.candidates("weight_grad", x.capacity, CIN, COUT, 27, jnp.float32, jsparse.WeightLayout.DHWIO)
+  assert any(type(c) is Traced for c in cands) and any(type(c) is Masked for c in cands)

@@ -1,15 +1,17 @@
 """Per-kernel microbenchmark: jsparse's neighbour map, forward, input-gradient and weight-gradient kernels.
 
     python -m benchmarks.kernels [--res 64,128,256,512] [--shapes 64x256,128x128,256x64,256x256]
-                                 [--dtypes fp16,tf32] [--repeats 20] [--inner 8] [--out DIR] [--smoke]
+                                 [--dtypes fp16,tf32] [--weight-layout DHWIO] [--repeats 20] [--inner 8]
+                                 [--out DIR] [--smoke]
 
 - matmul peak: jnp.dot of two random 8192x8192 matrices (fp16, bf16, and float32 at default precision =
   TF32), the ceiling each kernel's useful rate is compared with (fp16 kernels with fp16, tf32 with TF32).
 - neighbour map: jsparse.neighbor_map (jitted) on the sphere shells of RES in --res; FlexGEMM's
   SubMConv3dFunction._compute_neighbor_cache (masked-GEMM plan, no backward data) beside it.
-- GEMM kernels on (RES, C) in --shapes, C -> C, 3x3x3, fp16 and tf32, a DHWIO weight: each pass exactly as
-  jsparse.submconv3d runs it (`jsparse.map_gemm.run_pass` with the config `map_gemm.choose` picks), and for a
-  masked weight gradient beside it the same with TileConfig.balanced ("weight_grad_balanced")
+- GEMM kernels on (RES, C) in --shapes, C -> C, 3x3x3, fp16 and tf32, the weight in --weight-layout: each
+  pass exactly as jsparse.submconv3d runs it (`jsparse.map_gemm.run_pass` with the config
+  `jsparse.map_gemm.choose` picks), and for a masked weight gradient beside it the same with
+  TileConfig.balanced ("weight_grad_balanced")
   and FlexGEMM's forward layer (sparse_submanifold_conv3d with a prebuilt neighbour cache) beside them.
   Useful TFLOP/s = 2 * pairs * Cin * Cout / time.
 
@@ -147,9 +149,10 @@ def flexgemm_neighbor_map(fg, res, coords, args) -> dict:
   return r
 
 
-def pass_fn(pass_name, cfg, interpret):
-  """The op one pass of jsparse.submconv3d runs for config `cfg` (a PassConfig), as f(x, g, w, b, maps)."""
-  options = RunOptions(None, interpret, jsparse.WeightLayout.DHWIO)
+def pass_fn(pass_name, cfg, interpret, weight_layout):
+  """The op one pass of jsparse.submconv3d runs for config `cfg` (a PassConfig) on a weight flattened in
+  `weight_layout`, as f(x, g, w, b, maps)."""
+  options = RunOptions(None, interpret, jsparse.WeightLayout.of(weight_layout))
 
   def run(x, g, w, b, m):
     if pass_name == "forward":
@@ -183,7 +186,8 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
         for _ in range(args.inner):  # distinct x, g, w, bias per set
           data.append(tuple(jnp.asarray(a, dt) for a in (
               rng.standard_normal((n, c), np.float32), rng.standard_normal((n, c), np.float32),
-              rng.standard_normal((27, c, c), np.float32) * std, rng.standard_normal((c,), np.float32) * 0.1)))
+              flat_weight(rng.standard_normal((27, c, c), np.float32) * std, args.weight_layout),
+              rng.standard_normal((c,), np.float32) * 0.1)))
       except Exception as e:  # noqa: BLE001
         rows.append(dict(base, kernel="setup", jsparse={"error": short_error(e)}))
         print(f"  RES {res} C {c} {dname}: setup FAILED {short_error(e)}", flush=True)
@@ -213,7 +217,7 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
                     "plan_forward": cache.plan(cfg.tiles.block_m) if masked and pass_name == "forward" else None,
                     "plan_input_grad": cache.plan(cfg.tiles.block_m) if masked and pass_name == "input_grad" else None,
                     "pairs": cache.pair_lists() if masked and pass_name == "weight_grad" else None}
-            fn = pass_fn(pass_name, cfg, interpret)
+            fn = pass_fn(pass_name, cfg, interpret, args.weight_layout)
           except Exception as e:  # noqa: BLE001
             rec["jsparse"] = {"error": short_error(e)}
             rows.append(rec)
@@ -242,6 +246,11 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
   return rows
 
 
+def flat_weight(w_vio: np.ndarray, weight_layout: str) -> np.ndarray:
+  """A [V, Cin, Cout] weight in the flattened form of `weight_layout` ([Cout, V, Cin] for ODHWI)."""
+  return np.ascontiguousarray(np.transpose(w_vio, (2, 0, 1))) if weight_layout == "ODHWI" else w_vio
+
+
 def flexgemm_forward(fg, res, coords, jax_sets, dname, args) -> dict:
   """FlexGEMM's forward layer on the same inputs (weights transposed to its (Cout, 3, 3, 3, Cin) layout)."""
   torch, fn_cls, conv = flexgemm_setup(fg)
@@ -253,7 +262,9 @@ def flexgemm_forward(fg, res, coords, jax_sets, dname, args) -> dict:
   sets = []
   for x, _, w, b in jax_sets:
     xt = torch.from_numpy(np.array(x, np.float32)).to(dev, tdt).contiguous()
-    wt = torch.from_numpy(np.array(w, np.float32).reshape(3, 3, 3, c, c)).to(dev).permute(4, 0, 1, 2, 3)
+    w_vio = np.array(w, np.float32)
+    w_vio = np.transpose(w_vio, (1, 2, 0)) if args.weight_layout == "ODHWI" else w_vio
+    wt = torch.from_numpy(np.ascontiguousarray(w_vio).reshape(3, 3, 3, c, c)).to(dev).permute(4, 0, 1, 2, 3)
     sets.append((xt, wt.to(tdt).contiguous(), torch.from_numpy(np.array(b, np.float32)).to(dev, tdt)))
   with torch.no_grad():
     cache = fn_cls._compute_neighbor_cache(coords_t, shape, (3, 3, 3), (1, 1, 1), False)
@@ -331,6 +342,8 @@ def parse_args(argv=None):
   ap.add_argument("--inner", type=int, default=8, help="distinct input sets per timed run")
   ap.add_argument("--matmul-n", type=int, default=8192)
   ap.add_argument("--impl", default=None, choices=("xla", "pallas"), help="neighbour-map implementation")
+  ap.add_argument("--weight-layout", default="DHWIO", choices=("DHWIO", "ODHWI"),
+                  help="the weight layout the passes read (as submconv3d's weight_layout)")
   ap.add_argument("--algorithms", default="auto",
                   help=f"GEMM algorithms to time, of {list(jsparse.ALGORITHMS)} (auto = what submconv3d picks)")
   ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/jsparse_bench")
@@ -360,7 +373,7 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   install_sigterm_handler()
   data = {"meta": metadata(), "settings": {k: getattr(args, k) for k in (
-      "res", "shapes", "dtypes", "sections", "algorithms", "repeats", "warmup", "inner", "matmul_n", "impl",
+      "res", "shapes", "dtypes", "sections", "algorithms", "repeats", "warmup", "inner", "matmul_n", "impl", "weight_layout",
       "smoke")}}
   fg, why = import_flexgemm()
   data["meta"]["flexgemm"] = "available" if fg else f"not run: {why}"

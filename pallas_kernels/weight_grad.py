@@ -148,7 +148,7 @@ def _weight_grad_kernel(ops: WeightGradOperands, o_ref, *, mirrored, split, num_
     return lax.cond(jnp.max(has.astype(jnp.int32)) > 0, matmul, lambda acc: acc, acc)
 
   acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-  if cout_major:  # partials [.., Cout, .., Cin]: the "ovi" weight's own layout, no transpose afterwards
+  if cout_major:  # partials [.., Cout, .., Cin]: the ODHWI weight's own layout, no transpose afterwards
     where = (out, co[None, :], ci[:, None]) if balanced else (s, co[None, :], v, ci[:, None])
   else:
     where = (out, ci[:, None], co[None, :])

@@ -373,7 +373,8 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   install_sigterm_handler()
   data = {"meta": metadata(), "settings": {k: getattr(args, k) for k in (
-      "res", "shapes", "dtypes", "sections", "algorithms", "repeats", "warmup", "inner", "matmul_n", "impl", "weight_layout",
+      "res", "shapes", "dtypes", "sections", "algorithms", "repeats", "warmup", "inner", "matmul_n", "impl",
+      "weight_layout",
       "smoke")}}
   fg, why = import_flexgemm()
   data["meta"]["flexgemm"] = "available" if fg else f"not run: {why}"

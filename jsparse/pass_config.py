@@ -27,7 +27,8 @@ from pallas_kernels.tiling import TileConfig
 from pallas_kernels.weight_layout import WeightLayout
 
 __all__ = ["Explicit", "Implicit", "Masked", "PassConfig", "REGISTRY", "ALGORITHMS", "algorithm_names", "PASSES",
-           "ShapeKey", "PassInputs", "RunOptions", "heuristic", "candidates", "describe", "check_algorithm", "config_to_json",
+           "ShapeKey", "PassInputs", "RunOptions", "heuristic", "candidates", "describe", "check_algorithm",
+           "config_to_json",
            "config_from_json", "config_from_json_v1"]
 
 PASSES = ("forward", "input_grad", "weight_grad")

@@ -315,8 +315,9 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = N
 
   weight: (Kx, Ky, Kz, Cin, Cout), any kernel sizes >= 1, or (Cout, Kx, Ky, Kz, Cin) with
   weight_layout="ODHWI" (as submconv3d). out_capacity: output rows (None: round_capacity of
-  the count, "exact": the count, both outside jit only; under jit pass e.g. round_capacity of an upper bound). cache: a PairMap of x for
-  this geometry (else built). The output carries its PairMap in `caches` for `sparse_inverse_conv3d`.
+  the count, "exact": the count, both outside jit only; under jit pass e.g. round_capacity of an upper bound).
+  cache: a PairMap of x for this geometry (else built).
+  The output carries its PairMap in `caches` for `sparse_inverse_conv3d`.
   with_overflow: return (output, overflow); see the module docstring (outside jit an overflow raises).
   implementation / precision / algorithm: as submconv3d; implementation also picks how the output sites are
   found (`pair_map`).

@@ -62,7 +62,8 @@ SHELLS = [
 ]
 
 
-@pytest.mark.parametrize("res, c, dtype, precision, tol", SHELLS, ids=[f"{s[0]}-{s[1]}-{jnp.dtype(s[2]).name}-{s[3]}" for s in SHELLS])
+@pytest.mark.parametrize("res, c, dtype, precision, tol", SHELLS,
+                         ids=[f"{s[0]}-{s[1]}-{jnp.dtype(s[2]).name}-{s[3]}" for s in SHELLS])
 def test_gpu_sphere_shells_match_xla(res, c, dtype, precision, tol):
   x = shell_tensor(res, c, dtype, pad=1000)
   rng = np.random.default_rng(res + c)

@@ -83,3 +83,13 @@ def test_readme_checkpoint_snippet(tmp_path):
       "\nassert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), variables, restored))\n"
       "assert y.feats.shape == (x.capacity, 16)\nprint('OK')\n")
   run_snippet(code, tmp_path, {"JAX_PLATFORMS": "cpu"})
+
+
+def test_ruff_is_clean():
+  # ruff comes with the test extra; pyproject's [tool.ruff] says what is checked.
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", root],
+                       capture_output=True, text=True, cwd=root)
+  assert run.returncode == 0, run.stdout + run.stderr

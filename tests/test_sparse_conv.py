@@ -190,7 +190,8 @@ def test_pools_match_dense(ks, st, pad, dil):
     assert rel_err(y.feats, _at(dense(x.feats), y)) < 1e-6
     cot = jnp.asarray(rng.standard_normal(y.feats.shape).astype(np.float32))
     if dil == 1 or pool is sparse_avg_pool3d:  # (no reduce_window max gradient with window dilation)
-      _check_grads(lambda f: pool(x.replace(feats=f), ks, st, pad, dil, out_capacity=y.capacity).feats, lambda f: _at(dense(f), y),
+      _check_grads(lambda f: pool(x.replace(feats=f), ks, st, pad, dil, out_capacity=y.capacity).feats,
+                   lambda f: _at(dense(f), y),
                    (x.feats,), cot)
   # The pooled output carries the map: unpooling by an inverse convolution reuses it.
   y = sparse_max_pool3d(x, ks, st, pad, dil)
@@ -288,7 +289,8 @@ def test_pallas_interpret_matches_xla():
   def run(impl):
     def f(feats, w, b, wi, wt):
       xx = x.replace(feats=feats)
-      y = sparse_conv3d(xx, w, b, stride=2, padding=1, out_capacity=x.capacity, implementation=impl, precision="highest")
+      y = sparse_conv3d(xx, w, b, stride=2, padding=1, out_capacity=x.capacity, implementation=impl,
+                        precision="highest")
       z = sparse_inverse_conv3d(y, wi, like=xx, stride=2, padding=1, implementation=impl, precision="highest")
       u = sparse_conv_transpose3d(xx, wt, stride=2, out_capacity=x.capacity * 8, implementation=impl,
                                   precision="highest")

@@ -47,7 +47,7 @@ import numpy as np
 
 import jsparse
 from jsparse import norm
-from jsparse._progress import progress_bar
+from jsparse.progress import progress_bar
 from benchmarks import suite
 
 # name -> (jax dtype, jsparse precision). "fp32" (no TF32 on either side) is for exact cross-checks.

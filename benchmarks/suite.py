@@ -50,7 +50,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jsparse  # noqa: E402
-from jsparse._progress import progress_bar  # noqa: E402
+from jsparse.progress import progress_bar  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

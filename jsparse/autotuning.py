@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse import dispatch, pass_config, tuning
-from jsparse._progress import progress_bar
+from jsparse.progress import progress_bar
 from jsparse.map_gemm import ConvCall, recording, run_pass
 from jsparse.pass_config import PASSES, PassConfig, PassInputs, RunOptions, ShapeKey
 from pallas_kernels.gather_gemm_config import reads_weight_k_major

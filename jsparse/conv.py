@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from jsparse._types import ArrayLike, PrecisionLike, Size3
-from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
+from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm, with_plans
 from jsparse.neighbors import NeighborCache, build_neighbor_map, cache_key, check_dilation, check_kernel_size
 from jsparse.sparse_tensor import SparseTensor, check_same_sites, check_sparse_tensor
 from pallas_kernels.weight_layout import WeightLayout
@@ -54,7 +54,8 @@ def submconv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None
     # A map carried in x.caches is x's by construction (replacing coords drops them); a passed one may not be.
     check_same_sites("submconv3d", "cache (a NeighborCache)", cache.coords, cache.num, x.coords, x.num,
                      ": build it with neighbor_map of this input")
-  # The output shares x's coordinates, so it carries the map on, and the map's hash-table overflow flag.
+  maps = with_plans(x.feats, w, ConvMaps(cache.nbr, x.num, plans=cache.plans, pairs=cache.pairs), spec)
+  cache = dataclasses.replace(cache, plans=maps.plans)
+  # The output shares x's coordinates, so it carries the map (with its plans) on, and its overflow flag.
   x = dataclasses.replace(x.with_cache(key, cache), overflow=x.overflow | cache.overflow)
-  maps = ConvMaps(cache.nbr, x.num, plans=cache.plans, pairs=cache.pairs)
   return x.replace(feats=map_gemm(x.feats, w, b, maps, spec))

@@ -32,8 +32,8 @@ from jsparse.pass_config import (PASSES, PassConfig, PassInputs, RunOptions, Sha
 from pallas_kernels import gemm_plan
 from pallas_kernels.weight_layout import WeightLayout
 
-__all__ = ["map_gemm", "ConvSpec", "ConvMaps", "check_weight", "choose", "plan_block_sizes", "run_pass", "recording",
-           "ConvCall"]
+__all__ = ["map_gemm", "ConvSpec", "ConvMaps", "check_weight", "choose", "configs", "with_plans", "run_pass",
+           "recording", "ConvCall"]
 
 
 # ---- validated arguments -------------------------------------------------------------------------------
@@ -151,18 +151,6 @@ def choose(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int,
   return heuristic(pass_name, num_rows, cin, cout, num_offsets, jnp.dtype(dtype), algorithm)
 
 
-def plan_block_sizes(num_rows: int) -> tuple[int, ...]:
-  """Block sizes whose masked plans convolutions on `num_rows` rows may ask for: the default and any tuned
-  one in an active table (neighbor_map builds these with the map; under jit XLA drops unused ones)."""
-  rows = 1 << max(int(num_rows) - 1, 0).bit_length()
-  sizes = {gemm_plan.default_block_m(num_rows)}
-  for table in tuning.active_tables():
-    for key, cfg in table.entries.items():
-      if key.rows == rows and cfg.uses_plan and key.pass_name != "weight_grad":
-        sizes.add(cfg.tiles.block_m)
-  return tuple(sorted(sizes))
-
-
 class ConvCall(NamedTuple):
   """What one Pallas map-GEMM reported while `recording`: its shapes, maps and options."""
 
@@ -203,6 +191,29 @@ def run_pass(pass_name: str, cfg: PassConfig, inputs: PassInputs, options: RunOp
   return cfg.run(pass_name, inputs, options)
 
 
+def configs(feats: jax.Array, weight: jax.Array, maps: ConvMaps, spec: ConvSpec) -> tuple[PassConfig, ...]:
+  """The config of each pass (forward, input_grad, weight_grad) of the Pallas map-GEMM of these arguments."""
+  m, v = maps.nbr.shape
+  _, cin, cout = spec.weight_layout.flat_dims(weight)
+  return (choose("forward", m, cin, cout, v, feats.dtype, spec.algorithm),
+          choose("input_grad", feats.shape[0], cin, cout, v, feats.dtype, spec.algorithm),
+          choose("weight_grad", m, cin, cout, v, feats.dtype, spec.algorithm))
+
+
+def with_plans(feats: jax.Array, weight: jax.Array, maps: ConvMaps, spec: ConvSpec) -> ConvMaps:
+  """`maps` holding every masked plan over `maps.nbr` that map_gemm(feats, weight, ., maps, spec) reads (built
+  now where missing), so a caller that keeps them with the map (a NeighborCache) builds each plan once."""
+  if not spec.implementation.is_pallas:
+    return maps
+  fwd, input_grad, _ = configs(feats, weight, maps, spec)
+  wanted = [fwd] + ([input_grad] if maps.transposed is None else [])  # a submanifold map is its own transpose
+  plans = dict(maps.plans or {})
+  for cfg in wanted:
+    if cfg.uses_plan and cfg.tiles.block_m not in plans:
+      plans[cfg.tiles.block_m] = gemm_plan.masked_plan(maps.nbr, maps.num, cfg.tiles.block_m)
+  return maps._replace(plans=plans)
+
+
 def map_gemm(feats: jax.Array, weight: jax.Array, bias: jax.Array | None, maps: ConvMaps,
              spec: ConvSpec) -> jax.Array:
   """out[i] = sum_v feats[nbr[i, v]] @ W_v (+ bias) for i < maps.num, zero rows after; differentiable in
@@ -217,14 +228,12 @@ def map_gemm(feats: jax.Array, weight: jax.Array, bias: jax.Array | None, maps: 
   m, v = maps.nbr.shape
   _, cin, cout = layout.flat_dims(weight)
   _record(ConvCall(m, cin, cout, v, jnp.dtype(feats.dtype), maps, spec.precision, layout))
-  configs = (choose("forward", m, cin, cout, v, feats.dtype, spec.algorithm),
-             choose("input_grad", feats.shape[0], cin, cout, v, feats.dtype, spec.algorithm),
-             choose("weight_grad", m, cin, cout, v, feats.dtype, spec.algorithm))
+  cfgs = configs(feats, weight, maps, spec)
   arrays = _PassArrays(maps.nbr, maps.num, *maps.input_grad_map(),
-                       maps.plan(configs[0].tiles.block_m) if configs[0].uses_plan else None,
-                       maps.input_grad_plan(configs[1].tiles.block_m) if configs[1].uses_plan else None,
-                       maps.pair_lists() if configs[2].uses_plan else None)
-  options = _Options(configs, RunOptions(spec.precision, spec.implementation.interpret, layout))
+                       maps.plan(cfgs[0].tiles.block_m) if cfgs[0].uses_plan else None,
+                       maps.input_grad_plan(cfgs[1].tiles.block_m) if cfgs[1].uses_plan else None,
+                       maps.pair_lists() if cfgs[2].uses_plan else None)
+  options = _Options(cfgs, RunOptions(spec.precision, spec.implementation.interpret, layout))
   return _forward(feats, weight, bias, arrays, options)
 
 

@@ -11,7 +11,7 @@ from jax import lax
 
 from jsparse import dispatch
 from jsparse._types import Size3
-from jsparse.map_gemm import ConvMaps, plan_block_sizes as default_plan_block_sizes
+from jsparse.map_gemm import ConvMaps
 from pallas_kernels import gemm_plan
 from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int, report, site_keys
 
@@ -76,8 +76,8 @@ class NeighborCache:
   overflow: jax.Array
   kernel_size: tuple[int, int, int] = dataclasses.field(metadata=dict(static=True))
   dilation: tuple[int, int, int] = dataclasses.field(metadata=dict(static=True))
-  # Work plans for the Pallas GEMMs (see pallas_kernels/gemm_plan.py), built with the map when the Pallas
-  # implementation is selected. Under jit, plans a computation does not use are dropped by XLA.
+  # Work plans for the Pallas GEMMs (see pallas_kernels/gemm_plan.py): the default block size's built with the
+  # map, others added by the convolutions that read them. Under jit, plans nothing uses are dropped by XLA.
   plans: dict = dataclasses.field(default_factory=dict)  # block_m -> MaskedPlan
   pairs: Any = None  # PairLists for the weight gradient, or None
   num: Any = None  # int32 scalar: valid rows of the coordinates the map was built on
@@ -130,8 +130,9 @@ def neighbor_map(x: SparseTensor, kernel_size: Size3 = 3, dilation: Size3 = 1, i
   """The submanifold neighbour map of `x`'s coordinates for a kernel of `kernel_size` and `dilation`.
 
   implementation: None (GPU hash table on a GPU, XLA elsewhere), "pallas" or "xla".
-  plan_block_sizes: block sizes to build masked-GEMM plans for (Pallas only); None = the block sizes the
-    convolutions will pick for this capacity.
+  plan_block_sizes: block sizes to build masked-GEMM plans for now (Pallas only); None = the kernels' default
+    block size for this capacity. A convolution builds any other plan it needs (a tuned block size) and its
+    output carries it on with the map.
   """
   return build_neighbor_map(x, check_kernel_size(kernel_size), check_dilation(dilation),
                             dispatch.resolve(implementation), plan_block_sizes)
@@ -152,7 +153,7 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
     overflow = jnp.zeros((), bool)
   plans, pairs = {}, None
   if impl.is_pallas:
-    sizes = plan_block_sizes if plan_block_sizes is not None else default_plan_block_sizes(x.capacity)
+    sizes = plan_block_sizes if plan_block_sizes is not None else (gemm_plan.default_block_m(x.capacity),)
     plans = {int(bm): gemm_plan.masked_plan(nbr, x.num, int(bm)) for bm in sizes}
     pairs = gemm_plan.pair_lists(nbr, mirrored=True)  # a submanifold map is its own mirror image
   cache = NeighborCache(nbr, overflow, kernel_size, dilation, plans, pairs, x.num, x.coords)

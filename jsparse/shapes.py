@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse.sparse_tensor import SparseTensor, _as_spatial_shape, key_width, round_capacity
+from jsparse.sparse_tensor import SparseTensor, as_spatial_shape, key_width, round_capacity
 
 KINDS = ("sphere", "shell", "torus", "box")
 
@@ -104,7 +104,7 @@ def masks_to_tensor(masks, channels: int = 1, capacity=None, dtype=np.float32) -
   feats_p = np.zeros((capacity, int(channels)), dtype)
   feats_p[:n] = 1
   return SparseTensor(jnp.asarray(coords_p), jnp.asarray(feats_p), jnp.asarray(n, jnp.int32),
-                      _as_spatial_shape(m.shape[1:]), m.shape[0])
+                      as_spatial_shape(m.shape[1:]), m.shape[0])
 
 
 def _single(mask, channels, capacity, return_dense):

@@ -165,7 +165,7 @@ def resolve_capacity(capacity, count, name: str = "capacity", what: str = "sites
   return count if capacity == EXACT else round_capacity(count)
 
 
-def _as_spatial_shape(spatial_shape) -> tuple[int, int, int]:
+def as_spatial_shape(spatial_shape) -> tuple[int, int, int]:
   # A string is a sequence too: "888" must not pass as (8, 8, 8).
   if isinstance(spatial_shape, (str, bytes)) or not hasattr(spatial_shape, "__iter__"):
     raise TypeError(f"spatial_shape must be a sequence of 3 ints, got {spatial_shape!r}")
@@ -248,7 +248,7 @@ class SparseTensor:
     if isinstance(coords, jax.core.Tracer) or isinstance(feats, jax.core.Tracer):
       raise TypeError("SparseTensor.from_coords validates on the host; call it outside jax.jit "
                       "(inside jit, build the pytree directly with SparseTensor(coords, feats, num, ...)).")
-    spatial_shape = _as_spatial_shape(spatial_shape)
+    spatial_shape = as_spatial_shape(spatial_shape)
     coords = np.asarray(coords)
     feats_arr = jnp.asarray(feats)
     if not (np.issubdtype(coords.dtype, np.integer)):
@@ -492,7 +492,7 @@ def key_width(batch_size: int, spatial_shape: Sequence[int]) -> int:
   ValueError naming batch_size and spatial_shape when batch_size * X * Y * Z >= 2**62 or an extent >= 2**21.
   """
   batch_size = as_int(batch_size, "batch_size", minimum=1)
-  shape = _as_spatial_shape(spatial_shape)
+  shape = as_spatial_shape(spatial_shape)
   total = batch_size * math.prod(shape)
   if max(shape) >= MAX_EXTENT:
     raise ValueError(f"spatial_shape={shape}: every extent must be below 2**21 (site coordinates fit in "

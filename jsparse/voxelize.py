@@ -27,7 +27,7 @@ from jax import lax
 
 from jsparse._types import ArrayLike
 from jsparse.sampling import gather_sites
-from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, _as_spatial_shape, check_capacity, key_width, report,
+from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_spatial_shape, check_capacity, key_width, report,
                                    resolve_capacity, round_capacity, site_keys, wide_divmod)
 
 REDUCTIONS = ("mean", "sum", "max", "first")
@@ -330,7 +330,7 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
   grid_lo, grid_hi = np.floor((lo - org) / vs), np.floor((hi - org) / vs)
   if spatial_shape is None:
     spatial_shape = tuple(max(int(s), 1) for s in grid_hi + 1)
-  spatial_shape = _as_spatial_shape(spatial_shape)
+  spatial_shape = as_spatial_shape(spatial_shape)
   if n and (np.any(grid_lo < 0) or np.any(grid_hi >= np.array(spatial_shape))):
     index = np.floor((p - org) / vs)
     outside = ((index < 0) | (index >= np.array(spatial_shape))).any(axis=1)
@@ -403,7 +403,7 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   Sums and means accumulate in float32 for half-precision feats.
   """
   _check_reduce(reduce)
-  spatial_shape = _as_spatial_shape(spatial_shape)
+  spatial_shape = as_spatial_shape(spatial_shape)
   batch_size = int(batch_size)
   width = _check_key_range(batch_size, spatial_shape)
   capacity = int(capacity)

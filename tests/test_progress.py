@@ -1,4 +1,4 @@
-"""Progress bars (jsparse/_progress.py): tqdm when installed, the plain iterable when not; autotune and the
+"""Progress bars (jsparse/progress.py): tqdm when installed, the plain iterable when not; autotune and the
 benchmark suite go through them."""
 import sys
 import types
@@ -9,7 +9,7 @@ import pytest
 
 import jsparse
 from jsparse import autotuning
-from jsparse._progress import progress_bar
+from jsparse.progress import progress_bar
 from reference import random_sparse
 
 

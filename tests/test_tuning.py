@@ -224,22 +224,37 @@ def test_nested_tables_inner_wins_then_outer_then_heuristic():
   assert map_gemm.choose("weight_grad", **SHAPE) == pass_config.heuristic("weight_grad", **SHAPE)
 
 
-def test_plan_block_sizes_follow_active_tables():
+def test_convolutions_build_the_plans_their_configs_read():
+  # neighbor_map builds the default block size's plan without reading tuning tables; a convolution whose tuned
+  # config reads another block size builds that plan once and its output's cache carries it to later layers.
   if jax.default_backend() == "gpu":
     pytest.skip("a shipped table may be active on a GPU")
-  base = default_block_m(1000)
-  assert map_gemm.plan_block_sizes(1000) == (base,)
+  rng = np.random.default_rng(0)
+  x = random_sparse(rng, (10, 10, 10), 32, density=0.3)
+  cap = x.capacity
+  base = default_block_m(cap)
   odd = 16 if base != 16 else 32
+  shape = dict(num_rows=cap, cin=32, cout=64, num_offsets=27, dtype=jnp.float32)
   table = tuning.ConfigTable({
-      ShapeKey.of("input_grad", **SHAPE): Masked(TileConfig(odd, 16, 16)),
-      # Weight-gradient and non-masked entries need no masked plan; nor does another capacity bucket.
-      ShapeKey.of("weight_grad", **SHAPE): Masked(TileConfig(256, 16, 16)),
-      ShapeKey.of("forward", **SHAPE): Implicit(TileConfig(512, 16, 16)),
-      ShapeKey.of("forward", **dict(SHAPE, num_rows=5000)): Masked(TileConfig(1024, 16, 16)),
+      ShapeKey.of("input_grad", **shape): Masked(TileConfig(odd, 16, 16)),
+      ShapeKey.of("weight_grad", **shape): Masked(TileConfig(256, 16, 16)),  # pair lists, no masked plan
+      ShapeKey.of("forward", **shape): Implicit(TileConfig(64, 16, 16)),  # no plan
   })
+  w = jnp.asarray(rng.standard_normal((3, 3, 3, 32, 64)), jnp.float32) * 0.1
   with table:
-    assert map_gemm.plan_block_sizes(1000) == tuple(sorted({base, odd}))
-  assert map_gemm.plan_block_sizes(1000) == (base,)
+    cache = jsparse.neighbor_map(x, 3, implementation="pallas")
+    assert sorted(cache.plans) == [base]
+    y = jsparse.submconv3d(x, w, implementation="pallas")
+    kept = [c for c in y.caches.values() if isinstance(c, jsparse.NeighborCache)]
+    assert len(kept) == 1 and sorted(kept[0].plans) == sorted({base, odd})
+    # A second layer on y reads the carried plans and gives the XLA result.
+    w2 = jnp.asarray(rng.standard_normal((3, 3, 3, 64, 32)), jnp.float32) * 0.1
+    z = jsparse.submconv3d(y, w2, implementation="pallas")
+    assert kept[0].plans[odd] is next(iter(z.caches.values())).plans[odd]
+  z_ref = jsparse.submconv3d(jsparse.submconv3d(x, w, implementation="xla"), w2, implementation="xla")
+  assert rel_err(z.feats, z_ref.feats) < 1e-5
+  y_plain = jsparse.submconv3d(x, w, implementation="pallas")
+  assert sorted(next(iter(y_plain.caches.values())).plans) == [base]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -582,8 +597,9 @@ def test_tuned_table_drives_the_convolution(tuned, monkeypatch, tmp_path):
       assert real_choose(p, *shape) == tuned_cfgs[p]
     # Traced inside the context (a fresh jit), so it picks the tuned configs.
     (_, yp), gp = jax.jit(grad, static_argnums=3)(x.feats, w, b, "pallas")
-  assert dict(chosen) == tuned_cfgs
-  assert [p for p, _ in chosen] == list(pass_config.PASSES)
+  # Every pass chose (the conv asks once for its plans, then map_gemm once per pass), each its tuned config.
+  assert dict(chosen) == tuned_cfgs and all(cfg == tuned_cfgs[p] for p, cfg in chosen)
+  assert {p for p, _ in chosen} == set(pass_config.PASSES)
   (_, yx), gx = jax.jit(grad, static_argnums=3)(x.feats, w, b, "xla")
   assert rel_err(yp, yx) < 1e-5
   assert np.all(np.asarray(yp[int(x.num):]) == 0)

@@ -7,8 +7,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from jsparse import _layer_rules as rules
-from jsparse.nn.layers import _check_sparse
+from jsparse import layer_rules as rules
 from jsparse.sparse_tensor import SparseTensor
 
 __all__ = ["Sequential", "SparseDropout", "TensorFn", "ToDense"]
@@ -52,7 +51,7 @@ class ToDense(nn.Module):
   channels_first: bool = False
 
   def __call__(self, x: SparseTensor) -> jax.Array:
-    return _check_sparse(x, type(self).__name__).todense(channels_first=self.channels_first)
+    return rules.check_sparse(x, type(self).__name__).todense(channels_first=self.channels_first)
 
 
 class SparseDropout(nn.Module):
@@ -66,7 +65,7 @@ class SparseDropout(nn.Module):
 
   @nn.compact
   def __call__(self, x: SparseTensor, deterministic: bool | None = None, rng: jax.Array | None = None) -> SparseTensor:
-    _check_sparse(x, type(self).__name__)
+    rules.check_sparse(x, type(self).__name__)
     deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
     return rules.dropout_step(x, self.rate, deterministic,
                               lambda: self.make_rng(self.rng_collection) if rng is None else rng)

@@ -14,10 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax.linen import initializers
 
-from jsparse import _layer_rules as rules
+from jsparse import layer_rules as rules
 from jsparse import norm
-from jsparse._layer_rules import check_sparse as _check_sparse
-from jsparse._layer_rules import triple as _triple  # noqa: F401  (sparse_conv_layers.py imports it from here)
 from jsparse.conv import submconv3d
 from jsparse.sparse_tensor import SparseTensor
 
@@ -106,14 +104,25 @@ class SubMConv3d(ConvParams):
 
   @nn.compact
   def __call__(self, x: SparseTensor) -> SparseTensor:
-    _check_sparse(x, type(self).__name__)
+    rules.check_sparse(x, type(self).__name__)
     kernel_size, dilation = self._checked_config()
     x, kernel, bias = self.conv_params(x, kernel_size)
     return submconv3d(x, kernel, bias, dilation=dilation, implementation=self.implementation,
                       precision=self.precision, algorithm=self.algorithm, weight_layout=self.kernel_layout)
 
 
-class SparseBatchNorm(nn.Module):
+class _AffineNormAttributes(nn.Module, kw_only=True):
+  """The attributes every normalisation shares with flax's (keyword-only, after each norm's own)."""
+
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  use_bias: bool = True
+  use_scale: bool = True
+  bias_init: Initializer = initializers.zeros_init()
+  scale_init: Initializer = initializers.ones_init()
+
+
+class SparseBatchNorm(_AffineNormAttributes):
   """Batch normalisation over the valid rows of a SparseTensor (nn.BatchNorm's attributes and collections).
 
   Statistics are per channel over every valid row of the batch (padding rows excluded); running averages
@@ -125,19 +134,13 @@ class SparseBatchNorm(nn.Module):
   use_running_average: bool | None = None
   momentum: float = 0.99
   epsilon: float = 1e-5
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  use_bias: bool = True
-  use_scale: bool = True
-  bias_init: Initializer = initializers.zeros_init()
-  scale_init: Initializer = initializers.ones_init()
   axis_name: str | None = None
   axis_index_groups: Any = None
   activation: Callable | None = None  # e.g. nn.relu, applied in the same pass as the normalisation
 
   @nn.compact
   def __call__(self, x: SparseTensor, use_running_average: bool | None = None) -> SparseTensor:
-    _check_sparse(x, type(self).__name__)
+    rules.check_sparse(x, type(self).__name__)
     use_running_average = nn.merge_param("use_running_average", self.use_running_average, use_running_average)
     c = (x.num_channels,)
     ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), c)
@@ -156,25 +159,19 @@ class SparseBatchNorm(nn.Module):
     return y
 
 
-class SparseLayerNorm(nn.Module):
+class SparseLayerNorm(_AffineNormAttributes):
   """Layer normalisation of each valid row over its channels (nn.LayerNorm's attributes)."""
 
   epsilon: float = 1e-6
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  use_bias: bool = True
-  use_scale: bool = True
-  bias_init: Initializer = initializers.zeros_init()
-  scale_init: Initializer = initializers.ones_init()
 
   @nn.compact
   def __call__(self, x: SparseTensor) -> SparseTensor:
-    _check_sparse(x, type(self).__name__)
+    rules.check_sparse(x, type(self).__name__)
     scale, bias = _affine(self, (x.num_channels,))
     return norm.layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=_out_dtype(self, x))
 
 
-class SparseGroupNorm(nn.Module):
+class SparseGroupNorm(_AffineNormAttributes):
   """Group normalisation per batch item over the valid rows (nn.GroupNorm's attributes).
 
   Exactly one of num_groups / group_size is set (as flax); channels must divide evenly into groups.
@@ -183,17 +180,11 @@ class SparseGroupNorm(nn.Module):
   num_groups: int | None = 32
   group_size: int | None = None
   epsilon: float = 1e-6
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  use_bias: bool = True
-  use_scale: bool = True
-  bias_init: Initializer = initializers.zeros_init()
-  scale_init: Initializer = initializers.ones_init()
 
   @nn.compact
   def __call__(self, x: SparseTensor) -> SparseTensor:
     name = type(self).__name__
-    _check_sparse(x, name)
+    rules.check_sparse(x, name)
     c = x.num_channels
     num_groups = rules.group_count(name, c, self.num_groups, self.group_size)
     scale, bias = _affine(self, (c,))

@@ -8,14 +8,24 @@ import jax
 import jax.numpy as jnp
 
 from jsparse import norm
-from jsparse._layer_rules import check_norm_kind
+from jsparse.layer_rules import check_norm_kind
 from jsparse.nn.layers import SparseBatchNorm, SparseGroupNorm, SubMConv3d
 from jsparse.sparse_tensor import SparseTensor
 
 __all__ = ["SparseResNetBlock", "SparseUNet"]
 
 
-class SparseResNetBlock(nn.Module):
+class _BlockAttributes(nn.Module, kw_only=True):
+  """What every block of this module passes on to its layers (keyword-only, after each block's own)."""
+
+  num_groups: int = 8
+  activation: Callable[[jax.Array], jax.Array] = nn.relu
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  implementation: str | None = None
+
+
+class SparseResNetBlock(_BlockAttributes):
   """A pre-activation-free basic residual block on a fixed set of sites:
 
     y = act(norm2(conv2(act(norm1(conv1(x))))) + shortcut(x))
@@ -30,11 +40,6 @@ class SparseResNetBlock(nn.Module):
   features: int
   kernel_size: int = 3
   norm: str | None = "batch"
-  num_groups: int = 8
-  activation: Callable[[jax.Array], jax.Array] = nn.relu
-  dtype: Any = None
-  param_dtype: Any = jnp.float32
-  implementation: str | None = None
   bn_momentum: float = 0.99
   axis_name: str | None = None
 
@@ -67,7 +72,7 @@ class SparseResNetBlock(nn.Module):
     return norm.activation(out, self.activation)
 
 
-class SparseUNet(nn.Module):
+class SparseUNet(_BlockAttributes):
   """A small sparse U-Net: at each level a residual block, then a 2x2x2 stride-2 SparseConv3d down; on the
   way up a SparseInverseConv3d back onto the skip's coordinates, concatenation with the skip, and a block.
 
@@ -79,11 +84,6 @@ class SparseUNet(nn.Module):
   features: tuple[int, ...] = (16, 32, 64)
   out_features: int = 1
   norm: str | None = "group"
-  num_groups: int = 8
-  activation: Callable[[jax.Array], jax.Array] = nn.relu
-  dtype: Any = None
-  param_dtype: Any = jnp.float32
-  implementation: str | None = None
 
   @nn.compact
   def __call__(self, x: SparseTensor, train: bool = True) -> SparseTensor:

@@ -16,21 +16,20 @@ from typing import Sequence
 
 import flax.linen as nn
 
-from jsparse import _layer_rules as rules
+from jsparse import layer_rules as rules
 from jsparse import pool, sparse_conv
-from jsparse.nn.layers import ConvParams, _check_sparse
-from jsparse.nn.layers import _triple as _triple_named
+from jsparse.nn.layers import ConvParams
 from jsparse.sparse_tensor import SparseTensor
 
 __all__ = ["SparseConv3d", "SparseInverseConv3d", "SparseConvTranspose3d", "SparseMaxPool3d", "SparseAvgPool3d"]
 
 
 def _sparse(x, module) -> SparseTensor:
-  return _check_sparse(x, type(module).__name__)
+  return rules.check_sparse(x, type(module).__name__)
 
 
 def _triple(value, name: str, module) -> tuple[int, int, int]:
-  return _triple_named(value, name, type(module).__name__)
+  return rules.triple(value, name, type(module).__name__)
 
 
 def _padding(value, module) -> tuple[int, int, int]:
@@ -39,7 +38,7 @@ def _padding(value, module) -> tuple[int, int, int]:
 
 def _geometry(module, x: SparseTensor):
   """(x on the padded grid, padding) for the module's kernel_size, strides, padding and dilation (the rule
-  the nnx twins share, in jsparse/_layer_rules.py)."""
+  the nnx twins share, in jsparse/layer_rules.py)."""
   return rules.strided_geometry(type(module).__name__, x, module.kernel_size, module.strides, module.padding,
                                 module.kernel_dilation)
 
@@ -119,8 +118,8 @@ class SparseConvTranspose3d(ConvParams):
                                                precision=self.precision, weight_layout=self.kernel_layout)
 
 
-class SparseMaxPool3d(nn.Module):
-  """`jsparse.sparse_max_pool3d` (max over the active inputs of each window) as a parameter-free module."""
+class _Pool(nn.Module):
+  """A parameter-free pooling module over `_op` (a pool of jsparse.pool)."""
 
   kernel_size: int | Sequence[int] = 2
   strides: int | Sequence[int] | None = None  # None: kernel_size
@@ -128,18 +127,17 @@ class SparseMaxPool3d(nn.Module):
   out_capacity: int | None = None
 
   def __call__(self, x: SparseTensor) -> SparseTensor:
-    return pool.sparse_max_pool3d(_sparse(x, self), self.kernel_size, self.strides,
-                                         _padding(self.padding, self), out_capacity=self.out_capacity)
+    return self._op(_sparse(x, self), self.kernel_size, self.strides, _padding(self.padding, self),
+                    out_capacity=self.out_capacity)
 
 
-class SparseAvgPool3d(nn.Module):
+class SparseMaxPool3d(_Pool):
+  """`jsparse.sparse_max_pool3d` (max over the active inputs of each window) as a parameter-free module."""
+
+  _op = staticmethod(pool.sparse_max_pool3d)
+
+
+class SparseAvgPool3d(_Pool):
   """`jsparse.sparse_avg_pool3d` (mean over the active inputs of each window) as a parameter-free module."""
 
-  kernel_size: int | Sequence[int] = 2
-  strides: int | Sequence[int] | None = None
-  padding: int | Sequence[int] | str = 0
-  out_capacity: int | None = None
-
-  def __call__(self, x: SparseTensor) -> SparseTensor:
-    return pool.sparse_avg_pool3d(_sparse(x, self), self.kernel_size, self.strides,
-                                         _padding(self.padding, self), out_capacity=self.out_capacity)
+  _op = staticmethod(pool.sparse_avg_pool3d)

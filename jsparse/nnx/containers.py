@@ -1,6 +1,6 @@
 """flax.nnx twins of the jsparse.nn containers: Sequential, TensorFn, ToDense, SparseDropout.
 
-They run the same code as the linen containers (`jsparse._layer_rules.apply_layers` and `dropout_step`), so
+They run the same code as the linen containers (`jsparse.layer_rules.apply_layers` and `dropout_step`), so
 a keyword argument reaches the same layers and a feature function is lifted the same way in either family.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from jsparse import _layer_rules as rules
+from jsparse import layer_rules as rules
 from jsparse.sparse_tensor import SparseTensor
 
 __all__ = ["Sequential", "SparseDropout", "TensorFn", "ToDense"]

@@ -2,7 +2,7 @@
 layouts, with nnx's conventions (input widths given at construction, `rngs=`, `model.train()` / `model.eval()`).
 
 Each module holds its parameters and calls exactly what its linen twin calls (the ops of jsparse.conv,
-jsparse.sparse_conv, jsparse.pool, jsparse.norm and the rules in jsparse._layer_rules), so the two compute the
+jsparse.sparse_conv, jsparse.pool, jsparse.norm and the rules in jsparse.layer_rules), so the two compute the
 same thing; `jsparse.nnx.linen_to_nnx` / `jsparse.nnx.nnx_to_linen` move parameters between them.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import initializers
 
-from jsparse import _layer_rules as rules
+from jsparse import layer_rules as rules
 from jsparse import norm, pool, sparse_conv
 from jsparse.conv import submconv3d
 from jsparse.sparse_tensor import SparseTensor
@@ -101,7 +101,7 @@ class SubMConv3d(_ConvParams):
 
 class _StridedConv(_ConvParams):
   """The geometry of SparseConv3d and SparseInverseConv3d, read as their linen twins read it
-  (`jsparse._layer_rules.strided_geometry`): padding "SAME" (default, lax's), "VALID" or symmetric ints."""
+  (`jsparse.layer_rules.strided_geometry`): padding "SAME" (default, lax's), "VALID" or symmetric ints."""
 
   def _init_geometry(self, kernel_size, strides, padding, kernel_dilation) -> tuple[int, int, int]:
     name = type(self).__name__
@@ -202,33 +202,31 @@ class SparseConvTranspose3d(_ConvParams):
 
 
 class _Pool(nnx.Module):
+  """A parameter-free pooling module over `_op` (a pool of jsparse.pool); strides None means kernel_size."""
+
   def __init__(self, kernel_size: int | Sequence[int] = 2, strides: int | Sequence[int] | None = None,
                padding: int | Sequence[int] | str = 0, *, out_capacity: int | None = None):
     rules.explicit_padding(padding, type(self).__name__)  # checked now, read at each call
     self.kernel_size, self.strides = _hashable(kernel_size), _hashable(strides)
     self.padding, self.out_capacity = _hashable(padding), out_capacity
 
-
-class SparseMaxPool3d(_Pool):
-  """`jsparse.sparse_max_pool3d` (max over the active inputs of each window) as a parameter-free nnx module;
-  strides None means kernel_size."""
-
   def __call__(self, x: SparseTensor) -> SparseTensor:
     """The pooled tensor."""
     name = type(self).__name__
-    return pool.sparse_max_pool3d(rules.check_sparse(x, name), self.kernel_size, self.strides,
-                                  rules.explicit_padding(self.padding, name), out_capacity=self.out_capacity)
+    return self._op(rules.check_sparse(x, name), self.kernel_size, self.strides,
+                    rules.explicit_padding(self.padding, name), out_capacity=self.out_capacity)
+
+
+class SparseMaxPool3d(_Pool):
+  """`jsparse.sparse_max_pool3d` (max over the active inputs of each window) as a parameter-free nnx module."""
+
+  _op = staticmethod(pool.sparse_max_pool3d)
 
 
 class SparseAvgPool3d(_Pool):
-  """`jsparse.sparse_avg_pool3d` (mean over the active inputs of each window) as a parameter-free nnx module;
-  strides None means kernel_size."""
+  """`jsparse.sparse_avg_pool3d` (mean over the active inputs of each window) as a parameter-free nnx module."""
 
-  def __call__(self, x: SparseTensor) -> SparseTensor:
-    """The pooled tensor."""
-    name = type(self).__name__
-    return pool.sparse_avg_pool3d(rules.check_sparse(x, name), self.kernel_size, self.strides,
-                                  rules.explicit_padding(self.padding, name), out_capacity=self.out_capacity)
+  _op = staticmethod(pool.sparse_avg_pool3d)
 
 
 class _Affine(nnx.Module):

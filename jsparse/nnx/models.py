@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jsparse import norm
-from jsparse._layer_rules import check_norm_kind
+from jsparse.layer_rules import check_norm_kind
 from jsparse.nnx.layers import SparseBatchNorm, SparseConv3d, SparseGroupNorm, SparseInverseConv3d, SubMConv3d
 from jsparse.sparse_conv import concat
 from jsparse.sparse_tensor import SparseTensor

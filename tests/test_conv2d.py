@@ -12,6 +12,7 @@ import jsparse
 import jsparse.nn as snn
 import jsparse.nnx as snnx
 from reference import rel_err
+from test_packaging import readme_snippet
 
 DN2 = ("NHWC", "HWIO", "NHWC")
 DN1 = ("NWC", "WIO", "NWC")
@@ -507,6 +508,18 @@ def test_pallas_interpret_matches_xla():
   (_, outs_x), grads_x = run("xla")
   for a, r in zip(outs_p + grads_p, outs_x + grads_x):
     assert rel_err(a, r) < 1e-5
+
+
+def test_readme_bev_example():
+  code = readme_snippet("### 2D maps (BEV) and 1D sequences")
+  scope = {}
+  exec(compile(code, "README.md", "exec"), scope)
+  assert scope["dense"].shape == (2, 50, 44, 128)
+  assert scope["down"].spatial_shape == (1, 100, 88) and not bool(jsparse.overflowed(scope["down"]))
+  # The jitted Sequential has static out_capacities: the example's must hold every output site.
+  bev, model, variables = scope["bev"], scope["model"], scope["variables"]
+  y = model.clone(layers=model.layers[:-1]).apply(variables, bev)
+  assert not bool(jsparse.overflowed(y))
 
 
 def bev_map(rng, channels, dtype, shape=(200, 176), density=0.2, batch_size=2):

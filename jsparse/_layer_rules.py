@@ -103,8 +103,8 @@ def strided_geometry(module: str, x: SparseTensor, kernel_size, strides, padding
   if not is_same_padding(padding):
     return x, explicit_padding(padding, module, ndim)
   lifted = lambda value, name: (1,) * (3 - ndim) + triple(value, name, module, ndim)
-  ks, st, dil = lifted(kernel_size, "kernel_size"), lifted(strides, "strides"), lifted(kernel_dilation, "kernel_dilation")
-  low, extra = same_padding(x.spatial_shape, ks, st, dil)
+  low, extra = same_padding(x.spatial_shape, lifted(kernel_size, "kernel_size"), lifted(strides, "strides"),
+                            lifted(kernel_dilation, "kernel_dilation"))
   return on_grid(x, [n + e for n, e in zip(x.spatial_shape, extra)]), low[3 - ndim:]
 
 

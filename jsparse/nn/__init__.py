@@ -3,8 +3,8 @@ from jsparse.nn.containers import Sequential, SparseDropout, TensorFn, ToDense
 from jsparse.nn.layers import SparseBatchNorm, SparseGroupNorm, SparseLayerNorm, SubMConv1d, SubMConv2d, SubMConv3d
 from jsparse.nn.models import SparseResNetBlock, SparseUNet
 
-__all__ = ["SubMConv3d", "SubMConv2d", "SubMConv1d", "SparseBatchNorm", "SparseLayerNorm", "SparseGroupNorm", "SparseResNetBlock", "SparseUNet",
-           "Sequential", "TensorFn", "ToDense", "SparseDropout"]
+__all__ = ["SubMConv3d", "SubMConv2d", "SubMConv1d", "SparseBatchNorm", "SparseLayerNorm", "SparseGroupNorm",
+           "SparseResNetBlock", "SparseUNet", "Sequential", "TensorFn", "ToDense", "SparseDropout"]
 
 # Strided/transposed convolutions and pooling live in sparse_conv_layers.py (written separately); the guard
 # keeps the submanifold layers importable should that file be missing or broken.

@@ -481,6 +481,28 @@ def test_modules_equal_flax_conv_on_the_dense_map():
     np.testing.assert_allclose(np.asarray(y_odhwi.feats), np.asarray(y.feats), rtol=1e-5, atol=1e-6)
 
 
+def test_1d_modules_equal_flax_conv():
+  rng = np.random.default_rng(14)
+  x = random_sparse_nd(rng, (19,), 3)
+  for sparse, twin, flax_conv in [
+      (snn.SubMConv1d(4, 3, precision="highest"), snnx.SubMConv1d(3, 4, 3, precision="highest", rngs=nnx.Rngs(0)),
+       nn.Conv(4, (3,), padding="SAME", precision=HIGHEST)),
+      (snn.SparseConv1d(4, 3, strides=2, precision="highest"),
+       snnx.SparseConv1d(3, 4, 3, strides=2, precision="highest", rngs=nnx.Rngs(0)),
+       nn.Conv(4, (3,), strides=2, padding="SAME", precision=HIGHEST))]:
+    variables = jax.tree.map(lambda a: a + 0.1, sparse.init(jax.random.key(1), x))
+    assert variables["params"]["kernel"].shape == (3, 3, 4)
+    y = sparse.apply(variables, x)
+    assert y.spatial_ndim == 1
+    want = flax_conv.apply(variables, x.todense()) * occupancy(y)
+    assert rel_err(y.todense(), want) < 1e-5
+    nnx.update(twin, snnx.linen_to_nnx(variables, twin))
+    np.testing.assert_allclose(np.asarray(twin(x).feats), np.asarray(y.feats), rtol=1e-6)
+  pooled = snn.SparseAvgPool1d(2).apply({}, x)
+  np.testing.assert_array_equal(np.asarray(pooled.feats), np.asarray(snnx.SparseAvgPool1d(2)(x).feats))
+  assert pooled.dense_shape == (2, 9, 3)
+
+
 def test_pallas_interpret_matches_xla():
   rng = np.random.default_rng(9)
   x = random_sparse_nd(rng, (7, 6), 3, batch_size=2, density=0.35, pad=5)

@@ -384,6 +384,22 @@ def test_maps_norms_and_topology_keep_the_rank():
   assert jsparse.global_pool(x).shape == (3, 4)
 
 
+@pytest.mark.parametrize("order, max_step", [("hilbert", 1), ("morton", None)])
+def test_2d_serialization_is_the_plane_curve(order, max_step):
+  side = 16
+  dense = np.ones((1, side, side, 1), np.float32)
+  x = jsparse.SparseTensor.from_dense(dense, capacity="exact")
+  sorted_x, _ = jsparse.serialize.sort_by(x, order)
+  assert sorted_x.spatial_ndim == 2
+  yx = np.asarray(sorted_x.indices)[:, 1:]
+  assert len({tuple(r) for r in yx.tolist()}) == side * side
+  if max_step is not None:  # the 2D Hilbert curve: every step moves to an edge-adjacent cell
+    assert np.abs(np.diff(yx, axis=0)).sum(axis=1).max() == max_step
+  else:  # Z-order of the plane: the quadrants in turn, each a Z-order of its own
+    quadrant = (yx[:, 0] >= side // 2) * 2 + (yx[:, 1] >= side // 2)
+    np.testing.assert_array_equal(quadrant, np.repeat(np.arange(4), side * side // 4))
+
+
 class BevNet(nn.Module):
   """A small 2D encoder-decoder: submanifold block, strided down, inverse up, dense head."""
 

@@ -1,4 +1,4 @@
-"""jsparse: sparse 3D convolution for JAX, with Pallas (Triton) GPU kernels and an XLA path everywhere.
+"""jsparse: sparse 3D (and 2D, 1D) convolution for JAX, with Pallas (Triton) GPU kernels and an XLA path everywhere.
 
 Top level: the SparseTensor, neighbour maps, the convolution family and tuning. Submodules:
 jsparse.nn (flax.linen modules), jsparse.nnx (their flax.nnx twins), jsparse.norm (normalisation,
@@ -19,6 +19,9 @@ from jsparse.pass_config import Explicit, Implicit, Masked, PassConfig, ShapeKey
 from jsparse.pool import global_pool, sparse_avg_pool3d, sparse_max_pool3d
 from jsparse.sparse_conv import concat, sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d, strided_map
 from jsparse.sparse_tensor import SparseTensor, error_checks, key_width, overflowed, round_capacity
+from jsparse.spatial_rank import (sparse_avg_pool1d, sparse_avg_pool2d, sparse_conv1d, sparse_conv2d,
+                                  sparse_conv_transpose1d, sparse_conv_transpose2d, sparse_inverse_conv1d,
+                                  sparse_inverse_conv2d, sparse_max_pool1d, sparse_max_pool2d, submconv1d, submconv2d)
 from jsparse.topology import add, broadcast_per_item, child_labels, dropout, multiply, select, union
 from jsparse.tuning import ConfigTable
 from jsparse import map_gemm, nn, nnx, norm, pass_config, plot, sampling, serialize, shapes, tuning  # noqa: E402
@@ -32,6 +35,10 @@ __all__ = [
     # convolutions and pooling
     "submconv3d", "sparse_conv3d", "sparse_inverse_conv3d", "sparse_conv_transpose3d", "sparse_max_pool3d",
     "sparse_avg_pool3d", "global_pool", "concat", "WeightLayout", "IMPLEMENTATIONS", "ALGORITHMS",
+    # the same in 2D and 1D (a 2D SparseTensor is a 3D one of depth 1: SparseTensor.spatial_ndim)
+    "submconv2d", "sparse_conv2d", "sparse_inverse_conv2d", "sparse_conv_transpose2d", "sparse_max_pool2d",
+    "sparse_avg_pool2d", "submconv1d", "sparse_conv1d", "sparse_inverse_conv1d", "sparse_conv_transpose1d",
+    "sparse_max_pool1d", "sparse_avg_pool1d",
     # topology
     "select", "union", "add", "multiply", "broadcast_per_item", "child_labels", "dropout",
     # tuning

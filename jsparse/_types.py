@@ -9,10 +9,13 @@ from jax.typing import ArrayLike
 
 from pallas_kernels.weight_layout import WeightLayout
 
-__all__ = ["ArrayLike", "Size3", "Capacity", "PrecisionLike", "WeightLayout"]
+__all__ = ["ArrayLike", "Size3", "SizeND", "Capacity", "PrecisionLike", "WeightLayout"]
 
 Size3 = int | Sequence[int]
 """A kernel size, stride, padding or dilation: one int for all three axes, or three ints (x, y, z)."""
+
+SizeND = int | Sequence[int]
+"""A size of a 2D or 1D op: one int for every spatial axis, or one int per axis ((y, x) in 2D)."""
 
 Capacity = int | Literal["exact"] | None
 """Rows of an output whose size depends on the data: an int, "exact" (the count) or None (a bucket)."""

@@ -6,7 +6,7 @@ import dataclasses
 from jsparse._types import ArrayLike, PrecisionLike, Size3
 from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm, with_plans
 from jsparse.neighbors import NeighborCache, build_neighbor_map, cache_key, check_dilation, check_kernel_size
-from jsparse.sparse_tensor import SparseTensor, check_same_sites, check_sparse_tensor
+from jsparse.sparse_tensor import SparseTensor, check_same_sites, check_spatial_ndim
 from pallas_kernels.weight_layout import WeightLayout
 
 
@@ -35,7 +35,7 @@ def submconv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None
     "_splitk" variants (the reduction split across programs). All give the same result.
   The output has x's dtype; the weight is cast to it; products accumulate in float32.
   """
-  check_sparse_tensor(x)
+  check_spatial_ndim(x, 3, "submconv3d")
   layout = WeightLayout.of(weight_layout)
   kernel_size, w, b = check_weight(x.num_channels, x.dtype, weight, bias, layout)
   spec = ConvSpec.build(check_kernel_size(kernel_size), check_dilation(dilation), implementation, layout, precision,

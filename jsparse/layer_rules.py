@@ -18,7 +18,7 @@ from jax import lax
 
 from jsparse import norm, topology
 from jsparse._types import WeightLayout
-from jsparse.neighbors import as_triple
+from jsparse.neighbors import lift_triple
 from jsparse.sparse_tensor import SparseTensor
 
 NORM_KINDS = ("batch", "group", None)
@@ -30,48 +30,49 @@ def check_sparse(x, module: str) -> SparseTensor:
   return x
 
 
-def triple(value, name: str, module: str) -> tuple[int, int, int]:
+def triple(value, name: str, module: str, ndim: int = 3) -> tuple[int, ...]:
+  """A module's size (an int or `ndim` ints) as a tuple of `ndim` ints; `ndim` is the module's spatial_ndim."""
   try:
-    return as_triple(value, name)
+    return lift_triple(value, name, ndim)[3 - ndim:]
   except (TypeError, ValueError) as e:
     raise type(e)(f"{module}: {e}") from None
 
 
-def submanifold_geometry(module: str, kernel_size, strides, padding, kernel_dilation):
-  """(kernel_size, dilation) triples of a submanifold convolution, after checking what nn.Conv would accept
-  but a submanifold convolution cannot (even kernels, strides, padding other than "SAME")."""
-  ks = triple(kernel_size, "kernel_size", module)
+def submanifold_geometry(module: str, kernel_size, strides, padding, kernel_dilation, ndim: int = 3):
+  """(kernel_size, dilation) of a submanifold convolution (`ndim` ints each), after checking what nn.Conv
+  would accept but a submanifold convolution cannot (even kernels, strides, padding other than "SAME")."""
+  ks = triple(kernel_size, "kernel_size", module, ndim)
   if any(k % 2 == 0 for k in ks):
     raise ValueError(f"{module}: kernel_size must be odd (a submanifold kernel is centred), got {ks}")
-  if triple(strides, "strides", module) != (1, 1, 1):
+  if triple(strides, "strides", module, ndim) != (1,) * ndim:
     raise ValueError(f"{module}: strides must be 1 (a submanifold convolution keeps the input sites), got "
-                     f"{strides!r}; use SparseConv3d to downsample")
+                     f"{strides!r}; use SparseConv{ndim}d to downsample")
   if not (isinstance(padding, str) and padding.upper() == "SAME"):
     raise ValueError(f"{module}: padding must be 'SAME' (the output sites are the input sites), got {padding!r}")
-  return ks, triple(kernel_dilation, "kernel_dilation", module)
+  return ks, triple(kernel_dilation, "kernel_dilation", module, ndim)
 
 
 def is_same_padding(value) -> bool:
   return isinstance(value, str) and value.upper() == "SAME"
 
 
-def explicit_padding(value, module: str) -> tuple[int, int, int]:
-  """Symmetric padding per axis from ints or "VALID" (the pools' padding, and a convolution's once "SAME" is
-  resolved by `strided_geometry`)."""
+def explicit_padding(value, module: str, ndim: int = 3) -> tuple[int, ...]:
+  """Symmetric padding per axis (`ndim` ints) from ints or "VALID" (the pools' padding, and a convolution's
+  once "SAME" is resolved by `strided_geometry`)."""
   if isinstance(value, str):
     if value.upper() == "VALID":
-      return (0, 0, 0)
+      return (0,) * ndim
     raise ValueError(f"{module}: padding must be ints or 'VALID', got {value!r}")
-  return triple(value, "padding", module)
+  return triple(value, "padding", module, ndim)
 
 
-def check_conv_padding(value, module: str) -> None:
-  """A strided convolution's padding: "SAME", "VALID", an int or 3 ints."""
+def check_conv_padding(value, module: str, ndim: int = 3) -> None:
+  """A strided convolution's padding: "SAME", "VALID", an int or `ndim` ints."""
   if isinstance(value, str):
     if value.upper() not in ("SAME", "VALID"):
       raise ValueError(f"{module}: padding must be 'SAME', 'VALID' or ints, got {value!r}")
     return
-  explicit_padding(value, module)
+  explicit_padding(value, module, ndim)
 
 
 def same_padding(spatial_shape, kernel_size, strides, dilation) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -93,18 +94,18 @@ def on_grid(x: SparseTensor, spatial_shape, caches=None) -> SparseTensor:
   return dataclasses.replace(x, spatial_shape=tuple(spatial_shape), caches={} if caches is None else caches)
 
 
-def strided_geometry(module: str, x: SparseTensor, kernel_size, strides, padding,
-                     kernel_dilation) -> tuple[SparseTensor, tuple[int, int, int]]:
-  """(x on the padded grid, symmetric padding) of a strided convolution (or of the SparseConv3d whose output
-  an inverse convolution carries back onto x): "SAME" is lax's, "VALID" is 0, ints are symmetric padding."""
-  check_conv_padding(padding, module)
+def strided_geometry(module: str, x: SparseTensor, kernel_size, strides, padding, kernel_dilation,
+                     ndim: int = 3) -> tuple[SparseTensor, tuple[int, ...]]:
+  """(x on the padded grid, symmetric padding: `ndim` ints) of a strided convolution (or of the SparseConv3d
+  whose output an inverse convolution carries back onto x): "SAME" is lax's, "VALID" is 0, ints are symmetric
+  padding. x's spatial_shape has 3 entries whatever its rank; the lifted axes (extent 1) need no padding."""
+  check_conv_padding(padding, module, ndim)
   if not is_same_padding(padding):
-    return x, explicit_padding(padding, module)
-  ks = triple(kernel_size, "kernel_size", module)
-  st = triple(strides, "strides", module)
-  dil = triple(kernel_dilation, "kernel_dilation", module)
-  low, extra = same_padding(x.spatial_shape, ks, st, dil)
-  return on_grid(x, [n + e for n, e in zip(x.spatial_shape, extra)]), low
+    return x, explicit_padding(padding, module, ndim)
+  lifted = lambda value, name: (1,) * (3 - ndim) + triple(value, name, module, ndim)
+  low, extra = same_padding(x.spatial_shape, lifted(kernel_size, "kernel_size"), lifted(strides, "strides"),
+                            lifted(kernel_dilation, "kernel_dilation"))
+  return on_grid(x, [n + e for n, e in zip(x.spatial_shape, extra)]), low[3 - ndim:]
 
 
 def check_conv_features(module: str, features, kernel_layout: str, name: str = "features") -> None:
@@ -131,7 +132,7 @@ def kernel_initializer(kernel_init: Callable, kernel_layout: str) -> Callable:
 def check_kernel_inputs(module: str, kernel_shape_: tuple[int, ...], kernel_layout: str, cin: int) -> None:
   """A kernel whose input-channel extent is not the input's channel count, named as such (flax would report it
   as an initialiser shape mismatch, or a matmul as a dimension error)."""
-  have = kernel_shape_[4 if kernel_layout == "ODHWI" else 3] if len(kernel_shape_) == 5 else None
+  have = kernel_shape_[-1 if kernel_layout == "ODHWI" else -2] if len(kernel_shape_) >= 3 else None
   if have is not None and have != cin:
     raise ValueError(f"{module}: its kernel {tuple(kernel_shape_)} ({kernel_layout}) expects {have} input channels "
                      f"but the input SparseTensor has {cin}")

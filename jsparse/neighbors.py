@@ -26,6 +26,20 @@ def as_triple(value, name: str) -> tuple[int, int, int]:
   return triple
 
 
+def lift_triple(value, name: str, ndim: int, fill: int = 1) -> tuple[int, int, int]:
+  """A size of an `ndim`-D op (an int for every axis, or ndim ints) as 3 ints on the lifted grid: the leading
+  3 - ndim axes (extent 1, see SparseTensor.spatial_ndim) get `fill`, 1 for a kernel size, stride or dilation
+  and 0 for a padding. ndim 3 is `as_triple`."""
+  if ndim == 3:
+    return as_triple(value, name)
+  if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+    return (fill,) * (3 - ndim) + (as_int(value, name),) * ndim
+  sizes = tuple(as_int(v, name) for v in value)
+  if len(sizes) != ndim:
+    raise ValueError(f"{name} must be an int or {ndim} ints (a {ndim}D op), got {value!r}")
+  return (fill,) * (3 - ndim) + sizes
+
+
 def check_kernel_size(kernel_size) -> tuple[int, int, int]:
   ks = as_triple(kernel_size, "kernel_size")
   if any(k < 1 or k % 2 == 0 for k in ks):
@@ -127,15 +141,18 @@ def cache_key(kernel_size: Size3, dilation: Size3, implementation: dispatch.Impl
 
 def neighbor_map(x: SparseTensor, kernel_size: Size3 = 3, dilation: Size3 = 1, implementation: str | None = None, *,
                  plan_block_sizes: Sequence[int] | None = None) -> NeighborCache:
-  """The submanifold neighbour map of `x`'s coordinates for a kernel of `kernel_size` and `dilation`.
+  """The submanifold neighbour map of `x`'s coordinates for a kernel of `kernel_size` and `dilation`, in x's
+  rank (a 2D tensor takes an int or 2 ints, as submconv2d).
 
   implementation: None (GPU hash table on a GPU, XLA elsewhere), "pallas" or "xla".
   plan_block_sizes: block sizes to build masked-GEMM plans for now (Pallas only); None = the kernels' default
     block size for this capacity. A convolution builds any other plan it needs (a tuned block size) and its
     output carries it on with the map.
   """
-  return build_neighbor_map(x, check_kernel_size(kernel_size), check_dilation(dilation),
-                            dispatch.resolve(implementation), plan_block_sizes)
+  ndim = x.spatial_ndim
+  return build_neighbor_map(x, check_kernel_size(lift_triple(kernel_size, "kernel_size", ndim)),
+                            check_dilation(lift_triple(dilation, "dilation", ndim)), dispatch.resolve(implementation),
+                            plan_block_sizes)
 
 
 def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilation: tuple[int, int, int],
@@ -170,11 +187,12 @@ def with_maps(x: SparseTensor, kernel_size: Size3 = 3, *more_kernel_sizes: Size3
   input lacks its map attaches one to its output, which changes the pytree structure of a carried tensor;
   with the maps already there, the body reuses them and the structure stays put. Pass the dilation and
   `implementation` the layers use (the map is keyed by them), e.g. `with_maps(x, 3, 1)` for a body with
-  3x3x3 and 1x1x1 convolutions.
+  3x3x3 and 1x1x1 convolutions. Sizes are in x's rank (a 2D tensor takes ints or pairs).
   """
-  dil, impl = check_dilation(dilation), dispatch.resolve(implementation)
+  ndim = x.spatial_ndim
+  dil, impl = check_dilation(lift_triple(dilation, "dilation", ndim)), dispatch.resolve(implementation)
   for kernel_size in (kernel_size,) + more_kernel_sizes:
-    ks = check_kernel_size(kernel_size)
+    ks = check_kernel_size(lift_triple(kernel_size, "kernel_size", ndim))
     key = cache_key(ks, dil, impl)
     if key not in x.caches:
       x = x.with_cache(key, build_neighbor_map(x, ks, dil, impl))

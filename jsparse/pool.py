@@ -19,7 +19,7 @@ from jsparse import per_item
 from jsparse._types import Capacity, Size3
 from jsparse.gemm_xla import gather_rows
 from jsparse.sparse_conv import pair_map
-from jsparse.sparse_tensor import SparseTensor, check_sparse_tensor
+from jsparse.sparse_tensor import SparseTensor, check_spatial_ndim
 
 _GLOBAL_REDUCE = ("mean", "max", "sum")
 
@@ -93,10 +93,10 @@ _window_mean.defvjp(_window_mean_fwd, _window_mean_bwd)
 
 def _pool(x: SparseTensor, kernel_size, stride, padding, dilation, out_capacity, reduce: str, with_overflow,
           implementation):
-  check_sparse_tensor(x)
+  op = f"sparse_{reduce.replace('mean', 'avg')}_pool3d"
+  check_spatial_ndim(x, 3, op)
   st = kernel_size if stride is None else stride
-  pm = pair_map(x, kernel_size, st, padding, dilation, out_capacity, implementation=implementation,
-                op=f"sparse_{reduce.replace('mean', 'avg')}_pool3d")
+  pm = pair_map(x, kernel_size, st, padding, dilation, out_capacity, implementation=implementation, op=op)
   g = pm.geom
   # Windows are disjoint when each one ends before the next begins along every axis.
   disjoint = all(d * (k - 1) + 1 <= s for k, s, d in zip(g.kernel_size, g.stride, g.dilation))

@@ -122,12 +122,14 @@ def decode_morton(keys, bits: int = MAX_BITS) -> jax.Array:
 
 
 def _axes_to_transpose(x, bits):
-  """Skilling's AxestoTranspose on a list of 3 uint32 arrays (vectorised with where)."""
+  """Skilling's AxestoTranspose on a list of n uint32 arrays, n = 3 (or 2: a 2D tensor's curve), vectorised
+  with where."""
   x = list(x)
+  n = len(x)
   q = 1 << (bits - 1)
   while q > 1:  # inverse undo excess work
     p = q - 1
-    for i in range(3):
+    for i in range(n):
       hit = (x[i] & q) != 0
       t = (x[0] ^ x[i]) & p
       x0_hit = x[0] ^ p
@@ -138,12 +140,12 @@ def _axes_to_transpose(x, bits):
       else:
         x[0], x[i] = jnp.where(hit, x0_hit, x0_miss), jnp.where(hit, x[i], xi_miss)
     q >>= 1
-  for i in range(1, 3):  # Gray encode
+  for i in range(1, n):  # Gray encode
     x[i] = x[i] ^ x[i - 1]
   t = jnp.zeros_like(x[0])
   q = 1 << (bits - 1)
   while q > 1:
-    t = jnp.where((x[2] & q) != 0, t ^ (q - 1), t)
+    t = jnp.where((x[n - 1] & q) != 0, t ^ (q - 1), t)
     q >>= 1
   return [xi ^ t for xi in x]
 
@@ -217,6 +219,9 @@ def max_folded_batch(bits: int) -> int:
 def serialization_keys(x: SparseTensor, order: str = "morton", bits: int | None = None) -> jax.Array:
   """int32 [capacity] curve keys of x's sites (ignoring the batch); padding rows get int32 max.
 
+  A 2D tensor (SparseTensor.spatial_ndim) gets the 2D curves of its (y, x): Morton is the Z-order of the plane,
+  Hilbert the 2D Hilbert curve (consecutive keys are edge-adjacent cells); a 1D tensor's keys order x.
+
   Keys in words are int32 [capacity, W] (every word int32 max for padding): curve keys at bits > 10, and
   "linear" keys (which include the batch) on grids of 2**31 sites or more, as the (hi, lo) words of
   sparse_tensor.site_keys.
@@ -232,7 +237,14 @@ def serialization_keys(x: SparseTensor, order: str = "morton", bits: int | None 
     if max(x.spatial_shape) > 2**bits:
       raise ValueError(f"spatial_shape {x.spatial_shape} does not fit in {bits} bits per axis")
     xyz = jnp.maximum(x.coords[:, 1:], 0)
-    k = encode_morton(xyz, bits) if order == "morton" else encode_hilbert(xyz, bits)
+    if order == "morton" or x.spatial_ndim == 1:  # the lifted axes are 0: their bits leave the order as it is
+      k = encode_morton(xyz, bits)
+    elif x.spatial_ndim == 2:
+      # The transposed index of the plane's curve, interleaved as Morton keys are (a zero leading axis).
+      plane = _axes_to_transpose([xyz[:, 1].astype(jnp.uint32), xyz[:, 2].astype(jnp.uint32)], bits)
+      k = encode_morton(jnp.stack([jnp.zeros_like(plane[0]), *plane], axis=-1).astype(jnp.int32), bits)
+    else:
+      k = encode_hilbert(xyz, bits)
   valid = valid if k.ndim == 1 else valid[:, None]
   return jnp.where(valid, k, jnp.iinfo(jnp.int32).max)
 

@@ -49,9 +49,9 @@ from jax import lax
 from jsparse import dispatch
 from jsparse._types import ArrayLike, Capacity, PrecisionLike, Size3
 from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
-from jsparse.neighbors import as_triple, check_dilation, lookup_keys, sorted_site_keys
-from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_same_sites, key_width, report,
-                                   resolve_capacity, site_keys, sites_of_keys)
+from jsparse.neighbors import as_triple, check_dilation, lift_triple, lookup_keys, sorted_site_keys
+from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_same_sites, check_spatial_ndim,
+                                   key_width, report, resolve_capacity, site_keys, sites_of_keys)
 from pallas_kernels import unique_keys
 from pallas_kernels.tiling import dot_precision
 from pallas_kernels.weight_layout import WeightLayout
@@ -292,9 +292,12 @@ def strided_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 1, padding:
   input position = o*stride - padding + (a, b, c)*dilation), or -1. Output coordinates are sorted by linear
   key. overflow (bool scalar) is True when more output sites exist than out_capacity: outside jit that
   raises ValueError, under jit only the flag tells. See `pair_map` for the full structure (and
-  `implementation`).
+  `implementation`). Sizes are in x's rank (a 2D tensor takes ints or pairs; nbr then has Kh*Kw columns).
   """
-  pm = pair_map(x, kernel_size, stride, padding, dilation, out_capacity, implementation=implementation)
+  ndim = x.spatial_ndim
+  pm = pair_map(x, lift_triple(kernel_size, "kernel_size", ndim), lift_triple(stride, "stride", ndim),
+                lift_triple(padding, "padding", ndim, fill=0), lift_triple(dilation, "dilation", ndim), out_capacity,
+                implementation=implementation)
   return pm.out_coords, pm.out_num, pm.nbr, pm.overflow
 
 
@@ -322,6 +325,7 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = N
   implementation / precision / algorithm: as submconv3d; implementation also picks how the output sites are
   found (`pair_map`).
   """
+  check_spatial_ndim(x, 3, "sparse_conv3d")
   layout = WeightLayout.of(weight_layout)
   ks, w, b = check_weight(x.num_channels, x.dtype, weight, bias, layout)
   spec = ConvSpec.build(ks, check_dilation(dilation), implementation, layout, precision, algorithm)
@@ -412,6 +416,8 @@ def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike, bias: ArrayLike | 
   (under jit: checkify), as spconv ties an inverse to its forward's indice_key.
   The output has like's coordinates and caches, and the overflow flag of both inputs.
   """
+  check_spatial_ndim(y, 3, "sparse_inverse_conv3d", "y")
+  check_spatial_ndim(like, 3, "sparse_inverse_conv3d", "like")
   layout = WeightLayout.of(weight_layout)
   ks, w, b = check_weight(y.num_channels, y.dtype, weight, bias, layout)
   geom = geometry(like.spatial_shape, ks, stride, padding, dilation)
@@ -449,6 +455,7 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike 
   Overflow as sparse_conv3d.
   Output rows are ordered by (parent row, child index), not by linear key.
   """
+  check_spatial_ndim(x, 3, "sparse_conv_transpose3d")
   out_capacity = check_capacity(out_capacity, "out_capacity")
   st = as_triple(stride, "stride")
   if min(st) < 1:
@@ -513,10 +520,10 @@ def concat(a: SparseTensor, b: SparseTensor) -> SparseTensor:
   outside jit (ValueError if they differ); under jit they are trusted and `jax.experimental.checkify` compares
   them. The result carries both tensors' caches and overflow flags (or'd).
   """
-  if (a.capacity, a.spatial_shape, a.batch_size) != (b.capacity, b.spatial_shape, b.batch_size):
-    raise ValueError(
-        f"concat needs tensors on the same coordinates: capacity/spatial_shape/batch_size "
-        f"{(a.capacity, a.spatial_shape, a.batch_size)} vs {(b.capacity, b.spatial_shape, b.batch_size)}")
+  grid = lambda t: (t.capacity, t.spatial_shape, t.batch_size, t.spatial_ndim)
+  if grid(a) != grid(b):
+    raise ValueError(f"concat needs tensors on the same coordinates: capacity/spatial_shape/batch_size/spatial_ndim "
+                     f"{grid(a)} vs {grid(b)}")
   if a.dtype != b.dtype:
     raise ValueError(f"concat needs one dtype, got {a.dtype} and {b.dtype}")
   check_same_sites("concat", "b", b.coords, b.num, a.coords, a.num, " (concat needs tensors on the same coordinates)")

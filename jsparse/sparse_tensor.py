@@ -165,14 +165,36 @@ def resolve_capacity(capacity, count, name: str = "capacity", what: str = "sites
   return count if capacity == EXACT else round_capacity(count)
 
 
-def as_spatial_shape(spatial_shape) -> tuple[int, int, int]:
+def as_spatial_shape(spatial_shape, ranks: Sequence[int] = (3,)) -> tuple[int, ...]:
+  """spatial_shape as a tuple of positive ints whose length is one of `ranks`."""
   # A string is a sequence too: "888" must not pass as (8, 8, 8).
+  what = " or ".join(map(str, ranks))
   if isinstance(spatial_shape, (str, bytes)) or not hasattr(spatial_shape, "__iter__"):
-    raise TypeError(f"spatial_shape must be a sequence of 3 ints, got {spatial_shape!r}")
+    raise TypeError(f"spatial_shape must be a sequence of {what} ints, got {spatial_shape!r}")
   shape = tuple(as_int(s, "spatial_shape entries") for s in spatial_shape)
-  if len(shape) != 3 or min(shape) <= 0:
-    raise ValueError(f"spatial_shape must be 3 positive ints (X, Y, Z), got {spatial_shape!r}")
+  if len(shape) not in ranks or min(shape, default=0) <= 0:
+    raise ValueError(f"spatial_shape must be {what} positive ints ((X, Y, Z), (H, W) or (L,)), got {spatial_shape!r}")
   return shape
+
+
+SPATIAL_RANKS = (1, 2, 3)
+_RANK_NAMES = {1: "1D", 2: "2D", 3: "3D"}
+
+
+def lifted_shape(shape: Sequence[int]) -> tuple[int, ...]:
+  """A 1D or 2D spatial shape on the 3D grid the ops run on: extents of 1 lead, (H, W) -> (1, H, W)."""
+  return (1,) * (3 - len(shape)) + tuple(shape)
+
+
+def check_spatial_ndim(x: "SparseTensor", ndim: int, op: str, name: str = "x") -> None:
+  """Raises ValueError unless x (a SparseTensor) has `ndim` spatial axes, naming the op of x's own rank."""
+  check_sparse_tensor(x, name)
+  if x.spatial_ndim != ndim:
+    have = _RANK_NAMES[x.spatial_ndim]
+    other = op.replace(_RANK_NAMES[ndim].lower(), have.lower())
+    hint = f", or {name}.replace(spatial_ndim=3) to treat it as 3D of depth 1" if ndim == 3 else ""
+    raise ValueError(f"{op}: {name} is a {have} SparseTensor (spatial_ndim={x.spatial_ndim}) but {op} takes "
+                     f"{_RANK_NAMES[ndim]} ones: use {other}{hint}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +206,14 @@ class SparseTensor:
   num: int32 scalar, the number of valid rows. Rows at index >= num are padding: their coords are -1,
     their feats are zero, they are nobody's neighbour, and every op writes zeros there.
   spatial_shape, batch_size: static metadata (part of the pytree structure, not traced).
+  spatial_ndim: 3 (default), 2 or 1, static: the rank the tensor has for its user. A 2D tensor (BEV feature
+    maps, sparse images) is a 3D one of depth 1: spatial_shape (1, H, W), coords (batch, 0, y, x), so every op
+    runs the 3D code with a kernel extent of 1 on the leading axis (a 3x3 2D kernel is 9 offsets, the same hash
+    table and GEMM kernels); a 1D tensor has spatial_shape (1, 1, L). `from_dense` of an (N, H, W, C) array,
+    `from_coords` with (batch, y, x) rows, `todense` ((N, H, W, C)), `indices` ((batch, y, x)), `dense_shape`
+    and the repr speak the tensor's own rank; the convolutions and pools of that rank are `submconv2d`,
+    `sparse_conv2d`, ... (jsparse.spatial_rank), and the 3D ops refuse it (ValueError) rather than read a 2D
+    weight as a 3D one. `x.replace(spatial_ndim=3)` views a 2D tensor as a 3D one of depth 1.
   caches: the neighbour maps already built for these coordinates, by key (neighbors.cache_key,
     sparse_conv.pair_map_key). Convolutions look here first and attach what they build to their output, so
     layers on the same coordinates share one map without the caller threading it (spconv's indice_key,
@@ -212,9 +242,16 @@ class SparseTensor:
   batch_size: int
   caches: dataclasses.InitVar[dict | None] = None
   overflow: jax.Array | None = None
+  spatial_ndim: int = 3
 
   def __post_init__(self, caches):
     object.__setattr__(self, "caches", {} if caches is None else caches)
+    ndim = self.spatial_ndim
+    if ndim not in SPATIAL_RANKS or isinstance(ndim, bool):
+      raise ValueError(f"spatial_ndim must be 1, 2 or 3, got {ndim!r}")
+    if ndim < 3 and any(int(s) != 1 for s in tuple(self.spatial_shape)[:3 - ndim]):
+      raise ValueError(f"a {_RANK_NAMES[ndim]} SparseTensor's spatial_shape starts with {3 - ndim} extent(s) of 1 "
+                       f"(the lifted axes), got {self.spatial_shape}")
     if self.overflow is None:
       # A leaf in every tensor (not None) so that loop carries and cond branches keep one pytree structure.
       object.__setattr__(self, "overflow", jnp.zeros((), jnp.bool_))
@@ -236,6 +273,8 @@ class SparseTensor:
 
     coords: integer [N, 4] (batch, x, y, z), or [N, 3] (x, y, z) for a batch of one.
     feats: [N, C] (or [N] for one channel).
+    spatial_shape: (X, Y, Z); or (H, W) for a 2D tensor, coords then [N, 3] (batch, y, x) or [N, 2] (y, x); or
+      (L,) for a 1D one, coords [N, 2] (batch, x) or [N, 1] (see the class docstring).
     batch_size: defaults to max(batch) + 1.
     capacity: number of rows (>= N). None (default): round_capacity(N), a bucket, so that a jitted step over
       batches of varying size compiles a handful of times, not once per batch; "exact": N. Extra rows are
@@ -248,15 +287,22 @@ class SparseTensor:
     if isinstance(coords, jax.core.Tracer) or isinstance(feats, jax.core.Tracer):
       raise TypeError("SparseTensor.from_coords validates on the host; call it outside jax.jit "
                       "(inside jit, build the pytree directly with SparseTensor(coords, feats, num, ...)).")
-    spatial_shape = as_spatial_shape(spatial_shape)
+    spatial_shape = as_spatial_shape(spatial_shape, SPATIAL_RANKS)
+    ndim = len(spatial_shape)
     coords = np.asarray(coords)
     feats_arr = jnp.asarray(feats)
     if not (np.issubdtype(coords.dtype, np.integer)):
       raise TypeError(f"coords must be integers, got dtype {coords.dtype}")
-    if coords.ndim != 2 or coords.shape[1] not in (3, 4):
-      raise ValueError(f"coords must be [N, 4] (batch, x, y, z) or [N, 3], got shape {coords.shape}")
-    if coords.shape[1] == 3:
+    if coords.ndim != 2 or coords.shape[1] not in (ndim, ndim + 1):
+      axes = ("x", "y", "z") if ndim == 3 else ("y", "x") if ndim == 2 else ("x",)
+      raise ValueError(f"coords must be [N, {ndim + 1}] (batch, {', '.join(axes)}) or [N, {ndim}] for a "
+                       f"{_RANK_NAMES[ndim]} spatial_shape {spatial_shape}, got shape {coords.shape}")
+    if coords.shape[1] == ndim:
       coords = np.concatenate([np.zeros((coords.shape[0], 1), coords.dtype), coords], axis=1)
+    # The lifted axes (extent 1) lead the spatial ones: (batch, y, x) -> (batch, 0, y, x).
+    coords = np.concatenate([coords[:, :1], np.zeros((coords.shape[0], 3 - ndim), coords.dtype), coords[:, 1:]],
+                            axis=1)
+    user_shape, spatial_shape = spatial_shape, lifted_shape(spatial_shape)
     if feats_arr.ndim == 1:
       feats_arr = feats_arr[:, None]
     if feats_arr.ndim != 2:
@@ -270,7 +316,7 @@ class SparseTensor:
     coords = coords.astype(np.int64)
     if n and coords.min() < 0:
       bad = np.argwhere(coords < 0)[0]
-      raise ValueError(f"negative coordinate in row {bad[0]}: {coords[bad[0]].tolist()}")
+      raise ValueError(f"negative coordinate in row {bad[0]}: {_user_row(coords[bad[0]], ndim)}")
     if batch_size is None:
       batch_size = int(coords[:, 0].max()) + 1 if n else 1
     batch_size = as_int(batch_size, "batch_size", minimum=1)
@@ -280,8 +326,8 @@ class SparseTensor:
     if outside.any():
       row = int(np.argmax(outside))
       raise ValueError(
-          f"coordinate {coords[row].tolist()} in row {row} is outside batch_size={batch_size}, "
-          f"spatial_shape={spatial_shape}")
+          f"coordinate {_user_row(coords[row], ndim)} in row {row} is outside batch_size={batch_size}, "
+          f"spatial_shape={user_shape}")
     key_width(batch_size, spatial_shape)
     keys = _linear_keys_np(coords, spatial_shape)
     uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
@@ -290,7 +336,7 @@ class SparseTensor:
         counts = np.bincount(inverse)
         dup = int(np.argmax(counts > 1))
         raise ValueError(
-            f"duplicate coordinates: {coords[first[dup]].tolist()} appears {counts[dup]} times "
+            f"duplicate coordinates: {_user_row(coords[first[dup]], ndim)} appears {counts[dup]} times "
             f"({n - len(uniq)} duplicate rows in all); pass reduce='sum'|'mean'|'max'|'first' to merge them")
       if reduce not in _REDUCTIONS:
         raise ValueError(f"reduce must be one of {_REDUCTIONS} or None, got {reduce!r}")
@@ -318,12 +364,14 @@ class SparseTensor:
     pad = capacity - n
     coords_p = np.concatenate([coords.astype(np.int32), np.full((pad, 4), -1, np.int32)])
     feats_p = jnp.concatenate([feats_arr, jnp.zeros((pad, feats_arr.shape[1]), feats_arr.dtype)])
-    return cls(jnp.asarray(coords_p), feats_p, jnp.asarray(n, jnp.int32), spatial_shape, batch_size)
+    return cls(jnp.asarray(coords_p), feats_p, jnp.asarray(n, jnp.int32), spatial_shape, batch_size,
+               spatial_ndim=ndim)
 
   @classmethod
   def from_dense(cls, dense: ArrayLike, capacity: Capacity = None, *,
                  with_overflow: bool = False) -> "SparseTensor | tuple[SparseTensor, jax.Array]":
-    """The nonzero sites of a dense [B, X, Y, Z, C] array (a site is active if any channel is nonzero).
+    """The nonzero sites of a dense [B, X, Y, Z, C] array (a site is active if any channel is nonzero); of a
+    [B, H, W, C] array a 2D tensor, of a [B, L, C] array a 1D one (see the class docstring).
 
     capacity: rows of the result. None: round_capacity of the number of sites, "exact": that number (both count
       on the host: outside jit).
@@ -332,11 +380,13 @@ class SparseTensor:
     returns `(tensor, overflow)` too. Outside jit an overflow raises ValueError (with_overflow=True: returned).
     """
     dense = jnp.asarray(dense)
-    if dense.ndim != 5:
-      raise ValueError(f"dense must be [B, X, Y, Z, C], got shape {dense.shape}")
+    if dense.ndim not in (3, 4, 5):
+      raise ValueError(f"dense must be [B, X, Y, Z, C], [B, H, W, C] (2D) or [B, L, C] (1D), got shape {dense.shape}")
     _check_feats_dtype(dense.dtype, "dense")  # as from_coords: no int / bool / complex features
     if min(dense.shape) == 0:
-      raise ValueError(f"dense must have nonzero extents [B, X, Y, Z, C], got shape {dense.shape}")
+      raise ValueError(f"dense must have nonzero extents, got shape {dense.shape}")
+    ndim = dense.ndim - 2
+    dense = dense.reshape(dense.shape[:1] + lifted_shape(dense.shape[1:-1]) + dense.shape[-1:])
     b, x, y, z, _ = dense.shape
     capacity = check_capacity(capacity)
     active = jnp.any(dense != 0, axis=-1).reshape(-1)
@@ -349,7 +399,7 @@ class SparseTensor:
     coords = jnp.where(valid[:, None], idx, -1)
     feats = jnp.where(valid[:, None], dense.reshape(-1, dense.shape[-1])[jnp.maximum(flat, 0)], 0)
     overflow = count > capacity
-    out = cls(coords, feats, jnp.minimum(count, capacity), (x, y, z), b, overflow=overflow)
+    out = cls(coords, feats, jnp.minimum(count, capacity), (x, y, z), b, overflow=overflow, spatial_ndim=ndim)
     report(overflow, f"from_dense: {{count}} active sites do not fit in capacity={capacity}; the sites past it "
            "were dropped", eager=not with_overflow, count=count)
     return (out, overflow) if with_overflow else out
@@ -420,8 +470,16 @@ class SparseTensor:
   @property
   def indices(self) -> jax.Array:
     """spconv's name for `coords` (int32 [capacity, 4], padding rows -1); its columns follow the axis order of
-    spatial_shape, so spconv's (batch, z, y, x) indices with spatial_shape (Z, Y, X) carry over as they are."""
-    return self.coords
+    spatial_shape, so spconv's (batch, z, y, x) indices with spatial_shape (Z, Y, X) carry over as they are.
+    A 2D tensor's are [capacity, 3] (batch, y, x), a 1D one's [capacity, 2] (the lifted columns left out)."""
+    if self.spatial_ndim == 3:
+      return self.coords
+    return jnp.concatenate([self.coords[:, :1], self.coords[:, 4 - self.spatial_ndim:]], axis=1)
+
+  @property
+  def dense_shape(self) -> tuple[int, ...]:
+    """The shape `todense()` returns: (B, X, Y, Z, C), (B, H, W, C) for a 2D tensor, (B, L, C) for a 1D one."""
+    return (self.batch_size, *self.spatial_shape[3 - self.spatial_ndim:], self.num_channels)
 
   def replace_feature(self, feats: jax.Array) -> "SparseTensor":
     """spconv's name for `replace(feats=feats)`."""
@@ -429,11 +487,13 @@ class SparseTensor:
 
   def todense(self, channels_first: bool = False) -> jax.Array:
     """The dense [B, X, Y, Z, C] array (zeros at inactive sites); [B, C, X, Y, Z] with channels_first=True
-    (spconv's `dense()` layout)."""
+    (spconv's `dense()` layout). A 2D tensor gives [B, H, W, C] ([B, C, H, W]), a 1D one [B, L, C]."""
     if not isinstance(channels_first, (bool, np.bool_)):
       raise TypeError(f"channels_first must be a bool, got {channels_first!r}")
     if channels_first:
       return jnp.moveaxis(self.todense(), -1, 1)
+    if self.spatial_ndim != 3:
+      return self.replace(spatial_ndim=3).todense().reshape(self.dense_shape)
     x, y, z = self.spatial_shape
     valid = self.valid_mask()
     # Out-of-range indices make the scatter drop padding rows.
@@ -459,30 +519,35 @@ class SparseTensor:
   def __repr__(self) -> str:
     num = self.num if isinstance(self.num, jax.core.Tracer) else int(self.num)
     flag = "" if is_traced(self.overflow) or not np.any(np.asarray(self.overflow)) else ", OVERFLOWED"
+    rank = "" if self.spatial_ndim == 3 else f", spatial_ndim={self.spatial_ndim}"
+    shape = tuple(self.spatial_shape)[3 - self.spatial_ndim:]
     return (f"SparseTensor(num={num}, capacity={self.capacity}, channels={self.num_channels}, "
-            f"dtype={self.dtype}, spatial_shape={self.spatial_shape}, batch_size={self.batch_size}{flag})")
+            f"dtype={self.dtype}, spatial_shape={shape}, batch_size={self.batch_size}{rank}{flag})")
 
 
 _LEAVES = ("coords", "feats", "num", "overflow", "caches")
 
 
+_STATIC = ("spatial_shape", "batch_size", "spatial_ndim")
+
+
 def _flatten_with_keys(x: SparseTensor):
   leaves = tuple((jax.tree_util.GetAttrKey(name), getattr(x, name)) for name in _LEAVES)
-  return leaves, (x.spatial_shape, x.batch_size)
+  return leaves, tuple(getattr(x, name) for name in _STATIC)
 
 
 def _unflatten(static, leaves) -> SparseTensor:
   # Set the fields as they come, without __post_init__'s defaults: JAX unflattens with placeholders (None,
   # sentinels) too, and a None leaf turned into an array would change the structure on the way back.
   x = object.__new__(SparseTensor)
-  for name, value in zip(_LEAVES + ("spatial_shape", "batch_size"), tuple(leaves) + tuple(static)):
+  for name, value in zip(_LEAVES + _STATIC, tuple(leaves) + tuple(static)):
     object.__setattr__(x, name, value)
   return x
 
 
 jax.tree_util.register_pytree_with_keys(
     SparseTensor, _flatten_with_keys, _unflatten,
-    lambda x: (tuple(getattr(x, name) for name in _LEAVES), (x.spatial_shape, x.batch_size)))
+    lambda x: (tuple(getattr(x, name) for name in _LEAVES), tuple(getattr(x, name) for name in _STATIC)))
 
 
 def key_width(batch_size: int, spatial_shape: Sequence[int]) -> int:
@@ -571,6 +636,11 @@ def sites_of_keys(keys: tuple[jax.Array, ...], batch_size: int, spatial_shape) -
     (hi, lo), r = wide_divmod(hi, lo, size)
     digits.append(r)
   return jnp.stack([lo] + digits[::-1], axis=-1)  # the batch is below 2**31: hi is 0 by now
+
+
+def _user_row(row: np.ndarray, ndim: int) -> list[int]:
+  """A coords row (batch, x, y, z) as the user wrote it: the lifted axes of a 1D / 2D tensor left out."""
+  return [int(row[0])] + [int(v) for v in row[4 - ndim:]]
 
 
 def _linear_keys_np(coords: np.ndarray, spatial_shape) -> np.ndarray:

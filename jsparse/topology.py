@@ -23,7 +23,7 @@ from jax import lax
 
 from jsparse import per_item
 from jsparse._types import ArrayLike, Capacity, Size3
-from jsparse.neighbors import as_triple, lookup_keys, sorted_site_keys
+from jsparse.neighbors import lift_triple, lookup_keys, sorted_site_keys
 from jsparse.sampling import lookup_rows
 from jsparse.sparse_tensor import (
   EXACT,
@@ -123,7 +123,7 @@ def select(x: SparseTensor, mask: ArrayLike, *, capacity: Capacity = None,
   rows, back = _compaction(keep, capacity)  # the output row of each kept input row is its rank
   coords = jnp.where((rows >= 0)[:, None], x.coords[jnp.maximum(rows, 0)], -1)
   out = SparseTensor(coords, gather_injective(x.feats, rows, back), jnp.minimum(count, capacity), x.spatial_shape,
-                     x.batch_size, overflow=x.overflow | overflow)
+                     x.batch_size, overflow=x.overflow | overflow, spatial_ndim=x.spatial_ndim)
   return (out, overflow) if with_overflow else out
 
 
@@ -133,9 +133,9 @@ def select(x: SparseTensor, mask: ArrayLike, *, capacity: Capacity = None,
 def _check_same_grid(op: str, a: SparseTensor, b: SparseTensor) -> None:
   check_sparse_tensor(a, "a")
   check_sparse_tensor(b, "b")
-  if (a.spatial_shape, a.batch_size) != (b.spatial_shape, b.batch_size):
-    raise ValueError(f"{op}: a and b must be on one grid: spatial_shape/batch_size {(a.spatial_shape, a.batch_size)}"
-                     f" vs {(b.spatial_shape, b.batch_size)}")
+  grid = lambda t: (t.spatial_shape, t.batch_size, t.spatial_ndim)
+  if grid(a) != grid(b):
+    raise ValueError(f"{op}: a and b must be on one grid: spatial_shape/batch_size/spatial_ndim {grid(a)} vs {grid(b)}")
 
 
 def _masked_keys(x: SparseTensor) -> tuple[jax.Array, ...]:
@@ -185,8 +185,10 @@ def _union(op: str, a: SparseTensor, b: SparseTensor, capacity, with_overflow: b
   overflow = _finish(op, "union sites", count, capacity, with_overflow)
   flag = a.overflow | b.overflow | overflow
   num = jnp.minimum(count, capacity)
-  a_out = SparseTensor(coords, gather_injective(a.feats, a_rows, a_back), num, *grid, overflow=flag)
-  b_out = SparseTensor(coords, gather_injective(b.feats, b_rows, b_back), num, *grid, overflow=flag)
+  a_out = SparseTensor(coords, gather_injective(a.feats, a_rows, a_back), num, *grid, overflow=flag,
+                       spatial_ndim=a.spatial_ndim)
+  b_out = SparseTensor(coords, gather_injective(b.feats, b_rows, b_back), num, *grid, overflow=flag,
+                       spatial_ndim=a.spatial_ndim)
   return a_out, b_out, overflow
 
 
@@ -249,11 +251,15 @@ def broadcast_per_item(x: SparseTensor, values: ArrayLike) -> SparseTensor:
   if not jnp.issubdtype(values.dtype, jnp.floating):
     raise TypeError(f"values must be floating point, got dtype {values.dtype}")
   feats = per_item.per_row(per_item.item_one_hot(x), values).astype(values.dtype)
-  return SparseTensor(x.coords, feats, x.num, x.spatial_shape, x.batch_size, caches=x.caches, overflow=x.overflow)
+  return SparseTensor(x.coords, feats, x.num, x.spatial_shape, x.batch_size, caches=x.caches, overflow=x.overflow,
+                      spatial_ndim=x.spatial_ndim)
 
 
 def child_labels(coarse: SparseTensor, fine: SparseTensor, stride: Size3 = 2) -> jax.Array:
   """bool [coarse.capacity, sx*sy*sz]: which children of each coarse site are sites of `fine`.
+
+  For 2D (1D) tensors stride is an int or 2 ints (1 int) and the result is [coarse.capacity, sy*sx] ([.., sx]),
+  the child order of `sparse_conv_transpose2d` (1d).
 
   Child t of site c is c * stride + (i, j, k), t the C-order index of (i, j, k) in [0, stride)^3: the child
   order of `sparse_conv_transpose3d`'s mask, so the result is the teacher-forcing mask and the occupancy
@@ -263,7 +269,9 @@ def child_labels(coarse: SparseTensor, fine: SparseTensor, stride: Size3 = 2) ->
   """
   check_sparse_tensor(coarse, "coarse")
   check_sparse_tensor(fine, "fine")
-  st = as_triple(stride, "stride")
+  if coarse.spatial_ndim != fine.spatial_ndim:
+    raise ValueError(f"coarse ({coarse.spatial_ndim}D) and fine ({fine.spatial_ndim}D) must have one spatial_ndim")
+  st = lift_triple(stride, "stride", fine.spatial_ndim)
   if min(st) < 1:
     raise ValueError(f"stride must be >= 1, got {st}")
   low = tuple(n // s for n, s in zip(fine.spatial_shape, st))

@@ -7,7 +7,7 @@ applied to their dense twins (and the other way round).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import flax.linen as nn
 import jax
@@ -18,11 +18,12 @@ from jsparse import layer_rules as rules
 from jsparse import norm
 from jsparse.conv import submconv3d
 from jsparse.sparse_tensor import SparseTensor
+from jsparse.spatial_rank import call_in_rank
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
 
-__all__ = ["SubMConv3d", "SparseBatchNorm", "SparseLayerNorm", "SparseGroupNorm"]
+__all__ = ["SubMConv3d", "SubMConv2d", "SubMConv1d", "SparseBatchNorm", "SparseLayerNorm", "SparseGroupNorm"]
 
 default_kernel_init = nn.linear.default_kernel_init  # lecun_normal, as nn.Conv
 
@@ -40,6 +41,7 @@ class ConvParams(nn.Module):
   so inference peaks lower). The same initialiser fan-in/fan-out either way (flax reads them off the shape:
   for "ODHWI" it is given the "DHWIO" shape and the result is transposed once, at init)."""
 
+  spatial_ndim: ClassVar[int] = 3  # the rank of the tensors it takes: its 2D and 1D twins set 2 and 1
   use_bias: bool = dataclasses.field(default=True, kw_only=True)
   dtype: Dtype | None = dataclasses.field(default=None, kw_only=True)
   param_dtype: Dtype = dataclasses.field(default=jnp.float32, kw_only=True)
@@ -100,15 +102,30 @@ class SubMConv3d(ConvParams):
 
   def _checked_config(self):
     return rules.submanifold_geometry(type(self).__name__, self.kernel_size, self.strides, self.padding,
-                                      self.kernel_dilation)
+                                      self.kernel_dilation, self.spatial_ndim)
 
   @nn.compact
   def __call__(self, x: SparseTensor) -> SparseTensor:
     rules.check_sparse(x, type(self).__name__)
     kernel_size, dilation = self._checked_config()
     x, kernel, bias = self.conv_params(x, kernel_size)
-    return submconv3d(x, kernel, bias, dilation=dilation, implementation=self.implementation,
-                      precision=self.precision, algorithm=self.algorithm, weight_layout=self.kernel_layout)
+    return call_in_rank(submconv3d, self.spatial_ndim, type(self).__name__, x, weight=kernel, bias=bias,
+                        dilation=dilation, implementation=self.implementation, precision=self.precision,
+                        algorithm=self.algorithm, weight_layout=self.kernel_layout)
+
+
+class SubMConv2d(SubMConv3d):
+  """`SubMConv3d` on 2D SparseTensors (`jsparse.submconv2d`): nn.Conv(features, kernel_size, padding="SAME")
+  on x.todense() ([B, H, W, C]) read at the active sites; kernel (Kh, Kw, in_features, features), kernel_size
+  an int or 2 ints."""
+
+  spatial_ndim: ClassVar[int] = 2
+
+
+class SubMConv1d(SubMConv3d):
+  """`SubMConv3d` on 1D SparseTensors (`jsparse.submconv1d`): kernel (K, in_features, features)."""
+
+  spatial_ndim: ClassVar[int] = 1
 
 
 class _AffineNormAttributes(nn.Module, kw_only=True):

@@ -12,7 +12,7 @@ under jit the output's flag, `jsparse.overflowed(y)`, and (inside `jsparse.error
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import flax.linen as nn
 
@@ -20,27 +20,36 @@ from jsparse import layer_rules as rules
 from jsparse import pool, sparse_conv
 from jsparse.nn.layers import ConvParams
 from jsparse.sparse_tensor import SparseTensor
+from jsparse.spatial_rank import call_in_rank
 
-__all__ = ["SparseConv3d", "SparseInverseConv3d", "SparseConvTranspose3d", "SparseMaxPool3d", "SparseAvgPool3d"]
+__all__ = ["SparseConv3d", "SparseInverseConv3d", "SparseConvTranspose3d", "SparseMaxPool3d", "SparseAvgPool3d",
+           "SparseConv2d", "SparseInverseConv2d", "SparseConvTranspose2d", "SparseMaxPool2d", "SparseAvgPool2d",
+           "SparseConv1d", "SparseInverseConv1d", "SparseConvTranspose1d", "SparseMaxPool1d", "SparseAvgPool1d"]
 
 
 def _sparse(x, module) -> SparseTensor:
   return rules.check_sparse(x, type(module).__name__)
 
 
-def _triple(value, name: str, module) -> tuple[int, int, int]:
-  return rules.triple(value, name, type(module).__name__)
+def _triple(value, name: str, module) -> tuple[int, ...]:
+  """A size of the module as `module.spatial_ndim` ints."""
+  return rules.triple(value, name, type(module).__name__, module.spatial_ndim)
 
 
-def _padding(value, module) -> tuple[int, int, int]:
-  return rules.explicit_padding(value, type(module).__name__)
+def _padding(value, module) -> tuple[int, ...]:
+  return rules.explicit_padding(value, type(module).__name__, module.spatial_ndim)
 
 
 def _geometry(module, x: SparseTensor):
   """(x on the padded grid, padding) for the module's kernel_size, strides, padding and dilation (the rule
   the nnx twins share, in jsparse/layer_rules.py)."""
   return rules.strided_geometry(type(module).__name__, x, module.kernel_size, module.strides, module.padding,
-                                module.kernel_dilation)
+                                module.kernel_dilation, module.spatial_ndim)
+
+
+def _call(module, op3d, x: SparseTensor, **kwargs):
+  """op3d in the module's rank (`jsparse.spatial_rank.call_in_rank`), errors named after the module."""
+  return call_in_rank(op3d, module.spatial_ndim, type(module).__name__, x, **kwargs)
 
 
 class SparseConv3d(ConvParams):
@@ -67,10 +76,10 @@ class SparseConv3d(ConvParams):
     ks = _triple(self.kernel_size, "kernel_size", self)
     x, padding = _geometry(self, x)
     x, kernel, bias = self.conv_params(x, ks)
-    return sparse_conv.sparse_conv3d(
-        x, kernel, bias, stride=_triple(self.strides, "strides", self), padding=padding,
-        dilation=_triple(self.kernel_dilation, "kernel_dilation", self), out_capacity=self.out_capacity,
-        implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
+    return _call(self, sparse_conv.sparse_conv3d, x, weight=kernel, bias=bias,
+                 stride=_triple(self.strides, "strides", self), padding=padding,
+                 dilation=_triple(self.kernel_dilation, "kernel_dilation", self), out_capacity=self.out_capacity,
+                 implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
 
 
 class SparseInverseConv3d(ConvParams):
@@ -92,10 +101,10 @@ class SparseInverseConv3d(ConvParams):
     ks = _triple(self.kernel_size, "kernel_size", self)
     padded_like, padding = _geometry(self, like)
     y, kernel, bias = self.conv_params(y, ks)
-    out = sparse_conv.sparse_inverse_conv3d(
-        y, kernel, bias, like=padded_like, stride=_triple(self.strides, "strides", self), padding=padding,
-        dilation=_triple(self.kernel_dilation, "kernel_dilation", self), implementation=self.implementation,
-        precision=self.precision, weight_layout=self.kernel_layout)
+    out = _call(self, sparse_conv.sparse_inverse_conv3d, y, weight=kernel, bias=bias, like=padded_like,
+                stride=_triple(self.strides, "strides", self), padding=padding,
+                dilation=_triple(self.kernel_dilation, "kernel_dilation", self), implementation=self.implementation,
+                precision=self.precision, weight_layout=self.kernel_layout)
     return rules.on_grid(out, like.spatial_shape, like.caches)
 
 
@@ -113,9 +122,9 @@ class SparseConvTranspose3d(ConvParams):
     x = _sparse(x, self)
     st = _triple(self.strides, "strides", self)
     x, kernel, bias = self.conv_params(x, st)
-    return sparse_conv.sparse_conv_transpose3d(x, kernel, bias, stride=st, out_capacity=self.out_capacity,
-                                               mask=mask, implementation=self.implementation,
-                                               precision=self.precision, weight_layout=self.kernel_layout)
+    return _call(self, sparse_conv.sparse_conv_transpose3d, x, weight=kernel, bias=bias, stride=st,
+                 out_capacity=self.out_capacity, mask=mask, implementation=self.implementation,
+                 precision=self.precision, weight_layout=self.kernel_layout)
 
 
 class _Pool(nn.Module):
@@ -125,10 +134,11 @@ class _Pool(nn.Module):
   strides: int | Sequence[int] | None = None  # None: kernel_size
   padding: int | Sequence[int] | str = 0
   out_capacity: int | None = None
+  spatial_ndim: ClassVar[int] = 3
 
   def __call__(self, x: SparseTensor) -> SparseTensor:
-    return self._op(_sparse(x, self), self.kernel_size, self.strides, _padding(self.padding, self),
-                    out_capacity=self.out_capacity)
+    return _call(self, self._op, _sparse(x, self), kernel_size=self.kernel_size, stride=self.strides,
+                 padding=_padding(self.padding, self), out_capacity=self.out_capacity)
 
 
 class SparseMaxPool3d(_Pool):
@@ -141,3 +151,69 @@ class SparseAvgPool3d(_Pool):
   """`jsparse.sparse_avg_pool3d` (mean over the active inputs of each window) as a parameter-free module."""
 
   _op = staticmethod(pool.sparse_avg_pool3d)
+
+
+# ---- the same modules on 2D and 1D SparseTensors (SparseTensor.spatial_ndim): sizes take 2 (1) ints, kernels
+# (*kernel_size, in, features) have 2 (1) kernel axes, as nn.Conv's; the 3D classes do the work.
+
+
+class SparseConv2d(SparseConv3d):
+  """`SparseConv3d` on 2D SparseTensors (`jsparse.sparse_conv2d`): nn.Conv on x.todense() ([B, H, W, C]) read at
+  the output sites; kernel (Kh, Kw, in, features)."""
+
+  spatial_ndim: ClassVar[int] = 2
+
+
+class SparseInverseConv2d(SparseInverseConv3d):
+  """`SparseInverseConv3d` on 2D SparseTensors (`jsparse.sparse_inverse_conv2d`), `module(y, like=x)`."""
+
+  spatial_ndim: ClassVar[int] = 2
+
+
+class SparseConvTranspose2d(SparseConvTranspose3d):
+  """`SparseConvTranspose3d` on 2D SparseTensors (`jsparse.sparse_conv_transpose2d`): each site spawns
+  prod(strides) children; kernel (sh, sw, in, features)."""
+
+  spatial_ndim: ClassVar[int] = 2
+
+
+class SparseMaxPool2d(SparseMaxPool3d):
+  """`SparseMaxPool3d` on 2D SparseTensors (`jsparse.sparse_max_pool2d`)."""
+
+  spatial_ndim: ClassVar[int] = 2
+
+
+class SparseAvgPool2d(SparseAvgPool3d):
+  """`SparseAvgPool3d` on 2D SparseTensors (`jsparse.sparse_avg_pool2d`)."""
+
+  spatial_ndim: ClassVar[int] = 2
+
+
+class SparseConv1d(SparseConv3d):
+  """`SparseConv3d` on 1D SparseTensors (`jsparse.sparse_conv1d`); kernel (K, in, features)."""
+
+  spatial_ndim: ClassVar[int] = 1
+
+
+class SparseInverseConv1d(SparseInverseConv3d):
+  """`SparseInverseConv3d` on 1D SparseTensors (`jsparse.sparse_inverse_conv1d`), `module(y, like=x)`."""
+
+  spatial_ndim: ClassVar[int] = 1
+
+
+class SparseConvTranspose1d(SparseConvTranspose3d):
+  """`SparseConvTranspose3d` on 1D SparseTensors (`jsparse.sparse_conv_transpose1d`)."""
+
+  spatial_ndim: ClassVar[int] = 1
+
+
+class SparseMaxPool1d(SparseMaxPool3d):
+  """`SparseMaxPool3d` on 1D SparseTensors (`jsparse.sparse_max_pool1d`)."""
+
+  spatial_ndim: ClassVar[int] = 1
+
+
+class SparseAvgPool1d(SparseAvgPool3d):
+  """`SparseAvgPool3d` on 1D SparseTensors (`jsparse.sparse_avg_pool1d`)."""
+
+  spatial_ndim: ClassVar[int] = 1

@@ -7,7 +7,7 @@ same thing; `jsparse.nnx.linen_to_nnx` / `jsparse.nnx.nnx_to_linen` move paramet
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +18,16 @@ from jsparse import layer_rules as rules
 from jsparse import norm, pool, sparse_conv
 from jsparse.conv import submconv3d
 from jsparse.sparse_tensor import SparseTensor
+from jsparse.spatial_rank import call_in_rank
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
 
 __all__ = ["SubMConv3d", "SparseConv3d", "SparseInverseConv3d", "SparseConvTranspose3d", "SparseMaxPool3d",
-           "SparseAvgPool3d", "SparseBatchNorm", "SparseLayerNorm", "SparseGroupNorm"]
+           "SparseAvgPool3d", "SparseBatchNorm", "SparseLayerNorm", "SparseGroupNorm",
+           "SubMConv2d", "SparseConv2d", "SparseInverseConv2d", "SparseConvTranspose2d", "SparseMaxPool2d",
+           "SparseAvgPool2d", "SubMConv1d", "SparseConv1d", "SparseInverseConv1d", "SparseConvTranspose1d",
+           "SparseMaxPool1d", "SparseAvgPool1d"]
 
 default_kernel_init = initializers.lecun_normal()  # as nnx.Conv and nn.Conv
 _zeros = initializers.zeros_init()
@@ -40,7 +44,13 @@ class _ConvParams(nnx.Module):
   (`jsparse.nn.layers.ConvParams`): kernel_layout "DHWIO" (*kernel_size, in_features, out_features) or
   "ODHWI" (out_features, *kernel_size, in_features)."""
 
-  def _init_conv(self, in_features: int, out_features: int, kernel_size: tuple[int, int, int], *, use_bias: bool,
+  spatial_ndim: ClassVar[int] = 3  # the rank of the tensors it takes: its 2D and 1D twins set 2 and 1
+
+  def _call(self, op3d, x: SparseTensor, **kwargs):
+    """op3d in the module's rank (`jsparse.spatial_rank.call_in_rank`), errors named after the module."""
+    return call_in_rank(op3d, self.spatial_ndim, type(self).__name__, x, **kwargs)
+
+  def _init_conv(self, in_features: int, out_features: int, kernel_size: tuple[int, ...], *, use_bias: bool,
                  dtype, param_dtype, precision, kernel_init, bias_init, implementation, kernel_layout,
                  rngs: nnx.Rngs) -> None:
     name = type(self).__name__
@@ -86,7 +96,8 @@ class SubMConv3d(_ConvParams):
                precision: Any = None, kernel_init: Initializer = default_kernel_init,
                bias_init: Initializer = _zeros, implementation: str | None = None, algorithm: str = "auto",
                kernel_layout: str = "DHWIO", rngs: nnx.Rngs):
-    ks, dilation = rules.submanifold_geometry(type(self).__name__, kernel_size, strides, padding, kernel_dilation)
+    ks, dilation = rules.submanifold_geometry(type(self).__name__, kernel_size, strides, padding, kernel_dilation,
+                                              self.spatial_ndim)
     self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
                     implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
@@ -95,26 +106,27 @@ class SubMConv3d(_ConvParams):
   def __call__(self, x: SparseTensor) -> SparseTensor:
     """The convolution of x (its neighbour map is taken from, and attached to, x's caches)."""
     x, kernel, bias = self._conv_inputs(x)
-    return submconv3d(x, kernel, bias, dilation=self.kernel_dilation, implementation=self.implementation,
-                      precision=self.precision, algorithm=self.algorithm, weight_layout=self.kernel_layout)
+    return self._call(submconv3d, x, weight=kernel, bias=bias, dilation=self.kernel_dilation,
+                      implementation=self.implementation, precision=self.precision, algorithm=self.algorithm,
+                      weight_layout=self.kernel_layout)
 
 
 class _StridedConv(_ConvParams):
   """The geometry of SparseConv3d and SparseInverseConv3d, read as their linen twins read it
   (`jsparse.layer_rules.strided_geometry`): padding "SAME" (default, lax's), "VALID" or symmetric ints."""
 
-  def _init_geometry(self, kernel_size, strides, padding, kernel_dilation) -> tuple[int, int, int]:
-    name = type(self).__name__
-    ks = rules.triple(kernel_size, "kernel_size", name)
-    self.kernel_size, self.strides = ks, rules.triple(strides, "strides", name)
-    rules.check_conv_padding(padding, name)  # checked now, resolved against each input's grid at each call
+  def _init_geometry(self, kernel_size, strides, padding, kernel_dilation) -> tuple[int, ...]:
+    name, ndim = type(self).__name__, self.spatial_ndim
+    ks = rules.triple(kernel_size, "kernel_size", name, ndim)
+    self.kernel_size, self.strides = ks, rules.triple(strides, "strides", name, ndim)
+    rules.check_conv_padding(padding, name, ndim)  # checked now, resolved against each input's grid at each call
     self.padding = _hashable(padding)
-    self.kernel_dilation = rules.triple(kernel_dilation, "kernel_dilation", name)
+    self.kernel_dilation = rules.triple(kernel_dilation, "kernel_dilation", name, ndim)
     return ks
 
-  def _geometry(self, x: SparseTensor) -> tuple[SparseTensor, tuple[int, int, int]]:
+  def _geometry(self, x: SparseTensor) -> tuple[SparseTensor, tuple[int, ...]]:
     return rules.strided_geometry(type(self).__name__, x, self.kernel_size, self.strides, self.padding,
-                                  self.kernel_dilation)
+                                  self.kernel_dilation, self.spatial_ndim)
 
 
 class SparseConv3d(_StridedConv):
@@ -142,10 +154,10 @@ class SparseConv3d(_StridedConv):
     """The strided convolution of x; the output carries the pair map for SparseInverseConv3d."""
     x, kernel, bias = self._conv_inputs(x)
     x, padding = self._geometry(x)
-    return sparse_conv.sparse_conv3d(
-        x, kernel, bias, stride=self.strides, padding=padding, dilation=self.kernel_dilation,
-        out_capacity=self.out_capacity if out_capacity is None else out_capacity,
-        implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
+    return self._call(sparse_conv.sparse_conv3d, x, weight=kernel, bias=bias, stride=self.strides, padding=padding,
+                      dilation=self.kernel_dilation,
+                      out_capacity=self.out_capacity if out_capacity is None else out_capacity,
+                      implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
 
 
 class SparseInverseConv3d(_StridedConv):
@@ -170,9 +182,9 @@ class SparseInverseConv3d(_StridedConv):
     y, kernel, bias = self._conv_inputs(y)
     like = rules.check_sparse(like, type(self).__name__)
     padded_like, padding = self._geometry(like)
-    out = sparse_conv.sparse_inverse_conv3d(
-        y, kernel, bias, like=padded_like, stride=self.strides, padding=padding, dilation=self.kernel_dilation,
-        implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
+    out = self._call(sparse_conv.sparse_inverse_conv3d, y, weight=kernel, bias=bias, like=padded_like,
+                     stride=self.strides, padding=padding, dilation=self.kernel_dilation,
+                     implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
     return rules.on_grid(out, like.spatial_shape, like.caches)
 
 
@@ -186,7 +198,7 @@ class SparseConvTranspose3d(_ConvParams):
                param_dtype: Dtype = jnp.float32, precision: Any = None,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
                implementation: str | None = None, kernel_layout: str = "DHWIO", rngs: nnx.Rngs):
-    st = rules.triple(strides, "strides", type(self).__name__)
+    st = rules.triple(strides, "strides", type(self).__name__, self.spatial_ndim)
     self._init_conv(in_features, out_features, st, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
                     implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
@@ -196,25 +208,28 @@ class SparseConvTranspose3d(_ConvParams):
                out_capacity: int | None = None) -> SparseTensor:
     """The children of x's sites (those `mask` keeps)."""
     x, kernel, bias = self._conv_inputs(x)
-    return sparse_conv.sparse_conv_transpose3d(
-        x, kernel, bias, stride=self.strides, out_capacity=self.out_capacity if out_capacity is None else out_capacity,
-        mask=mask, implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
+    return self._call(sparse_conv.sparse_conv_transpose3d, x, weight=kernel, bias=bias, stride=self.strides,
+                      out_capacity=self.out_capacity if out_capacity is None else out_capacity, mask=mask,
+                      implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
 
 
 class _Pool(nnx.Module):
   """A parameter-free pooling module over `_op` (a pool of jsparse.pool); strides None means kernel_size."""
 
+  spatial_ndim: ClassVar[int] = 3
+
   def __init__(self, kernel_size: int | Sequence[int] = 2, strides: int | Sequence[int] | None = None,
                padding: int | Sequence[int] | str = 0, *, out_capacity: int | None = None):
-    rules.explicit_padding(padding, type(self).__name__)  # checked now, read at each call
+    rules.explicit_padding(padding, type(self).__name__, self.spatial_ndim)  # checked now, read at each call
     self.kernel_size, self.strides = _hashable(kernel_size), _hashable(strides)
     self.padding, self.out_capacity = _hashable(padding), out_capacity
 
   def __call__(self, x: SparseTensor) -> SparseTensor:
     """The pooled tensor."""
     name = type(self).__name__
-    return self._op(rules.check_sparse(x, name), self.kernel_size, self.strides,
-                    rules.explicit_padding(self.padding, name), out_capacity=self.out_capacity)
+    return call_in_rank(self._op, self.spatial_ndim, name, rules.check_sparse(x, name), kernel_size=self.kernel_size,
+                        stride=self.strides, padding=rules.explicit_padding(self.padding, name, self.spatial_ndim),
+                        out_capacity=self.out_capacity)
 
 
 class SparseMaxPool3d(_Pool):
@@ -227,6 +242,83 @@ class SparseAvgPool3d(_Pool):
   """`jsparse.sparse_avg_pool3d` (mean over the active inputs of each window) as a parameter-free nnx module."""
 
   _op = staticmethod(pool.sparse_avg_pool3d)
+
+
+
+# ---- the same modules on 2D and 1D SparseTensors (SparseTensor.spatial_ndim): sizes take 2 (1) ints, kernels
+# (*kernel_size, in, out) have 2 (1) kernel axes, as nnx.Conv's; the 3D classes do the work.
+
+
+class SubMConv2d(SubMConv3d):
+  """`SubMConv3d` on 2D SparseTensors (`jsparse.submconv2d`); kernel (Kh, Kw, in_features, out_features)."""
+
+  spatial_ndim: ClassVar[int] = 2
+
+
+class SparseConv2d(SparseConv3d):
+  """`SparseConv3d` on 2D SparseTensors (`jsparse.sparse_conv2d`); kernel (Kh, Kw, in, out)."""
+
+  spatial_ndim: ClassVar[int] = 2
+
+
+class SparseInverseConv2d(SparseInverseConv3d):
+  """`SparseInverseConv3d` on 2D SparseTensors (`jsparse.sparse_inverse_conv2d`), `module(y, like=x)`."""
+
+  spatial_ndim: ClassVar[int] = 2
+
+
+class SparseConvTranspose2d(SparseConvTranspose3d):
+  """`SparseConvTranspose3d` on 2D SparseTensors (`jsparse.sparse_conv_transpose2d`); kernel (sh, sw, in, out)."""
+
+  spatial_ndim: ClassVar[int] = 2
+
+
+class SparseMaxPool2d(SparseMaxPool3d):
+  """`SparseMaxPool3d` on 2D SparseTensors (`jsparse.sparse_max_pool2d`)."""
+
+  spatial_ndim: ClassVar[int] = 2
+
+
+class SparseAvgPool2d(SparseAvgPool3d):
+  """`SparseAvgPool3d` on 2D SparseTensors (`jsparse.sparse_avg_pool2d`)."""
+
+  spatial_ndim: ClassVar[int] = 2
+
+
+class SubMConv1d(SubMConv3d):
+  """`SubMConv3d` on 1D SparseTensors (`jsparse.submconv1d`); kernel (K, in_features, out_features)."""
+
+  spatial_ndim: ClassVar[int] = 1
+
+
+class SparseConv1d(SparseConv3d):
+  """`SparseConv3d` on 1D SparseTensors (`jsparse.sparse_conv1d`)."""
+
+  spatial_ndim: ClassVar[int] = 1
+
+
+class SparseInverseConv1d(SparseInverseConv3d):
+  """`SparseInverseConv3d` on 1D SparseTensors (`jsparse.sparse_inverse_conv1d`)."""
+
+  spatial_ndim: ClassVar[int] = 1
+
+
+class SparseConvTranspose1d(SparseConvTranspose3d):
+  """`SparseConvTranspose3d` on 1D SparseTensors (`jsparse.sparse_conv_transpose1d`)."""
+
+  spatial_ndim: ClassVar[int] = 1
+
+
+class SparseMaxPool1d(SparseMaxPool3d):
+  """`SparseMaxPool3d` on 1D SparseTensors (`jsparse.sparse_max_pool1d`)."""
+
+  spatial_ndim: ClassVar[int] = 1
+
+
+class SparseAvgPool1d(SparseAvgPool3d):
+  """`SparseAvgPool3d` on 1D SparseTensors (`jsparse.sparse_avg_pool1d`)."""
+
+  spatial_ndim: ClassVar[int] = 1
 
 
 class _Affine(nnx.Module):

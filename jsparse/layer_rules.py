@@ -238,3 +238,12 @@ def dropout_step(x: SparseTensor, rate: float, deterministic: bool, make_key: Ca
   if deterministic or rate == 0.0:
     return topology.dropout(x, rate, deterministic=True)
   return topology.dropout(x, rate, rng=make_key())
+
+
+def in_rank(layer: type, ndim: int, module: str) -> type:
+  """`layer` (a 3D jsparse layer) on `ndim`-D SparseTensors: its subclass with `spatial_ndim = ndim`, named with
+  "{ndim}d" for "3d" (sizes then take ndim ints, kernels have ndim kernel axes; the 3D code does the work)."""
+  name = layer.__name__.replace("3d", f"{ndim}d")
+  doc = (f"`{layer.__name__}` on {ndim}D SparseTensors (`SparseTensor.spatial_ndim == {ndim}`): sizes take {ndim} "
+         f"int(s) and the kernel has {ndim} kernel axis/axes in place of 3; everything else as `{layer.__name__}`.")
+  return type(name, (layer,), {"spatial_ndim": ndim, "__doc__": doc, "__module__": module, "__qualname__": name})

@@ -114,20 +114,6 @@ class SubMConv3d(ConvParams):
                         algorithm=self.algorithm, weight_layout=self.kernel_layout)
 
 
-class SubMConv2d(SubMConv3d):
-  """`SubMConv3d` on 2D SparseTensors (`jsparse.submconv2d`): nn.Conv(features, kernel_size, padding="SAME")
-  on x.todense() ([B, H, W, C]) read at the active sites; kernel (Kh, Kw, in_features, features), kernel_size
-  an int or 2 ints."""
-
-  spatial_ndim: ClassVar[int] = 2
-
-
-class SubMConv1d(SubMConv3d):
-  """`SubMConv3d` on 1D SparseTensors (`jsparse.submconv1d`): kernel (K, in_features, features)."""
-
-  spatial_ndim: ClassVar[int] = 1
-
-
 class _AffineNormAttributes(nn.Module, kw_only=True):
   """The attributes every normalisation shares with flax's (keyword-only, after each norm's own)."""
 
@@ -216,3 +202,10 @@ def _affine(module: nn.Module, shape):
 
 def _out_dtype(module: nn.Module, x: SparseTensor):
   return rules.norm_output_dtype(module.dtype, x, module.param_dtype, module.use_scale or module.use_bias)
+
+
+# ---- SubMConv3d on 2D and 1D SparseTensors (SparseTensor.spatial_ndim)
+
+
+SubMConv2d = rules.in_rank(SubMConv3d, 2, __name__)
+SubMConv1d = rules.in_rank(SubMConv3d, 1, __name__)

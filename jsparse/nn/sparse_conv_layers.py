@@ -156,64 +156,13 @@ class SparseAvgPool3d(_Pool):
 # ---- the same modules on 2D and 1D SparseTensors (SparseTensor.spatial_ndim): sizes take 2 (1) ints, kernels
 # (*kernel_size, in, features) have 2 (1) kernel axes, as nn.Conv's; the 3D classes do the work.
 
-
-class SparseConv2d(SparseConv3d):
-  """`SparseConv3d` on 2D SparseTensors (`jsparse.sparse_conv2d`): nn.Conv on x.todense() ([B, H, W, C]) read at
-  the output sites; kernel (Kh, Kw, in, features)."""
-
-  spatial_ndim: ClassVar[int] = 2
-
-
-class SparseInverseConv2d(SparseInverseConv3d):
-  """`SparseInverseConv3d` on 2D SparseTensors (`jsparse.sparse_inverse_conv2d`), `module(y, like=x)`."""
-
-  spatial_ndim: ClassVar[int] = 2
-
-
-class SparseConvTranspose2d(SparseConvTranspose3d):
-  """`SparseConvTranspose3d` on 2D SparseTensors (`jsparse.sparse_conv_transpose2d`): each site spawns
-  prod(strides) children; kernel (sh, sw, in, features)."""
-
-  spatial_ndim: ClassVar[int] = 2
-
-
-class SparseMaxPool2d(SparseMaxPool3d):
-  """`SparseMaxPool3d` on 2D SparseTensors (`jsparse.sparse_max_pool2d`)."""
-
-  spatial_ndim: ClassVar[int] = 2
-
-
-class SparseAvgPool2d(SparseAvgPool3d):
-  """`SparseAvgPool3d` on 2D SparseTensors (`jsparse.sparse_avg_pool2d`)."""
-
-  spatial_ndim: ClassVar[int] = 2
-
-
-class SparseConv1d(SparseConv3d):
-  """`SparseConv3d` on 1D SparseTensors (`jsparse.sparse_conv1d`); kernel (K, in, features)."""
-
-  spatial_ndim: ClassVar[int] = 1
-
-
-class SparseInverseConv1d(SparseInverseConv3d):
-  """`SparseInverseConv3d` on 1D SparseTensors (`jsparse.sparse_inverse_conv1d`), `module(y, like=x)`."""
-
-  spatial_ndim: ClassVar[int] = 1
-
-
-class SparseConvTranspose1d(SparseConvTranspose3d):
-  """`SparseConvTranspose3d` on 1D SparseTensors (`jsparse.sparse_conv_transpose1d`)."""
-
-  spatial_ndim: ClassVar[int] = 1
-
-
-class SparseMaxPool1d(SparseMaxPool3d):
-  """`SparseMaxPool3d` on 1D SparseTensors (`jsparse.sparse_max_pool1d`)."""
-
-  spatial_ndim: ClassVar[int] = 1
-
-
-class SparseAvgPool1d(SparseAvgPool3d):
-  """`SparseAvgPool3d` on 1D SparseTensors (`jsparse.sparse_avg_pool1d`)."""
-
-  spatial_ndim: ClassVar[int] = 1
+SparseConv2d = rules.in_rank(SparseConv3d, 2, __name__)
+SparseInverseConv2d = rules.in_rank(SparseInverseConv3d, 2, __name__)
+SparseConvTranspose2d = rules.in_rank(SparseConvTranspose3d, 2, __name__)
+SparseMaxPool2d = rules.in_rank(SparseMaxPool3d, 2, __name__)
+SparseAvgPool2d = rules.in_rank(SparseAvgPool3d, 2, __name__)
+SparseConv1d = rules.in_rank(SparseConv3d, 1, __name__)
+SparseInverseConv1d = rules.in_rank(SparseInverseConv3d, 1, __name__)
+SparseConvTranspose1d = rules.in_rank(SparseConvTranspose3d, 1, __name__)
+SparseMaxPool1d = rules.in_rank(SparseMaxPool3d, 1, __name__)
+SparseAvgPool1d = rules.in_rank(SparseAvgPool3d, 1, __name__)

@@ -249,78 +249,6 @@ class SparseAvgPool3d(_Pool):
 # (*kernel_size, in, out) have 2 (1) kernel axes, as nnx.Conv's; the 3D classes do the work.
 
 
-class SubMConv2d(SubMConv3d):
-  """`SubMConv3d` on 2D SparseTensors (`jsparse.submconv2d`); kernel (Kh, Kw, in_features, out_features)."""
-
-  spatial_ndim: ClassVar[int] = 2
-
-
-class SparseConv2d(SparseConv3d):
-  """`SparseConv3d` on 2D SparseTensors (`jsparse.sparse_conv2d`); kernel (Kh, Kw, in, out)."""
-
-  spatial_ndim: ClassVar[int] = 2
-
-
-class SparseInverseConv2d(SparseInverseConv3d):
-  """`SparseInverseConv3d` on 2D SparseTensors (`jsparse.sparse_inverse_conv2d`), `module(y, like=x)`."""
-
-  spatial_ndim: ClassVar[int] = 2
-
-
-class SparseConvTranspose2d(SparseConvTranspose3d):
-  """`SparseConvTranspose3d` on 2D SparseTensors (`jsparse.sparse_conv_transpose2d`); kernel (sh, sw, in, out)."""
-
-  spatial_ndim: ClassVar[int] = 2
-
-
-class SparseMaxPool2d(SparseMaxPool3d):
-  """`SparseMaxPool3d` on 2D SparseTensors (`jsparse.sparse_max_pool2d`)."""
-
-  spatial_ndim: ClassVar[int] = 2
-
-
-class SparseAvgPool2d(SparseAvgPool3d):
-  """`SparseAvgPool3d` on 2D SparseTensors (`jsparse.sparse_avg_pool2d`)."""
-
-  spatial_ndim: ClassVar[int] = 2
-
-
-class SubMConv1d(SubMConv3d):
-  """`SubMConv3d` on 1D SparseTensors (`jsparse.submconv1d`); kernel (K, in_features, out_features)."""
-
-  spatial_ndim: ClassVar[int] = 1
-
-
-class SparseConv1d(SparseConv3d):
-  """`SparseConv3d` on 1D SparseTensors (`jsparse.sparse_conv1d`)."""
-
-  spatial_ndim: ClassVar[int] = 1
-
-
-class SparseInverseConv1d(SparseInverseConv3d):
-  """`SparseInverseConv3d` on 1D SparseTensors (`jsparse.sparse_inverse_conv1d`)."""
-
-  spatial_ndim: ClassVar[int] = 1
-
-
-class SparseConvTranspose1d(SparseConvTranspose3d):
-  """`SparseConvTranspose3d` on 1D SparseTensors (`jsparse.sparse_conv_transpose1d`)."""
-
-  spatial_ndim: ClassVar[int] = 1
-
-
-class SparseMaxPool1d(SparseMaxPool3d):
-  """`SparseMaxPool3d` on 1D SparseTensors (`jsparse.sparse_max_pool1d`)."""
-
-  spatial_ndim: ClassVar[int] = 1
-
-
-class SparseAvgPool1d(SparseAvgPool3d):
-  """`SparseAvgPool3d` on 1D SparseTensors (`jsparse.sparse_avg_pool1d`)."""
-
-  spatial_ndim: ClassVar[int] = 1
-
-
 class _Affine(nnx.Module):
   """The "scale" and "bias" [num_features] parameters of a normalisation (each optional, as flax's)."""
 
@@ -418,3 +346,16 @@ class SparseGroupNorm(_Affine):
     """x normalised per batch item and channel group."""
     x, scale, bias, out_dtype = self._affine_inputs(x)
     return norm.group_norm(x, self.num_groups, scale, bias, epsilon=self.epsilon, dtype=out_dtype)
+
+SubMConv2d = rules.in_rank(SubMConv3d, 2, __name__)
+SparseConv2d = rules.in_rank(SparseConv3d, 2, __name__)
+SparseInverseConv2d = rules.in_rank(SparseInverseConv3d, 2, __name__)
+SparseConvTranspose2d = rules.in_rank(SparseConvTranspose3d, 2, __name__)
+SparseMaxPool2d = rules.in_rank(SparseMaxPool3d, 2, __name__)
+SparseAvgPool2d = rules.in_rank(SparseAvgPool3d, 2, __name__)
+SubMConv1d = rules.in_rank(SubMConv3d, 1, __name__)
+SparseConv1d = rules.in_rank(SparseConv3d, 1, __name__)
+SparseInverseConv1d = rules.in_rank(SparseInverseConv3d, 1, __name__)
+SparseConvTranspose1d = rules.in_rank(SparseConvTranspose3d, 1, __name__)
+SparseMaxPool1d = rules.in_rank(SparseMaxPool3d, 1, __name__)
+SparseAvgPool1d = rules.in_rank(SparseAvgPool3d, 1, __name__)

@@ -13,7 +13,7 @@ from pallas_kernels.weight_layout import WeightLayout
 def submconv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *, dilation: Size3 = 1,
                cache: NeighborCache | None = None, implementation: str | None = None,
                precision: PrecisionLike = None, algorithm: str = "auto",
-               weight_layout: WeightLayout | str = "DHWIO") -> SparseTensor:
+               weight_layout: WeightLayout | str = "DHWIO", feature_group_count: int = 1) -> SparseTensor:
   """Submanifold 3D convolution: a SparseTensor on the same coordinates as `x`.
 
   At every valid site u: y[u] = sum_i weight[i]^T x[u + (i - centre) * dilation] + bias, summing over the
@@ -32,14 +32,19 @@ def submconv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None
   precision: for float32 inputs, None/"tf32" (TF32 matmuls on the GPU) or "highest" (full fp32).
   algorithm (Pallas only): "auto" (chosen per pass), "explicit" (gather, then one matmul), "implicit"
     (gather fused into the GEMM), "masked" (rows sorted so blocks skip unused offsets), or their
-    "_splitk" variants (the reduction split across programs). All give the same result.
+    "_splitk" variants (the reduction split across programs), or "depthwise" (a multiply-accumulate kernel for
+    narrow feature groups). All give the same result.
+  feature_group_count: G > 1 splits the input and output channels into G groups, output group j reading
+    input group j only (as lax.conv_general_dilated's feature_group_count; G = Cin is a depthwise convolution):
+    weight (Kx, Ky, Kz, Cin/G, Cout) or (Cout, Kx, Ky, Kz, Cin/G), G dividing Cin and Cout. On the GPU groups of
+    at least 16 channels run as one grouped gather-GEMM, narrower ones ("auto") on the "depthwise" kernels.
   The output has x's dtype; the weight is cast to it; products accumulate in float32.
   """
   check_spatial_ndim(x, 3, "submconv3d")
   layout = WeightLayout.of(weight_layout)
-  kernel_size, w, b = check_weight(x.num_channels, x.dtype, weight, bias, layout)
+  kernel_size, w, b = check_weight(x.num_channels, x.dtype, weight, bias, layout, feature_group_count)
   spec = ConvSpec.build(check_kernel_size(kernel_size), check_dilation(dilation), implementation, layout, precision,
-                        algorithm)
+                        algorithm, feature_group_count)
   key = cache_key(spec.kernel_size, spec.dilation, spec.implementation)
   passed = cache is not None
   if cache is None:

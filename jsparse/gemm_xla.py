@@ -18,18 +18,32 @@ def gather_rows(feats: jax.Array, rows: jax.Array, fill=0) -> jax.Array:
 
 
 def submconv_xla(feats: jax.Array, w: jax.Array, bias: jax.Array | None, nbr: jax.Array, num: ArrayLike, *,
-                 precision: PrecisionLike = None, weight_layout: WeightLayout | str = "DHWIO") -> jax.Array:
+                 precision: PrecisionLike = None, weight_layout: WeightLayout | str = "DHWIO",
+                 groups: int = 1) -> jax.Array:
   """Advanced (array level): out[i] = sum_v feats[nbr[i, v]] @ W_v (+ bias) for i < num, as [M, V*Cin] @
   [V*Cin, Cout]; zero rows from num on.
 
-  w: the flattened weight, [V, Cin, Cout] (DHWIO) or [Cout, V, Cin] (ODHWI). nbr: int32 [M, V], -1 = none.
+  w: the flattened weight, [V, Cin/groups, Cout] (DHWIO) or [Cout, V, Cin/groups] (ODHWI). nbr: int32 [M, V],
+  -1 = none. groups > 1: output channel block j of Cout/groups reads input channel block j of Cin/groups, as
+  one batched matmul over the group axis.
   """
   m, v = nbr.shape
-  gathered = gather_rows(feats, nbr).reshape(m, v * feats.shape[1])
-  if WeightLayout.of(weight_layout).cout_major:  # contract with [Cout, V*Cin]'s second axis: no transpose
+  cout_major = WeightLayout.of(weight_layout).cout_major
+  if groups > 1:
+    gathered = gather_rows(feats, nbr).reshape(m, v, groups, feats.shape[1] // groups)
+    cin_g = gathered.shape[-1]
+    if cout_major:
+      grouped, spec = w.reshape(groups, -1, v, cin_g), "mvgc,govc->mgo"
+    else:
+      grouped, spec = w.reshape(v, cin_g, groups, -1), "mvgc,vcgo->mgo"
+    out = jnp.einsum(spec, gathered, grouped, precision=dot_precision(precision, feats.dtype),
+                     preferred_element_type=jnp.float32).reshape(m, -1)
+  elif cout_major:  # contract with [Cout, V*Cin]'s second axis: no transpose
+    gathered = gather_rows(feats, nbr).reshape(m, v * feats.shape[1])
     out = jax.lax.dot_general(gathered, w.reshape(w.shape[0], -1), (((1,), (1,)), ((), ())),
                               precision=dot_precision(precision, feats.dtype), preferred_element_type=jnp.float32)
   else:
+    gathered = gather_rows(feats, nbr).reshape(m, v * feats.shape[1])
     out = jnp.dot(gathered, w.reshape(-1, w.shape[-1]), precision=dot_precision(precision, feats.dtype),
                   preferred_element_type=jnp.float32)
   if bias is not None:
@@ -38,17 +52,38 @@ def submconv_xla(feats: jax.Array, w: jax.Array, bias: jax.Array | None, nbr: ja
   return jnp.where(valid[:, None], out, 0).astype(feats.dtype)
 
 
-def input_grad_xla(g, w, t_map, t_num, *, precision, weight_layout: WeightLayout):
-  """dx[j] = sum_v g[t_map[j, v]] @ W_{V-1-v}^T: the forward over the transposed map with the flipped,
-  transposed weight."""
-  w_t = jnp.transpose(w, (1, 0, 2)) if weight_layout.cout_major else jnp.swapaxes(w, 1, 2)
-  return submconv_xla(g, jnp.flip(w_t, 0), None, t_map, t_num, precision=precision)
+def transposed_weight(w, weight_layout: WeightLayout, groups: int = 1):
+  """The input gradient's weight: [V, Cout/groups, Cin] (DHWIO, flattened) with W'_v = W_{V-1-v}^T per group."""
+  if groups == 1:
+    w_t = jnp.transpose(w, (1, 0, 2)) if weight_layout.cout_major else jnp.swapaxes(w, 1, 2)
+    return jnp.flip(w_t, 0)
+  if weight_layout.cout_major:  # [G, Cout/G, V, Cin/G] -> [V, Cout/G, G, Cin/G]
+    cout, v, cin_g = w.shape
+    w_t = jnp.transpose(w.reshape(groups, cout // groups, v, cin_g), (2, 1, 0, 3))
+  else:  # [V, Cin/G, G, Cout/G] -> [V, Cout/G, G, Cin/G]
+    v, cin_g, cout = w.shape
+    w_t = jnp.transpose(w.reshape(v, cin_g, groups, cout // groups), (0, 3, 2, 1))
+  return jnp.flip(w_t.reshape(v, w_t.shape[1], groups * cin_g), 0)
 
 
-def weight_grad_xla(feats, g, nbr, num, *, precision, weight_layout: WeightLayout):
-  """dW_v = sum_i feats[nbr[i, v]]^T g[i] over the valid rows i, in the flattened weight's layout."""
+def input_grad_xla(g, w, t_map, t_num, *, precision, weight_layout: WeightLayout, groups: int = 1):
+  """dx[j] = sum_v g[t_map[j, v]] @ W_{V-1-v}^T (per group): the forward over the transposed map with the
+  flipped, transposed weight."""
+  return submconv_xla(g, transposed_weight(w, weight_layout, groups), None, t_map, t_num, precision=precision,
+                      groups=groups)
+
+
+def weight_grad_xla(feats, g, nbr, num, *, precision, weight_layout: WeightLayout, groups: int = 1):
+  """dW_v = sum_i feats[nbr[i, v]]^T g[i] over the valid rows i (per group), in the flattened weight's layout."""
   valid = jnp.arange(g.shape[0]) < num
-  spec = "mvc,mo->ovc" if weight_layout.cout_major else "mvc,mo->vco"
-  d_w = jnp.einsum(spec, gather_rows(feats, nbr), jnp.where(valid[:, None], g, 0).astype(feats.dtype),
-                   precision=dot_precision(precision, feats.dtype), preferred_element_type=jnp.float32)
-  return d_w.astype(feats.dtype)
+  g = jnp.where(valid[:, None], g, 0).astype(feats.dtype)
+  kw = dict(precision=dot_precision(precision, feats.dtype), preferred_element_type=jnp.float32)
+  if groups == 1:
+    spec = "mvc,mo->ovc" if weight_layout.cout_major else "mvc,mo->vco"
+    return jnp.einsum(spec, gather_rows(feats, nbr), g, **kw).astype(feats.dtype)
+  m, v = nbr.shape
+  gathered = gather_rows(feats, nbr).reshape(m, v, groups, feats.shape[1] // groups)
+  spec = "mvgc,mgo->govc" if weight_layout.cout_major else "mvgc,mgo->vcgo"
+  d_w = jnp.einsum(spec, gathered, g.reshape(m, groups, -1), **kw)
+  shape = (-1, v, gathered.shape[-1]) if weight_layout.cout_major else (v, gathered.shape[-1], -1)
+  return d_w.reshape(shape).astype(feats.dtype)

@@ -32,8 +32,8 @@ from jsparse.pass_config import (PASSES, PassConfig, PassInputs, RunOptions, Sha
 from pallas_kernels import gemm_plan
 from pallas_kernels.weight_layout import WeightLayout
 
-__all__ = ["map_gemm", "ConvSpec", "ConvMaps", "check_weight", "choose", "configs", "with_plans", "run_pass",
-           "recording", "ConvCall"]
+__all__ = ["map_gemm", "ConvSpec", "ConvMaps", "check_weight", "check_groups", "choose", "configs", "with_plans",
+           "run_pass", "recording", "ConvCall"]
 
 
 # ---- validated arguments -------------------------------------------------------------------------------
@@ -46,7 +46,8 @@ class ConvSpec:
   kernel_size, dilation: 3 ints each (checked by the op: submanifold kernels are odd).
   implementation: the resolved `dispatch.Implementation`. weight_layout: a WeightLayout.
   precision: for float32, None / "tf32" / "highest" or a lax.Precision. algorithm: one of
-  pass_config.ALGORITHMS ("auto" lets `choose` decide per pass).
+  pass_config.ALGORITHMS ("auto" lets `choose` decide per pass). groups: feature_group_count (input and
+  output channels split into that many groups, group j's outputs reading only group j's inputs).
   """
 
   kernel_size: tuple[int, int, int]
@@ -55,14 +56,22 @@ class ConvSpec:
   weight_layout: WeightLayout = WeightLayout.DHWIO
   precision: Any = None
   algorithm: str = "auto"
+  groups: int = 1
 
   @classmethod
   def build(cls, kernel_size, dilation, implementation: str | None, weight_layout, precision: PrecisionLike = None,
-            algorithm: str = "auto") -> "ConvSpec":
-    """A spec from the op's arguments (kernel_size and dilation already checked by the op): resolves the
-    implementation and the layout and checks the algorithm."""
+            algorithm: str = "auto", groups: int = 1) -> "ConvSpec":
+    """A spec from the op's arguments (kernel_size and dilation already checked by the op, groups by
+    `check_weight`): resolves the implementation and the layout and checks the algorithm."""
     return cls(tuple(kernel_size), tuple(dilation), dispatch.resolve(implementation),
-               WeightLayout.of(weight_layout), precision, check_algorithm(algorithm))
+               WeightLayout.of(weight_layout), precision, check_algorithm(algorithm), check_groups(groups))
+
+
+def check_groups(groups) -> int:
+  """`groups` (feature_group_count) if it is a positive int, else ValueError naming the argument."""
+  if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+    raise ValueError(f"feature_group_count must be a positive int, got {groups!r}")
+  return groups
 
 
 def _check_real(name: str, value: jax.Array) -> None:
@@ -71,9 +80,12 @@ def _check_real(name: str, value: jax.Array) -> None:
     raise TypeError(f"{name} must be real (floating point or integer), got dtype {value.dtype}")
 
 
-def check_weight(num_channels: int, dtype, weight, bias, weight_layout: WeightLayout):
-  """Validates a 5-D weight in `weight_layout` and a (Cout,) bias against features of `num_channels` channels;
-  returns (kernel_size, the weight with its kernel axes flattened, in `dtype`, the bias in `dtype` or None)."""
+def check_weight(num_channels: int, dtype, weight, bias, weight_layout: WeightLayout, groups: int = 1):
+  """Validates a 5-D weight in `weight_layout` and a (Cout,) bias against features of `num_channels` channels
+  split into `groups` feature groups (the weight's input-channel extent is num_channels / groups, as
+  lax.conv_general_dilated's feature_group_count); returns (kernel_size, the weight with its kernel axes
+  flattened, in `dtype`, the bias in `dtype` or None)."""
+  groups = check_groups(groups)
   weight = jnp.asarray(weight)
   _check_real("weight", weight)
   if weight.ndim != 5:
@@ -82,8 +94,14 @@ def check_weight(num_channels: int, dtype, weight, bias, weight_layout: WeightLa
   if 0 in weight.shape:
     raise ValueError(f"weight must have nonzero kernel sizes and channel counts, got shape {weight.shape}")
   kernel_size, cin, cout = weight_layout.split_shape(weight.shape)
-  if cin != num_channels:
-    raise ValueError(f"weight expects {cin} input channels but the features have {num_channels} "
+  if groups > 1 and num_channels % groups:
+    raise ValueError(f"feature_group_count={groups} must divide the input channels ({num_channels})")
+  if groups > 1 and cout % groups:
+    raise ValueError(f"feature_group_count={groups} must divide the output channels ({cout}, weight shape "
+                     f"{weight.shape}, weight_layout={weight_layout.value!r})")
+  if cin * groups != num_channels:
+    per_group = f" / feature_group_count={groups} = {num_channels // groups}" if groups > 1 else ""
+    raise ValueError(f"weight expects {cin} input channels but the features have {num_channels}{per_group} "
                      f"(weight shape {weight.shape}, weight_layout={weight_layout.value!r})")
   if bias is not None:
     bias = jnp.asarray(bias)
@@ -140,15 +158,16 @@ class ConvMaps(NamedTuple):
 
 
 def choose(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
-           algorithm: str = "auto") -> PassConfig:
-  """The config for one pass: with algorithm "auto" a tuned entry if an active table has one for this shape,
-  else (or for a named algorithm) `pass_config.heuristic`."""
+           algorithm: str = "auto", groups: int = 1) -> PassConfig:
+  """The config for one pass (cin, cout: the convolution's whole channel counts, split into `groups`): with
+  algorithm "auto" a tuned entry if an active table has one for this shape, else (or for a named algorithm)
+  `pass_config.heuristic`."""
   check_pass(pass_name)
   if algorithm == "auto":
-    cfg = tuning.lookup(ShapeKey.of(pass_name, num_rows, cin, cout, num_offsets, dtype))
+    cfg = tuning.lookup(ShapeKey.of(pass_name, num_rows, cin, cout, num_offsets, dtype, groups))
     if cfg is not None:
       return cfg
-  return heuristic(pass_name, num_rows, cin, cout, num_offsets, jnp.dtype(dtype), algorithm)
+  return heuristic(pass_name, num_rows, cin, cout, num_offsets, jnp.dtype(dtype), algorithm, groups=groups)
 
 
 class ConvCall(NamedTuple):
@@ -162,6 +181,7 @@ class ConvCall(NamedTuple):
   maps: ConvMaps
   precision: object
   weight_layout: WeightLayout
+  groups: int = 1
 
 
 _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("jsparse_record", default=None)
@@ -194,10 +214,11 @@ def run_pass(pass_name: str, cfg: PassConfig, inputs: PassInputs, options: RunOp
 def configs(feats: jax.Array, weight: jax.Array, maps: ConvMaps, spec: ConvSpec) -> tuple[PassConfig, ...]:
   """The config of each pass (forward, input_grad, weight_grad) of the Pallas map-GEMM of these arguments."""
   m, v = maps.nbr.shape
-  _, cin, cout = spec.weight_layout.flat_dims(weight)
-  return (choose("forward", m, cin, cout, v, feats.dtype, spec.algorithm),
-          choose("input_grad", feats.shape[0], cin, cout, v, feats.dtype, spec.algorithm),
-          choose("weight_grad", m, cin, cout, v, feats.dtype, spec.algorithm))
+  _, _, cout = spec.weight_layout.flat_dims(weight)
+  cin, groups = feats.shape[1], spec.groups  # the whole input width (the weight holds one group's)
+  return (choose("forward", m, cin, cout, v, feats.dtype, spec.algorithm, groups),
+          choose("input_grad", feats.shape[0], cin, cout, v, feats.dtype, spec.algorithm, groups),
+          choose("weight_grad", m, cin, cout, v, feats.dtype, spec.algorithm, groups))
 
 
 def with_plans(feats: jax.Array, weight: jax.Array, maps: ConvMaps, spec: ConvSpec) -> ConvMaps:
@@ -219,21 +240,23 @@ def map_gemm(feats: jax.Array, weight: jax.Array, bias: jax.Array | None, maps: 
   """out[i] = sum_v feats[nbr[i, v]] @ W_v (+ bias) for i < maps.num, zero rows after; differentiable in
   feats, weight and bias (any order on the Pallas path).
 
-  weight: flattened in spec.weight_layout ([V, Cin, Cout] or [Cout, V, Cin]) and in feats' dtype; bias (Cout,)
-  or None. XLA: gather + one matmul, differentiated by JAX. Pallas: the configs `choose` picks per pass.
+  weight: flattened in spec.weight_layout ([V, Cin/groups, Cout] or [Cout, V, Cin/groups]) and in feats' dtype;
+  bias (Cout,) or None. With spec.groups > 1, output channel block j (of Cout/groups) reads input channel
+  block j only. XLA: gather + one matmul, differentiated by JAX. Pallas: the configs `choose` picks per pass.
   """
   layout = spec.weight_layout
   if not spec.implementation.is_pallas:
-    return submconv_xla(feats, weight, bias, maps.nbr, maps.num, precision=spec.precision, weight_layout=layout)
+    return submconv_xla(feats, weight, bias, maps.nbr, maps.num, precision=spec.precision, weight_layout=layout,
+                        groups=spec.groups)
   m, v = maps.nbr.shape
-  _, cin, cout = layout.flat_dims(weight)
-  _record(ConvCall(m, cin, cout, v, jnp.dtype(feats.dtype), maps, spec.precision, layout))
+  _, _, cout = layout.flat_dims(weight)
+  _record(ConvCall(m, feats.shape[1], cout, v, jnp.dtype(feats.dtype), maps, spec.precision, layout, spec.groups))
   cfgs = configs(feats, weight, maps, spec)
   arrays = _PassArrays(maps.nbr, maps.num, *maps.input_grad_map(),
                        maps.plan(cfgs[0].tiles.block_m) if cfgs[0].uses_plan else None,
                        maps.input_grad_plan(cfgs[1].tiles.block_m) if cfgs[1].uses_plan else None,
                        maps.pair_lists() if cfgs[2].uses_plan else None)
-  options = _Options(cfgs, RunOptions(spec.precision, spec.implementation.interpret, layout))
+  options = _Options(cfgs, RunOptions(spec.precision, spec.implementation.interpret, layout, spec.groups))
   return _forward(feats, weight, bias, arrays, options)
 
 

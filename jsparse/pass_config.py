@@ -5,7 +5,11 @@ A pass (forward, input gradient or weight gradient) runs as one of
 - `Explicit()`: gather, then one XLA matmul (jsparse/gemm_xla.py);
 - `Implicit(tiles)`: the Pallas GEMM with the gather fused in, every block looping over every offset;
 - `Masked(tiles)`: the same GEMM walking a masked plan (forward, input gradient) or pair lists (weight
-  gradient), so blocks skip the offsets their rows do not use.
+  gradient), so blocks skip the offsets their rows do not use;
+- `Depthwise(tiles)`: for feature groups too narrow for tensor-core tiles (depthwise convolutions), a
+  bandwidth-bound gather-multiply-accumulate (pallas_kernels/depthwise.py).
+Grouped convolutions (feature_group_count, `RunOptions.groups`) run on every algorithm; the GEMMs launch the
+groups side by side.
 Split-K is a tile field (`tiles.split > 1`). `REGISTRY` names the algorithms: one line per algorithm.
 
 A config class gives `kind` (its registry name), `tiles` (a TileConfig or None), `uses_plan` (whether the
@@ -22,11 +26,11 @@ from typing import ClassVar, NamedTuple
 import jax.numpy as jnp
 
 from jsparse import gemm_xla
-from pallas_kernels import gather_gemm, gather_gemm_config, weight_grad, weight_grad_config
+from pallas_kernels import depthwise_config, gather_gemm, gather_gemm_config, weight_grad, weight_grad_config
 from pallas_kernels.tiling import TileConfig
 from pallas_kernels.weight_layout import WeightLayout
 
-__all__ = ["Explicit", "Implicit", "Masked", "PassConfig", "REGISTRY", "ALGORITHMS", "algorithm_names", "PASSES",
+__all__ = ["Explicit", "Implicit", "Masked", "Depthwise", "PassConfig", "REGISTRY", "ALGORITHMS", "algorithm_names", "PASSES",
            "ShapeKey", "PassInputs", "RunOptions", "heuristic", "candidates", "describe", "check_algorithm",
            "config_to_json",
            "config_from_json", "config_from_json_v1"]
@@ -49,11 +53,13 @@ class PassInputs(NamedTuple):
 
 
 class RunOptions(NamedTuple):
-  """How every pass of one convolution runs: matmul precision, interpret mode, the weight's layout."""
+  """How every pass of one convolution runs: matmul precision, interpret mode, the weight's layout, the
+  feature groups (feature_group_count)."""
 
   precision: object
   interpret: bool
   weight_layout: WeightLayout
+  groups: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,23 +71,22 @@ class Explicit:
   uses_plan: ClassVar[bool] = False
 
   @classmethod
-  def default(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, *, split: str = "none") -> "Explicit":
+  def default(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, *, split: str = "none",
+              groups: int = 1) -> "Explicit":
     return cls()
 
   @classmethod
-  def candidates(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout) -> list:
+  def candidates(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout, groups: int = 1) -> list:
     return []
 
   def run(self, pass_name: str, p: PassInputs, o: RunOptions):
     """One pass in plain XLA."""
+    kw = dict(precision=o.precision, weight_layout=o.weight_layout, groups=o.groups)
     if pass_name == "forward":
-      return gemm_xla.submconv_xla(p.lhs, p.rhs, p.bias, p.nbr, p.num, precision=o.precision,
-                                   weight_layout=o.weight_layout)
+      return gemm_xla.submconv_xla(p.lhs, p.rhs, p.bias, p.nbr, p.num, **kw)
     if pass_name == "input_grad":
-      return gemm_xla.input_grad_xla(p.lhs, p.rhs, p.nbr, p.num, precision=o.precision,
-                                     weight_layout=o.weight_layout)
-    return gemm_xla.weight_grad_xla(p.lhs, p.rhs, p.nbr, p.num, precision=o.precision,
-                                    weight_layout=o.weight_layout)
+      return gemm_xla.input_grad_xla(p.lhs, p.rhs, p.nbr, p.num, **kw)
+    return gemm_xla.weight_grad_xla(p.lhs, p.rhs, p.nbr, p.num, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,29 +102,31 @@ class Implicit:
       raise TypeError(f"{type(self).__name__}.tiles must be a TileConfig, got {self.tiles!r}")
 
   @classmethod
-  def default(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, *, split: str = "none"):
-    """The kernels' default tiles; split "none" (never split-K), "auto" (where the GPU would idle) or
-    "require" (at least 2)."""
-    if pass_name == "weight_grad":
-      tiles = weight_grad_config.default_config(num_rows, cin, cout, num_offsets, dtype)
+  def default(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, *, split: str = "none", groups: int = 1):
+    """The kernels' default tiles (for one group's channels); split "none" (never split-K), "auto" (where the
+    GPU would idle) or "require" (at least 2)."""
+    cin, cout = cin // groups, cout // groups
+    if pass_name == "weight_grad":  # the groups launch side by side, as more offsets would
+      tiles = weight_grad_config.default_config(num_rows, cin, cout, num_offsets * groups, dtype)
       return cls(tiles if split != "none" else dataclasses.replace(tiles, split=1))
     k, n = (cin, cout) if pass_name == "forward" else (cout, cin)
     tiles = gather_gemm_config.default_config(num_rows, k, n, dtype)
-    factor = gather_gemm_config.default_split(num_rows, k, n, num_offsets, tiles, require=split == "require",
-                                              allow=split == "auto")
+    factor = gather_gemm_config.default_split(num_rows, k, n * groups, num_offsets, tiles,
+                                              require=split == "require", allow=split == "auto")
     return cls(dataclasses.replace(tiles, split=factor))
 
   @classmethod
-  def candidates(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout) -> list:
+  def candidates(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout, groups: int = 1) -> list:
     """Implicit: the default tiles unsplit (GEMM passes only)."""
     if pass_name == "weight_grad":
       return []
-    k, n = (cin, cout) if pass_name == "forward" else (cout, cin)
+    k, n = (cin // groups, cout // groups) if pass_name == "forward" else (cout // groups, cin // groups)
     return [cls(dataclasses.replace(gather_gemm_config.default_config(num_rows, k, n, dtype), split=1))]
 
   def run(self, pass_name: str, p: PassInputs, o: RunOptions):
     """One pass on the Pallas kernels (a masked plan or pair lists in `p` make it walk only used offsets)."""
-    kw = dict(config=self.tiles, precision=o.precision, interpret=o.interpret, weight_layout=o.weight_layout)
+    kw = dict(config=self.tiles, precision=o.precision, interpret=o.interpret, weight_layout=o.weight_layout,
+              groups=o.groups)
     if pass_name == "forward":
       return gather_gemm.conv_forward(p.lhs, p.rhs, p.nbr, p.num, p.bias, plan=p.plan, **kw)
     if pass_name == "input_grad":
@@ -138,8 +145,9 @@ class Masked(Implicit):
   uses_plan: ClassVar[bool] = True
 
   @classmethod
-  def candidates(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout) -> list:
-    """The kernels' candidate tiles."""
+  def candidates(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout, groups: int = 1) -> list:
+    """The kernels' candidate tiles (for one group's channels)."""
+    cin, cout = cin // groups, cout // groups
     if pass_name == "weight_grad":
       return [cls(t) for t in weight_grad_config.candidates(num_rows, cin, cout, num_offsets, dtype)]
     forward = pass_name == "forward"
@@ -149,11 +157,13 @@ class Masked(Implicit):
                                                           n_contiguous=n_contiguous)]
 
 
-PassConfig = Explicit | Implicit | Masked
+Depthwise = depthwise_config.Depthwise
+PassConfig = Explicit | Implicit | Masked | Depthwise
 
 # The registry: an algorithm's JSON / `algorithm=` name and its config class. The tuner times candidates in
 # this order.
-REGISTRY: dict[str, type] = {"explicit": Explicit, "masked": Masked, "implicit": Implicit}
+REGISTRY: dict[str, type] = {"explicit": Explicit, "masked": Masked, "implicit": Implicit,
+                             "depthwise": Depthwise}
 
 def algorithm_names() -> tuple[str, ...]:
   """What a convolution's `algorithm=` argument accepts: "auto", a registered algorithm, or a tiled one with
@@ -186,13 +196,14 @@ def describe(cfg: PassConfig) -> str:
 
 # ---- shape keys ------------------------------------------------------------------------------------------
 
-_KEY_RE = re.compile(r"(forward|input_grad|weight_grad)/n(\d+)/ci(\d+)/co(\d+)/v(\d+)/(\w+)")
+_KEY_RE = re.compile(r"(forward|input_grad|weight_grad)/n(\d+)/ci(\d+)/co(\d+)/v(\d+)(?:/g(\d+))?/(\w+)")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class ShapeKey:
   """The bucket a tuned config applies to: the pass, rows rounded up to a power of two, exact channels,
-  offsets and dtype. Written "forward/n1024/ci32/co64/v27/float32" in tables."""
+  offsets, dtype and feature groups. Written "forward/n1024/ci32/co64/v27/float32" in tables, with "/g4"
+  before the dtype for 4 feature groups."""
 
   pass_name: str
   rows: int
@@ -200,11 +211,14 @@ class ShapeKey:
   cout: int
   num_offsets: int
   dtype: str
+  groups: int = 1
 
   @classmethod
-  def of(cls, pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype) -> "ShapeKey":
+  def of(cls, pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
+         groups: int = 1) -> "ShapeKey":
     rows = 1 << max(int(num_rows) - 1, 0).bit_length()
-    return cls(check_pass(pass_name), rows, int(cin), int(cout), int(num_offsets), jnp.dtype(dtype).name)
+    return cls(check_pass(pass_name), rows, int(cin), int(cout), int(num_offsets), jnp.dtype(dtype).name,
+               int(groups))
 
   @classmethod
   def parse(cls, text) -> "ShapeKey":
@@ -213,11 +227,12 @@ class ShapeKey:
     match = _KEY_RE.fullmatch(text) if isinstance(text, str) else None
     if match is None:
       raise ValueError(f"table keys look like 'forward/n1024/ci32/co64/v27/float32', got {text!r}")
-    p, rows, cin, cout, v, dtype = match.groups()
-    return cls(p, int(rows), int(cin), int(cout), int(v), jnp.dtype(dtype).name)
+    p, rows, cin, cout, v, groups, dtype = match.groups()
+    return cls(p, int(rows), int(cin), int(cout), int(v), jnp.dtype(dtype).name, int(groups or 1))
 
   def __str__(self) -> str:
-    return f"{self.pass_name}/n{self.rows}/ci{self.cin}/co{self.cout}/v{self.num_offsets}/{self.dtype}"
+    groups = f"/g{self.groups}" if self.groups > 1 else ""
+    return f"{self.pass_name}/n{self.rows}/ci{self.cin}/co{self.cout}/v{self.num_offsets}{groups}/{self.dtype}"
 
 
 # ---- JSON (table schema 2: {"algorithm": kind, "tiles": {TileConfig fields}}) ------------------------------
@@ -306,23 +321,28 @@ def config_from_json_v1(d: dict, key: str = "entry") -> PassConfig:
 
 
 def heuristic(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
-              algorithm: str = "auto") -> PassConfig:
-  """A reasonable config without measurements, for a convolution's `algorithm=` request: "auto" picks
-  masked tiles wherever there is more than one offset and splits the reduction where the GPU would idle; a
-  named algorithm takes its default tiles, split-K only when asked for with "_splitk"."""
+              algorithm: str = "auto", *, groups: int = 1) -> PassConfig:
+  """A reasonable config without measurements, for a convolution's `algorithm=` request: "auto" picks the
+  depthwise multiply-accumulate for feature groups too narrow for a tensor-core tile (`depthwise_config.
+  suits`), else masked tiles wherever there is more than one offset, and splits the reduction where the GPU
+  would idle; a named algorithm takes its default tiles, split-K only when asked for with "_splitk"."""
   check_pass(pass_name)
   check_algorithm(algorithm)
   if algorithm == "auto":
-    cls = Masked if num_offsets > 1 else Implicit
-    return cls.default(pass_name, num_rows, cin, cout, num_offsets, dtype, split="auto")
+    if depthwise_config.suits(cin, cout, groups):
+      cls = Depthwise
+    else:
+      cls = Masked if num_offsets > 1 else Implicit
+    return cls.default(pass_name, num_rows, cin, cout, num_offsets, dtype, split="auto", groups=groups)
   kind = algorithm.removesuffix("_splitk")
   split = "require" if algorithm.endswith("_splitk") else "none"
-  return REGISTRY[kind].default(pass_name, num_rows, cin, cout, num_offsets, dtype, split=split)
+  return REGISTRY[kind].default(pass_name, num_rows, cin, cout, num_offsets, dtype, split=split, groups=groups)
 
 
 def candidates(pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
-               weight_layout: WeightLayout) -> list[PassConfig]:
+               weight_layout: WeightLayout, groups: int = 1) -> list[PassConfig]:
   """The configs the tuner times for one pass: every registered algorithm's candidates."""
   check_pass(pass_name)
   return [cfg for cls in REGISTRY.values()
-          for cfg in cls.candidates(pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout)]
+          for cfg in cls.candidates(pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout,
+                                    groups=groups)]

@@ -307,8 +307,8 @@ def strided_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 1, padding:
 def sparse_conv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *, stride: Size3 = 1,
                   padding: Size3 = 0, dilation: Size3 = 1, out_capacity: Capacity = None,
                   cache: PairMap | None = None, implementation: str | None = None, precision: PrecisionLike = None,
-                  algorithm: str = "auto", with_overflow: bool = False,
-                  weight_layout: WeightLayout | str = "DHWIO") -> SparseTensor | tuple[SparseTensor, jax.Array]:
+                  algorithm: str = "auto", with_overflow: bool = False, weight_layout: WeightLayout | str = "DHWIO",
+                  feature_group_count: int = 1) -> SparseTensor | tuple[SparseTensor, jax.Array]:
   """Strided (non-submanifold) sparse 3D convolution, spconv's SparseConv3d.
 
   Output sites: every output position whose receptive field holds a valid input (`pair_map`), sorted by
@@ -322,13 +322,14 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = N
   cache: a PairMap of x for this geometry (else built).
   The output carries its PairMap in `caches` for `sparse_inverse_conv3d`.
   with_overflow: return (output, overflow); see the module docstring (outside jit an overflow raises).
-  implementation / precision / algorithm: as submconv3d; implementation also picks how the output sites are
-  found (`pair_map`).
+  implementation / precision / algorithm / feature_group_count: as submconv3d (weight (Kx, Ky, Kz, Cin/G, Cout));
+  implementation also picks how the output sites are found (`pair_map`).
   """
   check_spatial_ndim(x, 3, "sparse_conv3d")
   layout = WeightLayout.of(weight_layout)
-  ks, w, b = check_weight(x.num_channels, x.dtype, weight, bias, layout)
-  spec = ConvSpec.build(ks, check_dilation(dilation), implementation, layout, precision, algorithm)
+  ks, w, b = check_weight(x.num_channels, x.dtype, weight, bias, layout, feature_group_count)
+  spec = ConvSpec.build(ks, check_dilation(dilation), implementation, layout, precision, algorithm,
+                        feature_group_count)
   if cache is None:
     cache = pair_map(x, ks, stride, padding, dilation, out_capacity, implementation=implementation,
                      op="sparse_conv3d")
@@ -399,7 +400,8 @@ def _check_same_geometry(y: SparseTensor, like: SparseTensor, geom: Geometry) ->
 def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *, like: SparseTensor,
                           stride: Size3 = 1, padding: Size3 = 0, dilation: Size3 = 1,
                           implementation: str | None = None, precision: PrecisionLike = None,
-                          algorithm: str = "auto", weight_layout: WeightLayout | str = "DHWIO") -> SparseTensor:
+                          algorithm: str = "auto", weight_layout: WeightLayout | str = "DHWIO",
+                          feature_group_count: int = 1) -> SparseTensor:
   """spconv's SparseInverseConv3d: the transposed convolution from y back onto like's coordinates.
 
   `y` is on the coordinates of `sparse_conv3d(like, ..., stride, padding, dilation)` with a kernel of
@@ -414,14 +416,17 @@ def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike, bias: ArrayLike | 
   the forward convolution saw (checked outside jit, and under jit by `jax.experimental.checkify`). A y that
   was made from like by a convolution of another kernel_size / stride / padding / dilation raises ValueError
   (under jit: checkify), as spconv ties an inverse to its forward's indice_key.
+  feature_group_count: G groups of y's and the output's channels, as submconv3d: weight (Kx, Ky, Kz, C_y/G,
+  Cout); the dense equivalent is the vjp above of a convolution with feature_group_count=G whose weight is
+  each group's block transposed.
   The output has like's coordinates and caches, and the overflow flag of both inputs.
   """
   check_spatial_ndim(y, 3, "sparse_inverse_conv3d", "y")
   check_spatial_ndim(like, 3, "sparse_inverse_conv3d", "like")
   layout = WeightLayout.of(weight_layout)
-  ks, w, b = check_weight(y.num_channels, y.dtype, weight, bias, layout)
+  ks, w, b = check_weight(y.num_channels, y.dtype, weight, bias, layout, feature_group_count)
   geom = geometry(like.spatial_shape, ks, stride, padding, dilation)
-  spec = ConvSpec.build(ks, geom.dilation, implementation, layout, precision, algorithm)
+  spec = ConvSpec.build(ks, geom.dilation, implementation, layout, precision, algorithm, feature_group_count)
   if y.spatial_shape != geom.out_shape or y.batch_size != like.batch_size:
     raise ValueError(
         f"y (spatial_shape={y.spatial_shape}, batch_size={y.batch_size}) is not on the output grid "
@@ -436,7 +441,7 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike 
                             out_capacity: Capacity = None, mask: ArrayLike | None = None,
                             implementation: str | None = None, precision: PrecisionLike = None,
                             algorithm: str = "auto", with_overflow: bool = False,
-                            weight_layout: WeightLayout | str = "DHWIO"
+                            weight_layout: WeightLayout | str = "DHWIO", feature_group_count: int = 1
                             ) -> SparseTensor | tuple[SparseTensor, jax.Array]:
   """Generative upsampling: every valid site c spawns its children c*stride + t, t in [0, stride)^3.
 
@@ -447,7 +452,7 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike 
   ConvTranspose3d weight convention). Output grid: spatial_shape * stride.
 
   weight: (sx, sy, sz, Cin, Cout) with (sx, sy, sz) == stride; or (Cout, sx, sy, sz, Cin) with
-    weight_layout="ODHWI".
+    weight_layout="ODHWI". feature_group_count: G groups as submconv3d (weight (sx, sy, sz, Cin/G, Cout)).
   mask: None (all children) or bool [x.capacity, sx*sy*sz]: mask[j, t] keeps child t of row j, t the C-order
     index of the child offset (a, b, c); prunes children for coarse-to-fine generation. Rows >= x.num are
     ignored.
@@ -461,11 +466,11 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike 
   if min(st) < 1:
     raise ValueError(f"stride must be >= 1, got {st}")
   layout = WeightLayout.of(weight_layout)
-  ks, w, b = check_weight(x.num_channels, x.dtype, weight, bias, layout)
+  ks, w, b = check_weight(x.num_channels, x.dtype, weight, bias, layout, feature_group_count)
   if ks != st:
     raise ValueError(f"the weight's kernel size {ks} must equal the stride {st} (weight shape {jnp.shape(weight)}, "
                      f"weight_layout={layout.value!r})")
-  spec = ConvSpec.build(ks, (1, 1, 1), implementation, layout, precision, algorithm)
+  spec = ConvSpec.build(ks, (1, 1, 1), implementation, layout, precision, algorithm, feature_group_count)
   t_count = math.prod(st)
   out_shape = tuple(n * s for n, s in zip(x.spatial_shape, st))
   _check_keys(x.batch_size, out_shape)
@@ -498,9 +503,15 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike 
     feats = map_gemm(x.feats, w, b, ConvMaps(nbr, out_num, jnp.flip(inv, 1), x.num), spec)
   else:
     # All children of every row in one matmul (no zero-padded gather), then pick the kept ones.
-    subscripts = "jc,otc->jto" if layout.cout_major else "jc,tco->jto"
-    everything = jnp.einsum(subscripts, x.feats, w, precision=dot_precision(precision, x.dtype),
+    groups = spec.groups
+    feats_by_group = x.feats.reshape(x.capacity, groups, -1)
+    if layout.cout_major:  # [Cout, T, Cin/G] -> [G, Cout/G, T, Cin/G]
+      subscripts, w_by_group = "jgc,gotc->jtgo", w.reshape(groups, -1, *w.shape[1:])
+    else:  # [T, Cin/G, Cout] -> [T, Cin/G, G, Cout/G]
+      subscripts, w_by_group = "jgc,tcgo->jtgo", w.reshape(*w.shape[:2], groups, -1)
+    everything = jnp.einsum(subscripts, feats_by_group, w_by_group, precision=dot_precision(precision, x.dtype),
                             preferred_element_type=jnp.float32)
+    everything = everything.reshape(*everything.shape[:2], -1)
     feats = everything[parent, child]
     if b is not None:
       feats = feats + b.astype(jnp.float32)

@@ -12,7 +12,7 @@ from typing import Iterator, Mapping
 
 import jax
 
-from jsparse.pass_config import (Explicit, Implicit, PassConfig, ShapeKey, config_from_json, config_from_json_v1,
+from jsparse.pass_config import (Depthwise, Explicit, Implicit, PassConfig, ShapeKey, config_from_json, config_from_json_v1,
                                  config_to_json)
 
 __all__ = ["ConfigTable", "SCHEMA_VERSION", "shipped_table", "active_tables", "lookup", "table_file_name"]
@@ -24,8 +24,8 @@ SCHEMA_VERSION = 2
 
 
 def _check_entry(key: ShapeKey, cfg) -> None:
-  if not isinstance(cfg, (Explicit, Implicit)):
-    raise TypeError(f"{key}: entries must be a PassConfig (Explicit, Implicit or Masked), got {cfg!r}")
+  if not isinstance(cfg, (Explicit, Implicit, Depthwise)):
+    raise TypeError(f"{key}: entries must be a PassConfig (Explicit, Implicit, Masked or Depthwise), got {cfg!r}")
 
 
 class ConfigTable:

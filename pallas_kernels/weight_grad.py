@@ -15,6 +15,9 @@ the same loop; they differ only in which list entries [start, stop) of which off
 Both operand tiles are [sites, channels] (MN-major), which Hopper's TF32 MMA cannot take without restaging,
 so float32 inputs at TF32 precision run as three bf16 products of hi/lo splits, x_hi dy_hi + x_hi dy_lo +
 x_lo dy_hi (about 1e-5 relative error instead of TF32's 3e-4; measurements in docs/perf_notes.md).
+Grouped convolutions (`groups` > 1): dW_v [Cin/G, Cout] holds every group's [Cin/G, Cout/G] block side by
+side; the Cout tile axis of the grid runs over (group, Cout block within the group), and a program reads its
+group's channels of x and dy.
 Tile defaults and candidates: weight_grad_config.py.
 """
 from __future__ import annotations
@@ -86,12 +89,20 @@ def balanced_work(counts: jax.Array, split: int, block_k: int) -> WorkList:
 
 
 def _weight_grad_kernel(ops: WeightGradOperands, o_ref, *, mirrored, split, num_rows, num_offsets, cin, cout,
-                        block_m, block_n, block_k, precision, cout_major):
+                        block_m, block_n, block_k, precision, cout_major, groups=1):
+  # cin, cout: one group's channels.
   use_pairs, balanced, bf16_split = ops.pairs is not None, ops.work is not None, ops.x_lo is not None
   ci = pl.program_id(1) * block_m + jnp.arange(block_m)
-  co = pl.program_id(2) * block_n + jnp.arange(block_n)
+  if groups > 1:  # Cout program = (group, Cout block within the group)
+    co_blocks = pl.cdiv(cout, block_n)
+    group = lax.div(pl.program_id(2), co_blocks)
+    co = lax.rem(pl.program_id(2), co_blocks) * block_n + jnp.arange(block_n)
+  else:
+    co = pl.program_id(2) * block_n + jnp.arange(block_n)
   ci_ok = ci < cin
   co_ok = co < cout
+  # The columns of x and dy (and of dW's Cout axis) this program reads and writes.
+  x_ci, dy_co = (ci, co) if groups == 1 else (group * cin + ci, group * cout + co)
   # Rows (or, with pair lists, list entries) [start, stop) of offset v belong to this program, whose
   # partial sum goes to o_ref[out].
   if balanced:  # one work item of balanced_work
@@ -133,12 +144,12 @@ def _weight_grad_kernel(ops: WeightGradOperands, o_ref, *, mirrored, split, num_
     b_mask = has[:, None] & co_ok[None, :]
 
     def matmul(acc):
-      a = plgpu.load(ops.x.at[src[:, None], ci[None, :]], mask=a_mask, other=0)
-      b = plgpu.load(ops.dy.at[rows[:, None], co[None, :]], mask=b_mask, other=0)
+      a = plgpu.load(ops.x.at[src[:, None], x_ci[None, :]], mask=a_mask, other=0)
+      b = plgpu.load(ops.dy.at[rows[:, None], dy_co[None, :]], mask=b_mask, other=0)
       acc = mma(a.T, b, acc, precision)
       if bf16_split:
-        a_lo = plgpu.load(ops.x_lo.at[src[:, None], ci[None, :]], mask=a_mask, other=0)
-        b_lo = plgpu.load(ops.dy_lo.at[rows[:, None], co[None, :]], mask=b_mask, other=0)
+        a_lo = plgpu.load(ops.x_lo.at[src[:, None], x_ci[None, :]], mask=a_mask, other=0)
+        b_lo = plgpu.load(ops.dy_lo.at[rows[:, None], dy_co[None, :]], mask=b_mask, other=0)
         acc = mma(a.T, b_lo, acc, precision)
         acc = mma(a_lo.T, b, acc, precision)
       return acc
@@ -149,9 +160,9 @@ def _weight_grad_kernel(ops: WeightGradOperands, o_ref, *, mirrored, split, num_
 
   acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
   if cout_major:  # partials [.., Cout, .., Cin]: the ODHWI weight's own layout, no transpose afterwards
-    where = (out, co[None, :], ci[:, None]) if balanced else (s, co[None, :], v, ci[:, None])
+    where = (out, dy_co[None, :], ci[:, None]) if balanced else (s, dy_co[None, :], v, ci[:, None])
   else:
-    where = (out, ci[:, None], co[None, :])
+    where = (out, ci[:, None], dy_co[None, :])
   # Float32 partial sums, or (one piece per offset) the gradient itself in its final dtype.
   plgpu.store(o_ref.at[where], acc.astype(o_ref.dtype), mask=ci_ok[:, None] & co_ok[None, :])
 
@@ -184,9 +195,11 @@ def uses_bf16_split(dtype, precision) -> bool:
                                                                                lax.Precision.HIGH)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision", "interpret", "out_dtype", "weight_layout"))
+@functools.partial(jax.jit, static_argnames=("config", "precision", "interpret", "out_dtype", "weight_layout",
+                                             "groups"))
 def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfig | None = None, precision=None,
-                interpret: bool = False, out_dtype=None, weight_layout: WeightLayout | str = WeightLayout.DHWIO):
+                interpret: bool = False, out_dtype=None, weight_layout: WeightLayout | str = WeightLayout.DHWIO,
+                groups: int = 1):
   """dW [V, Cin, Cout] = per offset v, sum over sites i with nbr[i, v] >= 0 of outer(x[nbr[i, v]], dy[i]).
 
   x: [R, Cin] (gathered through nbr), dy: [M, Cout] (rows >= num must have nbr == -1), nbr: int32 [M, V], or
@@ -197,6 +210,8 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
     (full float32 products).
   weight_layout: the flattened weight layout to return, DHWIO [V, Cin, Cout] or ODHWI [Cout, V, Cin] (the
     programs store their tiles there, so no transpose follows).
+  groups: feature groups: dW [V, Cin/G, Cout] (or [Cout, V, Cin/G]), Cout block j the product of x's and dy's
+    channel blocks j; tiles cover one group's channels.
   Accumulates in float32; returns out_dtype (default x.dtype).
   """
   cout_major = WeightLayout.of(weight_layout).cout_major
@@ -205,11 +220,15 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   m = dy.shape[0]
   num_offsets = pairs.counts.shape[0] if pairs is not None else nbr.shape[1]
   cin, cout = x.shape[1], dy.shape[1]
+  if cin % groups or cout % groups:
+    raise ValueError(f"weight_grad: groups={groups} must divide the channels of x ({cin}) and dy ({cout})")
+  cin_group, cout_group = cin // groups, cout // groups
   if nbr is not None and nbr.shape != (m, num_offsets):
     raise ValueError(f"weight_grad: nbr has shape {nbr.shape}, expected ({m}, {num_offsets}) for dy's rows")
   if min(m, x.shape[0], cin, cout) == 0:  # no pair of rows to multiply (and an empty ref cannot be traced)
-    return jnp.zeros((cout, num_offsets, cin) if cout_major else (num_offsets, cin, cout), out_dtype or x.dtype)
-  cfg = config or default_config(m, cin, cout, num_offsets, x.dtype)
+    return jnp.zeros((cout, num_offsets, cin_group) if cout_major else (num_offsets, cin_group, cout),
+                     out_dtype or x.dtype)
+  cfg = config or default_config(m, cin_group, cout_group, num_offsets * groups, x.dtype)
   if cfg.balanced and pairs is None:
     raise ValueError("weight_grad: a balanced config (TileConfig.balanced) needs pair lists (pairs=...)")
   in_dtype = x.dtype
@@ -219,16 +238,18 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
     (x, x_lo), (dy, dy_lo) = _split_bf16(x), _split_bf16(dy)
   kernel = functools.partial(
       _weight_grad_kernel, mirrored=pairs is not None and pairs.mirrored, split=cfg.split, num_rows=m,
-      num_offsets=num_offsets, cin=cin, cout=cout, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
-      precision=dot_precision(precision, x.dtype), cout_major=cout_major)
-  tiles = (pl.cdiv(cin, cfg.block_m), pl.cdiv(cout, cfg.block_n))
+      num_offsets=num_offsets, cin=cin_group, cout=cout_group, block_m=cfg.block_m, block_n=cfg.block_n,
+      block_k=cfg.block_k, precision=dot_precision(precision, x.dtype), cout_major=cout_major,
+      **(dict(groups=groups) if groups > 1 else {}))
+  tiles = (pl.cdiv(cin_group, cfg.block_m), groups * pl.cdiv(cout_group, cfg.block_n))
   if cfg.balanced:
     work = balanced_work(pairs.counts, cfg.split, cfg.block_k)
     grid = (work.offset.shape[0],) + tiles
-    partial_shape = (work.offset.shape[0],) + ((cout, cin) if cout_major else (cin, cout))
+    partial_shape = (work.offset.shape[0],) + ((cout, cin_group) if cout_major else (cin_group, cout))
   else:
     grid = (num_offsets,) + tiles + (cfg.split,)
-    partial_shape = (cfg.split, cout, num_offsets, cin) if cout_major else (cfg.split * num_offsets, cin, cout)
+    partial_shape = ((cfg.split, cout, num_offsets, cin_group) if cout_major else
+                     (cfg.split * num_offsets, cin_group, cout))
   # One piece per offset: nothing to add up, so the programs write the gradient in its final dtype (a float32
   # buffer of the whole gradient, then a cast, would sit at the training peak).
   direct = cfg.split == 1 and not cfg.balanced
@@ -246,11 +267,11 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
       name="weight_grad",
   )(ops)
   if direct:
-    dw = partial.reshape((cout, num_offsets, cin) if cout_major else (num_offsets, cin, cout))
+    dw = partial.reshape((cout, num_offsets, cin_group) if cout_major else (num_offsets, cin_group, cout))
   elif cfg.balanced:
     dw = _sum_by_offset(partial, work.offset, num_offsets, cout_major)
   elif cout_major:
     dw = jnp.sum(partial, axis=0)
   else:
-    dw = jnp.sum(partial.reshape(cfg.split, num_offsets, cin, cout), axis=0)
+    dw = jnp.sum(partial.reshape(cfg.split, num_offsets, cin_group, cout), axis=0)
   return dw.astype(out_dtype or in_dtype)

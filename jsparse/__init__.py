@@ -15,7 +15,7 @@ from jsparse.dispatch import IMPLEMENTATIONS
 from jsparse.gemm_xla import submconv_xla
 from jsparse.neighbors import NeighborCache, kernel_offsets, neighbor_map, with_maps
 from jsparse.pass_config import ALGORITHMS
-from jsparse.pass_config import Explicit, Implicit, Masked, PassConfig, ShapeKey
+from jsparse.pass_config import Depthwise, Explicit, Implicit, Masked, PassConfig, ShapeKey
 from jsparse.pool import global_pool, sparse_avg_pool3d, sparse_max_pool3d
 from jsparse.sparse_conv import concat, sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d, strided_map
 from jsparse.sparse_tensor import SparseTensor, error_checks, key_width, overflowed, round_capacity
@@ -42,7 +42,7 @@ __all__ = [
     # topology
     "select", "union", "add", "multiply", "broadcast_per_item", "child_labels", "dropout",
     # tuning
-    "autotune", "ConfigTable", "ShapeKey", "PassConfig", "Explicit", "Implicit", "Masked",
+    "autotune", "ConfigTable", "ShapeKey", "PassConfig", "Explicit", "Implicit", "Masked", "Depthwise",
     # advanced, array level (maps and GEMMs without a SparseTensor)
     "strided_map", "submconv_xla",
     # submodules

@@ -42,10 +42,10 @@ def median_ms(fn: Callable, args, warmup: int, repeats: int, inner: int = 4) -> 
   return 1e3 * float(np.median(times))
 
 
-def pass_function(pass_name: str, cfg: PassConfig, precision, weight_layout: WeightLayout):
+def pass_function(pass_name: str, cfg: PassConfig, precision, weight_layout: WeightLayout, groups: int = 1):
   """A jitted f(PassInputs) running one pass with `cfg` exactly as the convolution runs it (`run_pass`);
   plans and pair lists are inputs, built outside as the neighbour cache holds them."""
-  options = RunOptions(precision, not dispatch.on_gpu(), weight_layout)  # off the GPU: the logic, not the speed
+  options = RunOptions(precision, not dispatch.on_gpu(), weight_layout, groups)  # off the GPU: the logic, not the speed
   return jax.jit(lambda inputs: run_pass(pass_name, cfg, inputs, options))
 
 
@@ -76,7 +76,8 @@ def tune_call(call: ConvCall, passes=PASSES, warmup: int = 2, repeats: int = 10,
   m_in = m if maps.transposed is None else maps.transposed.shape[0]  # rows of the input (the features)
   x = jnp.asarray(rng.standard_normal((m_in, call.cin)), call.dtype)
   g = jnp.asarray(rng.standard_normal((m, call.cout)), call.dtype)
-  w = jnp.asarray(rng.standard_normal((v, call.cin, call.cout)) / np.sqrt(v * call.cin), call.dtype)
+  cin_group = call.cin // call.groups
+  w = jnp.asarray(rng.standard_normal((v, cin_group, call.cout)) / np.sqrt(v * cin_group), call.dtype)
   if call.weight_layout.cout_major:
     w = jnp.transpose(w, (2, 0, 1))
   pairs = jax.block_until_ready(maps.pair_lists())  # as the convolution builds them
@@ -84,7 +85,8 @@ def tune_call(call: ConvCall, passes=PASSES, warmup: int = 2, repeats: int = 10,
   best = {}
   for pass_name in passes:
     rows = m_in if pass_name == "input_grad" else m  # the rows this pass writes (its shape key's rows)
-    cands = pass_config.candidates(pass_name, rows, call.cin, call.cout, v, call.dtype, call.weight_layout)
+    cands = pass_config.candidates(pass_name, rows, call.cin, call.cout, v, call.dtype, call.weight_layout,
+                                   call.groups)
     results = []
     for cfg in cands:
       if pass_name == "weight_grad":
@@ -102,8 +104,8 @@ def tune_call(call: ConvCall, passes=PASSES, warmup: int = 2, repeats: int = 10,
         else:
           inputs = PassInputs(g, w, *maps.input_grad_map(), plan=plan)
       try:
-        ms = median_ms(pass_function(pass_name, cfg, call.precision, call.weight_layout), (inputs,), warmup,
-                       repeats)
+        ms = median_ms(pass_function(pass_name, cfg, call.precision, call.weight_layout, call.groups), (inputs,),
+                       warmup, repeats)
       except Exception as e:  # a config that fails to compile (e.g. out of shared memory) is skipped
         if log:
           log(f"  {pass_name} {cfg}: failed ({type(e).__name__}: {str(e)[:120]})")
@@ -113,7 +115,7 @@ def tune_call(call: ConvCall, passes=PASSES, warmup: int = 2, repeats: int = 10,
         log(f"  {pass_name} {pass_config.describe(cfg)} {cfg.tiles}: {ms:.3f} ms")
     if results:
       ms, cfg = pick_best(results, pass_name, rows, call.dtype, call.weight_layout)
-      key = ShapeKey.of(pass_name, rows, call.cin, call.cout, v, call.dtype)
+      key = ShapeKey.of(pass_name, rows, call.cin, call.cout, v, call.dtype, call.groups)
       best[key] = cfg
       if log:
         log(f"best {key}: {cfg} {ms:.3f} ms")
@@ -137,7 +139,7 @@ def autotune(fn: Callable, *args: Any, passes: Sequence[str] = PASSES, warmup: i
   for call in progress_bar(calls, "autotune", unit="conv"):
     maps = call.maps
     key = (maps.nbr.shape, None if maps.transposed is None else maps.transposed.shape, call.cin, call.cout,
-           jnp.dtype(call.dtype).name, call.weight_layout)
+           jnp.dtype(call.dtype).name, call.weight_layout, call.groups)
     if key in done:
       continue
     done.add(key)

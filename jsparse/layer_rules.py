@@ -114,11 +114,23 @@ def check_conv_features(module: str, features, kernel_layout: str, name: str = "
   WeightLayout.of(kernel_layout, f"{module}: kernel_layout")
 
 
-def kernel_shape(kernel_size, in_features: int, features: int, kernel_layout: str) -> tuple[int, ...]:
-  """"DHWIO": nn.Conv's (*kernel_size, in_features, features); "ODHWI": (features, *kernel_size, in_features)."""
+def check_feature_groups(module: str, groups, in_features: int, features: int) -> int:
+  """nn.Conv's feature_group_count: a positive int dividing the input and output channels."""
+  if not isinstance(groups, int) or isinstance(groups, bool) or groups <= 0:
+    raise ValueError(f"{module}: feature_group_count must be a positive int, got {groups!r}")
+  if in_features % groups or features % groups:
+    raise ValueError(f"{module}: feature_group_count={groups} must divide the input channels ({in_features}) and "
+                     f"the output channels ({features})")
+  return groups
+
+
+def kernel_shape(kernel_size, in_features: int, features: int, kernel_layout: str,
+                 groups: int = 1) -> tuple[int, ...]:
+  """"DHWIO": nn.Conv's (*kernel_size, in_features / groups, features); "ODHWI": (features, *kernel_size,
+  in_features / groups)."""
   if kernel_layout == "ODHWI":
-    return (features, *kernel_size, in_features)
-  return (*kernel_size, in_features, features)
+    return (features, *kernel_size, in_features // groups)
+  return (*kernel_size, in_features // groups, features)
 
 
 def kernel_initializer(kernel_init: Callable, kernel_layout: str) -> Callable:
@@ -129,13 +141,15 @@ def kernel_initializer(kernel_init: Callable, kernel_layout: str) -> Callable:
   return lambda key, shape, dtype: jnp.moveaxis(kernel_init(key, (*shape[1:], shape[0]), dtype), -1, 0)
 
 
-def check_kernel_inputs(module: str, kernel_shape_: tuple[int, ...], kernel_layout: str, cin: int) -> None:
-  """A kernel whose input-channel extent is not the input's channel count, named as such (flax would report it
-  as an initialiser shape mismatch, or a matmul as a dimension error)."""
+def check_kernel_inputs(module: str, kernel_shape_: tuple[int, ...], kernel_layout: str, cin: int,
+                        groups: int = 1) -> None:
+  """A kernel whose input-channel extent is not the input's channel count (over feature_group_count), named as
+  such (flax would report it as an initialiser shape mismatch, or a matmul as a dimension error)."""
   have = kernel_shape_[-1 if kernel_layout == "ODHWI" else -2] if len(kernel_shape_) >= 3 else None
-  if have is not None and have != cin:
-    raise ValueError(f"{module}: its kernel {tuple(kernel_shape_)} ({kernel_layout}) expects {have} input channels "
-                     f"but the input SparseTensor has {cin}")
+  if have is not None and have * groups != cin:
+    per_group = f" (feature_group_count={groups}: {have * groups} in all)" if groups > 1 else ""
+    raise ValueError(f"{module}: its kernel {tuple(kernel_shape_)} ({kernel_layout}) expects {have} input channels"
+                     f"{per_group} but the input SparseTensor has {cin}")
 
 
 def promote_conv(x: SparseTensor, kernel, bias, dtype) -> tuple[SparseTensor, jax.Array, jax.Array | None]:

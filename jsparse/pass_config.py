@@ -30,8 +30,8 @@ from pallas_kernels import depthwise_config, gather_gemm, gather_gemm_config, we
 from pallas_kernels.tiling import TileConfig
 from pallas_kernels.weight_layout import WeightLayout
 
-__all__ = ["Explicit", "Implicit", "Masked", "Depthwise", "PassConfig", "REGISTRY", "ALGORITHMS", "algorithm_names", "PASSES",
-           "ShapeKey", "PassInputs", "RunOptions", "heuristic", "candidates", "describe", "check_algorithm",
+__all__ = ["Explicit", "Implicit", "Masked", "Depthwise", "PassConfig", "REGISTRY", "ALGORITHMS", "algorithm_names",
+           "PASSES", "ShapeKey", "PassInputs", "RunOptions", "heuristic", "candidates", "describe", "check_algorithm",
            "config_to_json",
            "config_from_json", "config_from_json_v1"]
 

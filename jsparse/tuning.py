@@ -12,8 +12,8 @@ from typing import Iterator, Mapping
 
 import jax
 
-from jsparse.pass_config import (Depthwise, Explicit, Implicit, PassConfig, ShapeKey, config_from_json, config_from_json_v1,
-                                 config_to_json)
+from jsparse.pass_config import (Depthwise, Explicit, Implicit, PassConfig, ShapeKey, config_from_json,
+                                 config_from_json_v1, config_to_json)
 
 __all__ = ["ConfigTable", "SCHEMA_VERSION", "shipped_table", "active_tables", "lookup", "table_file_name"]
 

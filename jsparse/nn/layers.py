@@ -39,7 +39,11 @@ class ConvParams(nn.Module):
   *kernel_size, in_features): PyTorch / spconv / FlexGEMM's layout, so their checkpoints load as they are;
   on the GPU its forward reads the kernel in place, where a float32 "DHWIO" forward reads a transposed copy,
   so inference peaks lower). The same initialiser fan-in/fan-out either way (flax reads them off the shape:
-  for "ODHWI" it is given the "DHWIO" shape and the result is transposed once, at init)."""
+  for "ODHWI" it is given the "DHWIO" shape and the result is transposed once, at init).
+
+  feature_group_count: as nn.Conv: input and output channels in that many groups, each output group reading
+  its input group only; the kernel's input extent is in_features / feature_group_count (depthwise:
+  feature_group_count = in_features)."""
 
   spatial_ndim: ClassVar[int] = 3  # the rank of the tensors it takes: its 2D and 1D twins set 2 and 1
   use_bias: bool = dataclasses.field(default=True, kw_only=True)
@@ -50,6 +54,7 @@ class ConvParams(nn.Module):
   bias_init: Initializer = dataclasses.field(default=initializers.zeros_init(), kw_only=True)
   implementation: str | None = dataclasses.field(default=None, kw_only=True)
   kernel_layout: str = dataclasses.field(default="DHWIO", kw_only=True)
+  feature_group_count: int = dataclasses.field(default=1, kw_only=True)
 
   def conv_params(self, x: SparseTensor, kernel_size) -> tuple[SparseTensor, jax.Array, jax.Array | None]:
     """(x with promoted feats, kernel, bias) in the compute dtype (flax's promotion rule; `dtype` None
@@ -57,11 +62,14 @@ class ConvParams(nn.Module):
     name = type(self).__name__
     rules.check_conv_features(name, self.features, self.kernel_layout)
     cin = x.num_channels
+    groups = rules.check_feature_groups(name, self.feature_group_count, cin, self.features)
     if self.has_variable("params", "kernel"):
       where = f" '{'/'.join(self.path)}'" if self.path else ""
-      rules.check_kernel_inputs(name + where, self.get_variable("params", "kernel").shape, self.kernel_layout, cin)
+      rules.check_kernel_inputs(name + where, self.get_variable("params", "kernel").shape, self.kernel_layout, cin,
+                                groups)
     kernel = self.param("kernel", rules.kernel_initializer(self.kernel_init, self.kernel_layout),
-                        rules.kernel_shape(kernel_size, cin, self.features, self.kernel_layout), self.param_dtype)
+                        rules.kernel_shape(kernel_size, cin, self.features, self.kernel_layout, groups),
+                        self.param_dtype)
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
     return rules.promote_conv(x, kernel, bias, self.dtype)
 
@@ -85,7 +93,7 @@ class SubMConv3d(ConvParams):
     algorithm: "auto" or a forced Pallas algorithm (see `jsparse.submconv3d`).
 
   Differences from nn.Conv: kernel_size defaults to 3 (nn.Conv requires it) and must be odd; strides and
-  padding admit only their defaults; no feature_group_count, input_dilation or mask; the input and output are
+  padding admit only their defaults; no input_dilation or mask; the input and output are
   SparseTensors (`jsparse.nn.ToDense` gives the dense array).
 
   The neighbour map is taken from (and attached to) the SparseTensor's `caches`, so a stack of these
@@ -111,7 +119,8 @@ class SubMConv3d(ConvParams):
     x, kernel, bias = self.conv_params(x, kernel_size)
     return call_in_rank(submconv3d, self.spatial_ndim, type(self).__name__, x, weight=kernel, bias=bias,
                         dilation=dilation, implementation=self.implementation, precision=self.precision,
-                        algorithm=self.algorithm, weight_layout=self.kernel_layout)
+                        algorithm=self.algorithm, weight_layout=self.kernel_layout,
+                        feature_group_count=self.feature_group_count)
 
 
 class _AffineNormAttributes(nn.Module, kw_only=True):

@@ -58,7 +58,7 @@ class SparseConv3d(ConvParams):
   Equals nn.Conv(features, kernel_size, strides, padding, kernel_dilation) on x.todense() read at the output
   sites (every output position whose window holds an active input), with the same parameters. Differences
   from nn.Conv: padding takes "SAME" (default, as nn.Conv), "VALID" or symmetric ints, not (low, high)
-  pairs; no feature_group_count, input_dilation or mask; the input is a SparseTensor and the output sites are
+  pairs; no input_dilation or mask; the input is a SparseTensor and the output sites are
   data-dependent, so out_capacity sets their static row count (required under jit; None counts them, outside
   jit only). The output carries the pair map, for SparseInverseConv3d(...)(y, like=x).
   """
@@ -79,7 +79,8 @@ class SparseConv3d(ConvParams):
     return _call(self, sparse_conv.sparse_conv3d, x, weight=kernel, bias=bias,
                  stride=_triple(self.strides, "strides", self), padding=padding,
                  dilation=_triple(self.kernel_dilation, "kernel_dilation", self), out_capacity=self.out_capacity,
-                 implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
+                 implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout,
+                 feature_group_count=self.feature_group_count)
 
 
 class SparseInverseConv3d(ConvParams):
@@ -104,7 +105,8 @@ class SparseInverseConv3d(ConvParams):
     out = _call(self, sparse_conv.sparse_inverse_conv3d, y, weight=kernel, bias=bias, like=padded_like,
                 stride=_triple(self.strides, "strides", self), padding=padding,
                 dilation=_triple(self.kernel_dilation, "kernel_dilation", self), implementation=self.implementation,
-                precision=self.precision, weight_layout=self.kernel_layout)
+                precision=self.precision, weight_layout=self.kernel_layout,
+                feature_group_count=self.feature_group_count)
     return rules.on_grid(out, like.spatial_shape, like.caches)
 
 
@@ -124,7 +126,8 @@ class SparseConvTranspose3d(ConvParams):
     x, kernel, bias = self.conv_params(x, st)
     return _call(self, sparse_conv.sparse_conv_transpose3d, x, weight=kernel, bias=bias, stride=st,
                  out_capacity=self.out_capacity, mask=mask, implementation=self.implementation,
-                 precision=self.precision, weight_layout=self.kernel_layout)
+                 precision=self.precision, weight_layout=self.kernel_layout,
+                 feature_group_count=self.feature_group_count)
 
 
 class _Pool(nn.Module):

@@ -41,8 +41,8 @@ def _hashable(value):
 
 class _ConvParams(nnx.Module):
   """The "kernel" and "bias" parameters every sparse convolution holds, laid out as its linen twin's
-  (`jsparse.nn.layers.ConvParams`): kernel_layout "DHWIO" (*kernel_size, in_features, out_features) or
-  "ODHWI" (out_features, *kernel_size, in_features)."""
+  (`jsparse.nn.layers.ConvParams`): kernel_layout "DHWIO" (*kernel_size, in_features / feature_group_count,
+  out_features) or "ODHWI" (out_features, *kernel_size, in_features / feature_group_count)."""
 
   spatial_ndim: ClassVar[int] = 3  # the rank of the tensors it takes: its 2D and 1D twins set 2 and 1
 
@@ -52,24 +52,26 @@ class _ConvParams(nnx.Module):
 
   def _init_conv(self, in_features: int, out_features: int, kernel_size: tuple[int, ...], *, use_bias: bool,
                  dtype, param_dtype, precision, kernel_init, bias_init, implementation, kernel_layout,
-                 rngs: nnx.Rngs) -> None:
+                 rngs: nnx.Rngs, feature_group_count: int = 1) -> None:
     name = type(self).__name__
     rules.check_conv_features(name, in_features, kernel_layout, "in_features")
     rules.check_conv_features(name, out_features, kernel_layout, "out_features")
+    groups = rules.check_feature_groups(name, feature_group_count, in_features, out_features)
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"{name}: rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {type(rngs).__name__}")
-    shape = rules.kernel_shape(kernel_size, in_features, out_features, kernel_layout)
+    shape = rules.kernel_shape(kernel_size, in_features, out_features, kernel_layout, groups)
     self.kernel = nnx.Param(rules.kernel_initializer(kernel_init, kernel_layout)(rngs.params(), shape, param_dtype))
     self.bias = (nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias
                  else nnx.data(None))
     self.in_features, self.out_features = in_features, out_features
     self.use_bias, self.dtype, self.param_dtype, self.precision = use_bias, dtype, param_dtype, precision
-    self.implementation, self.kernel_layout = implementation, kernel_layout
+    self.implementation, self.kernel_layout, self.feature_group_count = implementation, kernel_layout, groups
 
   def _conv_inputs(self, x) -> tuple[SparseTensor, jax.Array, jax.Array | None]:
     name = type(self).__name__
     x = rules.check_sparse(x, name)
-    rules.check_kernel_inputs(name, tuple(self.kernel.shape), self.kernel_layout, x.num_channels)
+    rules.check_kernel_inputs(name, tuple(self.kernel.shape), self.kernel_layout, x.num_channels,
+                              self.feature_group_count)
     bias = None if self.bias is None else self.bias[...]
     return rules.promote_conv(x, self.kernel[...], bias, self.dtype)
 
@@ -86,7 +88,7 @@ class SubMConv3d(_ConvParams):
     use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as nnx.Conv (`dtype` None computes in the
       promoted dtype of the features and the parameters).
     implementation: None | "xla" | "pallas"; algorithm: "auto" or a forced Pallas algorithm; kernel_layout:
-      "DHWIO" or "ODHWI" (see `jsparse.submconv3d`).
+      "DHWIO" or "ODHWI"; feature_group_count: channel groups, as nnx.Conv (see `jsparse.submconv3d`).
     rngs: an nnx.Rngs for the initial parameters.
   """
 
@@ -95,12 +97,13 @@ class SubMConv3d(_ConvParams):
                *, use_bias: bool = True, dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                precision: Any = None, kernel_init: Initializer = default_kernel_init,
                bias_init: Initializer = _zeros, implementation: str | None = None, algorithm: str = "auto",
-               kernel_layout: str = "DHWIO", rngs: nnx.Rngs):
+               kernel_layout: str = "DHWIO", feature_group_count: int = 1, rngs: nnx.Rngs):
     ks, dilation = rules.submanifold_geometry(type(self).__name__, kernel_size, strides, padding, kernel_dilation,
                                               self.spatial_ndim)
     self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
-                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
+                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs,
+                    feature_group_count=feature_group_count)
     self.kernel_size, self.kernel_dilation, self.algorithm = ks, dilation, algorithm
 
   def __call__(self, x: SparseTensor) -> SparseTensor:
@@ -108,7 +111,8 @@ class SubMConv3d(_ConvParams):
     x, kernel, bias = self._conv_inputs(x)
     return self._call(submconv3d, x, weight=kernel, bias=bias, dilation=self.kernel_dilation,
                       implementation=self.implementation, precision=self.precision, algorithm=self.algorithm,
-                      weight_layout=self.kernel_layout)
+                      weight_layout=self.kernel_layout,
+                      feature_group_count=self.feature_group_count)
 
 
 class _StridedConv(_ConvParams):
@@ -143,11 +147,13 @@ class SparseConv3d(_StridedConv):
                kernel_dilation: int | Sequence[int] = 1, *, out_capacity: int | None = None, use_bias: bool = True,
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32, precision: Any = None,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
-               implementation: str | None = None, kernel_layout: str = "DHWIO", rngs: nnx.Rngs):
+               implementation: str | None = None, kernel_layout: str = "DHWIO", feature_group_count: int = 1,
+               rngs: nnx.Rngs):
     ks = self._init_geometry(kernel_size, strides, padding, kernel_dilation)
     self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
-                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
+                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs,
+                    feature_group_count=feature_group_count)
     self.out_capacity = out_capacity
 
   def __call__(self, x: SparseTensor, out_capacity: int | None = None) -> SparseTensor:
@@ -157,7 +163,8 @@ class SparseConv3d(_StridedConv):
     return self._call(sparse_conv.sparse_conv3d, x, weight=kernel, bias=bias, stride=self.strides, padding=padding,
                       dilation=self.kernel_dilation,
                       out_capacity=self.out_capacity if out_capacity is None else out_capacity,
-                      implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
+                      implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout,
+                      feature_group_count=self.feature_group_count)
 
 
 class SparseInverseConv3d(_StridedConv):
@@ -171,11 +178,13 @@ class SparseInverseConv3d(_StridedConv):
                kernel_dilation: int | Sequence[int] = 1, *, use_bias: bool = True, dtype: Dtype | None = None,
                param_dtype: Dtype = jnp.float32, precision: Any = None,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
-               implementation: str | None = None, kernel_layout: str = "DHWIO", rngs: nnx.Rngs):
+               implementation: str | None = None, kernel_layout: str = "DHWIO", feature_group_count: int = 1,
+               rngs: nnx.Rngs):
     ks = self._init_geometry(kernel_size, strides, padding, kernel_dilation)
     self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
-                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
+                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs,
+                    feature_group_count=feature_group_count)
 
   def __call__(self, y: SparseTensor, *, like: SparseTensor) -> SparseTensor:
     """y carried back onto like's coordinates."""
@@ -184,7 +193,8 @@ class SparseInverseConv3d(_StridedConv):
     padded_like, padding = self._geometry(like)
     out = self._call(sparse_conv.sparse_inverse_conv3d, y, weight=kernel, bias=bias, like=padded_like,
                      stride=self.strides, padding=padding, dilation=self.kernel_dilation,
-                     implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
+                     implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout,
+                     feature_group_count=self.feature_group_count)
     return rules.on_grid(out, like.spatial_shape, like.caches)
 
 
@@ -197,11 +207,13 @@ class SparseConvTranspose3d(_ConvParams):
                out_capacity: int | None = None, use_bias: bool = True, dtype: Dtype | None = None,
                param_dtype: Dtype = jnp.float32, precision: Any = None,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
-               implementation: str | None = None, kernel_layout: str = "DHWIO", rngs: nnx.Rngs):
+               implementation: str | None = None, kernel_layout: str = "DHWIO", feature_group_count: int = 1,
+               rngs: nnx.Rngs):
     st = rules.triple(strides, "strides", type(self).__name__, self.spatial_ndim)
     self._init_conv(in_features, out_features, st, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
-                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs)
+                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs,
+                    feature_group_count=feature_group_count)
     self.strides, self.out_capacity = st, out_capacity
 
   def __call__(self, x: SparseTensor, mask: jax.Array | None = None,
@@ -210,7 +222,8 @@ class SparseConvTranspose3d(_ConvParams):
     x, kernel, bias = self._conv_inputs(x)
     return self._call(sparse_conv.sparse_conv_transpose3d, x, weight=kernel, bias=bias, stride=self.strides,
                       out_capacity=self.out_capacity if out_capacity is None else out_capacity, mask=mask,
-                      implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout)
+                      implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout,
+                      feature_group_count=self.feature_group_count)
 
 
 class _Pool(nnx.Module):

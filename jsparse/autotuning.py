@@ -86,7 +86,7 @@ def tune_call(call: ConvCall, passes=PASSES, warmup: int = 2, repeats: int = 10,
   for pass_name in passes:
     rows = m_in if pass_name == "input_grad" else m  # the rows this pass writes (its shape key's rows)
     cands = pass_config.candidates(pass_name, rows, call.cin, call.cout, v, call.dtype, call.weight_layout,
-                                   call.groups)
+                                   groups=call.groups)
     results = []
     for cfg in cands:
       if pass_name == "weight_grad":

@@ -15,7 +15,7 @@ import jsparse
 from jsparse import pass_config
 from jsparse.pass_config import Depthwise, Masked, ShapeKey
 from pallas_kernels import depthwise
-from pallas_kernels.gather_gemm import conv_forward, conv_input_grad, gather_gemm
+from pallas_kernels.gather_gemm import conv_forward, conv_input_grad
 from pallas_kernels.tiling import TileConfig
 from pallas_kernels.weight_grad import weight_grad
 from reference import random_sparse, rel_err
@@ -515,3 +515,31 @@ def test_gpu_grouped_pallas_matches_xla(grouping, dtype):
   tol = {jnp.float32: 1e-3, jnp.float16: 4e-3, jnp.bfloat16: 3e-2}[dtype]  # float32: TF32 GEMMs
   for layout in ("DHWIO", "ODHWI"):
     _pallas_vs_xla(x, w, b, groups, "auto", layout, dtype, tol)
+
+
+def test_autotune_tunes_a_depthwise_convolution_under_its_groups(monkeypatch):
+  """autotune records a grouped convolution's feature_group_count, times candidates for it and files the
+  winners under keys with its groups, which then drive that convolution (and not an ungrouped one)."""
+  from jsparse import autotuning
+
+  rng = np.random.default_rng(8)
+  x = random_sparse(rng, (5, 5, 5), 16, batch_size=1, density=0.3)
+  w, b = _weight(rng, (3, 3, 3), 16, 16, 16)
+  real = pass_config.candidates
+  seen_groups = []
+
+  def few_candidates(*args, groups=1):  # the depthwise candidates only (interpret mode is slow)
+    seen_groups.append(groups)
+    return [c for c in real(*args, groups=groups) if isinstance(c, Depthwise)][:2]
+
+  monkeypatch.setattr(pass_config, "candidates", few_candidates)
+  fn = lambda f, w, b: jsparse.submconv3d(x.replace(feats=f), w, b, implementation="pallas", precision="highest",
+                                          feature_group_count=16).feats
+  table = autotuning.autotune(fn, x.feats, w, b, warmup=0, repeats=1)
+  assert seen_groups == [16, 16, 16]
+  assert sorted(k.pass_name for k in table.entries) == sorted(pass_config.PASSES)
+  assert all(k.groups == 16 and isinstance(c, Depthwise) for k, c in table.entries.items())
+  with table:
+    y = jax.jit(fn)(x.feats, w, b)
+  want = jsparse.submconv3d(x, w, b, implementation="xla", precision="highest", feature_group_count=16).feats
+  assert rel_err(y, want) < 1e-5

@@ -414,13 +414,13 @@ def test_autotune_tunes_an_odhwi_convolution_with_its_layout(monkeypatch):
   seen = []
   real_pass_fn = autotuning.pass_function
 
-  def cands(pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout):
+  def cands(pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout, groups=1):
     seen.append(("candidates", pass_name, weight_layout))
     return list(WG_CANDIDATES if pass_name == "weight_grad" else GEMM_CANDIDATES)
 
-  def pass_fn(pass_name, cfg, precision, weight_layout):
+  def pass_fn(pass_name, cfg, precision, weight_layout, groups=1):
     seen.append((pass_name, weight_layout))
-    return real_pass_fn(pass_name, cfg, precision, weight_layout)
+    return real_pass_fn(pass_name, cfg, precision, weight_layout, groups)
 
   monkeypatch.setattr(pass_config, "candidates", cands)
   monkeypatch.setattr(autotuning, "pass_function", pass_fn)
@@ -518,7 +518,7 @@ def tuned():
   x, w, b = _problem()
   asked = []
 
-  def cands(pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout):
+  def cands(pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout, groups=1):
     asked.append((pass_name, num_rows, cin, cout, num_offsets, jnp.dtype(dtype)))
     return list(WG_CANDIDATES if pass_name == "weight_grad" else GEMM_CANDIDATES)
 
@@ -630,7 +630,7 @@ def test_autotune_tunes_strided_convolutions(monkeypatch):
   out_cap = jsparse.sparse_conv.pair_map(x, 3, stride=2, padding=1, implementation="xla").out_capacity
   asked = []
 
-  def cands(pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout):
+  def cands(pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout, groups=1):
     asked.append((pass_name, num_rows, cin, cout))
     return list(WG_CANDIDATES if pass_name == "weight_grad" else GEMM_CANDIDATES)
 

@@ -1,8 +1,8 @@
 """Per-kernel microbenchmark: jsparse's neighbour map, forward, input-gradient and weight-gradient kernels.
 
     python -m benchmarks.kernels [--res 64,128,256,512] [--shapes 64x256,128x128,256x64,256x256]
-                                 [--dtypes fp16,tf32] [--weight-layout DHWIO] [--repeats 20] [--inner 8]
-                                 [--out DIR] [--smoke]
+                                 [--dtypes fp16,tf32] [--weight-layout DHWIO] [--groups 1] [--repeats 20]
+                                 [--inner 8] [--out DIR] [--smoke]
 
 - matmul peak: jnp.dot of two random 8192x8192 matrices (fp16, bf16, and float32 at default precision =
   TF32), the ceiling each kernel's useful rate is compared with (fp16 kernels with fp16, tf32 with TF32).
@@ -13,7 +13,8 @@
   `jsparse.map_gemm.choose` picks), and for a masked weight gradient beside it the same with
   TileConfig.balanced ("weight_grad_balanced")
   and FlexGEMM's forward layer (sparse_submanifold_conv3d with a prebuilt neighbour cache) beside them.
-  Useful TFLOP/s = 2 * pairs * Cin * Cout / time.
+  Useful TFLOP/s = 2 * pairs * Cin * Cout / groups / time. --groups G > 1 times grouped convolutions
+  (feature_group_count G, weight [27, C/G, C]; G = C is depthwise); FlexGEMM, which has none, is then skipped.
 
 Timing: one jitted function applies the op to `inner` distinct input sets (distinct buffers: no CSE, and
 each set is read from device memory, not from L2), timed with perf_counter + block_until_ready; the
@@ -149,10 +150,10 @@ def flexgemm_neighbor_map(fg, res, coords, args) -> dict:
   return r
 
 
-def pass_fn(pass_name, cfg, interpret, weight_layout):
+def pass_fn(pass_name, cfg, interpret, weight_layout, groups=1):
   """The op one pass of jsparse.submconv3d runs for config `cfg` (a PassConfig) on a weight flattened in
-  `weight_layout`, as f(x, g, w, b, maps)."""
-  options = RunOptions(None, interpret, jsparse.WeightLayout.of(weight_layout))
+  `weight_layout` (in `groups` feature groups), as f(x, g, w, b, maps)."""
+  options = RunOptions(None, interpret, jsparse.WeightLayout.of(weight_layout), groups)
 
   def run(x, g, w, b, m):
     if pass_name == "forward":
@@ -176,26 +177,30 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
     rng = np.random.default_rng([res, c])
     for dname in args.dtypes:
       dt = DTYPES[dname]
-      base = {"res": res, "channels": c, "dtype": dname, "voxels": n}
+      groups = args.groups
+      base = {"res": res, "channels": c, "dtype": dname, "voxels": n, "groups": groups}
+      if c % groups:
+        rows.append(dict(base, kernel="setup", jsparse={"error": f"--groups {groups} does not divide C {c}"}))
+        continue
       try:
         x0 = sparse_tensor(res, coords, np.zeros((n, 1), np.float32))
         cache = jsparse.neighbor_map(x0, 3, 1, implementation=args.impl)
         pairs = int(cache.num_pairs())
-        std = 1.0 / np.sqrt(27 * c)
+        std = 1.0 / np.sqrt(27 * c // groups)
         data = []
         for _ in range(args.inner):  # distinct x, g, w, bias per set
           data.append(tuple(jnp.asarray(a, dt) for a in (
               rng.standard_normal((n, c), np.float32), rng.standard_normal((n, c), np.float32),
-              flat_weight(rng.standard_normal((27, c, c), np.float32) * std, args.weight_layout),
+              flat_weight(rng.standard_normal((27, c // groups, c), np.float32) * std, args.weight_layout),
               rng.standard_normal((c,), np.float32) * 0.1)))
       except Exception as e:  # noqa: BLE001
         rows.append(dict(base, kernel="setup", jsparse={"error": short_error(e)}))
         print(f"  RES {res} C {c} {dname}: setup FAILED {short_error(e)}", flush=True)
         continue
-      flops = 2.0 * pairs * c * c
+      flops = 2.0 * pairs * c * c / groups
       peak = (peaks.get(dname) or {}).get("tflops")
       fr = None
-      if fg:  # FlexGEMM's forward layer once per shape; compared with every algorithm's forward
+      if fg and groups == 1:  # FlexGEMM's forward layer once per shape; compared with every algorithm's forward
         fr = guarded(f"FlexGEMM forward RES {res} C {c} {dname}", flexgemm_forward, fg, res, coords, data, dname,
                      args)
         if "ms" in fr:
@@ -205,7 +210,7 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
           pass_name = kernel.removesuffix("_balanced")
           rec = dict(base, kernel=kernel, algorithm=algorithm, pairs=pairs)
           try:
-            cfg = map_gemm.choose(pass_name, x0.capacity, c, c, 27, dt, algorithm)
+            cfg = map_gemm.choose(pass_name, x0.capacity, c, c, 27, dt, algorithm, groups)
             if kernel != pass_name:  # the chosen weight-gradient tiles, balanced (needs pair lists: masked only)
               if not cfg.uses_plan or cfg.tiles.balanced:
                 continue
@@ -217,7 +222,7 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
                     "plan_forward": cache.plan(cfg.tiles.block_m) if masked and pass_name == "forward" else None,
                     "plan_input_grad": cache.plan(cfg.tiles.block_m) if masked and pass_name == "input_grad" else None,
                     "pairs": cache.pair_lists() if masked and pass_name == "weight_grad" else None}
-            fn = pass_fn(pass_name, cfg, interpret, args.weight_layout)
+            fn = pass_fn(pass_name, cfg, interpret, args.weight_layout, groups)
           except Exception as e:  # noqa: BLE001
             rec["jsparse"] = {"error": short_error(e)}
             rows.append(rec)
@@ -301,7 +306,9 @@ def render(data) -> str:
     ratio = f"{fgr['ms'] / js['ms']:.2f}" if fgr and "ms" in fgr and "ms" in js else "-"
     lines.append(f"| {rec['res']} | {rec['voxels']:,} | {rec.get('pairs', 0):,} | {fmt(rec.get('jsparse_map'))} | "
                  f"{fmt(js)} | {fmt(fgr)} | {ratio} |")
-  lines += ["", "## GEMM kernels (ratio = FlexGEMM forward time / jsparse forward time)", "",
+  groups = data["settings"].get("groups", 1)
+  lines += ["", "## GEMM kernels (ratio = FlexGEMM forward time / jsparse forward time)"
+            + (f"; feature_group_count {groups}" if groups > 1 else ""), "",
             "| kernel | RES | C | dtype | algorithm | pairs | jsparse ms | TFLOP/s | % matmul peak | FlexGEMM ms | "
             "FlexGEMM TFLOP/s | ratio | rel. err |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for rec in data.get("gemm", []):
@@ -344,6 +351,7 @@ def parse_args(argv=None):
   ap.add_argument("--impl", default=None, choices=("xla", "pallas"), help="neighbour-map implementation")
   ap.add_argument("--weight-layout", default="DHWIO", choices=("DHWIO", "ODHWI"),
                   help="the weight layout the passes read (as submconv3d's weight_layout)")
+  ap.add_argument("--groups", type=int, default=1, help="feature_group_count of the GEMM workloads (C: depthwise)")
   ap.add_argument("--algorithms", default="auto",
                   help=f"GEMM algorithms to time, of {list(jsparse.ALGORITHMS)} (auto = what submconv3d picks)")
   ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/jsparse_bench")
@@ -374,7 +382,7 @@ def main(argv=None):
   install_sigterm_handler()
   data = {"meta": metadata(), "settings": {k: getattr(args, k) for k in (
       "res", "shapes", "dtypes", "sections", "algorithms", "repeats", "warmup", "inner", "matmul_n", "impl",
-      "weight_layout",
+      "weight_layout", "groups",
       "smoke")}}
   fg, why = import_flexgemm()
   data["meta"]["flexgemm"] = "available" if fg else f"not run: {why}"

@@ -392,6 +392,28 @@ def test_grouped_gemm_kernels_lower_to_triton(dtype):
           x, g, None, pairs=pair_lists(nbr), **dict(kw, config=dataclasses.replace(cfg, balanced=True))), x, g, nbr)
 
 
+def test_depthwise_kernels_lower_inside_shard_map():
+  """Inside shard_map (check_vma=True) the depthwise kernels' outputs say which mesh axes they vary over, as the
+  GEMMs' do (data-parallel training)."""
+  from jax.sharding import Mesh, PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  m, v, c = 512, 27, 32
+  cfg = TileConfig(64, 32, 16, split=2)
+
+  def step(x, w, nbr, num, g):
+    kw = dict(config=cfg, groups=c)
+    y = depthwise.conv_forward(x, w, nbr, num[0], **kw)
+    dx = depthwise.conv_input_grad(g, w, nbr, num[0], **kw)
+    return y, dx, jax.lax.psum(depthwise.weight_grad(x, g, nbr, num[0], **kw), "data")
+
+  fn = jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P(), P("data"), P("data"), P("data")),
+                     out_specs=(P("data"), P("data"), P()))
+  text = lower_for_cuda(fn, _spec((m, c), jnp.float16), _spec((v, 1, c), jnp.float16), _spec((m, v), jnp.int32),
+                        _spec((1,), jnp.int32), _spec((m, c), jnp.float16))
+  assert text.count("__gpu$xla.gpu.triton") >= 3
+
+
 # ---- configs ----------------------------------------------------------------------------------------------
 
 

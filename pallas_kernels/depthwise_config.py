@@ -40,10 +40,10 @@ def default_config(pass_name: str, num_rows: int, cin: int, cout: int, num_offse
   sms = gpu_num_sms()
   if pass_name == "weight_grad":  # programs per (offset, reduction channel, channel block); the rows are split
     block_m = 64
-    programs = num_offsets * r * -(-n // block_n)
+    programs = max(1, num_offsets * r * -(-n // block_n))
     want = min(-(-8 * sms // programs), max(1, num_rows // (8 * block_m)))
   else:
-    programs = -(-num_rows // block_m) * -(-n // block_n)
+    programs = max(1, -(-num_rows // block_m) * -(-n // block_n))
     want = min(-(-2 * sms // programs), num_offsets) if programs < sms else 1
   factor = {"none": 1, "auto": max(1, want), "require": max(2, want)}[split]
   del dtype  # the same tiles for every dtype: the products are float32 either way

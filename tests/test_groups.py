@@ -565,3 +565,23 @@ def test_autotune_tunes_a_depthwise_convolution_under_its_groups(monkeypatch):
     y = jax.jit(fn)(x.feats, w, b)
   want = jsparse.submconv3d(x, w, b, implementation="xla", precision="highest", feature_group_count=16).feats
   assert rel_err(y, want) < 1e-5
+
+
+@pytest.mark.parametrize("algorithm", ["masked", "depthwise"])
+@pytest.mark.parametrize("capacity, num", [(0, 0), (4, 0)], ids=["no_rows", "padding_only"])
+def test_empty_grouped_convolutions_give_zeros(capacity, num, algorithm):
+  """No rows, or only padding rows: the grouped kernels give the bias at no row and zero gradients."""
+  coords = np.zeros((num, 4), np.int32)
+  x = jsparse.SparseTensor.from_coords(coords, np.zeros((num, 4), np.float32), (4, 4, 4), batch_size=1,
+                                       capacity=capacity)
+  w, b = _weight(np.random.default_rng(0), (3, 3, 3), 4, 8, 4)
+
+  def loss(f, w, b):
+    y = jsparse.submconv3d(x.replace(feats=f), w, b, implementation="pallas", algorithm=algorithm,
+                           feature_group_count=4)
+    return jnp.sum(y.feats), y.feats
+
+  (_, y), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(x.feats, w, b)
+  assert y.shape == (capacity, 8) and not np.any(np.asarray(y))
+  for a, r in zip(grads, (x.feats, w, b)):
+    assert a.shape == r.shape and not np.any(np.asarray(a))

@@ -91,6 +91,7 @@ class SubMConv3d(ConvParams):
       the promoted dtype of the features and the parameters (flax's rule).
     implementation: None | "xla" | "pallas" (see `jsparse.submconv3d`).
     algorithm: "auto" or a forced Pallas algorithm (see `jsparse.submconv3d`).
+    feature_group_count: as nn.Conv (kernel (*kernel_size, in_features / feature_group_count, features)).
 
   Differences from nn.Conv: kernel_size defaults to 3 (nn.Conv requires it) and must be odd; strides and
   padding admit only their defaults; no input_dilation or mask; the input and output are

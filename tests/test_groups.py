@@ -585,3 +585,23 @@ def test_empty_grouped_convolutions_give_zeros(capacity, num, algorithm):
   assert y.shape == (capacity, 8) and not np.any(np.asarray(y))
   for a, r in zip(grads, (x.feats, w, b)):
     assert a.shape == r.shape and not np.any(np.asarray(a))
+
+
+def test_2d_grouped_convolutions_and_modules():
+  """The 2D ops and modules pass feature_group_count to the 3D ones: a depthwise and a grouped 2D convolution
+  against lax's 2D convolution with feature_group_count, and SubMConv2d's kernel shape."""
+  rng = np.random.default_rng(12)
+  dense = rng.standard_normal((2, 9, 8, 8)).astype(np.float32) * (rng.random((2, 9, 8, 1)) < 0.3)
+  x = jsparse.SparseTensor.from_dense(jnp.asarray(dense))
+  occupied = x.replace(feats=x.valid_mask()[:, None].astype(jnp.float32)).todense()
+  for cout, groups in ((8, 8), (12, 4)):
+    w = jnp.asarray(rng.standard_normal((3, 3, 8 // groups, cout)).astype(np.float32))
+    want = lax.conv_general_dilated(x.todense(), w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                    precision=HI, feature_group_count=groups) * occupied
+    got = jsparse.submconv2d(x, w, precision="highest", feature_group_count=groups)
+    assert rel_err(got.todense(), want) < 2e-5
+    module = jsparse.nn.SubMConv2d(cout, feature_group_count=groups, precision="highest")
+    variables = module.init(jax.random.key(0), x)
+    assert variables["params"]["kernel"].shape == (3, 3, 8 // groups, cout)
+    y = module.apply({"params": {"kernel": w, "bias": jnp.zeros(cout)}}, x)
+    assert rel_err(y.todense(), want) < 2e-5

@@ -28,8 +28,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.depthwise_config import default_config
 from pallas_kernels.gather_gemm import grouped_weight_dims
-from pallas_kernels.out_struct import out_struct, same_vma
-from pallas_kernels.tiling import TileConfig
+from pallas_kernels.out_struct import out_struct, same_vma, split_out_struct, sum_split
+from pallas_kernels.tiling import TileConfig, split_share
 from pallas_kernels.weight_layout import WeightLayout
 
 
@@ -59,12 +59,7 @@ def _mac_kernel(ops: DepthwiseOperands, o_ref, *, num_rows, num_offsets, k_group
   group, x_base = _group_columns(cols, n_group, k_group)
   # The weight's n index: the output column, or its place within its group where the weight holds one group's.
   w_n = cols if weight_shared_axis == "n" else cols - group * n_group
-  if split > 1:
-    per = pl.cdiv(num_offsets, split)
-    v_start = pl.program_id(2) * per
-    v_stop = jnp.minimum(v_start + per, num_offsets)
-  else:
-    v_start, v_stop = 0, num_offsets
+  v_start, v_stop = split_share(num_offsets, split)
 
   def offset_step(v, acc):
     nb = plgpu.load(ops.nbr.at[rows, v], mask=row_ok, other=-1)
@@ -132,19 +127,13 @@ def group_mac(x, weight, nbr, num, bias=None, *, weight_axes: str = "vkn", flip_
   ops = jax.tree.unflatten(tree, same_vma(*leaves))
   out = pl.pallas_call(
       kernel,
-      out_shape=(out_struct((m, n_dim), x.dtype, *leaves) if split == 1 else
-                 out_struct((split, m, n_dim), jnp.float32, *leaves)),
+      out_shape=split_out_struct(m, n_dim, x.dtype, split, *leaves),
       grid=(pl.cdiv(m, cfg.block_m), pl.cdiv(n_dim, cfg.block_n), split),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="depthwise_t" if flip_offsets else "depthwise",
   )(ops)
-  if split == 1:
-    return out
-  out = jnp.sum(out, axis=0)
-  if bias is not None:
-    out = out + bias.astype(jnp.float32)
-  return jnp.where((jnp.arange(m) < num[0])[:, None], out, 0).astype(x.dtype)
+  return sum_split(out, bias, num, x.dtype)
 
 
 def conv_forward(x, weight, nbr, num, bias=None, *, config: TileConfig, interpret: bool = False,

@@ -28,8 +28,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.gather_gemm_config import default_config, reads_weight_k_major, swaps_operands
 from pallas_kernels.gemm_plan import MaskedPlan
 from pallas_kernels.mma import mma
-from pallas_kernels.out_struct import out_struct, same_vma
-from pallas_kernels.tiling import TileConfig, dot_precision
+from pallas_kernels.out_struct import same_vma, split_out_struct, sum_split
+from pallas_kernels.tiling import TileConfig, dot_precision, split_share
 from pallas_kernels.weight_layout import WeightLayout
 
 
@@ -128,12 +128,7 @@ def _gather_gemm_kernel(ops: GatherGemmOperands, o_ref, *, num_rows, num_offsets
   ks = jnp.arange(block_k)
   # This program's share of the (offset, channel chunk) steps.
   total = num_used * k_steps
-  if split > 1:
-    per = pl.cdiv(total, split)
-    t_start = pl.program_id(2) * per
-    t_stop = jnp.minimum(t_start + per, total)
-  else:
-    t_start, t_stop = 0, total
+  t_start, t_stop = split_share(total, split)
 
   def step(t, acc):
     j = lax.div(t, k_steps)
@@ -233,11 +228,9 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
                            nbr if plan is None else None, plan, bias if split == 1 else None)
   leaves, tree = jax.tree.flatten(ops)
   ops = jax.tree.unflatten(tree, same_vma(*leaves))
-  out_shape = (out_struct((m, n_dim), x.dtype, *leaves) if split == 1 else
-               out_struct((split, m, n_dim), jnp.float32, *leaves))
   out = pl.pallas_call(
       kernel,
-      out_shape=out_shape,
+      out_shape=split_out_struct(m, n_dim, x.dtype, split, *leaves),
       # Grid axis 0 is launched fastest.
       grid=((groups * pl.cdiv(n_group, cfg.block_n), num_blocks, split) if cfg.columns_fastest else
             (num_blocks, groups * pl.cdiv(n_group, cfg.block_n), split)),
@@ -245,9 +238,4 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
       interpret=interpret,
       name="gather_gemm_t" if flip_offsets else "gather_gemm",
   )(ops)
-  if split == 1:
-    return out
-  out = jnp.sum(out, axis=0)
-  if bias is not None:
-    out = out + bias.astype(jnp.float32)
-  return jnp.where((jnp.arange(m) < num[0])[:, None], out, 0).astype(x.dtype)
+  return sum_split(out, bias, num, x.dtype)

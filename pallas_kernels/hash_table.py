@@ -492,18 +492,19 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
   # kernels take it aliased; a single reduction at the end.
   n_ovf = grid_b + grid_f + grid_q
 
+  def table_pass(kernel, size: int, grid: int, aliases: dict, params, name: str):
+    """One of the three passes: it writes an int32 table of `size` entries and the probe-overflow flags."""
+    out_shape = (out_struct((size,), jnp.int32, num_arr, coords_flat),
+                 out_struct((n_ovf,), jnp.int32, num_arr, coords_flat))
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=(grid,), input_output_aliases=aliases,
+                          compiler_params=params, interpret=interpret, name=name)
+
   # 1. Build the key table (keys_init aliased to the output).
-  keys, ovf = pl.pallas_call(
+  keys, ovf = table_pass(
       functools.partial(_build_kernel, block=build_block, capacity=capacity, shape=shape,
                         tmask=tmask, max_probes=probes, interpret=interpret, ovf_base=0, ks=ks,
                         wide=wide_keys),
-      out_shape=(out_struct((ks * tsize,), jnp.int32, num_arr, coords_flat),
-                 out_struct((n_ovf,), jnp.int32, num_arr, coords_flat)),
-      grid=(grid_b,),
-      input_output_aliases={2: 0},
-      compiler_params=params_build,
-      interpret=interpret,
-      name="hash_build_wide" if wide_keys else "hash_build",
+      ks * tsize, grid_b, {2: 0}, params_build, "hash_build_wide" if wide_keys else "hash_build",
   )(*same_vma(num_arr, coords_flat, jnp.full((ks * tsize,), EMPTY, jnp.int32)))
 
   # 2. Fill the values (row index at each key's slot): into the key table itself when
@@ -515,31 +516,19 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
   if wide_keys:
     vals = keys  # the entries are rows: the query reads its values from the table itself
   else:
-    vals, ovf = pl.pallas_call(
+    vals, ovf = table_pass(
         functools.partial(_fill_kernel, block=fill_block, capacity=capacity, shape=shape,
                           tmask=tmask, max_probes=probes, ovf_base=grid_b, ks=ks),
-        out_shape=(out_struct((ks * tsize,), jnp.int32, num_arr, coords_flat),
-                   out_struct((n_ovf,), jnp.int32, num_arr, coords_flat)),
-        grid=(grid_f,),
-        input_output_aliases={2: 0, 3: 1} if interleave else {3: 1},
-        compiler_params=params_build,
-        interpret=interpret,
-        name="hash_fill",
+        ks * tsize, grid_f, {2: 0, 3: 1} if interleave else {3: 1}, params_build, "hash_fill",
     )(*same_vma(num_arr, coords_flat, keys, ovf))
   if interleave:
     keys = vals  # the one table, keys and values
 
   # 3. Query all (row, offset) pairs.
-  nbr_flat, ovf = pl.pallas_call(
+  nbr_flat, ovf = table_pass(
       functools.partial(_query_kernel, block=qblock, capacity=capacity, nv=nv, shape=shape,
                         tmask=tmask, max_probes=probes, ovf_base=grid_b + grid_f, ks=ks, wide=wide_keys),
-      out_shape=(out_struct((capacity * nv,), jnp.int32, num_arr, coords_flat),
-                 out_struct((n_ovf,), jnp.int32, num_arr, coords_flat)),
-      grid=(grid_q,),
-      input_output_aliases={5: 1},
-      compiler_params=params_query,
-      interpret=interpret,
-      name="hash_query_wide" if wide_keys else "hash_query",
+      capacity * nv, grid_q, {5: 1}, params_query, "hash_query_wide" if wide_keys else "hash_query",
   )(*same_vma(num_arr, coords_flat, offs_flat, keys, vals, ovf))
 
   overflow = jnp.max(ovf) > 0

@@ -8,6 +8,7 @@ both helpers change nothing.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def _varying(a) -> frozenset:
@@ -34,3 +35,20 @@ def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
     if m is not None:
       mat = m if mat is None else mat.update(varying=mat.varying | m.varying)
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+
+def split_out_struct(m: int, n: int, dtype, split: int, *inputs) -> jax.ShapeDtypeStruct:
+  """The out_shape of a row-gathering GEMM whose reduction is split over `split` programs: the [m, n] output
+  itself, or float32 partial sums [split, m, n] (summed by `sum_split`)."""
+  return out_struct((m, n), dtype, *inputs) if split == 1 else out_struct((split, m, n), jnp.float32, *inputs)
+
+
+def sum_split(out: jax.Array, bias, num: jax.Array, dtype) -> jax.Array:
+  """A split GEMM's output from its float32 partial sums [split, m, n]: their sum, plus bias, zero rows from num[0]
+  on, in dtype (an unsplit output, 2-D, passes through: the kernel added its bias)."""
+  if out.ndim == 2:
+    return out
+  out = jnp.sum(out, axis=0)
+  if bias is not None:
+    out = out + bias.astype(jnp.float32)
+  return jnp.where((jnp.arange(out.shape[0]) < num[0])[:, None], out, 0).astype(dtype)

@@ -6,6 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,3 +85,13 @@ def gpu_num_sms(default: int = 132) -> int:
     return int(getattr(dev, "core_count", default) or default)
   except Exception:  # no device info: fall back to the H100/H200 count
     return default
+
+
+def split_share(total, split: int, axis: int = 2):
+  """Inside a kernel: [start, stop) of the `total` reduction steps this program takes when `split` programs along
+  grid axis `axis` share them in equal runs (all of them when split is 1)."""
+  if split == 1:
+    return 0, total
+  per = pl.cdiv(total, split)
+  start = pl.program_id(axis) * per
+  return start, jnp.minimum(start + per, total)

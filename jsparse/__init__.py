@@ -17,7 +17,8 @@ from jsparse.neighbors import NeighborCache, kernel_offsets, neighbor_map, with_
 from jsparse.pass_config import ALGORITHMS
 from jsparse.pass_config import Depthwise, Explicit, Implicit, Masked, PassConfig, ShapeKey
 from jsparse.pool import global_pool, sparse_avg_pool3d, sparse_max_pool3d
-from jsparse.sparse_conv import concat, sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d, strided_map
+from jsparse.sparse_conv import (concat, sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d, strided_map,
+                                 transpose_map)
 from jsparse.sparse_tensor import SparseTensor, error_checks, key_width, overflowed, round_capacity
 from jsparse.spatial_rank import (sparse_avg_pool1d, sparse_avg_pool2d, sparse_conv1d, sparse_conv2d,
                                   sparse_conv_transpose1d, sparse_conv_transpose2d, sparse_inverse_conv1d,
@@ -44,7 +45,7 @@ __all__ = [
     # tuning
     "autotune", "ConfigTable", "ShapeKey", "PassConfig", "Explicit", "Implicit", "Masked", "Depthwise",
     # advanced, array level (maps and GEMMs without a SparseTensor)
-    "strided_map", "submconv_xla",
+    "strided_map", "transpose_map", "submconv_xla",
     # submodules
     "nn", "nnx", "norm", "plot", "sampling", "serialize", "shapes", "voxelize", "topology", "map_gemm", "pass_config",
     "tuning",

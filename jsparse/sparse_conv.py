@@ -116,18 +116,18 @@ def _check_keys(batch_size: int, shape) -> int:
     raise ValueError(f"output grid: {e}") from None
 
 
-def _proposals(coords, valid, geom: Geometry, batch_size: int):
+def _proposals(coords, valid, rule: unique_keys.ProposalGeometry, batch_size: int):
   """For every input row j and offset v, the linear key of the output it feeds (a tuple of key_width int32
   words, each [cap, V]; _BIG words where there is none) and whether it exists: o = (position + padding -
-  offset) / stride must be integral and inside the output grid."""
-  off = jnp.asarray(geom.offsets())  # [V, 3]
-  num = coords[:, None, 1:] + jnp.asarray(geom.padding, jnp.int32) - off[None]  # [cap, V, 3]
-  st = jnp.asarray(geom.stride, jnp.int32)
+  offset) / stride must be integral and inside the output grid (`rule`, as the Pallas kernels read it)."""
+  off = jnp.asarray(np.asarray(rule.offsets, np.int32).reshape(-1, 3))  # [V, 3]
+  num = coords[:, None, 1:] + jnp.asarray(rule.padding, jnp.int32) - off[None]  # [cap, V, 3]
+  st = jnp.asarray(rule.stride, jnp.int32)
   o = jnp.floor_divide(num, st)
-  ok = (num >= 0) & (num - o * st == 0) & (o < jnp.asarray(geom.out_shape, jnp.int32))
+  ok = (num >= 0) & (num - o * st == 0) & (o < jnp.asarray(rule.out_shape, jnp.int32))
   ok = jnp.all(ok, axis=-1) & valid[:, None]
   sites = jnp.concatenate([jnp.broadcast_to(coords[:, None, :1], o.shape[:2] + (1,)), o], axis=-1)
-  keys = site_keys(sites, geom.out_shape, _check_keys(batch_size, geom.out_shape))
+  keys = site_keys(sites, rule.out_shape, _check_keys(batch_size, rule.out_shape))
   return tuple(jnp.where(ok, k, _BIG) for k in keys), ok
 
 
@@ -204,15 +204,24 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   """
   out_capacity = check_capacity(out_capacity, "out_capacity")
   geom = geometry(x.spatial_shape, kernel_size, stride, padding, dilation)
-  _check_keys(x.batch_size, geom.out_shape)
+  out_coords, out_num, nbr, inv, overflow = _site_search(
+      x.coords, x.num, x.batch_size, _proposal_geometry(geom), out_capacity, implementation, check=check, op=op)
+  return PairMap(out_coords, out_num, nbr, inv, x.coords, x.num, overflow, geom, x.batch_size)
+
+
+def _site_search(coords, num, batch_size: int, rule: unique_keys.ProposalGeometry, out_capacity,
+                 implementation: str | None, *, check: bool, op: str):
+  """(out_coords, out_num, nbr, inv, overflow): the distinct proposals of `rule` (every valid row of coords
+  and every offset) as sorted output sites, and both maps (module docstring). The strided and the general
+  transposed convolution differ only in their rule."""
+  wide = _check_keys(batch_size, rule.out_shape) == 2
   impl = dispatch.resolve(implementation)
   if impl.is_pallas:
-    proposals = unique_keys.dedupe_proposals(x.coords, x.num, geometry=_proposal_geometry(geom),
-                                             batch_size=x.batch_size, interpret=impl.interpret,
-                                             wide_keys=_check_keys(x.batch_size, geom.out_shape) == 2)
+    proposals = unique_keys.dedupe_proposals(coords, num, geometry=rule, batch_size=batch_size,
+                                             interpret=impl.interpret, wide_keys=wide)
     count = proposals.count
   else:
-    keys, ok, flat, first, count = _sorted_proposals(x.coords, x.num, geom, x.batch_size)
+    keys, ok, flat, first, count = _sorted_proposals(coords, num, rule, batch_size)
   if out_capacity is None or out_capacity == EXACT:
     out_capacity = resolve_capacity(out_capacity, count, "out_capacity", "output sites")
   overflow = count > out_capacity
@@ -221,22 +230,22 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
            "were dropped", count=count)
   if impl.is_pallas:
     out_coords, out_num, nbr, inv, table_overflow = _hashed_compact(
-        x.coords, x.num, proposals, geom, x.batch_size, out_capacity, impl.interpret)
+        coords, num, proposals, rule, batch_size, out_capacity, impl.interpret)
     if check:
       report(table_overflow, f"{op}: the output-site hash table overflowed (a probe ran past its bound); the map "
              "is invalid", error=RuntimeError)
     overflow = overflow | table_overflow
   else:
-    out_coords, out_num, nbr, inv = _compact(keys, ok, flat, first, count, geom, x.batch_size, out_capacity)
-  return PairMap(out_coords, out_num, nbr, inv, x.coords, x.num, overflow, geom, x.batch_size)
+    out_coords, out_num, nbr, inv = _compact(keys, ok, flat, first, count, rule.out_shape, batch_size, out_capacity)
+  return out_coords, out_num, nbr, inv, overflow
 
 
 # The two stages are jitted separately (the host reads the count in between when out_capacity is None):
 # outside jit that compiles two programs instead of dispatching some thirty small ops one by one.
-@functools.partial(jax.jit, static_argnames=("geom", "batch_size"))
-def _sorted_proposals(coords, num, geom: Geometry, batch_size: int):
+@functools.partial(jax.jit, static_argnames=("rule", "batch_size"))
+def _sorted_proposals(coords, num, rule: unique_keys.ProposalGeometry, batch_size: int):
   valid = jnp.arange(coords.shape[0]) < num
-  keys, ok = _proposals(coords, valid, geom, batch_size)
+  keys, ok = _proposals(coords, valid, rule, batch_size)
   flat = lax.sort(tuple(k.reshape(-1) for k in keys), num_keys=len(keys))
   flat = flat if isinstance(flat, tuple) else (flat,)
   empty, new = jnp.ones(flat[0].shape, bool), jnp.zeros(flat[0].shape, bool)
@@ -247,39 +256,41 @@ def _sorted_proposals(coords, num, geom: Geometry, batch_size: int):
   return keys, ok, flat, first, jnp.sum(first, dtype=jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("geom", "batch_size", "out_capacity"))
-def _compact(keys, ok, flat, first, count, geom: Geometry, batch_size: int, out_capacity: int):
+@functools.partial(jax.jit, static_argnames=("out_shape", "batch_size", "out_capacity"))
+def _compact(keys, ok, flat, first, count, out_shape: tuple[int, int, int], batch_size: int, out_capacity: int):
   """The out_capacity smallest distinct proposals become the output sites; then both maps."""
   (pos,) = jnp.nonzero(first, size=out_capacity, fill_value=flat[0].shape[0])
   out_keys = tuple(jnp.concatenate([w, jnp.full((1,), _BIG, w.dtype)])[pos] for w in flat)  # ascending
   inv = lookup_keys(out_keys, None, keys, ok)  # out_keys are sorted: the row is the position
   nbr = _scatter_transpose(inv, out_capacity)
-  return _sites_of_keys(out_keys, geom, batch_size), jnp.minimum(count, out_capacity), nbr, inv
+  return _sites_of_keys(out_keys, out_shape, batch_size), jnp.minimum(count, out_capacity), nbr, inv
 
 
-def _sites_of_keys(out_keys, geom: Geometry, batch_size: int):
+def _sites_of_keys(out_keys, out_shape: tuple[int, int, int], batch_size: int):
   """int32 [M, 4] (batch, x, y, z) of linear keys (tuples of words) on the output grid; -1 rows where every
   word is _BIG (no key)."""
   filled = ~functools.reduce(jnp.logical_and, [w == _BIG for w in out_keys])
-  out_coords = sites_of_keys(tuple(jnp.where(filled, w, 0) for w in out_keys), batch_size, geom.out_shape)
+  out_coords = sites_of_keys(tuple(jnp.where(filled, w, 0) for w in out_keys), batch_size, out_shape)
   return jnp.where(filled[:, None], out_coords, -1)
 
 
 def _proposal_geometry(geom: Geometry) -> unique_keys.ProposalGeometry:
+  """The proposal rule of a strided convolution: o = (position + padding - offset) / stride."""
   return unique_keys.ProposalGeometry(tuple(map(tuple, geom.offsets().tolist())), geom.stride, geom.padding,
                                       geom.out_shape)
 
 
 # The Pallas counterpart of `_compact` (that of `_sorted_proposals` is unique_keys.dedupe_proposals): the sort of
 # the distinct keys only and the lookup of every proposal's output row in the hash table.
-@functools.partial(jax.jit, static_argnames=("geom", "batch_size", "out_capacity", "interpret"))
-def _hashed_compact(coords, num, proposals, geom: Geometry, batch_size: int, out_capacity: int, interpret: bool):
-  wide = _check_keys(batch_size, geom.out_shape) == 2
+@functools.partial(jax.jit, static_argnames=("rule", "batch_size", "out_capacity", "interpret"))
+def _hashed_compact(coords, num, proposals, rule: unique_keys.ProposalGeometry, batch_size: int, out_capacity: int,
+                    interpret: bool):
+  wide = _check_keys(batch_size, rule.out_shape) == 2
   out_keys, inv, lookup_overflow = unique_keys.output_sites(
-      coords, num, proposals, out_capacity, geometry=_proposal_geometry(geom), interpret=interpret, wide_keys=wide)
+      coords, num, proposals, out_capacity, geometry=rule, interpret=interpret, wide_keys=wide)
   nbr = _scatter_transpose(inv, out_capacity)
   out_num = jnp.minimum(proposals.count, out_capacity)
-  out_coords = out_keys if wide else _sites_of_keys((out_keys,), geom, batch_size)  # wide: already sites
+  out_coords = out_keys if wide else _sites_of_keys((out_keys,), rule.out_shape, batch_size)  # wide: already sites
   return out_coords, out_num, nbr, inv, proposals.overflow | lookup_overflow
 
 
@@ -375,7 +386,7 @@ def _inverse_maps(y: SparseTensor, like: SparseTensor, geom: Geometry):
   else:
     _check_same_geometry(y, like, geom)
   # Recompute: search the outputs each site of `like` feeds among y's sites (any row order of y works).
-  keys, ok = _proposals(like.coords, like.valid_mask(), geom, like.batch_size)
+  keys, ok = _proposals(like.coords, like.valid_mask(), _proposal_geometry(geom), like.batch_size)
   sorted_keys, order = sorted_site_keys(y)
   inv = lookup_keys(sorted_keys, order, keys, ok)
   return inv, _scatter_transpose(inv, y.capacity)
@@ -437,43 +448,178 @@ def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike, bias: ArrayLike | 
   return like.replace(feats=feats, overflow=like.overflow | y.overflow)
 
 
+@dataclasses.dataclass(frozen=True)
+class TransposeGeometry:
+  """A transposed convolution's static shape, PyTorch's ConvTranspose3d rule per axis: input position j at
+  kernel index v feeds output o = j*stride - padding + v*dilation, on the output grid of extent
+  (X-1)*stride - 2*padding + dilation*(k-1) + output_padding + 1."""
+
+  kernel_size: tuple[int, int, int]
+  stride: tuple[int, int, int]
+  padding: tuple[int, int, int]
+  output_padding: tuple[int, int, int]
+  dilation: tuple[int, int, int]
+  in_shape: tuple[int, int, int]
+  out_shape: tuple[int, int, int]
+
+  @property
+  def num_offsets(self) -> int:
+    return math.prod(self.kernel_size)
+
+  @property
+  def is_generative(self) -> bool:
+    """kernel == stride, no padding, unit dilation: every output has exactly one parent (the children rule)."""
+    return (self.kernel_size == self.stride and self.padding == (0, 0, 0) and self.output_padding == (0, 0, 0)
+            and self.dilation == (1, 1, 1))
+
+  def offsets(self) -> np.ndarray:
+    """int32 [V, 3]: (i, j, k) * dilation in the C order of a (Kx, Ky, Kz, Cin, Cout) weight."""
+    idx = np.array(list(itertools.product(*(range(k) for k in self.kernel_size))), np.int32).reshape(-1, 3)
+    return idx * np.asarray(self.dilation, np.int32)
+
+  def lax_padding(self) -> tuple[tuple[int, int], ...]:
+    """The explicit (low, high) padding per axis under which `lax.conv_transpose` with the spatially flipped
+    kernel gives this grid and these values: (d*(k-1) - p, d*(k-1) - p + output_padding)."""
+    return tuple((d * (k - 1) - p, d * (k - 1) - p + q)
+                 for k, p, q, d in zip(self.kernel_size, self.padding, self.output_padding, self.dilation))
+
+  def proposal_rule(self) -> unique_keys.ProposalGeometry:
+    """The strided convolution's proposal rule, o = (c + padding - offset) / stride, that gives
+    o = j*stride - padding + v*dilation when it reads the input coordinates scaled by the stride (c =
+    j*stride): unit stride, negated padding and offsets. The site search then runs unchanged."""
+    return unique_keys.ProposalGeometry(tuple(map(tuple, (-self.offsets()).tolist())), (1, 1, 1),
+                                        tuple(-p for p in self.padding), self.out_shape)
+
+
+def transpose_geometry(spatial_shape, kernel_size, stride=2, padding=0, output_padding=0,
+                       dilation=1) -> TransposeGeometry:
+  """The validated TransposeGeometry of a transposed convolution of an input grid `spatial_shape`."""
+  ks = as_triple(kernel_size, "kernel_size")
+  st = as_triple(stride, "stride")
+  pad = as_triple(padding, "padding")
+  out_pad = as_triple(output_padding, "output_padding")
+  dil = check_dilation(dilation)
+  if min(ks) < 1:
+    raise ValueError(f"kernel_size must be >= 1, got {ks}")
+  if min(st) < 1:
+    raise ValueError(f"stride must be >= 1, got {st}")
+  if min(pad) < 0:
+    raise ValueError(f"padding must be >= 0, got {pad}")
+  if min(out_pad) < 0:
+    raise ValueError(f"output_padding must be >= 0, got {out_pad}")
+  if any(q >= max(s, d) for q, s, d in zip(out_pad, st, dil)):
+    raise ValueError(f"output_padding must be smaller than the stride or the dilation on every axis (as PyTorch's "
+                     f"ConvTranspose3d), got output_padding={out_pad}, stride={st}, dilation={dil}")
+  in_shape = tuple(int(n) for n in spatial_shape)
+  out = tuple((n - 1) * s - 2 * p + d * (k - 1) + q + 1
+              for n, k, s, p, q, d in zip(in_shape, ks, st, pad, out_pad, dil))
+  if min(out) <= 0:
+    raise ValueError(f"kernel_size={ks}, stride={st}, padding={pad}, output_padding={out_pad}, dilation={dil} on "
+                     f"spatial_shape={in_shape} gives an empty output grid {out}: padding is too large")
+  return TransposeGeometry(ks, st, pad, out_pad, dil, in_shape, out)
+
+
+def transpose_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 2, padding: Size3 = 0,
+                  output_padding: Size3 = 0, dilation: Size3 = 1, out_capacity: Capacity = None, *,
+                  implementation: str | None = None,
+                  check: bool = True) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """(out_coords [out_cap, 4], out_num, nbr [out_cap, V], inv [x.capacity, V], overflow) of a general
+  transposed convolution of `x` (`sparse_conv_transpose3d`), whatever its kernel size.
+
+  Output sites: the distinct o = j*stride - padding + v*dilation (per axis, in the same batch item) inside the
+  output grid (`TransposeGeometry`), for every valid row j of x and kernel index v, sorted by linear key.
+  nbr[i, v] = the row of x that output i reads with weight[v], or -1; inv[j, v] = the output row fed by row j
+  with weight[v], or -1. They are found by the strided convolution's site search (sort, or hash table with
+  implementation="pallas"; `pair_map`) on x's coordinates scaled by the stride, so both key widths, the
+  overflow handling (`check`: ValueError outside jit, checkify under it) and out_capacity (None / "exact"
+  count on the host, outside jit only) are those of `strided_map`.
+  """
+  out_capacity = check_capacity(out_capacity, "out_capacity")
+  geom = transpose_geometry(x.spatial_shape, kernel_size, stride, padding, output_padding, dilation)
+  return _transpose_map(x, geom, out_capacity, implementation, check)
+
+
+def _transpose_map(x: SparseTensor, geom: TransposeGeometry, out_capacity, implementation, check: bool):
+  scaled = x.coords * jnp.asarray((1,) + geom.stride, jnp.int32)  # rows past x.num are never read
+  return _site_search(scaled, x.num, x.batch_size, geom.proposal_rule(), out_capacity, implementation, check=check,
+                      op="sparse_conv_transpose3d")
+
+
 def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *, stride: Size3 = 2,
+                            padding: Size3 = 0, output_padding: Size3 = 0, dilation: Size3 = 1,
                             out_capacity: Capacity = None, mask: ArrayLike | None = None,
                             implementation: str | None = None, precision: PrecisionLike = None,
                             algorithm: str = "auto", with_overflow: bool = False,
                             weight_layout: WeightLayout | str = "DHWIO", feature_group_count: int = 1
                             ) -> SparseTensor | tuple[SparseTensor, jax.Array]:
-  """Generative upsampling: every valid site c spawns its children c*stride + t, t in [0, stride)^3.
+  """Transposed sparse 3D convolution: PyTorch's ConvTranspose3d and spconv's SparseConvTranspose3d, any
+  kernel size, stride, padding, output_padding and dilation.
 
-  The kernel size equals the stride, so every child has exactly one parent and child t of c gets
-  x[c] @ weight[t] (+ bias). This equals the dense transposed convolution
-  `lax.conv_transpose(x.todense(), weight[::-1, ::-1, ::-1], stride, "VALID", dimension_numbers=("NDHWC",
-  "DHWIO", "NDHWC"))` read at the children (the gradient of a kernel==stride convolution; torch/spconv's
-  ConvTranspose3d weight convention). Output grid: spatial_shape * stride.
+  Every valid input site j and kernel index v = (a, b, c) send x[j] @ weight[v] to the output position
+  o = j*stride - padding + v*dilation (per axis, same batch item) when o lies in the output grid, of extent
+  (X-1)*stride - 2*padding + dilation*(k-1) + output_padding + 1 per axis; the output sites are the positions
+  reached, and each output is the sum of what it receives (+ bias). This equals
+  `lax.conv_transpose(x.todense(), weight[::-1, ::-1, ::-1], stride, [(d*(k-1) - p, d*(k-1) - p + op)] per
+  axis, rhs_dilation=dilation, dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), transpose_kernel=False)` (+ bias)
+  read at the output sites: lax's transposed convolution correlates with its kernel as given, PyTorch's is the
+  gradient of a convolution and so applies the kernel flipped, hence `weight[::-1, ::-1, ::-1]`; lax pads the
+  stride-dilated input explicitly, PyTorch trims `padding` from both ends of the full output and adds
+  `output_padding` cells at the high end (TransposeGeometry.lax_padding converts). `padding` is PyTorch's,
+  not flax's nn.ConvTranspose's. A port of PyTorch / spconv, per axis:
 
-  weight: (sx, sy, sz, Cin, Cout) with (sx, sy, sz) == stride; or (Cout, sx, sy, sz, Cin) with
-    weight_layout="ODHWI". feature_group_count: G groups as submconv3d (weight (sx, sy, sz, Cin/G, Cout)).
-  mask: None (all children) or bool [x.capacity, sx*sy*sz]: mask[j, t] keeps child t of row j, t the C-order
-    index of the child offset (a, b, c); prunes children for coarse-to-fine generation. Rows >= x.num are
-    ignored.
+      torch.nn.ConvTranspose3d(cin, cout, 3, stride=2, padding=1, output_padding=1)   # weight (cin, cout, 3, 3, 3)
+      spconv.SparseConvTranspose3d(cin, cout, 3, 2, padding=1, output_padding=1)    # weight (cout, 3, 3, 3, cin)
+      jsparse.sparse_conv_transpose3d(x, torch_w.permute(2, 3, 4, 0, 1), b, stride=2, padding=1, output_padding=1)
+      jsparse.sparse_conv_transpose3d(x, spconv_w, b, stride=2, padding=1, output_padding=1, weight_layout="ODHWI")
+
+  (an input grid of 8 gives 16: output_padding picks which of the grids that a stride-2 convolution maps to 8
+  is meant). The transposed convolution of `y = sparse_conv3d(like, ...)` with the same kernel_size, stride,
+  padding and dilation, and output_padding = (X + 2p - d*(k-1) - 1) mod stride, has like's grid and reaches
+  every site of like (and possibly more): `sparse_inverse_conv3d` computes it on like's sites only.
+
+  Two paths. kernel == stride, padding 0, output_padding 0, dilation 1 (generative upsampling: each site
+  spawns its children c*stride + t, t in [0, stride)^3, child t getting x[c] @ weight[t]): output rows are
+  ordered by (parent row, child index), and `mask`, None or bool [x.capacity, prod(stride)] with mask[j, t]
+  keeping child t of row j (t the C-order index of (a, b, c); rows >= x.num ignored), prunes children for
+  coarse-to-fine generation. Otherwise (`transpose_map`): output rows sorted by linear key, found as a strided
+  convolution's output sites are (implementation "pallas": the GPU hash table), and `mask` must be None.
+
+  weight: (Kx, Ky, Kz, Cin, Cout), or (Cout, Kx, Ky, Kz, Cin) with weight_layout="ODHWI"; the kernel size is
+  the weight's. stride, padding, output_padding, dilation: an int or 3 ints; padding >= 0; output_padding
+  smaller than the stride or the dilation on every axis (PyTorch's rule). feature_group_count: G groups as
+  submconv3d (weight (Kx, Ky, Kz, Cin/G, Cout)), PyTorch's `groups`.
   out_capacity: output rows (None: round_capacity of the count, "exact": the count; outside jit only).
-  Overflow as sparse_conv3d.
-  Output rows are ordered by (parent row, child index), not by linear key.
+  Overflow as sparse_conv3d (`with_overflow=True` returns (output, overflow)).
+  implementation / precision / algorithm: as sparse_conv3d. The output carries no maps (its caches are empty).
   """
   check_spatial_ndim(x, 3, "sparse_conv_transpose3d")
   out_capacity = check_capacity(out_capacity, "out_capacity")
-  st = as_triple(stride, "stride")
-  if min(st) < 1:
-    raise ValueError(f"stride must be >= 1, got {st}")
   layout = WeightLayout.of(weight_layout)
   ks, w, b = check_weight(x.num_channels, x.dtype, weight, bias, layout, feature_group_count)
-  if ks != st:
-    raise ValueError(f"the weight's kernel size {ks} must equal the stride {st} (weight shape {jnp.shape(weight)}, "
-                     f"weight_layout={layout.value!r})")
-  spec = ConvSpec.build(ks, (1, 1, 1), implementation, layout, precision, algorithm, feature_group_count)
+  geom = transpose_geometry(x.spatial_shape, ks, stride, padding, output_padding, dilation)
+  spec = ConvSpec.build(ks, geom.dilation, implementation, layout, precision, algorithm, feature_group_count)
+  _check_keys(x.batch_size, geom.out_shape)
+  if geom.is_generative:
+    out, overflow = _spawn_children(x, w, b, geom, out_capacity, mask, spec)
+  else:
+    if mask is not None:
+      raise ValueError(f"mask prunes the children of generative upsampling (kernel == stride, padding 0, "
+                       f"output_padding 0, dilation 1); this transposed convolution has {_describe_transpose(geom)}")
+    out_coords, out_num, nbr, inv, overflow = _transpose_map(x, geom, out_capacity, implementation, True)
+    feats = map_gemm(x.feats, w, b, ConvMaps(nbr, out_num, jnp.flip(inv, 1), x.num), spec)
+    out = SparseTensor(out_coords, feats, out_num, geom.out_shape, x.batch_size, overflow=x.overflow | overflow)
+  return (out, overflow) if with_overflow else out
+
+
+def _describe_transpose(geom: TransposeGeometry) -> str:
+  return (f"kernel_size={geom.kernel_size}, stride={geom.stride}, padding={geom.padding}, "
+          f"output_padding={geom.output_padding}, dilation={geom.dilation}")
+
+
+def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity, mask, spec: ConvSpec):
+  """(output, overflow) of generative upsampling (kernel == stride): every kept child has one parent."""
+  st = geom.stride
   t_count = math.prod(st)
-  out_shape = tuple(n * s for n, s in zip(x.spatial_shape, st))
-  _check_keys(x.batch_size, out_shape)
   keep = jnp.broadcast_to(x.valid_mask()[:, None], (x.capacity, t_count))
   if mask is not None:
     mask = jnp.asarray(mask)
@@ -505,20 +651,20 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike 
     # All children of every row in one matmul (no zero-padded gather), then pick the kept ones.
     groups = spec.groups
     feats_by_group = x.feats.reshape(x.capacity, groups, -1)
-    if layout.cout_major:  # [Cout, T, Cin/G] -> [G, Cout/G, T, Cin/G]
+    if spec.weight_layout.cout_major:  # [Cout, T, Cin/G] -> [G, Cout/G, T, Cin/G]
       subscripts, w_by_group = "jgc,gotc->jtgo", w.reshape(groups, -1, *w.shape[1:])
     else:  # [T, Cin/G, Cout] -> [T, Cin/G, G, Cout/G]
       subscripts, w_by_group = "jgc,tcgo->jtgo", w.reshape(*w.shape[:2], groups, -1)
-    everything = jnp.einsum(subscripts, feats_by_group, w_by_group, precision=dot_precision(precision, x.dtype),
+    everything = jnp.einsum(subscripts, feats_by_group, w_by_group, precision=dot_precision(spec.precision, x.dtype),
                             preferred_element_type=jnp.float32)
     everything = everything.reshape(*everything.shape[:2], -1)
     feats = everything[parent, child]
     if b is not None:
       feats = feats + b.astype(jnp.float32)
     feats = jnp.where(filled[:, None], feats, 0).astype(x.dtype)
-  out = SparseTensor(out_coords.astype(jnp.int32), feats, out_num, out_shape, x.batch_size,
+  out = SparseTensor(out_coords.astype(jnp.int32), feats, out_num, geom.out_shape, x.batch_size,
                      overflow=x.overflow | overflow)
-  return (out, overflow) if with_overflow else out
+  return out, overflow
 
 
 # ---- combining -------------------------------------------------------------------------------------

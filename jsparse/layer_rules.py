@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax.linen import dtypes as flax_dtypes
 from jax import lax
 
-from jsparse import norm, topology
+from jsparse import norm, sparse_conv, topology
 from jsparse._types import WeightLayout
 from jsparse.neighbors import lift_triple
 from jsparse.sparse_tensor import SparseTensor
@@ -106,6 +106,24 @@ def strided_geometry(module: str, x: SparseTensor, kernel_size, strides, padding
   low, extra = same_padding(x.spatial_shape, lifted(kernel_size, "kernel_size"), lifted(strides, "strides"),
                             lifted(kernel_dilation, "kernel_dilation"))
   return on_grid(x, [n + e for n, e in zip(x.spatial_shape, extra)]), low[3 - ndim:]
+
+
+def transpose_geometry(module: str, kernel_size, strides, padding, output_padding, kernel_dilation, ndim: int = 3):
+  """(kernel_size, strides, padding, output_padding, dilation), `ndim` ints each, of a transposed convolution
+  module: kernel_size None means strides (generative upsampling); padding is PyTorch's (ints, or "VALID" = 0:
+  flax's "SAME" has no PyTorch counterpart); output_padding must be smaller than the stride or the dilation."""
+  st = triple(strides, "strides", module, ndim)
+  ks = st if kernel_size is None else triple(kernel_size, "kernel_size", module, ndim)
+  pad = explicit_padding(padding, module, ndim)
+  out_pad = triple(output_padding, "output_padding", module, ndim)
+  dil = triple(kernel_dilation, "kernel_dilation", module, ndim)
+  ones, zeros = (1,) * (3 - ndim), (0,) * (3 - ndim)
+  try:  # the op's own checks, on a grid that is large enough for any padding
+    sparse_conv.transpose_geometry((2 * max(pad) + 1,) * 3, ones + ks, ones + st, zeros + pad, zeros + out_pad,
+                                   ones + dil)
+  except ValueError as e:
+    raise ValueError(f"{module}: {e}") from None
+  return ks, st, pad, out_pad, dil
 
 
 def check_conv_features(module: str, features, kernel_layout: str, name: str = "features") -> None:

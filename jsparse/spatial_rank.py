@@ -131,17 +131,24 @@ def sparse_inverse_conv2d(y: SparseTensor, weight: ArrayLike, bias: ArrayLike | 
 
 
 def sparse_conv_transpose2d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *,
-                            stride: SizeND = 2, weight_layout: WeightLayout | str = "DHWIO",
+                            stride: SizeND = 2, padding: SizeND = 0, output_padding: SizeND = 0, dilation: SizeND = 1,
+                            weight_layout: WeightLayout | str = "DHWIO",
                             **options: Any) -> SparseTensor | tuple[SparseTensor, jax.Array]:
-  """Generative 2D upsampling (`sparse_conv_transpose3d` of depth 1): every site c spawns its children
-  c * stride + (i, j); child (i, j) gets x[c] @ weight[i, j] (+ bias).
+  """Transposed sparse 2D convolution (PyTorch's ConvTranspose2d; `sparse_conv_transpose3d` of depth 1): input
+  site j at kernel index v feeds output j*stride - padding + v*dilation per axis, on the grid
+  (X-1)*stride - 2*padding + dilation*(k-1) + output_padding + 1; equals `lax.conv_transpose(x.todense(),
+  weight[::-1, ::-1], stride, [(d*(k-1) - p, d*(k-1) - p + output_padding)] per axis, rhs_dilation=dilation,
+  dimension_numbers=("NHWC", "HWIO", "NHWC"))` (+ bias) read at the output sites.
 
-  weight: (sh, sw, Cin, Cout) with (sh, sw) == stride, or (Cout, sh, sw, Cin) with weight_layout="ODHWI".
+  weight: (Kh, Kw, Cin, Cout), or (Cout, Kh, Kw, Cin) with weight_layout="ODHWI". Kernel == stride with no
+  padding (the default form) is generative upsampling: every site c spawns its children c * stride + (i, j),
+  child (i, j) getting x[c] @ weight[i, j], in (parent, child) row order.
   options: sparse_conv_transpose3d's other keyword arguments (out_capacity, mask: bool [x.capacity, sh*sw] in
-  the C order of (i, j), implementation, precision, algorithm, with_overflow).
+  the C order of (i, j), generative form only; implementation, precision, algorithm, with_overflow).
   """
   return call_in_rank(sparse_conv_transpose3d, 2, "sparse_conv_transpose2d", x, weight=weight, bias=bias,
-                      stride=stride, weight_layout=weight_layout, **options)
+                      stride=stride, padding=padding, output_padding=output_padding, dilation=dilation,
+                      weight_layout=weight_layout, **options)
 
 
 def sparse_max_pool2d(x: SparseTensor, kernel_size: SizeND, stride: SizeND | None = None, padding: SizeND = 0,
@@ -188,11 +195,14 @@ def sparse_inverse_conv1d(y: SparseTensor, weight: ArrayLike, bias: ArrayLike | 
 
 
 def sparse_conv_transpose1d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *,
-                            stride: SizeND = 2, weight_layout: WeightLayout | str = "DHWIO",
+                            stride: SizeND = 2, padding: SizeND = 0, output_padding: SizeND = 0, dilation: SizeND = 1,
+                            weight_layout: WeightLayout | str = "DHWIO",
                             **options: Any) -> SparseTensor | tuple[SparseTensor, jax.Array]:
-  """Generative 1D upsampling: as `sparse_conv_transpose2d` with weight (s, Cin, Cout) (or (Cout, s, Cin))."""
+  """Transposed sparse 1D convolution: as `sparse_conv_transpose2d` with weight (K, Cin, Cout) (or (Cout, K,
+  Cin)); kernel == stride with no padding is generative upsampling."""
   return call_in_rank(sparse_conv_transpose3d, 1, "sparse_conv_transpose1d", x, weight=weight, bias=bias,
-                      stride=stride, weight_layout=weight_layout, **options)
+                      stride=stride, padding=padding, output_padding=output_padding, dilation=dilation,
+                      weight_layout=weight_layout, **options)
 
 
 def sparse_max_pool1d(x: SparseTensor, kernel_size: SizeND, stride: SizeND | None = None, padding: SizeND = 0,

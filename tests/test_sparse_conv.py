@@ -269,8 +269,8 @@ def test_bad_inputs():
     sparse_conv3d(x, _w(rng, (3, 3, 3, 2, 2)), jnp.zeros(3), stride=2)
   with pytest.raises(ValueError, match="stride"):
     sparse_conv3d(x, _w(rng, (3, 3, 3, 2, 2)), stride=0)
-  with pytest.raises(ValueError, match="stride"):
-    sparse_conv_transpose3d(x, _w(rng, (3, 3, 3, 2, 2)), stride=2)
+  with pytest.raises(ValueError, match="output_padding"):
+    sparse_conv_transpose3d(x, _w(rng, (3, 3, 3, 2, 2)), stride=2, output_padding=2)
   with pytest.raises(ValueError, match="mask"):
     sparse_conv_transpose3d(x, _w(rng, (2, 2, 2, 2, 2)), mask=jnp.ones((x.capacity, 4), bool))
   y = sparse_conv3d(x, _w(rng, (3, 3, 3, 2, 3)), stride=2)

@@ -111,22 +111,35 @@ class SparseInverseConv3d(ConvParams):
 
 
 class SparseConvTranspose3d(ConvParams):
-  """Generative upsampling (`jsparse.sparse_conv_transpose3d`): every site spawns its prod(strides)
-  children; `module(x, mask=None)`, mask bool [x.capacity, prod(strides)] keeps a subset.
-  kernel: (*strides, in, features); child t of c gets x[c] @ kernel[t]."""
+  """Transposed sparse convolution (`jsparse.sparse_conv_transpose3d`): PyTorch's ConvTranspose3d and
+  spconv's SparseConvTranspose3d with flax parameters; `module(x, mask=None)`.
+
+  Input site j at kernel index v feeds output j*strides - padding + v*kernel_dilation, on the output grid
+  (X-1)*strides - 2*padding + kernel_dilation*(k-1) + output_padding + 1 per axis (PyTorch's padding and
+  output_padding, not nn.ConvTranspose's; padding takes ints or "VALID" = 0). kernel_size None (default) is
+  strides: generative upsampling, every site spawns its prod(strides) children, child t of c getting
+  x[c] @ kernel[t], and mask bool [x.capacity, prod(strides)] keeps a subset (mask needs this form).
+  kernel: (*kernel_size, in, features), or (features, *kernel_size, in) with kernel_layout="ODHWI" (spconv's
+  weight as it is). out_capacity: output rows (required under jit)."""
 
   features: int
   strides: int | Sequence[int] = 2
   out_capacity: int | None = None
+  kernel_size: int | Sequence[int] | None = None
+  padding: int | Sequence[int] | str = 0
+  output_padding: int | Sequence[int] = 0
+  kernel_dilation: int | Sequence[int] = 1
 
   @nn.compact
   def __call__(self, x: SparseTensor, mask=None) -> SparseTensor:
     x = _sparse(x, self)
-    st = _triple(self.strides, "strides", self)
-    x, kernel, bias = self.conv_params(x, st)
-    return _call(self, sparse_conv.sparse_conv_transpose3d, x, weight=kernel, bias=bias, stride=st,
-                 out_capacity=self.out_capacity, mask=mask, implementation=self.implementation,
-                 precision=self.precision, weight_layout=self.kernel_layout,
+    ks, st, pad, out_pad, dil = rules.transpose_geometry(type(self).__name__, self.kernel_size, self.strides,
+                                                         self.padding, self.output_padding, self.kernel_dilation,
+                                                         self.spatial_ndim)
+    x, kernel, bias = self.conv_params(x, ks)
+    return _call(self, sparse_conv.sparse_conv_transpose3d, x, weight=kernel, bias=bias, stride=st, padding=pad,
+                 output_padding=out_pad, dilation=dil, out_capacity=self.out_capacity, mask=mask,
+                 implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout,
                  feature_group_count=self.feature_group_count)
 
 

@@ -199,28 +199,38 @@ class SparseInverseConv3d(_StridedConv):
 
 
 class SparseConvTranspose3d(_ConvParams):
-  """Generative upsampling: the nnx twin of `jsparse.nn.SparseConvTranspose3d`
-  (`jsparse.sparse_conv_transpose3d`). Every site spawns its prod(strides) children; `module(x, mask=None)`,
-  mask bool [x.capacity, prod(strides)] keeps a subset. kernel: (*strides, in_features, out_features)."""
+  """Transposed sparse convolution: the nnx twin of `jsparse.nn.SparseConvTranspose3d`
+  (`jsparse.sparse_conv_transpose3d`), PyTorch's ConvTranspose3d rule: input site j at kernel index v feeds
+  output j*strides - padding + v*kernel_dilation, output grid (X-1)*strides - 2*padding +
+  kernel_dilation*(k-1) + output_padding + 1 per axis. kernel_size None (default) is strides: generative
+  upsampling, every site spawns its prod(strides) children, and `module(x, mask=None)` with mask bool
+  [x.capacity, prod(strides)] keeps a subset (mask needs this form).
+  kernel: (*kernel_size, in_features, out_features), or (out_features, *kernel_size, in_features) with
+  kernel_layout="ODHWI"."""
 
   def __init__(self, in_features: int, out_features: int, strides: int | Sequence[int] = 2, *,
+               kernel_size: int | Sequence[int] | None = None, padding: int | Sequence[int] | str = 0,
+               output_padding: int | Sequence[int] = 0, kernel_dilation: int | Sequence[int] = 1,
                out_capacity: int | None = None, use_bias: bool = True, dtype: Dtype | None = None,
                param_dtype: Dtype = jnp.float32, precision: Any = None,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
                implementation: str | None = None, kernel_layout: str = "DHWIO", feature_group_count: int = 1,
                rngs: nnx.Rngs):
-    st = rules.triple(strides, "strides", type(self).__name__, self.spatial_ndim)
-    self._init_conv(in_features, out_features, st, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+    ks, st, pad, out_pad, dil = rules.transpose_geometry(type(self).__name__, kernel_size, strides, padding,
+                                                         output_padding, kernel_dilation, self.spatial_ndim)
+    self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
                     implementation=implementation, kernel_layout=kernel_layout, rngs=rngs,
                     feature_group_count=feature_group_count)
-    self.strides, self.out_capacity = st, out_capacity
+    self.kernel_size, self.strides, self.padding, self.output_padding = ks, st, pad, out_pad
+    self.kernel_dilation, self.out_capacity = dil, out_capacity
 
   def __call__(self, x: SparseTensor, mask: jax.Array | None = None,
                out_capacity: int | None = None) -> SparseTensor:
-    """The children of x's sites (those `mask` keeps)."""
+    """The transposed convolution of x (with mask: the children of x's sites that it keeps)."""
     x, kernel, bias = self._conv_inputs(x)
     return self._call(sparse_conv.sparse_conv_transpose3d, x, weight=kernel, bias=bias, stride=self.strides,
+                      padding=self.padding, output_padding=self.output_padding, dilation=self.kernel_dilation,
                       out_capacity=self.out_capacity if out_capacity is None else out_capacity, mask=mask,
                       implementation=self.implementation, precision=self.precision, weight_layout=self.kernel_layout,
                       feature_group_count=self.feature_group_count)

@@ -1,5 +1,5 @@
-"""Non-submanifold sparse ops: strided convolution, its inverse, generative upsampling, concat (pooling over the
-same pair maps: jsparse/pool.py).
+"""Non-submanifold sparse ops: strided convolution, its inverse, transposed convolution (general, and generative
+upsampling), concat (pooling over the same pair maps: jsparse/pool.py).
 
 Maps. Every op here is a gather-GEMM over an int32 map between two coordinate sets (see `PairMap`):
 - `nbr` [out_capacity, V]: nbr[i, v] = the input row read by output i at kernel offset v, or -1;
@@ -15,6 +15,9 @@ deduplicated into a static number of rows, and `inv` is found by binary search o
 outputs (neighbors.lookup_keys). Pallas (`implementation`, as submconv3d): the proposals go into a GPU hash
 table, where duplicates collapse, and only the distinct keys are sorted; `inv` is read back from the table
 (pallas_kernels/unique_keys.py). Both give the same rows in the same order. `nbr` is `inv` scattered back.
+The general transposed convolution's proposals, o = position*stride - padding + offset*dilation, are the
+strided rule's with unit stride, negated padding and offsets, read on the coordinates scaled by the stride
+(`TransposeGeometry.proposal_rule`): the same search, both key widths and overflow handling serve it.
 
 Keys. Linear keys are int32 where the output grid has fewer than 2**31 sites; on wider grids (up to 2**62,
 sparse_tensor.key_width) they are (hi, lo) int32 words sorted with lax.sort(num_keys=2) and searched
@@ -575,7 +578,8 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike 
   (an input grid of 8 gives 16: output_padding picks which of the grids that a stride-2 convolution maps to 8
   is meant). The transposed convolution of `y = sparse_conv3d(like, ...)` with the same kernel_size, stride,
   padding and dilation, and output_padding = (X + 2p - d*(k-1) - 1) mod stride, has like's grid and reaches
-  every site of like (and possibly more): `sparse_inverse_conv3d` computes it on like's sites only.
+  every site of like that the convolution read (and possibly other sites), with the same values there as
+  `sparse_inverse_conv3d`, which computes it on like's sites only.
 
   Two paths. kernel == stride, padding 0, output_padding 0, dilation 1 (generative upsampling: each site
   spawns its children c*stride + t, t in [0, stride)^3, child t getting x[c] @ weight[t]): output rows are

@@ -391,6 +391,18 @@ def test_modules_match_the_op(layout):
   assert int(masked.num) == int(np.sum(np.asarray(mask)[:int(x.num)]))
 
 
+def test_module_defaults_agree():
+  # The nnx constructor takes the linen fields' defaults (kernel_size None: the stride, the generative form).
+  import dataclasses
+  import inspect
+  fields = {f.name: f.default for f in dataclasses.fields(snn.SparseConvTranspose3d)}
+  params = inspect.signature(snnx.SparseConvTranspose3d.__init__).parameters
+  for name in ("strides", "kernel_size", "padding", "output_padding", "kernel_dilation", "out_capacity",
+               "use_bias", "precision", "implementation", "kernel_layout"):
+    assert params[name].default == fields[name], name
+  assert fields["kernel_size"] is None and fields["strides"] == 2
+
+
 # ---- GPU ---------------------------------------------------------------------------------------------------
 
 

@@ -535,10 +535,15 @@ def transpose_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 2, paddin
   with weight[v], or -1. They are found by the strided convolution's site search (sort, or hash table with
   implementation="pallas"; `pair_map`) on x's coordinates scaled by the stride, so both key widths, the
   overflow handling (`check`: ValueError outside jit, checkify under it) and out_capacity (None / "exact"
-  count on the host, outside jit only) are those of `strided_map`.
+  count on the host, outside jit only) are those of `strided_map`. Sizes are in x's rank (a 2D tensor takes
+  ints or pairs; nbr then has Kh*Kw columns).
   """
   out_capacity = check_capacity(out_capacity, "out_capacity")
-  geom = transpose_geometry(x.spatial_shape, kernel_size, stride, padding, output_padding, dilation)
+  ndim = x.spatial_ndim
+  geom = transpose_geometry(x.spatial_shape, lift_triple(kernel_size, "kernel_size", ndim),
+                            lift_triple(stride, "stride", ndim), lift_triple(padding, "padding", ndim, fill=0),
+                            lift_triple(output_padding, "output_padding", ndim, fill=0),
+                            lift_triple(dilation, "dilation", ndim))
   return _transpose_map(x, geom, out_capacity, implementation, check)
 
 

@@ -403,6 +403,44 @@ def test_module_defaults_agree():
   assert fields["kernel_size"] is None and fields["strides"] == 2
 
 
+@pytest.mark.parametrize("ndim", [2, 1])
+def test_lower_ranks_match_lax(ndim):
+  # sparse_conv_transpose2d / 1d and their modules take the general arguments too (the 3D op of depth 1).
+  rng = np.random.default_rng(21)
+  shape = (6, 5)[:ndim]
+  mask = rng.random((2,) + shape) < 0.35
+  coords = np.argwhere(mask).astype(np.int32)
+  x = jsparse.SparseTensor.from_coords(coords, rng.standard_normal((len(coords), 3)).astype(np.float32), shape, 2,
+                                       capacity=len(coords) + 3)
+  ks, st_, pad, out_pad, dil = ((3, 2), (2, 3), (1, 0), (1, 2), (1, 1))
+  ks, st_, pad, out_pad, dil = (t[:ndim] for t in (ks, st_, pad, out_pad, dil))
+  w, b = _weights(rng, ks + (1,) * (3 - ndim), 3, 4)
+  w = w.reshape(ks + (3, 4))
+  op = jsparse.sparse_conv_transpose2d if ndim == 2 else jsparse.sparse_conv_transpose1d
+  y = op(x, w, b, stride=st_, padding=pad, output_padding=out_pad, dilation=dil, out_capacity="exact",
+         precision="highest")
+  assert y.spatial_ndim == ndim
+  dn = ("NHWC", "HWIO", "NHWC") if ndim == 2 else ("NWC", "WIO", "NWC")
+  lax_pad = [(d * (k - 1) - p, d * (k - 1) - p + q) for k, p, q, d in zip(ks, pad, out_pad, dil)]
+  dense = lax.conv_transpose(x.todense(), w[(slice(None, None, -1),) * ndim], st_, lax_pad, rhs_dilation=dil,
+                             dimension_numbers=dn, precision=HI) + b
+  assert dense.shape[:-1] == y.dense_shape[:-1]
+  c = np.asarray(y.coords[:int(y.num)])
+  reached = np.argwhere(np.asarray(lax.conv_transpose(
+      (jnp.abs(x.todense()).sum(-1, keepdims=True) > 0).astype(jnp.float32), jnp.ones(ks + (1, 1)), st_, lax_pad,
+      rhs_dilation=dil, dimension_numbers=dn))[..., 0] > 0.5)
+  lifted = np.concatenate([reached[:, :1], np.zeros((len(reached), 3 - ndim), np.int64), reached[:, 1:]], 1)
+  assert {tuple(r) for r in c.tolist()} == {tuple(r) for r in lifted.tolist()}
+  at = tuple(c[:, a] for a in [0] + list(range(4 - ndim, 4)))
+  assert rel_err(y.feats[:int(y.num)], dense[at]) < 1e-5
+  module = (snn.SparseConvTranspose2d if ndim == 2 else snn.SparseConvTranspose1d)(
+      4, st_, y.capacity, kernel_size=ks, padding=pad, output_padding=out_pad, precision="highest")
+  variables = {"params": {"kernel": w, "bias": b}}
+  z = module.apply(variables, x)
+  np.testing.assert_array_equal(z.coords, y.coords)
+  assert rel_err(z.feats, y.feats) < 1e-6
+
+
 # ---- GPU ---------------------------------------------------------------------------------------------------
 
 

@@ -87,12 +87,12 @@ CONVS = {
                                                                 param_dtype=dt, rngs=r),
                        "x"),
     "conv_transpose_general": (
-        lambda dt: snn.SparseConvTranspose3d(2, 2, 1024, kernel_size=(3, 2, 3), padding=(1, 0, 1),
+        lambda dt: snn.SparseConvTranspose3d(2, 2, 2048, kernel_size=(3, 2, 3), padding=(1, 0, 1),
                                              output_padding=(1, 0, 0), kernel_dilation=(1, 1, 2), dtype=dt,
                                              param_dtype=dt),
         lambda dt, r: snnx.SparseConvTranspose3d(3, 2, 2, kernel_size=(3, 2, 3), padding=(1, 0, 1),
                                                  output_padding=(1, 0, 0), kernel_dilation=(1, 1, 2),
-                                                 out_capacity=1024, dtype=dt, param_dtype=dt, rngs=r),
+                                                 out_capacity=2048, dtype=dt, param_dtype=dt, rngs=r),
         "x"),
 }
 

@@ -441,6 +441,20 @@ def test_lower_ranks_match_lax(ndim):
   assert rel_err(z.feats, y.feats) < 1e-6
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_groups_are_independent_convolutions(implementation):
+  # feature_group_count=2 on the general path equals the two groups' own transposed convolutions side by side.
+  rng = np.random.default_rng(22)
+  x = random_sparse(rng, (4, 3, 4), 4, batch_size=1, density=0.4, pad=2)
+  w, b = _weights(rng, 3, 2, 6)
+  kw = dict(stride=2, padding=1, output_padding=1, precision="highest", implementation=implementation)
+  y = sparse_conv_transpose3d(x, w, b, out_capacity="exact", feature_group_count=2, **kw)
+  parts = [sparse_conv_transpose3d(x.replace(feats=x.feats[:, 2 * g:2 * g + 2]), w[..., 3 * g:3 * g + 3],
+                                   b[3 * g:3 * g + 3], out_capacity=y.capacity, **kw) for g in range(2)]
+  np.testing.assert_array_equal(parts[0].coords, y.coords)
+  assert rel_err(y.feats, jnp.concatenate([p.feats for p in parts], 1)) < 1e-6
+
+
 # ---- GPU ---------------------------------------------------------------------------------------------------
 
 

@@ -279,3 +279,13 @@ def in_rank(layer: type, ndim: int, module: str) -> type:
   doc = (f"`{layer.__name__}` on {ndim}D SparseTensors (`SparseTensor.spatial_ndim == {ndim}`): sizes take {ndim} "
          f"int(s) and the kernel has {ndim} kernel axis/axes in place of 3; everything else as `{layer.__name__}`.")
   return type(name, (layer,), {"spatial_ndim": ndim, "__doc__": doc, "__module__": module, "__qualname__": name})
+
+
+def signature_with_keyword(fn: Callable, name: str, default: Any, annotation: Any) -> inspect.Signature:
+  """fn's signature with one more keyword-only parameter first among the keywords: the signature a subclass's
+  `__init__(self, *args, name=default, **kwargs)` really accepts, for help() and the API reference."""
+  sig = inspect.signature(fn)
+  params = list(sig.parameters.values())
+  at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.KEYWORD_ONLY), len(params))
+  params.insert(at, inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
+  return sig.replace(parameters=params)

@@ -70,16 +70,13 @@ def _is_traced(*arrays) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Geometry:
-  """A strided convolution's static shape: output grid per axis as lax.conv_general_dilated with explicit
-  padding, floor((X + 2*pad - dil*(k-1) - 1) / stride) + 1."""
+class KernelGeometry:
+  """What every strided or transposed convolution's geometry has: its kernel, stride, padding and dilation."""
 
   kernel_size: tuple[int, int, int]
   stride: tuple[int, int, int]
   padding: tuple[int, int, int]
   dilation: tuple[int, int, int]
-  in_shape: tuple[int, int, int]
-  out_shape: tuple[int, int, int]
 
   @property
   def num_offsets(self) -> int:
@@ -91,7 +88,17 @@ class Geometry:
     return idx * np.asarray(self.dilation, np.int32)
 
 
-def geometry(spatial_shape, kernel_size, stride=1, padding=0, dilation=1) -> Geometry:
+@dataclasses.dataclass(frozen=True)
+class Geometry(KernelGeometry):
+  """A strided convolution's static shape: output grid per axis as lax.conv_general_dilated with explicit
+  padding, floor((X + 2*pad - dil*(k-1) - 1) / stride) + 1."""
+
+  in_shape: tuple[int, int, int]
+  out_shape: tuple[int, int, int]
+
+
+def kernel_arguments(kernel_size, stride, padding, dilation) -> tuple[tuple[int, int, int], ...]:
+  """(kernel_size, stride, padding, dilation) as validated triples: sizes and strides >= 1, padding >= 0."""
   ks = as_triple(kernel_size, "kernel_size")
   st = as_triple(stride, "stride")
   pad = as_triple(padding, "padding")
@@ -102,6 +109,11 @@ def geometry(spatial_shape, kernel_size, stride=1, padding=0, dilation=1) -> Geo
     raise ValueError(f"stride must be >= 1, got {st}")
   if min(pad) < 0:
     raise ValueError(f"padding must be >= 0, got {pad}")
+  return ks, st, pad, dil
+
+
+def geometry(spatial_shape, kernel_size, stride=1, padding=0, dilation=1) -> Geometry:
+  ks, st, pad, dil = kernel_arguments(kernel_size, stride, padding, dilation)
   in_shape = tuple(int(s) for s in spatial_shape)
   out = tuple((n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(in_shape, ks, st, pad, dil))
   if min(out) <= 0:
@@ -452,33 +464,20 @@ def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike, bias: ArrayLike | 
 
 
 @dataclasses.dataclass(frozen=True)
-class TransposeGeometry:
+class TransposeGeometry(KernelGeometry):
   """A transposed convolution's static shape, PyTorch's ConvTranspose3d rule per axis: input position j at
   kernel index v feeds output o = j*stride - padding + v*dilation, on the output grid of extent
   (X-1)*stride - 2*padding + dilation*(k-1) + output_padding + 1."""
 
-  kernel_size: tuple[int, int, int]
-  stride: tuple[int, int, int]
-  padding: tuple[int, int, int]
   output_padding: tuple[int, int, int]
-  dilation: tuple[int, int, int]
   in_shape: tuple[int, int, int]
   out_shape: tuple[int, int, int]
-
-  @property
-  def num_offsets(self) -> int:
-    return math.prod(self.kernel_size)
 
   @property
   def is_generative(self) -> bool:
     """kernel == stride, no padding, unit dilation: every output has exactly one parent (the children rule)."""
     return (self.kernel_size == self.stride and self.padding == (0, 0, 0) and self.output_padding == (0, 0, 0)
             and self.dilation == (1, 1, 1))
-
-  def offsets(self) -> np.ndarray:
-    """int32 [V, 3]: (i, j, k) * dilation in the C order of a (Kx, Ky, Kz, Cin, Cout) weight."""
-    idx = np.array(list(itertools.product(*(range(k) for k in self.kernel_size))), np.int32).reshape(-1, 3)
-    return idx * np.asarray(self.dilation, np.int32)
 
   def lax_padding(self) -> tuple[tuple[int, int], ...]:
     """The explicit (low, high) padding per axis under which `lax.conv_transpose` with the spatially flipped
@@ -497,17 +496,8 @@ class TransposeGeometry:
 def transpose_geometry(spatial_shape, kernel_size, stride=2, padding=0, output_padding=0,
                        dilation=1) -> TransposeGeometry:
   """The validated TransposeGeometry of a transposed convolution of an input grid `spatial_shape`."""
-  ks = as_triple(kernel_size, "kernel_size")
-  st = as_triple(stride, "stride")
-  pad = as_triple(padding, "padding")
+  ks, st, pad, dil = kernel_arguments(kernel_size, stride, padding, dilation)
   out_pad = as_triple(output_padding, "output_padding")
-  dil = check_dilation(dilation)
-  if min(ks) < 1:
-    raise ValueError(f"kernel_size must be >= 1, got {ks}")
-  if min(st) < 1:
-    raise ValueError(f"stride must be >= 1, got {st}")
-  if min(pad) < 0:
-    raise ValueError(f"padding must be >= 0, got {pad}")
   if min(out_pad) < 0:
     raise ValueError(f"output_padding must be >= 0, got {out_pad}")
   if any(q >= max(s, d) for q, s, d in zip(out_pad, st, dil)):
@@ -519,7 +509,8 @@ def transpose_geometry(spatial_shape, kernel_size, stride=2, padding=0, output_p
   if min(out) <= 0:
     raise ValueError(f"kernel_size={ks}, stride={st}, padding={pad}, output_padding={out_pad}, dilation={dil} on "
                      f"spatial_shape={in_shape} gives an empty output grid {out}: padding is too large")
-  return TransposeGeometry(ks, st, pad, out_pad, dil, in_shape, out)
+  return TransposeGeometry(kernel_size=ks, stride=st, padding=pad, dilation=dil, output_padding=out_pad,
+                           in_shape=in_shape, out_shape=out)
 
 
 def transpose_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 2, padding: Size3 = 0,

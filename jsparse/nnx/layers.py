@@ -119,14 +119,23 @@ class _StridedConv(_ConvParams):
   """The geometry of SparseConv3d and SparseInverseConv3d, read as their linen twins read it
   (`jsparse.layer_rules.strided_geometry`): padding "SAME" (default, lax's), "VALID" or symmetric ints."""
 
-  def _init_geometry(self, kernel_size, strides, padding, kernel_dilation) -> tuple[int, ...]:
+  def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int],
+               strides: int | Sequence[int] = 1, padding: int | Sequence[int] | str = "SAME",
+               kernel_dilation: int | Sequence[int] = 1, *, use_bias: bool = True, dtype: Dtype | None = None,
+               param_dtype: Dtype = jnp.float32, precision: Any = None,
+               kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
+               implementation: str | None = None, kernel_layout: str = "DHWIO", feature_group_count: int = 1,
+               rngs: nnx.Rngs):
     name, ndim = type(self).__name__, self.spatial_ndim
     ks = rules.triple(kernel_size, "kernel_size", name, ndim)
     self.kernel_size, self.strides = ks, rules.triple(strides, "strides", name, ndim)
     rules.check_conv_padding(padding, name, ndim)  # checked now, resolved against each input's grid at each call
     self.padding = _hashable(padding)
     self.kernel_dilation = rules.triple(kernel_dilation, "kernel_dilation", name, ndim)
-    return ks
+    self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                    precision=precision, kernel_init=kernel_init, bias_init=bias_init,
+                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs,
+                    feature_group_count=feature_group_count)
 
   def _geometry(self, x: SparseTensor) -> tuple[SparseTensor, tuple[int, ...]]:
     return rules.strided_geometry(type(self).__name__, x, self.kernel_size, self.strides, self.padding,
@@ -142,18 +151,8 @@ class SparseConv3d(_StridedConv):
   `out_capacity=` argument overrides it (e.g. the input's capacity bucket).
   """
 
-  def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int],
-               strides: int | Sequence[int] = 1, padding: int | Sequence[int] | str = "SAME",
-               kernel_dilation: int | Sequence[int] = 1, *, out_capacity: int | None = None, use_bias: bool = True,
-               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32, precision: Any = None,
-               kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
-               implementation: str | None = None, kernel_layout: str = "DHWIO", feature_group_count: int = 1,
-               rngs: nnx.Rngs):
-    ks = self._init_geometry(kernel_size, strides, padding, kernel_dilation)
-    self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                    precision=precision, kernel_init=kernel_init, bias_init=bias_init,
-                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs,
-                    feature_group_count=feature_group_count)
+  def __init__(self, *args, out_capacity: int | None = None, **kwargs):
+    super().__init__(*args, **kwargs)
     self.out_capacity = out_capacity
 
   def __call__(self, x: SparseTensor, out_capacity: int | None = None) -> SparseTensor:
@@ -167,24 +166,15 @@ class SparseConv3d(_StridedConv):
                       feature_group_count=self.feature_group_count)
 
 
+SparseConv3d.__init__.__signature__ = rules.signature_with_keyword(  # type: ignore[attr-defined]
+    _StridedConv.__init__, "out_capacity", None, int | None)
+
+
 class SparseInverseConv3d(_StridedConv):
   """The nnx twin of `jsparse.nn.SparseInverseConv3d` (`jsparse.sparse_inverse_conv3d`), called as
   `module(y, like=x)` where y lives on the output coordinates of a SparseConv3d of x with the same
   kernel_size / strides / padding / kernel_dilation (padding "SAME" by default, kernel_size required, as
   SparseConv3d's); the output is on x's coordinates. in_features: y's channels."""
-
-  def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int],
-               strides: int | Sequence[int] = 1, padding: int | Sequence[int] | str = "SAME",
-               kernel_dilation: int | Sequence[int] = 1, *, use_bias: bool = True, dtype: Dtype | None = None,
-               param_dtype: Dtype = jnp.float32, precision: Any = None,
-               kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
-               implementation: str | None = None, kernel_layout: str = "DHWIO", feature_group_count: int = 1,
-               rngs: nnx.Rngs):
-    ks = self._init_geometry(kernel_size, strides, padding, kernel_dilation)
-    self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                    precision=precision, kernel_init=kernel_init, bias_init=bias_init,
-                    implementation=implementation, kernel_layout=kernel_layout, rngs=rngs,
-                    feature_group_count=feature_group_count)
 
   def __call__(self, y: SparseTensor, *, like: SparseTensor) -> SparseTensor:
     """y carried back onto like's coordinates."""

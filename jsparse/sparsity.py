@@ -44,15 +44,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 
 from jsparse._types import ArrayLike
 from pallas_kernels.weight_layout import WeightLayout
+
+if TYPE_CHECKING:  # optax (a dependency of flax) is imported when keep_2to4 is called, not with jsparse
+  import optax
 
 __all__ = ["Compressed2to4", "prune_2to4", "mask_2to4", "is_2to4", "compress_2to4", "decompress_2to4",
            "as_dense_weight", "masks_2to4", "apply_masks", "keep_2to4"]
@@ -303,6 +304,8 @@ def keep_2to4(inner: optax.GradientTransformation, masks: Any) -> optax.Gradient
   sees them (its state, e.g. Adam's moments, stays zero there) and its updates after (so weight decay or any
   other term cannot move them), so parameters pruned with `apply_masks` stay exactly 2:4 through training.
   masks: from `masks_2to4` (None leaves are left alone)."""
+  import optax
+
   inner = optax.with_extra_args_support(inner)
 
   def init(params):

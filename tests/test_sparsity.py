@@ -385,3 +385,15 @@ def test_pytorch_pruned_weight_loads():
   assert rel_err(y, ref) < 1e-6
   # Or pruned again here: a weight that is 2:4 already is left unchanged.
   np.testing.assert_array_equal(np.asarray(sparsity.prune_2to4(w_torch, weight_layout="ODHWI")), w_torch)
+
+
+def test_readme_example():
+  from test_packaging import readme_snippet
+
+  scope = {}
+  exec(compile(readme_snippet("### 2:4 sparse weights"), "README.md", "exec"), scope)
+  kernel, x, packed = scope["kernel"], scope["x"], scope["packed"]
+  assert packed.values.shape == (16, 27, 4) and packed.metadata.shape == (16, 27, 1)
+  np.testing.assert_array_equal(np.asarray(scope["y"].feats), np.asarray(jsparse.submconv3d(x, kernel).feats))
+  second = scope["params"]["layers_2"]["kernel"]
+  assert bool(sparsity.is_2to4(second)) and float(jnp.mean(second == 0)) == 0.5

@@ -397,3 +397,47 @@ def test_readme_example():
   np.testing.assert_array_equal(np.asarray(scope["y"].feats), np.asarray(jsparse.submconv3d(x, kernel).feats))
   second = scope["params"]["layers_2"]["kernel"]
   assert bool(sparsity.is_2to4(second)) and float(jnp.mean(second == 0)) == 0.5
+
+
+# ---- the modules' kernel_sparsity option ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["DHWIO", "ODHWI"])
+def test_module_kernel_sparsity(layout):
+  """kernel_sparsity="2:4" computes with prune_2to4 of the stored kernel: the output equals the plain module's
+  on the pruned parameters, gradients are zero at the pruned entries, the parameters keep their shapes, and the
+  nnx twin agrees."""
+  from flax import nnx
+
+  import jsparse.nnx as snnx
+  rng = np.random.default_rng(2)
+  x = random_sparse(rng, (7, 6, 6), 8, batch_size=2, density=0.35)
+  sparse_module = snn.SparseConv3d(12, 3, strides=2, kernel_layout=layout, kernel_sparsity="2:4",
+                                   implementation="xla", precision="highest")
+  plain = sparse_module.clone(kernel_sparsity=None)
+  params = sparse_module.init(jax.random.key(1), x)["params"]
+  assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, plain.init(jax.random.key(1), x)["params"])
+  pruned = dict(params, kernel=sparsity.prune_2to4(params["kernel"], weight_layout=layout))
+  y = sparse_module.apply({"params": params}, x)
+  np.testing.assert_array_equal(np.asarray(y.feats), np.asarray(plain.apply({"params": pruned}, x).feats))
+  assert rel_err(y.feats, plain.apply({"params": params}, x).feats) > 1e-2
+  grad = jax.grad(lambda p: jnp.sum(sparse_module.apply({"params": p}, x).feats ** 2))(params)["kernel"]
+  mask = np.asarray(sparsity.mask_2to4(params["kernel"], weight_layout=layout))
+  assert np.all(np.asarray(grad)[~mask] == 0) and np.all(np.asarray(grad)[mask] != 0)
+  twin = snnx.SparseConv3d(8, 12, 3, strides=2, kernel_layout=layout, kernel_sparsity="2:4", implementation="xla",
+                           precision="highest", rngs=nnx.Rngs(0))
+  nnx.update(twin, snnx.linen_to_nnx({"params": params}, twin))
+  np.testing.assert_array_equal(np.asarray(twin(x).feats), np.asarray(y.feats))
+
+
+def test_module_kernel_sparsity_errors():
+  from flax import nnx
+
+  import jsparse.nnx as snnx
+  x = random_sparse(np.random.default_rng(0), (5, 5, 5), 6)
+  with pytest.raises(ValueError, match="SubMConv3d: kernel_sparsity='2:4' prunes groups of 4 input channels.*Cin=6"):
+    snn.SubMConv3d(8, kernel_sparsity="2:4", implementation="xla").init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="SubMConv3d: kernel_sparsity must be one of"):
+    snn.SubMConv3d(8, kernel_sparsity="1:2", implementation="xla").init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="SubMConv3d: kernel_sparsity must be one of"):
+    snnx.SubMConv3d(6, 8, kernel_sparsity="2:8", rngs=nnx.Rngs(0))

@@ -215,8 +215,8 @@ OPS = {
 @pytest.mark.parametrize("op", list(OPS))
 def test_conv_on_compressed_weight(op, layout, dtype):
   """Values and gradients on a Compressed2to4 equal those on the dense pruned weight (the same dense path, so
-  exactly), and match the dense reference convolution; d/dvalues is the dense weight gradient at the kept
-  positions."""
+  exactly), and match the dense reference convolution; d/dvalues, put back in place, is the dense weight
+  gradient at the kept positions."""
   rng = np.random.default_rng(3)
   cin, cout = 8, 12
   ks = (2, 2, 2) if op == "sparse_conv_transpose3d" else (3, 3, 3)
@@ -232,8 +232,8 @@ def test_conv_on_compressed_weight(op, layout, dtype):
   yd, gxd, gwd = _dense_grads(conv, x, pruned, cot)
   np.testing.assert_array_equal(_bits(y), _bits(yd))
   np.testing.assert_array_equal(_bits(gx), _bits(gxd))
-  np.testing.assert_array_equal(_bits(gv), _bits(sparsity.compress_2to4(
-      jnp.where(sparsity.mask_2to4(pruned, weight_layout=layout), gwd, 0), weight_layout=layout).values))
+  kept = jnp.where(sparsity.mask_2to4(pruned, weight_layout=layout), gwd, 0)
+  np.testing.assert_array_equal(_bits(sparsity.decompress_2to4(dataclasses.replace(c, values=gv))), _bits(kept))
   # Against an independent dense reference: the submanifold conv in float32 on lax.conv_general_dilated.
   if op == "submconv3d":
     dhwio = pruned if layout == "DHWIO" else jnp.transpose(pruned, (1, 2, 3, 4, 0))
@@ -441,3 +441,21 @@ def test_module_kernel_sparsity_errors():
     snn.SubMConv3d(8, kernel_sparsity="1:2", implementation="xla").init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="SubMConv3d: kernel_sparsity must be one of"):
     snnx.SubMConv3d(6, 8, kernel_sparsity="2:8", rngs=nnx.Rngs(0))
+
+
+def test_inverse_conv_on_compressed_weight():
+  rng = np.random.default_rng(13)
+  like = random_sparse(rng, (8, 7, 6), 4, batch_size=2, density=0.3)
+  down = jsparse.sparse_conv3d(like, _random_weight(rng, (3, 3, 3, 4, 8), np.float32), stride=2, padding=1,
+                               implementation="xla")
+  w = sparsity.prune_2to4(_random_weight(rng, (6, 3, 3, 3, 8), np.float32), weight_layout="ODHWI")
+  c = sparsity.compress_2to4(w, weight_layout="ODHWI")
+  kw = dict(like=like, stride=2, padding=1, implementation="xla", precision="highest", weight_layout="ODHWI")
+  cot = jnp.asarray(rng.standard_normal((like.capacity, 6)).astype(np.float32))
+  y, gx, gv = _value_grads(lambda x, w: jsparse.sparse_inverse_conv3d(x, w, **kw), down, c, cot)
+  yd, gxd, gwd = _dense_grads(lambda x, w: jsparse.sparse_inverse_conv3d(x, w, **kw), down, w, cot)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(yd))
+  np.testing.assert_array_equal(np.asarray(gx), np.asarray(gxd))
+  kept = jnp.where(sparsity.mask_2to4(w, weight_layout="ODHWI"), gwd, 0)
+  np.testing.assert_array_equal(np.asarray(sparsity.decompress_2to4(dataclasses.replace(c, values=gv))), kept)
+  assert float(jnp.max(jnp.abs(y))) > 0

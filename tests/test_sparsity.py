@@ -459,3 +459,20 @@ def test_inverse_conv_on_compressed_weight():
   kept = jnp.where(sparsity.mask_2to4(w, weight_layout="ODHWI"), gwd, 0)
   np.testing.assert_array_equal(np.asarray(sparsity.decompress_2to4(dataclasses.replace(c, values=gv))), kept)
   assert float(jnp.max(jnp.abs(y))) > 0
+
+
+def test_grouped_conv_with_2to4_kernel():
+  """feature_group_count=2: the kernel's input extent (Cin / 2) is what 2:4 groups; a compressed grouped weight
+  and the module option give the plain grouped convolution on the pruned kernel."""
+  rng = np.random.default_rng(17)
+  x = random_sparse(rng, (6, 6, 6), 16, batch_size=1, density=0.35)
+  module = snn.SubMConv3d(12, feature_group_count=2, kernel_sparsity="2:4", implementation="xla",
+                          precision="highest")
+  params = module.init(jax.random.key(0), x)["params"]
+  assert params["kernel"].shape == (3, 3, 3, 8, 12)
+  pruned = sparsity.prune_2to4(params["kernel"])
+  plain = module.clone(kernel_sparsity=None).apply({"params": dict(params, kernel=pruned)}, x).feats
+  np.testing.assert_array_equal(np.asarray(module.apply({"params": params}, x).feats), np.asarray(plain))
+  y = jsparse.submconv3d(x, sparsity.compress_2to4(pruned), params["bias"], feature_group_count=2,
+                         implementation="xla", precision="highest")
+  np.testing.assert_array_equal(np.asarray(y.feats), np.asarray(plain))

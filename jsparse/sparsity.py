@@ -33,7 +33,8 @@ Compressed format (`Compressed2to4`), the A operand in row-major order, one row 
 Training with a fixed mask (NVIDIA ASP's recipe: prune a trained network, then fine-tune with the mask held):
 `masks_2to4(params)` builds masks for a flax parameter tree, `apply_masks(params, masks)` prunes (use it on the
 parameters once, and inside the loss so the forward sees the masked weight), and `keep_2to4(optimizer, masks)`
-wraps an optax optimizer so that pruned entries receive exactly zero updates.
+wraps an optax optimizer so that pruned entries receive exactly zero updates. The convolution modules'
+`kernel_sparsity="2:4"` option instead prunes each kernel in the forward (`prune_2to4` of the stored values).
 
 The convolutions (`jsparse.submconv3d`, `jsparse.sparse_conv3d`, `jsparse.sparse_inverse_conv3d`,
 `jsparse.sparse_conv_transpose3d` and their 2D / 1D forms) accept a `Compressed2to4` as their weight: they

@@ -7,10 +7,12 @@ from jsparse._types import ArrayLike, PrecisionLike, Size3
 from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm, with_plans
 from jsparse.neighbors import NeighborCache, build_neighbor_map, cache_key, check_dilation, check_kernel_size
 from jsparse.sparse_tensor import SparseTensor, check_same_sites, check_spatial_ndim
+from jsparse.sparsity import Compressed2to4
 from pallas_kernels.weight_layout import WeightLayout
 
 
-def submconv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *, dilation: Size3 = 1,
+def submconv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
+               bias: ArrayLike | None = None, *, dilation: Size3 = 1,
                cache: NeighborCache | None = None, implementation: str | None = None,
                precision: PrecisionLike = None, algorithm: str = "auto",
                weight_layout: WeightLayout | str = "DHWIO", feature_group_count: int = 1) -> SparseTensor:
@@ -24,7 +26,9 @@ def submconv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None
   weight: (Kx, Ky, Kz, Cin, Cout), odd kernel sizes (flax's layout), or with weight_layout="ODHWI"
     (Cout, Kx, Ky, Kz, Cin) (PyTorch / spconv / FlexGEMM's layout: their checkpoints load without a
     transpose). Both give the same results; on the GPU a pass reads the weight in place or through a
-    transposed copy, whichever its layout favours. bias: (Cout,) or None.
+    transposed copy, whichever its layout favours. Or a `jsparse.sparsity.Compressed2to4` (a 2:4 weight, compressed
+    in the same layout): it is decompressed and the dense path runs (no sparse tensor-core kernel yet), here and in
+    the strided, inverse and transposed convolutions. bias: (Cout,) or None.
   cache: a NeighborCache for x's coordinates from `neighbor_map(x, kernel_size, dilation)`. If None, the map
     that x carries for this kernel (x.caches, attached by an earlier convolution on these coordinates) is
     used, or a new one is built; the output carries it on, so a stack of layers builds it once.

@@ -20,6 +20,7 @@ from jsparse import norm, sparse_conv, topology
 from jsparse._types import WeightLayout
 from jsparse.neighbors import lift_triple
 from jsparse.sparse_tensor import SparseTensor
+from jsparse.sparsity import prune_2to4
 
 NORM_KINDS = ("batch", "group", None)
 
@@ -157,6 +158,26 @@ def kernel_initializer(kernel_init: Callable, kernel_layout: str) -> Callable:
   if kernel_layout != "ODHWI":
     return kernel_init
   return lambda key, shape, dtype: jnp.moveaxis(kernel_init(key, (*shape[1:], shape[0]), dtype), -1, 0)
+
+
+KERNEL_SPARSITIES = (None, "2:4")
+
+
+def check_kernel_sparsity(module: str, kernel_sparsity) -> None:
+  if kernel_sparsity not in KERNEL_SPARSITIES:
+    raise ValueError(f"{module}: kernel_sparsity must be one of {KERNEL_SPARSITIES}, got {kernel_sparsity!r}")
+
+
+def sparse_kernel(module: str, kernel: jax.Array, kernel_sparsity, kernel_layout: str) -> jax.Array:
+  """The kernel a convolution module computes with: as stored, or for kernel_sparsity="2:4" its magnitude 2:4
+  pruning over input channels (`jsparse.sparsity.prune_2to4`), recomputed from the stored values each call."""
+  check_kernel_sparsity(module, kernel_sparsity)
+  if kernel_sparsity is None:
+    return kernel
+  try:
+    return prune_2to4(kernel, weight_layout=kernel_layout)
+  except ValueError as e:
+    raise ValueError(f"{module}: kernel_sparsity='2:4' prunes groups of 4 input channels: {e}") from None
 
 
 def check_kernel_inputs(module: str, kernel_shape_: tuple[int, ...], kernel_layout: str, cin: int,

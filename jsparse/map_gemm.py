@@ -29,6 +29,7 @@ from jsparse._types import PrecisionLike
 from jsparse.gemm_xla import submconv_xla
 from jsparse.pass_config import (PASSES, PassConfig, PassInputs, RunOptions, ShapeKey, check_algorithm, check_pass,
                                  heuristic)
+from jsparse.sparsity import as_dense_weight
 from pallas_kernels import gemm_plan
 from pallas_kernels.weight_layout import WeightLayout
 
@@ -84,9 +85,10 @@ def check_weight(num_channels: int, dtype, weight, bias, weight_layout: WeightLa
   """Validates a 5-D weight in `weight_layout` and a (Cout,) bias against features of `num_channels` channels
   split into `groups` feature groups (the weight's input-channel extent is num_channels / groups, as
   lax.conv_general_dilated's feature_group_count); returns (kernel_size, the weight with its kernel axes
-  flattened, in `dtype`, the bias in `dtype` or None)."""
+  flattened, in `dtype`, the bias in `dtype` or None). A `jsparse.sparsity.Compressed2to4` weight is
+  decompressed (the dense path runs on it)."""
   groups = check_groups(groups)
-  weight = jnp.asarray(weight)
+  weight = as_dense_weight(weight, weight_layout)
   _check_real("weight", weight)
   if weight.ndim != 5:
     raise ValueError(f"weight must be {weight_layout.describe()} (weight_layout={weight_layout.value!r}), got "

@@ -55,6 +55,7 @@ from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
 from jsparse.neighbors import as_triple, check_dilation, lift_triple, lookup_keys, sorted_site_keys
 from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_same_sites, check_spatial_ndim,
                                    key_width, report, resolve_capacity, site_keys, sites_of_keys)
+from jsparse.sparsity import Compressed2to4
 from pallas_kernels import unique_keys
 from pallas_kernels.tiling import dot_precision
 from pallas_kernels.weight_layout import WeightLayout
@@ -330,7 +331,8 @@ def strided_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 1, padding:
 # ---- convolutions -----------------------------------------------------------------------------------
 
 
-def sparse_conv3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *, stride: Size3 = 1,
+def sparse_conv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
+                  bias: ArrayLike | None = None, *, stride: Size3 = 1,
                   padding: Size3 = 0, dilation: Size3 = 1, out_capacity: Capacity = None,
                   cache: PairMap | None = None, implementation: str | None = None, precision: PrecisionLike = None,
                   algorithm: str = "auto", with_overflow: bool = False, weight_layout: WeightLayout | str = "DHWIO",
@@ -423,7 +425,8 @@ def _check_same_geometry(y: SparseTensor, like: SparseTensor, geom: Geometry) ->
     report(made_from_like, message)
 
 
-def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *, like: SparseTensor,
+def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike | Compressed2to4,
+                          bias: ArrayLike | None = None, *, like: SparseTensor,
                           stride: Size3 = 1, padding: Size3 = 0, dilation: Size3 = 1,
                           implementation: str | None = None, precision: PrecisionLike = None,
                           algorithm: str = "auto", weight_layout: WeightLayout | str = "DHWIO",
@@ -544,7 +547,8 @@ def _transpose_map(x: SparseTensor, geom: TransposeGeometry, out_capacity, imple
                       op="sparse_conv_transpose3d")
 
 
-def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None, *, stride: Size3 = 2,
+def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
+                            bias: ArrayLike | None = None, *, stride: Size3 = 2,
                             padding: Size3 = 0, output_padding: Size3 = 0, dilation: Size3 = 1,
                             out_capacity: Capacity = None, mask: ArrayLike | None = None,
                             implementation: str | None = None, precision: PrecisionLike = None,

@@ -22,6 +22,7 @@ from jsparse.neighbors import lift_triple
 from jsparse.pool import sparse_avg_pool3d, sparse_max_pool3d
 from jsparse.sparse_conv import sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d
 from jsparse.sparse_tensor import SparseTensor, check_spatial_ndim
+from jsparse.sparsity import as_dense_weight
 from pallas_kernels.weight_layout import WeightLayout
 
 __all__ = ["submconv2d", "sparse_conv2d", "sparse_inverse_conv2d", "sparse_conv_transpose2d", "sparse_max_pool2d",
@@ -40,8 +41,9 @@ def weight_shape_text(ndim: int, layout: WeightLayout) -> str:
 
 
 def lift_weight(weight, ndim: int, layout: WeightLayout, op: str) -> jax.Array:
-  """An `ndim`-D op's weight as a 5-D one: kernel axes of extent 1 inserted before its own kernel axes."""
-  weight = jnp.asarray(weight)
+  """An `ndim`-D op's weight as a 5-D one: kernel axes of extent 1 inserted before its own kernel axes (a
+  Compressed2to4 weight decompressed first)."""
+  weight = as_dense_weight(weight, layout)
   if weight.ndim != ndim + 2:
     raise ValueError(f"{op}: weight must be {ndim + 2}-D {weight_shape_text(ndim, layout)} (weight_layout="
                      f"{layout.value!r}), got shape {weight.shape}")

@@ -43,7 +43,13 @@ class ConvParams(nn.Module):
 
   feature_group_count: as nn.Conv: input and output channels in that many groups, each output group reading
   its input group only; the kernel's input extent is in_features / feature_group_count (depthwise:
-  feature_group_count = in_features)."""
+  feature_group_count = in_features).
+
+  kernel_sparsity: None (default) or "2:4": the forward uses `jsparse.sparsity.prune_2to4` of the kernel (the
+  two largest |w| of every 4 consecutive input channels per offset; the kernel's input extent must be a
+  multiple of 4), recomputed from the stored kernel at each call; the parameters keep their names and shapes.
+  With kernels pruned once and `jsparse.sparsity.keep_2to4` it is fixed-mask (ASP) fine-tuning; the dense
+  kernels run (no speed path)."""
 
   spatial_ndim: ClassVar[int] = 3  # the rank of the tensors it takes: its 2D and 1D twins set 2 and 1
   use_bias: bool = dataclasses.field(default=True, kw_only=True)
@@ -55,6 +61,7 @@ class ConvParams(nn.Module):
   implementation: str | None = dataclasses.field(default=None, kw_only=True)
   kernel_layout: str = dataclasses.field(default="DHWIO", kw_only=True)
   feature_group_count: int = dataclasses.field(default=1, kw_only=True)
+  kernel_sparsity: str | None = dataclasses.field(default=None, kw_only=True)
 
   def conv_params(self, x: SparseTensor, kernel_size) -> tuple[SparseTensor, jax.Array, jax.Array | None]:
     """(x with promoted feats, kernel, bias) in the compute dtype (flax's promotion rule; `dtype` None
@@ -71,6 +78,7 @@ class ConvParams(nn.Module):
                         rules.kernel_shape(kernel_size, cin, self.features, self.kernel_layout, groups),
                         self.param_dtype)
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+    kernel = rules.sparse_kernel(name, kernel, self.kernel_sparsity, self.kernel_layout)
     return rules.promote_conv(x, kernel, bias, self.dtype)
 
 

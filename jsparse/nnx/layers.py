@@ -42,7 +42,9 @@ def _hashable(value):
 class _ConvParams(nnx.Module):
   """The "kernel" and "bias" parameters every sparse convolution holds, laid out as its linen twin's
   (`jsparse.nn.layers.ConvParams`): kernel_layout "DHWIO" (*kernel_size, in_features / feature_group_count,
-  out_features) or "ODHWI" (out_features, *kernel_size, in_features / feature_group_count)."""
+  out_features) or "ODHWI" (out_features, *kernel_size, in_features / feature_group_count). Every convolution
+  also takes kernel_sparsity: None or "2:4" (its forward prunes the kernel 2:4 over input channels, as the linen
+  twin's does)."""
 
   spatial_ndim: ClassVar[int] = 3  # the rank of the tensors it takes: its 2D and 1D twins set 2 and 1
 
@@ -52,8 +54,9 @@ class _ConvParams(nnx.Module):
 
   def _init_conv(self, in_features: int, out_features: int, kernel_size: tuple[int, ...], *, use_bias: bool,
                  dtype, param_dtype, precision, kernel_init, bias_init, implementation, kernel_layout,
-                 rngs: nnx.Rngs, feature_group_count: int = 1) -> None:
+                 rngs: nnx.Rngs, feature_group_count: int = 1, kernel_sparsity: str | None = None) -> None:
     name = type(self).__name__
+    rules.check_kernel_sparsity(name, kernel_sparsity)
     rules.check_conv_features(name, in_features, kernel_layout, "in_features")
     rules.check_conv_features(name, out_features, kernel_layout, "out_features")
     groups = rules.check_feature_groups(name, feature_group_count, in_features, out_features)
@@ -66,6 +69,7 @@ class _ConvParams(nnx.Module):
     self.in_features, self.out_features = in_features, out_features
     self.use_bias, self.dtype, self.param_dtype, self.precision = use_bias, dtype, param_dtype, precision
     self.implementation, self.kernel_layout, self.feature_group_count = implementation, kernel_layout, groups
+    self.kernel_sparsity = kernel_sparsity
 
   def _conv_inputs(self, x) -> tuple[SparseTensor, jax.Array, jax.Array | None]:
     name = type(self).__name__
@@ -73,7 +77,8 @@ class _ConvParams(nnx.Module):
     rules.check_kernel_inputs(name, tuple(self.kernel.shape), self.kernel_layout, x.num_channels,
                               self.feature_group_count)
     bias = None if self.bias is None else self.bias[...]
-    return rules.promote_conv(x, self.kernel[...], bias, self.dtype)
+    kernel = rules.sparse_kernel(name, self.kernel[...], self.kernel_sparsity, self.kernel_layout)
+    return rules.promote_conv(x, kernel, bias, self.dtype)
 
 
 class SubMConv3d(_ConvParams):
@@ -97,13 +102,14 @@ class SubMConv3d(_ConvParams):
                *, use_bias: bool = True, dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                precision: Any = None, kernel_init: Initializer = default_kernel_init,
                bias_init: Initializer = _zeros, implementation: str | None = None, algorithm: str = "auto",
-               kernel_layout: str = "DHWIO", feature_group_count: int = 1, rngs: nnx.Rngs):
+               kernel_layout: str = "DHWIO", feature_group_count: int = 1,
+               kernel_sparsity: str | None = None, rngs: nnx.Rngs):
     ks, dilation = rules.submanifold_geometry(type(self).__name__, kernel_size, strides, padding, kernel_dilation,
                                               self.spatial_ndim)
     self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
                     implementation=implementation, kernel_layout=kernel_layout, rngs=rngs,
-                    feature_group_count=feature_group_count)
+                    feature_group_count=feature_group_count, kernel_sparsity=kernel_sparsity)
     self.kernel_size, self.kernel_dilation, self.algorithm = ks, dilation, algorithm
 
   def __call__(self, x: SparseTensor) -> SparseTensor:
@@ -125,7 +131,7 @@ class _StridedConv(_ConvParams):
                param_dtype: Dtype = jnp.float32, precision: Any = None,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
                implementation: str | None = None, kernel_layout: str = "DHWIO", feature_group_count: int = 1,
-               rngs: nnx.Rngs):
+               kernel_sparsity: str | None = None, rngs: nnx.Rngs):
     name, ndim = type(self).__name__, self.spatial_ndim
     ks = rules.triple(kernel_size, "kernel_size", name, ndim)
     self.kernel_size, self.strides = ks, rules.triple(strides, "strides", name, ndim)
@@ -135,7 +141,7 @@ class _StridedConv(_ConvParams):
     self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
                     implementation=implementation, kernel_layout=kernel_layout, rngs=rngs,
-                    feature_group_count=feature_group_count)
+                    feature_group_count=feature_group_count, kernel_sparsity=kernel_sparsity)
 
   def _geometry(self, x: SparseTensor) -> tuple[SparseTensor, tuple[int, ...]]:
     return rules.strided_geometry(type(self).__name__, x, self.kernel_size, self.strides, self.padding,
@@ -205,13 +211,13 @@ class SparseConvTranspose3d(_ConvParams):
                param_dtype: Dtype = jnp.float32, precision: Any = None,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = _zeros,
                implementation: str | None = None, kernel_layout: str = "DHWIO", feature_group_count: int = 1,
-               rngs: nnx.Rngs):
+               kernel_sparsity: str | None = None, rngs: nnx.Rngs):
     ks, st, pad, out_pad, dil = rules.transpose_geometry(type(self).__name__, kernel_size, strides, padding,
                                                          output_padding, kernel_dilation, self.spatial_ndim)
     self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     precision=precision, kernel_init=kernel_init, bias_init=bias_init,
                     implementation=implementation, kernel_layout=kernel_layout, rngs=rngs,
-                    feature_group_count=feature_group_count)
+                    feature_group_count=feature_group_count, kernel_sparsity=kernel_sparsity)
     self.kernel_size, self.strides, self.padding, self.output_padding = ks, st, pad, out_pad
     self.kernel_dilation, self.out_capacity = dil, out_capacity
 

@@ -37,7 +37,8 @@ def submconv_xla(feats: jax.Array, w: jax.Array, bias: jax.Array | None, nbr: ja
     else:
       grouped, spec = w.reshape(v, cin_g, groups, -1), "mvgc,vcgo->mgo"
     out = jnp.einsum(spec, gathered, grouped, precision=dot_precision(precision, feats.dtype),
-                     preferred_element_type=jnp.float32).reshape(m, -1)
+                     preferred_element_type=jnp.float32)
+    out = out.reshape(m, out.shape[1] * out.shape[2])  # explicit sizes: m may be 0
   elif cout_major:  # contract with [Cout, V*Cin]'s second axis: no transpose
     gathered = gather_rows(feats, nbr).reshape(m, v * feats.shape[1])
     out = jax.lax.dot_general(gathered, w.reshape(w.shape[0], -1), (((1,), (1,)), ((), ())),
@@ -84,6 +85,6 @@ def weight_grad_xla(feats, g, nbr, num, *, precision, weight_layout: WeightLayou
   m, v = nbr.shape
   gathered = gather_rows(feats, nbr).reshape(m, v, groups, feats.shape[1] // groups)
   spec = "mvgc,mgo->govc" if weight_layout.cout_major else "mvgc,mgo->vcgo"
-  d_w = jnp.einsum(spec, gathered, g.reshape(m, groups, -1), **kw)
+  d_w = jnp.einsum(spec, gathered, g.reshape(m, groups, g.shape[1] // groups), **kw)
   shape = (-1, v, gathered.shape[-1]) if weight_layout.cout_major else (v, gathered.shape[-1], -1)
   return d_w.reshape(shape).astype(feats.dtype)

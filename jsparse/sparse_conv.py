@@ -654,14 +654,14 @@ def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity
   else:
     # All children of every row in one matmul (no zero-padded gather), then pick the kept ones.
     groups = spec.groups
-    feats_by_group = x.feats.reshape(x.capacity, groups, -1)
+    feats_by_group = x.feats.reshape(x.capacity, groups, x.num_channels // groups)  # explicit: capacity may be 0
     if spec.weight_layout.cout_major:  # [Cout, T, Cin/G] -> [G, Cout/G, T, Cin/G]
       subscripts, w_by_group = "jgc,gotc->jtgo", w.reshape(groups, -1, *w.shape[1:])
     else:  # [T, Cin/G, Cout] -> [T, Cin/G, G, Cout/G]
       subscripts, w_by_group = "jgc,tcgo->jtgo", w.reshape(*w.shape[:2], groups, -1)
     everything = jnp.einsum(subscripts, feats_by_group, w_by_group, precision=dot_precision(spec.precision, x.dtype),
                             preferred_element_type=jnp.float32)
-    everything = everything.reshape(*everything.shape[:2], -1)
+    everything = everything.reshape(*everything.shape[:2], everything.shape[2] * everything.shape[3])
     feats = everything[parent, child]
     if b is not None:
       feats = feats + b.astype(jnp.float32)

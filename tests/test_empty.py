@@ -179,3 +179,20 @@ def test_kernels_direct_on_empty_operands():
   np.testing.assert_array_equal(
       np.asarray(weight_grad(jnp.ones((5, 0)), jnp.ones((5, 4)), jnp.zeros((5, 27), jnp.int32), interpret=True)),
       np.zeros((27, 0, 4)))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("op", ["submconv3d", "sparse_conv_transpose3d"])
+def test_capacity_zero_grouped(op, impl):
+  # Grouped weights on no rows: every reshape must name its sizes (a -1 next to a zero extent is ambiguous).
+  groups = 2
+  ks = (3, 3, 3) if op == "submconv3d" else (2, 2, 2)
+  w, b = _params(ks, cin=2, cout=4)
+
+  def fn(x, w, b):
+    if op == "submconv3d":
+      return jsparse.submconv3d(x, w, b, implementation=impl, feature_group_count=groups)
+    return jsparse.sparse_conv_transpose3d(x, w, b, stride=2, out_capacity="exact", implementation=impl,
+                                           feature_group_count=groups)
+
+  _check_value_and_grads(fn, _tensor(0, 0, channels=4), w, b, out_rows=0)

@@ -133,21 +133,22 @@ class ConvMaps(NamedTuple):
   plans: dict | None = None
   pairs: gemm_plan.PairLists | None = None
 
-  def plan(self, block_m: int) -> gemm_plan.MaskedPlan:
-    """The forward's masked plan for blocks of block_m rows."""
+  def plan(self, block_m: int, interpret: bool = False) -> gemm_plan.MaskedPlan:
+    """The forward's masked plan for blocks of block_m rows (built, where missing, by the plan kernel, run in
+    Pallas' interpret mode if asked)."""
     if self.plans and block_m in self.plans:
       return self.plans[block_m]
-    return gemm_plan.masked_plan(self.nbr, self.num, block_m)
+    return gemm_plan.masked_plan(self.nbr, self.num, block_m, interpret=interpret)
 
   def input_grad_map(self) -> tuple[jax.Array, jax.Array]:
     """(map, valid rows) the input gradient runs over: the transposed map, or a submanifold map itself."""
     return (self.nbr, self.num) if self.transposed is None else (self.transposed, self.num_in)
 
-  def input_grad_plan(self, block_m: int) -> gemm_plan.MaskedPlan:
+  def input_grad_plan(self, block_m: int, interpret: bool = False) -> gemm_plan.MaskedPlan:
     """The input gradient's masked plan (over the transposed map; a submanifold map's own plan)."""
     if self.transposed is None:
-      return self.plan(block_m)
-    return gemm_plan.masked_plan(self.transposed, self.num_in, block_m)
+      return self.plan(block_m, interpret)
+    return gemm_plan.masked_plan(self.transposed, self.num_in, block_m, interpret=interpret)
 
   def pair_lists(self) -> gemm_plan.PairLists:
     """The weight gradient's pair lists (mirrored, half the offsets, for a submanifold map)."""
@@ -233,7 +234,8 @@ def with_plans(feats: jax.Array, weight: jax.Array, maps: ConvMaps, spec: ConvSp
   plans = dict(maps.plans or {})
   for cfg in wanted:
     if cfg.uses_plan and cfg.tiles.block_m not in plans:
-      plans[cfg.tiles.block_m] = gemm_plan.masked_plan(maps.nbr, maps.num, cfg.tiles.block_m)
+      plans[cfg.tiles.block_m] = gemm_plan.masked_plan(maps.nbr, maps.num, cfg.tiles.block_m,
+                                                       interpret=spec.implementation.interpret)
   return maps._replace(plans=plans)
 
 
@@ -254,9 +256,10 @@ def map_gemm(feats: jax.Array, weight: jax.Array, bias: jax.Array | None, maps: 
   _, _, cout = layout.flat_dims(weight)
   _record(ConvCall(m, feats.shape[1], cout, v, jnp.dtype(feats.dtype), maps, spec.precision, layout, spec.groups))
   cfgs = configs(feats, weight, maps, spec)
+  interpret = spec.implementation.interpret
   arrays = _PassArrays(maps.nbr, maps.num, *maps.input_grad_map(),
-                       maps.plan(cfgs[0].tiles.block_m) if cfgs[0].uses_plan else None,
-                       maps.input_grad_plan(cfgs[1].tiles.block_m) if cfgs[1].uses_plan else None,
+                       maps.plan(cfgs[0].tiles.block_m, interpret) if cfgs[0].uses_plan else None,
+                       maps.input_grad_plan(cfgs[1].tiles.block_m, interpret) if cfgs[1].uses_plan else None,
                        maps.pair_lists() if cfgs[2].uses_plan else None)
   options = _Options(cfgs, RunOptions(spec.precision, spec.implementation.interpret, layout, spec.groups))
   return _forward(feats, weight, bias, arrays, options)

@@ -97,9 +97,10 @@ class NeighborCache:
   num: Any = None  # int32 scalar: valid rows of the coordinates the map was built on
   coords: Any = None  # int32 [capacity, 4]: those coordinates
 
-  def plan(self, block_m: int) -> gemm_plan.MaskedPlan:
-    """The masked-GEMM plan for blocks of `block_m` rows (built now if the cache has none for it)."""
-    return self._maps().plan(block_m)
+  def plan(self, block_m: int, interpret: bool = False) -> gemm_plan.MaskedPlan:
+    """The masked-GEMM plan for blocks of `block_m` rows (built now if the cache has none for it, by a Pallas
+    kernel: `interpret=True` runs it on the CPU)."""
+    return self._maps().plan(block_m, interpret)
 
   def pair_lists(self) -> gemm_plan.PairLists:
     """The weight gradient's pair lists (mirrored: half the offsets), built now if the cache has none."""
@@ -171,7 +172,7 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
   plans, pairs = {}, None
   if impl.is_pallas:
     sizes = plan_block_sizes if plan_block_sizes is not None else (gemm_plan.default_block_m(x.capacity),)
-    plans = {int(bm): gemm_plan.masked_plan(nbr, x.num, int(bm)) for bm in sizes}
+    plans = {int(bm): gemm_plan.masked_plan(nbr, x.num, int(bm), interpret=impl.interpret) for bm in sizes}
     pairs = gemm_plan.pair_lists(nbr, mirrored=True)  # a submanifold map is its own mirror image
   cache = NeighborCache(nbr, overflow, kernel_size, dilation, plans, pairs, x.num, x.coords)
   report(overflow, "neighbor_map: the neighbour hash table overflowed (a probe ran past its bound); the map is "

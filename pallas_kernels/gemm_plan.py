@@ -1,4 +1,4 @@
-"""Work plans for the sparse GEMMs, built from a neighbour map with plain XLA ops (jit-friendly, static shapes).
+"""Work plans for the sparse GEMMs, built from a neighbour map (jit-friendly, static shapes).
 
 - `masked_plan`: rows sorted by the Gray-code rank of their neighbour bitmask, so that a block of
   consecutive sorted rows uses few kernel offsets, and for each block the list of offsets at least one of
@@ -12,13 +12,25 @@ Both also store the gathered row indices the kernels read (`MaskedPlan.block_row
 that inside a kernel's loop every data load is one indirection away from the loop counter. Triton's software
 pipeliner splits its stages over the chain of dependent loads (offset -> neighbour row -> features): with the
 chain cut to one level the feature and weight tiles get twice the prefetch depth (docs/perf_notes.md).
+
+The masked plan is an XLA sort followed by one Pallas kernel (`_block_plan_kernel`, a program per block): it
+gathers the block's map rows, finds the offsets they use, and writes them used-first with their row indices
+transposed to [offset, lane]. In XLA that step was a transpose, an any-reduction and a take_along_axis over the
+whole [rows, V] map, together several times the plan's memory traffic (docs/perf_notes.md);
+`masked_plan_reference` keeps that XLA form as the tests' reference.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.out_struct import out_struct, same_vma
 
 # Bitmask keys are int32: sort by the first 31 offsets' bits when V is larger (the per-block offset lists
 # stay exact; only the grouping is coarser).
@@ -62,7 +74,8 @@ def gray_rank(mask: jax.Array) -> jax.Array:
   return n
 
 
-def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int) -> MaskedPlan:
+def _row_order(nbr: jax.Array, num: jax.Array) -> jax.Array:
+  """int32 [capacity]: the valid rows by the Gray-code rank of their neighbour bitmask, then the others."""
   cap, v = nbr.shape
   valid = jnp.arange(cap) < num
   has = (nbr >= 0) & valid[:, None]
@@ -70,7 +83,67 @@ def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int) -> MaskedPlan:
   weights = jnp.left_shift(jnp.int32(1), jnp.arange(bits, dtype=jnp.int32))
   mask = jnp.sum(jnp.where(has[:, :bits], weights[None, :], 0), axis=1, dtype=jnp.int32)
   key = jnp.where(valid, gray_rank(mask), jnp.iinfo(jnp.int32).max)
-  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  return jnp.argsort(key, stable=True).astype(jnp.int32)
+
+
+# Warps of a block-plan program: its work is one [block_m, V] tile of loads and stores.
+BLOCK_PLAN_WARPS = 4
+
+
+def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int, *, interpret: bool = False) -> MaskedPlan:
+  """The MaskedPlan of map `nbr` (int32 [capacity, V]) with `num` (int32 [1]) valid rows, in blocks of block_m
+  rows: the row order by XLA's sort, each block's offsets and rows by `_block_plan_kernel`."""
+  cap, v = nbr.shape
+  num = jnp.asarray(num, jnp.int32).reshape(1)
+  order = _row_order(nbr, num)
+  num_blocks = -(-cap // block_m)
+  if cap == 0:  # no rows: nothing to trace a kernel over
+    return MaskedPlan(order, jnp.zeros((0, v), jnp.int32), jnp.zeros((0,), jnp.int32),
+                      jnp.zeros((0, v, block_m), jnp.int32))
+  width = max(2, pl.next_power_of_2(v))
+  order, nbr, num = same_vma(order, nbr, num)
+  offsets, counts, rows = pl.pallas_call(
+      functools.partial(_block_plan_kernel, block_m=block_m, num_offsets=v, width=width),
+      out_shape=(out_struct((num_blocks, v), jnp.int32, nbr), out_struct((num_blocks,), jnp.int32, nbr),
+                 out_struct((num_blocks, v, block_m), jnp.int32, nbr)),
+      grid=(num_blocks,),
+      compiler_params=plgpu.CompilerParams(num_warps=BLOCK_PLAN_WARPS, num_stages=1),
+      interpret=interpret,
+      name="masked_plan_blocks",
+  )(order, nbr, num)
+  return MaskedPlan(order, offsets, counts, rows)
+
+
+def _block_plan_kernel(order_ref, nbr_ref, num_ref, offsets_ref, counts_ref, rows_ref, *, block_m: int,
+                       num_offsets: int, width: int):
+  """Block b: its rows' map entries tile[v, l] = nbr[order[b * block_m + l], v] (-1 past the valid rows), the
+  offsets some lane uses, stored used-first (a stable partition), and the tile's rows in that offset order."""
+  b = pl.program_id(0)
+  cap = nbr_ref.shape[0]
+  lanes = jnp.arange(block_m, dtype=jnp.int32)
+  positions = b * block_m + lanes
+  valid = positions < num_ref[0]  # valid rows come first in `order` (and num <= capacity)
+  rows = plgpu.load(order_ref.at[positions], mask=positions < cap, other=0)
+  cols = jnp.arange(width, dtype=jnp.int32)
+  col_ok = cols < num_offsets
+  # [offset, lane]: the stores below then write each offset's lanes contiguously (a map row is only V ints,
+  # so the transposed loads share cache lines).
+  tile = plgpu.load(nbr_ref.at[rows[None, :], cols[:, None]], mask=col_ok[:, None] & valid[None, :], other=-1)
+  used = (jnp.max(tile, axis=1) >= 0).astype(jnp.int32)  # padding offsets hold -1 only
+  count = jnp.sum(used)
+  # Where offset v goes: after the used offsets before it, or after all used ones and the unused before it.
+  used_before = jnp.sum(jnp.where(cols[None, :] < cols[:, None], used[None, :], 0), axis=1)
+  slot = jnp.where(used > 0, used_before, count + cols - used_before)
+  plgpu.store(offsets_ref.at[b, slot], cols, mask=col_ok)
+  plgpu.store(counts_ref.at[b], count)
+  plgpu.store(rows_ref.at[b, slot[:, None], lanes[None, :]], tile, mask=col_ok[:, None])
+
+
+def masked_plan_reference(nbr: jax.Array, num: jax.Array, block_m: int) -> MaskedPlan:
+  """`masked_plan` in plain XLA ops (the tests' reference)."""
+  cap, v = nbr.shape
+  valid = jnp.arange(cap) < num
+  order = _row_order(nbr, num)
   num_blocks = -(-cap // block_m)
   padded = num_blocks * block_m
   # Whole rows are gathered in processing order (contiguous V-int rows), then each block picks its used

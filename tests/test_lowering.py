@@ -33,6 +33,15 @@ def test_gemm_kernels_lower_to_triton(shape, dtype):
   lower_for_cuda(lambda x, g, nbr: weight_grad(x, g, nbr), x, g, nbr)
 
 
+@pytest.mark.parametrize("v,block_m", [(27, 128), (125, 64), (1, 64)])
+def test_masked_plan_kernel_lowers(v, block_m):
+  from pallas_kernels.gemm_plan import masked_plan
+
+  text = lower_for_cuda(lambda nbr, num: masked_plan(nbr, num, block_m), _spec((3000, v), jnp.int32),
+                        _spec((1,), jnp.int32))
+  assert "masked_plan_blocks" in text
+
+
 def test_explicit_tile_configs_lower():
   x, nbr, num = _spec((4096, 64), jnp.float16), _spec((4096, 27), jnp.int32), _spec((), jnp.int32)
   w, g = _spec((27, 64, 128), jnp.float16), _spec((4096, 128), jnp.float16)

@@ -3,6 +3,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jsparse
 from jsparse.neighbors import kernel_offsets
@@ -124,7 +126,7 @@ def test_masked_plan_and_pair_lists():
   x = random_sparse(rng, (8, 7, 6), 1, batch_size=2, density=0.25, pad=11)
   nbr = jsparse.neighbor_map(x, 3, implementation="xla").nbr
   num = int(x.num)
-  plan = masked_plan(nbr, x.num, 16)
+  plan = masked_plan(nbr, x.num, 16, interpret=True)
   order = np.asarray(plan.order)
   assert sorted(order.tolist()) == list(range(x.capacity)) and np.all(order[:num] < num)
   nbr_np = np.asarray(nbr)
@@ -149,6 +151,23 @@ def test_masked_plan_and_pair_lists():
     np.testing.assert_array_equal(np.asarray(pairs.rows[v, :count]), np.nonzero(has[:, v])[0])
     np.testing.assert_array_equal(np.asarray(pairs.sources[v, :count]), nbr_np[has[:, v], v])
     assert np.all(np.asarray(pairs.sources[v, count:]) == -1)
+
+
+@settings(max_examples=12, deadline=None)
+@given(cap=st.integers(1, 300), v=st.sampled_from([1, 2, 7, 27, 40]), fill=st.floats(0.0, 1.0),
+       num_frac=st.floats(0.0, 1.0), block_m=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
+def test_masked_plan_kernel_matches_xla_reference(cap, v, fill, num_frac, block_m, seed):
+  """The plan kernel (interpret mode) builds exactly the XLA reference's plan: order, used-first offsets
+  (unused ones after, ascending), counts and gathered rows, for any fill, V (powers of two or not) and num."""
+  from pallas_kernels.gemm_plan import masked_plan, masked_plan_reference
+
+  rng = np.random.default_rng(seed)
+  nbr = np.where(rng.random((cap, v)) < fill, rng.integers(0, cap, (cap, v)), -1).astype(np.int32)
+  num = jnp.asarray([int(num_frac * cap)], jnp.int32)
+  got = masked_plan(jnp.asarray(nbr), num, block_m, interpret=True)
+  want = masked_plan_reference(jnp.asarray(nbr), num, block_m)
+  for name, a, b in zip(got._fields, got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
 def test_pallas_kernels_direct_edge_shapes():
@@ -297,7 +316,7 @@ def test_forward_weight_layouts_match_xla(weight_k_major, dtype):
     cfg = TileConfig(32, 16, 16, split=split, weight_k_major=weight_k_major)
     if weight_k_major is not None:
       assert gather_gemm_config.reads_weight_k_major(x.capacity, cfg, dtype) is weight_k_major
-    y = gather_gemm_lib.conv_forward(feats, w, nbr, x.num, b, plan=masked_plan(nbr, x.num, 32), config=cfg,
+    y = gather_gemm_lib.conv_forward(feats, w, nbr, x.num, b, plan=masked_plan(nbr, x.num, 32, interpret=True), config=cfg,
                                      precision="highest", interpret=True)
     assert y.dtype == dtype
     assert rel_err(y, ref) < (1e-5 if dtype == jnp.float32 else 2e-3)

@@ -70,7 +70,7 @@ def test_conv_passes_agree_across_layouts(weight_k_major, masked):
   w_vio = jnp.asarray(rng.standard_normal((v, cin, cout)).astype(np.float32))
   w_ovi = jnp.transpose(w_vio, (2, 0, 1))
   cfg = TileConfig(block_m=32, block_n=16, block_k=16, split=2, weight_k_major=weight_k_major)
-  plan = masked_plan(nbr, num, cfg.block_m) if masked else None
+  plan = masked_plan(nbr, num, cfg.block_m, interpret=True) if masked else None
   kw = dict(plan=plan, config=cfg, precision="highest", interpret=True)
   gathered = jnp.where(nbr[..., None] >= 0, x[jnp.maximum(nbr, 0)], 0)
   ref = jnp.where((jnp.arange(m) < num)[:, None], jnp.einsum("mvk,vkn->mn", gathered, w_vio, precision="highest"), 0)

@@ -14,8 +14,7 @@ the same loop; they differ only in which list entries [start, stop) of which off
 
 Both operand tiles are [sites, channels] (MN-major), which Hopper's TF32 MMA cannot take without restaging,
 so float32 inputs at TF32 precision run as three bf16 products of hi/lo splits, x_hi dy_hi + x_hi dy_lo +
-x_lo dy_hi (about 1e-5 relative error instead of TF32's 3e-4; measurements in docs/perf_notes.md). The
-programs split the float32 tiles they load, in registers.
+x_lo dy_hi (about 1e-5 relative error instead of TF32's 3e-4; measurements in docs/perf_notes.md).
 Grouped convolutions (`groups` > 1): dW_v [Cin/G, Cout] holds every group's [Cin/G, Cout/G] block side by
 side; the Cout tile axis of the grid runs over (group, Cout block within the group), and a program reads its
 group's channels of x and dy.
@@ -43,9 +42,11 @@ from pallas_kernels.weight_layout import WeightLayout
 class WeightGradOperands(NamedTuple):
   """The kernel's inputs, in the order they are passed (None fields are absent: the kernel gets None)."""
 
-  x: jax.Array  # [R, Cin]
+  x: jax.Array  # [R, Cin] (float32 with bf16 products: its bf16 high part)
   dy: jax.Array  # [M, Cout]
   nbr: jax.Array | None  # int32 [M, V]; None with pair lists
+  x_lo: jax.Array | None  # bf16 low parts (float32 as bf16 products only)
+  dy_lo: jax.Array | None
   pairs: PairLists | None
   work: "WorkList | None"  # balanced configs only
 
@@ -88,9 +89,9 @@ def balanced_work(counts: jax.Array, split: int, block_k: int) -> WorkList:
 
 
 def _weight_grad_kernel(ops: WeightGradOperands, o_ref, *, mirrored, split, num_rows, num_offsets, cin, cout,
-                        block_m, block_n, block_k, precision, cout_major, bf16_split, groups=1):
-  # cin, cout: one group's channels. bf16_split: float32 tiles multiplied as bf16 hi/lo parts (module doc).
-  use_pairs, balanced = ops.pairs is not None, ops.work is not None
+                        block_m, block_n, block_k, precision, cout_major, groups=1):
+  # cin, cout: one group's channels.
+  use_pairs, balanced, bf16_split = ops.pairs is not None, ops.work is not None, ops.x_lo is not None
   ci = pl.program_id(1) * block_m + jnp.arange(block_m)
   if groups > 1:  # Cout program = (group, Cout block within the group)
     co_blocks = pl.cdiv(cout, block_n)
@@ -145,13 +146,12 @@ def _weight_grad_kernel(ops: WeightGradOperands, o_ref, *, mirrored, split, num_
     def matmul(acc):
       a = plgpu.load(ops.x.at[src[:, None], x_ci[None, :]], mask=a_mask, other=0)
       b = plgpu.load(ops.dy.at[rows[:, None], dy_co[None, :]], mask=b_mask, other=0)
-      if not bf16_split:
-        return mma(a.T, b, acc, precision)
-      # Split in registers: the loads read each float32 once, and no split copies of x and dy are written.
-      (a, a_lo), (b, b_lo) = _split_bf16(a), _split_bf16(b)
       acc = mma(a.T, b, acc, precision)
-      acc = mma(a.T, b_lo, acc, precision)
-      acc = mma(a_lo.T, b, acc, precision)
+      if bf16_split:
+        a_lo = plgpu.load(ops.x_lo.at[src[:, None], x_ci[None, :]], mask=a_mask, other=0)
+        b_lo = plgpu.load(ops.dy_lo.at[rows[:, None], dy_co[None, :]], mask=b_mask, other=0)
+        acc = mma(a.T, b_lo, acc, precision)
+        acc = mma(a_lo.T, b, acc, precision)
       return acc
 
     if use_pairs:  # every listed row has a neighbour at v
@@ -234,11 +234,12 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   in_dtype = x.dtype
   bf16_split = uses_bf16_split(in_dtype, precision)
   dy = dy.astype(in_dtype)
+  if bf16_split:
+    (x, x_lo), (dy, dy_lo) = _split_bf16(x), _split_bf16(dy)
   kernel = functools.partial(
       _weight_grad_kernel, mirrored=pairs is not None and pairs.mirrored, split=cfg.split, num_rows=m,
       num_offsets=num_offsets, cin=cin_group, cout=cout_group, block_m=cfg.block_m, block_n=cfg.block_n,
-      block_k=cfg.block_k, precision=dot_precision(precision, jnp.bfloat16 if bf16_split else x.dtype),
-      cout_major=cout_major, bf16_split=bf16_split,
+      block_k=cfg.block_k, precision=dot_precision(precision, x.dtype), cout_major=cout_major,
       **(dict(groups=groups) if groups > 1 else {}))
   tiles = (pl.cdiv(cin_group, cfg.block_m), groups * pl.cdiv(cout_group, cfg.block_n))
   if cfg.balanced:
@@ -253,7 +254,8 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   # buffer of the whole gradient, then a cast, would sit at the training peak).
   direct = cfg.split == 1 and not cfg.balanced
   # With pair lists the map itself is not read (nor kept alive for the backward pass).
-  ops = WeightGradOperands(x, dy, nbr if pairs is None else None, pairs, work if cfg.balanced else None)
+  ops = WeightGradOperands(x, dy, nbr if pairs is None else None, x_lo if bf16_split else None,
+                           dy_lo if bf16_split else None, pairs, work if cfg.balanced else None)
   leaves, tree = jax.tree.flatten(ops)
   ops = jax.tree.unflatten(tree, same_vma(*leaves))
   partial = pl.pallas_call(

@@ -888,7 +888,7 @@ def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
     by_name[key] = by_name.get(key, 0.0) + e.get("dur", 0.0) / 1e3 / calls
   unattributed = sorted({e["name"] for e in kernels if not meta.get(e["name"]) and not e["name"].startswith(
       MAP_KERNEL_PREFIXES) and not any(p in e["name"] for p in GEMM_NAME_PARTS)})
-  top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:40])
+  top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:100])
   # GB/s by row: bytes its kernels' instructions read and write (hlo_bytes) over their time.
   gbps = {g: row_bytes.get(g, 0.0) / (ms * 1e-3) / 1e9 for g, ms in rows.items() if ms > 0}
   return {"ms": rows, "gbps": gbps, "kernels": len(kernels) // calls, "threads": thread_names,

@@ -1,0 +1,47 @@
+"""Probe: every candidate config of one submanifold layer's passes, timed on a sphere shell (what the tuner sees).
+
+    python -m benchmarks.probes.tune_layer --res 512 --channels 32 --dtype tf32 [--passes forward,input_grad]
+
+Prints each candidate's time and the best per pass; used to find where `pass_config.heuristic` is far from the
+best config (e.g. a tile shape that is slow for one dtype only).
+"""
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jsparse
+from benchmarks.workloads import sphere_shell_coords
+from jsparse.autotuning import tune_call
+from jsparse.map_gemm import recording
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--res", type=int, default=512)
+  ap.add_argument("--channels", type=int, default=32)
+  ap.add_argument("--dtype", default="tf32", choices=("fp16", "bf16", "tf32"))
+  ap.add_argument("--passes", default="forward,input_grad,weight_grad")
+  ap.add_argument("--weight-layout", default="ODHWI")
+  ap.add_argument("--repeats", type=int, default=5)
+  args = ap.parse_args(argv)
+  dtype = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "tf32": jnp.float32}[args.dtype]
+  coords = sphere_shell_coords(args.res, 1)
+  c = args.channels
+  feats = jnp.asarray(np.random.default_rng(0).standard_normal((len(coords), c)), dtype)
+  x = jsparse.SparseTensor.from_coords(coords, feats, (args.res,) * 3, 1)
+  w = jnp.zeros((c, 3, 3, 3, c) if args.weight_layout == "ODHWI" else (3, 3, 3, c, c), dtype)
+  calls = []
+  with recording(calls), jax.disable_jit():
+    jax.block_until_ready(jsparse.submconv3d(x, w, weight_layout=args.weight_layout).feats)
+  print(f"RES {args.res} C {c} {args.dtype}: {len(coords)} sites", flush=True)
+  best = tune_call(calls[0], tuple(args.passes.split(",")), repeats=args.repeats, log=lambda s: print(s, flush=True))
+  for key, cfg in best.items():
+    print("BEST", key, cfg)
+
+
+if __name__ == "__main__":
+  main()

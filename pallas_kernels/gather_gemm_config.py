@@ -52,10 +52,11 @@ def reads_weight_k_major(num_rows: int, config: TileConfig, dtype) -> bool:
 
 def swaps_operands(config: TileConfig, dtype, k_contiguous: bool) -> bool:
   """Whether the kernel accumulates the transposed product W^T x^T (`config.swap_operands`, or this rule):
-  faster for float32 reading a K-contiguous weight, slower everywhere else."""
+  faster for float32 reading a K-contiguous weight in column tiles of 64 or more (the swapped product's row
+  side), slower everywhere else (narrower tiles underfill the MMA's 64 rows: 2x slower at 32)."""
   if config.swap_operands is not None:
     return config.swap_operands
-  return jnp.dtype(dtype) == jnp.float32 and k_contiguous
+  return jnp.dtype(dtype) == jnp.float32 and k_contiguous and config.block_n >= 64
 
 
 def candidates(num_rows: int, k: int, n: int, num_offsets: int, dtype, *, n_contiguous: bool) -> list[TileConfig]:

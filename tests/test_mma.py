@@ -90,3 +90,7 @@ def test_swap_rule():
   assert not rule(TileConfig(), jnp.float16, True)
   assert rule(TileConfig(swap_operands=True), jnp.float16, False)
   assert not rule(TileConfig(swap_operands=False), jnp.float32, True)
+  # Column tiles under 64 underfill the swapped product's MMA rows: unswapped unless asked.
+  assert rule(TileConfig(block_n=64), jnp.float32, True)
+  assert not rule(TileConfig(block_n=32), jnp.float32, True)
+  assert rule(TileConfig(block_n=32, swap_operands=True), jnp.float32, True)

@@ -116,7 +116,7 @@ def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int, *, interpret: bool
 
 def _block_plan_kernel(order_ref, nbr_ref, num_ref, offsets_ref, counts_ref, rows_ref, *, block_m: int,
                        num_offsets: int, width: int):
-  """Block b: its rows' map entries tile[v, l] = nbr[order[b * block_m + l], v] (-1 past the valid rows), the
+  """Block b: its rows' map entries tile[l, v] = nbr[order[b * block_m + l], v] (-1 past the valid rows), the
   offsets some lane uses, stored used-first (a stable partition), and the tile's rows in that offset order."""
   b = pl.program_id(0)
   cap = nbr_ref.shape[0]
@@ -126,17 +126,17 @@ def _block_plan_kernel(order_ref, nbr_ref, num_ref, offsets_ref, counts_ref, row
   rows = plgpu.load(order_ref.at[positions], mask=positions < cap, other=0)
   cols = jnp.arange(width, dtype=jnp.int32)
   col_ok = cols < num_offsets
-  # [offset, lane]: the stores below then write each offset's lanes contiguously (a map row is only V ints,
-  # so the transposed loads share cache lines).
-  tile = plgpu.load(nbr_ref.at[rows[None, :], cols[:, None]], mask=col_ok[:, None] & valid[None, :], other=-1)
-  used = (jnp.max(tile, axis=1) >= 0).astype(jnp.int32)  # padding offsets hold -1 only
+  # Loaded [lane, offset] (each map row read whole, contiguously), stored transposed [offset, lane] (each
+  # offset's lanes written contiguously): the transpose runs through shared memory.
+  tile = plgpu.load(nbr_ref.at[rows[:, None], cols[None, :]], mask=valid[:, None] & col_ok[None, :], other=-1)
+  used = (jnp.max(tile, axis=0) >= 0).astype(jnp.int32)  # padding offsets hold -1 only
   count = jnp.sum(used)
   # Where offset v goes: after the used offsets before it, or after all used ones and the unused before it.
   used_before = jnp.sum(jnp.where(cols[None, :] < cols[:, None], used[None, :], 0), axis=1)
   slot = jnp.where(used > 0, used_before, count + cols - used_before)
   plgpu.store(offsets_ref.at[b, slot], cols, mask=col_ok)
   plgpu.store(counts_ref.at[b], count)
-  plgpu.store(rows_ref.at[b, slot[:, None], lanes[None, :]], tile, mask=col_ok[:, None])
+  plgpu.store(rows_ref.at[b, slot[:, None], lanes[None, :]], tile.T, mask=col_ok[:, None])
 
 
 def masked_plan_reference(nbr: jax.Array, num: jax.Array, block_m: int) -> MaskedPlan:

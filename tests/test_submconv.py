@@ -316,8 +316,9 @@ def test_forward_weight_layouts_match_xla(weight_k_major, dtype):
     cfg = TileConfig(32, 16, 16, split=split, weight_k_major=weight_k_major)
     if weight_k_major is not None:
       assert gather_gemm_config.reads_weight_k_major(x.capacity, cfg, dtype) is weight_k_major
-    y = gather_gemm_lib.conv_forward(feats, w, nbr, x.num, b, plan=masked_plan(nbr, x.num, 32, interpret=True), config=cfg,
-                                     precision="highest", interpret=True)
+    plan = masked_plan(nbr, x.num, 32, interpret=True)
+    y = gather_gemm_lib.conv_forward(feats, w, nbr, x.num, b, plan=plan, config=cfg, precision="highest",
+                                     interpret=True)
     assert y.dtype == dtype
     assert rel_err(y, ref) < (1e-5 if dtype == jnp.float32 else 2e-3)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 import dataclasses
 
 from jsparse._types import ArrayLike, PrecisionLike, Size3
-from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm, with_plans
+from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, with_plans
 from jsparse.neighbors import NeighborCache, build_neighbor_map, cache_key, check_dilation, check_kernel_size
 from jsparse.sparse_tensor import SparseTensor, check_same_sites, check_spatial_ndim
+from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
 from pallas_kernels.weight_layout import WeightLayout
 
@@ -67,4 +68,4 @@ def submconv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   cache = dataclasses.replace(cache, plans=maps.plans)
   # The output shares x's coordinates, so it carries the map (with its plans) on, and its overflow flag.
   x = dataclasses.replace(x.with_cache(key, cache), overflow=x.overflow | cache.overflow)
-  return x.replace(feats=map_gemm(x.feats, w, b, maps, spec))
+  return x.replace(feats=conv_map_gemm(x.feats, weight, w, b, maps, spec))

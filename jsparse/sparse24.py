@@ -24,7 +24,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +67,7 @@ def native_status() -> tuple[bool, str]:
   return status.available, status.reason
 
 
-def forward_route(feats_dtype, weight, *, implementation_is_pallas_on_gpu: bool, num_offsets: int, cin: int,
+def forward_route(feats_dtype: Any, weight: Any, *, implementation_is_pallas_on_gpu: bool, num_offsets: int, cin: int,
                   cout: int, groups: int = 1) -> tuple[bool, str]:
   """(native, reason): whether a convolution with these arguments runs its forward on the native 2:4 kernel,
   and why not when it does not. `weight`: the convolution's weight argument (only a Compressed2to4 can)."""

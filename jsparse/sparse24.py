@@ -93,16 +93,21 @@ def forward_route(feats_dtype: Any, weight: Any, *, implementation_is_pallas_on_
 
 
 def sparse24_forward(feats: jax.Array, values: jax.Array, metadata: jax.Array, nbr: jax.Array,
-                     num: jax.Array) -> jax.Array:
+                     num: jax.Array, *, tile: int = 0) -> jax.Array:
   """The native forward, array level (GPU only, not differentiable): out[i] = sum_v feats[nbr[i, v]] @ W_v for
   i < num, zero rows after, with W given compressed (Compressed2to4 axis="cin": values [Cout, V, Cin/2] in
   feats' dtype, metadata uint16 [Cout, V, Cin/16]). out: [M, Cout] in feats' dtype. The library must be
-  registered (`native_status()` or native_kernels.build.register())."""
+  registered (`native_status()` or native_kernels.build.register()).
+
+  tile: the CTA tile, 0 = chosen by shape, 1 = 64 channels x 64 sites, 2 = 64 x 128, 3 = 128 x 128 (all give
+  the same values; for timing them against each other)."""
+  if tile not in (0, 1, 2, 3):
+    raise ValueError(f"tile must be 0, 1, 2 or 3, got {tile!r}")
   m = nbr.shape[0]
   cout = values.shape[0]
   call = jax.ffi.ffi_call(CONV_TARGET, jax.ShapeDtypeStruct((m, cout), feats.dtype))
   return call(feats, values.astype(feats.dtype), metadata, nbr.astype(jnp.int32),
-              jnp.asarray(num, jnp.int32).reshape(()), meta_layout=META_LAYOUT)
+              jnp.asarray(num, jnp.int32).reshape(()), meta_layout=META_LAYOUT, tile=tile)
 
 
 def _dense_weight(compressed: Compressed2to4, values: jax.Array, dtype) -> jax.Array:

@@ -29,31 +29,21 @@ namespace ffi = xla::ffi;
 
 namespace sparse24 {
 
-constexpr int kTileCout = 64;       // output channels per CTA (rows of A)
-constexpr int kTileSites = 64;      // sites per CTA (columns of B)
 constexpr int kStepK = 32;          // dense reduction elements per K step (one mma.sp m16n8k32)
-constexpr int kThreads = 128;       // 4 warps
-constexpr int kStages = 3;          // cp.async ring depth
 constexpr int kMaxOffsets = 1024;   // V limit (the active-offset list lives in shared memory)
 // Shared-memory row strides in 16-bit elements, padded so that the 8 rows an ldmatrix phase reads fall in
 // distinct banks (48 B and 80 B strides step through all 8 four-bank groups).
 constexpr int kAStride = kStepK / 2 + 8;   // 16 compressed values + 8 pad = 48 B
 constexpr int kBStride = kStepK + 8;       // 32 channels + 8 pad = 80 B
-constexpr int kOutStride = kTileCout + 8;  // epilogue tile row (one site), 144 B
 
 // Metadata register layouts for mma.sp m16n8k32 with f16/bf16 (the sparsity selector is 0: lanes with
-// threadID_in_group 0 and 1 supply it). kMetaHalves: lane 4g + h holds K half h (16 dense columns, one uint16
-// word) of row g in bits 0-15 and of row g + 8 in bits 16-31. kMetaRows: lane 4g holds both words of row g
-// (word 0 low), lane 4g + 1 both words of row g + 8. The one-warp probe checks both against numpy; the
-// convolution takes the layout as an attribute so that a test can run either.
-constexpr int64_t kMetaHalves = 0;
+// threadID_in_group 0 and 1 supply it). Layout 0 (kMetaHalves): lane 4g + h holds K half h (16 dense columns,
+// one uint16 word) of row g in bits 0-15 and of row g + 8 in bits 16-31. Layout 1 (kMetaRows): lane 4g holds
+// both words of row g (word 0 low), lane 4g + 1 both words of row g + 8. Layouts 2 and 3: 0 and 1 with the roles
+// of lanes 4g and 4g + 1 swapped. The one-warp probe checks each against numpy; the convolution takes the
+// layout as an attribute (jsparse.sparse24.META_LAYOUT) so that a test can run any of them. Bit 0 of the
+// layout number says rows (1) or halves (0), bit 1 swaps the lanes.
 constexpr int64_t kMetaRows = 1;
-
-struct SharedStage {
-  uint16_t a[kTileCout * kAStride];      // compressed A values of one K step, one row per output channel
-  uint32_t meta[kTileCout];              // the two metadata words of each row for this K step (word 0 low)
-  uint16_t b[kTileSites * kBStride];     // gathered features of one K step, one row per site
-};
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -115,13 +105,13 @@ __device__ __forceinline__ void mma_sp_16832(float (&d)[4], const uint32_t (&a)[
 
 // The metadata register of this lane for the 16 rows whose two words (word 0 low) are row_words[0 .. 15].
 __device__ __forceinline__ uint32_t meta_register(const uint32_t* row_words, int lane, int64_t layout) {
-  const int g = lane >> 2, t = lane & 3;
+  const int g = lane >> 2;
   const uint32_t top = row_words[g], bottom = row_words[g + 8];
-  if (layout == kMetaRows) {
-    return (t & 1) ? bottom : top;
+  const int which = (lane & 1) ^ int((layout >> 1) & 1);  // lanes 2 and 3 are not read: they copy lanes 0 and 1
+  if ((layout & 1) == kMetaRows) {
+    return which ? bottom : top;
   }
-  const int half = t & 1;  // lanes 2 and 3 are not read (selector 0); give them lane 0 and 1's values
-  return ((top >> (16 * half)) & 0xFFFFu) | (((bottom >> (16 * half)) & 0xFFFFu) << 16);
+  return ((top >> (16 * which)) & 0xFFFFu) | (((bottom >> (16 * which)) & 0xFFFFu) << 16);
 }
 
 template <typename T>
@@ -152,31 +142,53 @@ struct ConvArgs {
   int64_t meta_layout;
 };
 
+// A CTA tile: kWarpsM x kWarpsN warps, each 32 output channels x kWarpSites sites, kStages-deep copy ring.
+template <int kWarpsM_, int kWarpsN_, int kWarpSites_, int kStages_>
+struct Tile {
+  static constexpr int kWarpsM = kWarpsM_, kWarpsN = kWarpsN_, kWarpSites = kWarpSites_, kStages = kStages_;
+  static constexpr int kCout = 32 * kWarpsM;            // output channels per CTA (rows of A)
+  static constexpr int kSites = kWarpSites * kWarpsN;   // sites per CTA (columns of B)
+  static constexpr int kThreads = 32 * kWarpsM * kWarpsN;
+  static constexpr int kN8 = kWarpSites / 8;            // n8 MMA tiles per warp
+  struct Stage {
+    uint16_t a[kCout * kAStride];    // compressed A values of one K step, one row per output channel
+    uint32_t meta[kCout];            // the two metadata words of each row for this K step (word 0 low)
+    uint16_t b[kSites * kBStride];   // gathered features of one K step, one row per site
+  };
+  static constexpr int kOutStride = kCout + 8;  // epilogue tile row (one site), padded against bank conflicts
+  static_assert(sizeof(Stage) % 16 == 0, "stages must stay 16-byte aligned");
+  // The epilogue's [site][channel] tile reuses the stages' memory.
+  union Shared {
+    Stage stages[kStages];
+    uint16_t out[kSites * kOutStride];
+  };
+  static_assert(sizeof(Shared) + 4 * kMaxOffsets + 16 <= 48 * 1024, "static shared memory limit");
+};
+
 // Issues the cp.async copies of K step (offset v, channels c0 .. c0 + 31) into `stage`.
-__device__ __forceinline__ void load_step(SharedStage& stage, const ConvArgs& p, int cout0, int64_t site0, int v,
-                                          int c0, int num) {
+template <typename Tl>
+__device__ __forceinline__ void load_step(typename Tl::Stage& stage, const ConvArgs& p, int cout0, int64_t site0,
+                                          int v, int c0, int num) {
   const int tid = threadIdx.x;
-  // A values: 64 rows x 32 bytes = 128 chunks of 16 bytes, one per thread.
-  {
-    const int row = tid >> 1, chunk = tid & 1;
+  // A values: kCout rows x 32 bytes, two 16-byte chunks per row.
+  for (int idx = tid; idx < 2 * Tl::kCout; idx += Tl::kThreads) {
+    const int row = idx >> 1, chunk = idx & 1;
     const int co = cout0 + row;
     const bool ok = co < p.cout;
     const uint16_t* src = p.values + ((int64_t)(ok ? co : 0) * p.v + v) * (p.cin / 2) + c0 / 2 + chunk * 8;
     cp_async16(&stage.a[row * kAStride + chunk * 8], src, ok ? 16 : 0);
   }
-  // Metadata: 64 rows x 4 bytes. Rows past Cout get the (0, 1) pattern over their zero values (a valid index).
-  if (tid < kTileCout) {
-    const int co = cout0 + tid;
+  // Metadata: 4 bytes per row. Rows past Cout get the (0, 1) pattern over their zero values (a valid index).
+  for (int row = tid; row < Tl::kCout; row += Tl::kThreads) {
+    const int co = cout0 + row;
     if (co < p.cout) {
-      cp_async4(&stage.meta[tid], p.meta + ((int64_t)co * p.v + v) * (p.cin / 16) + c0 / 16);
+      cp_async4(&stage.meta[row], p.meta + ((int64_t)co * p.v + v) * (p.cin / 16) + c0 / 16);
     } else {
-      stage.meta[tid] = 0x44444444u;
+      stage.meta[row] = 0x44444444u;
     }
   }
-  // B: 64 sites x 64 bytes = 256 chunks, two per thread; the site's neighbour row at offset v, or zeros.
-#pragma unroll
-  for (int rep = 0; rep < 2; ++rep) {
-    const int idx = tid + rep * kThreads;
+  // B: kSites rows x 64 bytes, four chunks per row: the site's neighbour row at offset v, or zeros.
+  for (int idx = tid; idx < 4 * Tl::kSites; idx += Tl::kThreads) {
     const int site = idx >> 2, chunk = idx & 3;
     const int64_t i = site0 + site;
     int64_t r = -1;
@@ -187,17 +199,19 @@ __device__ __forceinline__ void load_step(SharedStage& stage, const ConvArgs& p,
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) sparse24_conv_kernel(ConvArgs p) {
-  __shared__ __align__(16) SharedStage stages[kStages];
+template <typename T, typename Tl>
+__global__ void __launch_bounds__(Tl::kThreads) sparse24_conv_kernel(ConvArgs p) {
+  using Stage = typename Tl::Stage;
+  __shared__ __align__(16) typename Tl::Shared shared;
+  Stage* stages = shared.stages;
   __shared__ int active[kMaxOffsets];
   __shared__ int num_active;
 
-  const int cout_tiles = (p.cout + kTileCout - 1) / kTileCout;
-  const int cout0 = (blockIdx.x % cout_tiles) * kTileCout;  // neighbouring CTAs share sites: their gathers hit L2
-  const int64_t site0 = (int64_t)(blockIdx.x / cout_tiles) * kTileSites;
+  const int cout_tiles = (p.cout + Tl::kCout - 1) / Tl::kCout;
+  const int cout0 = (blockIdx.x % cout_tiles) * Tl::kCout;  // neighbouring CTAs share sites: their gathers hit L2
+  const int64_t site0 = (int64_t)(blockIdx.x / cout_tiles) * Tl::kSites;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int warp_m = warp & 1, warp_n = warp >> 1;  // warp tile: channels 32 * warp_m, sites 32 * warp_n
+  const int warp_m = warp % Tl::kWarpsM, warp_n = warp / Tl::kWarpsM;  // warp tile: channels 32 * warp_m, ...
   const int num = *p.num;
 
   // The offsets some site of this tile has a neighbour at (the others contribute nothing).
@@ -205,9 +219,9 @@ __global__ void __launch_bounds__(kThreads) sparse24_conv_kernel(ConvArgs p) {
   __syncthreads();
   for (int v = 0; v < p.v; ++v) {
     bool used = false;
-    if (tid < kTileSites) {
-      const int64_t i = site0 + tid;
-      used = i < p.m && i < num && p.nbr[i * p.v + v] >= 0;
+    for (int site = tid; site < Tl::kSites; site += Tl::kThreads) {
+      const int64_t i = site0 + site;
+      used |= i < p.m && i < num && p.nbr[i * p.v + v] >= 0;
     }
     if (__syncthreads_or(used) && tid == 0) active[num_active++] = v;
   }
@@ -215,34 +229,35 @@ __global__ void __launch_bounds__(kThreads) sparse24_conv_kernel(ConvArgs p) {
   const int chunks_per_offset = p.cin / kStepK;
   const int steps = num_active * chunks_per_offset;
 
-  float acc[2][4][4];
+  float acc[2][Tl::kN8][4];
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < Tl::kN8; ++nt)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.f;
 
-  // Prologue: fill STAGES - 1 stages (empty commit groups keep the group count uniform).
+  // Prologue: fill kStages - 1 stages (empty commit groups keep the group count uniform).
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < Tl::kStages - 1; ++s) {
     if (s < steps) {
-      load_step(stages[s], p, cout0, site0, active[s / chunks_per_offset], (s % chunks_per_offset) * kStepK, num);
+      load_step<Tl>(stages[s], p, cout0, site0, active[s / chunks_per_offset], (s % chunks_per_offset) * kStepK,
+                    num);
     }
     cp_async_commit();
   }
 
   for (int step = 0; step < steps; ++step) {
-    cp_async_wait<kStages - 2>();
+    cp_async_wait<Tl::kStages - 2>();
     __syncthreads();  // step's stage is complete for every thread; the stage refilled below is free
-    const int next = step + kStages - 1;
+    const int next = step + Tl::kStages - 1;
     if (next < steps) {
-      load_step(stages[next % kStages], p, cout0, site0, active[next / chunks_per_offset],
-                (next % chunks_per_offset) * kStepK, num);
+      load_step<Tl>(stages[next % Tl::kStages], p, cout0, site0, active[next / chunks_per_offset],
+                    (next % chunks_per_offset) * kStepK, num);
     }
     cp_async_commit();
 
-    const SharedStage& st = stages[step % kStages];
+    const Stage& st = stages[step % Tl::kStages];
     // A fragments (compressed 16 x 16 per m16 tile): matrices (rows 0-7, cols 0-7), (rows 8-15, cols 0-7),
     // (rows 0-7, cols 8-15), (rows 8-15, cols 8-15) give registers a0 .. a3.
     uint32_t a[2][4], e[2];
@@ -257,9 +272,9 @@ __global__ void __launch_bounds__(kThreads) sparse24_conv_kernel(ConvArgs p) {
     // B fragments (32 x 8 per n8 tile, stored as 8 site rows of 32 channels): matrix j holds channels 8j .. 8j + 7,
     // which are registers b0 .. b3 of mma's .col B.
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
+    for (int nt = 0; nt < Tl::kN8; ++nt) {
       uint32_t b[4];
-      const int site = warp_n * 32 + nt * 8 + (lane & 7);
+      const int site = warp_n * Tl::kWarpSites + nt * 8 + (lane & 7);
       ldmatrix_x4(b, &st.b[site * kBStride + (lane >> 3) * 8]);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) mma_sp_16832<T>(acc[mt][nt], a[mt], b, e[mt]);
@@ -269,35 +284,60 @@ __global__ void __launch_bounds__(kThreads) sparse24_conv_kernel(ConvArgs p) {
   __syncthreads();  // every stage is idle: the epilogue reuses their memory
 
   // Epilogue: accumulator (row = channel g / g + 8, column = site 2t / 2t + 1) -> a [site][channel] tile.
-  uint16_t* tile = reinterpret_cast<uint16_t*>(&stages[0]);
+  uint16_t* tile = shared.out;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < Tl::kN8; ++nt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int ch = warp_m * 32 + mt * 16 + g + half * 8;
-        const int site = warp_n * 32 + nt * 8 + 2 * t;
+        const int site = warp_n * Tl::kWarpSites + nt * 8 + 2 * t;
         const uint32_t two = pack2<T>(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
-        tile[site * kOutStride + ch] = static_cast<uint16_t>(two & 0xFFFFu);
-        tile[(site + 1) * kOutStride + ch] = static_cast<uint16_t>(two >> 16);
+        tile[site * Tl::kOutStride + ch] = static_cast<uint16_t>(two & 0xFFFFu);
+        tile[(site + 1) * Tl::kOutStride + ch] = static_cast<uint16_t>(two >> 16);
       }
   __syncthreads();
-  // 64 sites x 64 channels = 512 chunks of 8 channels (16 bytes), four per thread; Cout % 16 == 0 keeps every
-  // chunk either whole inside the output or whole outside.
+  // Rows of 8 channels (16 bytes); Cout % 16 == 0 keeps every row either whole inside the output or outside.
   uint16_t* out = static_cast<uint16_t*>(p.out);
-#pragma unroll
-  for (int rep = 0; rep < 4; ++rep) {
-    const int idx = tid + rep * kThreads;
-    const int site = idx >> 3, chunk = idx & 7;
+  constexpr int kChunksPerSite = Tl::kCout / 8;
+  for (int idx = tid; idx < Tl::kSites * kChunksPerSite; idx += Tl::kThreads) {
+    const int site = idx / kChunksPerSite, chunk = idx % kChunksPerSite;
     const int64_t i = site0 + site;
     const int ch = cout0 + chunk * 8;
     if (i < p.m && ch < p.cout) {
       *reinterpret_cast<uint4*>(out + i * p.cout + ch) =
-          *reinterpret_cast<const uint4*>(&tile[site * kOutStride + chunk * 8]);
+          *reinterpret_cast<const uint4*>(&tile[site * Tl::kOutStride + chunk * 8]);
     }
   }
+}
+
+// The tiles the handler can launch (attribute `tile`; 0 picks one by shape).
+using TileSmall = Tile<2, 2, 32, 3>;   // 64 channels x 64 sites, 4 warps
+using TileWide = Tile<2, 2, 64, 3>;    // 64 channels x 128 sites, 4 warps
+using TileLarge = Tile<4, 2, 64, 2>;   // 128 channels x 128 sites, 8 warps, double buffered
+
+template <typename T, typename Tl>
+void launch_conv(const ConvArgs& p, cudaStream_t stream) {
+  const int64_t blocks = ((p.cout + Tl::kCout - 1) / Tl::kCout) * ((p.m + Tl::kSites - 1) / Tl::kSites);
+  sparse24_conv_kernel<T, Tl><<<(unsigned)blocks, Tl::kThreads, 0, stream>>>(p);
+}
+
+// 1, 2, 3: TileSmall, TileWide, TileLarge; 0: Large when Cout >= 128 and there are enough sites to fill the GPU
+// with 128-site tiles, Wide on many sites, Small otherwise.
+inline int pick_tile(int64_t tile, int64_t m, int64_t cout) {
+  if (tile != 0) return (int)tile;
+  if (m >= 32768 && cout >= 128) return 3;
+  if (m >= 32768) return 2;
+  return 1;
+}
+
+template <typename T>
+void launch_conv_tile(const ConvArgs& p, int tile, cudaStream_t stream) {
+  if (tile == 1) launch_conv<T, TileSmall>(p, stream);
+  else if (tile == 2) launch_conv<T, TileWide>(p, stream);
+  else launch_conv<T, TileLarge>(p, stream);
 }
 
 // ---- one-warp probe: one mma.sp m16n8k32 on given operands -------------------------------------------------
@@ -343,7 +383,7 @@ static ffi::Error check_launch(const char* what) {
 
 static ffi::Error Sparse24ConvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
                                    ffi::Buffer<ffi::U16> meta, ffi::Buffer<ffi::S32> nbr, ffi::Buffer<ffi::S32> num,
-                                   ffi::Result<ffi::AnyBuffer> out, int64_t meta_layout) {
+                                   ffi::Result<ffi::AnyBuffer> out, int64_t meta_layout, int64_t tile) {
   using namespace sparse24;
   const auto xd = x.dimensions(), vd = values.dimensions(), md = meta.dimensions(), nd = nbr.dimensions();
   const auto od = out->dimensions();
@@ -360,19 +400,22 @@ static ffi::Error Sparse24ConvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::A
   if (x.element_type() != values.element_type() || x.element_type() != out->element_type()) {
     return ffi::Error::InvalidArgument("sparse24_conv: x, values and out must share one dtype");
   }
-  if (meta_layout != kMetaHalves && meta_layout != kMetaRows) {
-    return ffi::Error::InvalidArgument("sparse24_conv: meta_layout must be 0 or 1");
+  if (meta_layout < 0 || meta_layout > 3) {
+    return ffi::Error::InvalidArgument("sparse24_conv: meta_layout must be 0 .. 3");
   }
+  if (tile < 0 || tile > 3) return ffi::Error::InvalidArgument("sparse24_conv: tile must be 0 .. 3");
   if (m == 0 || cout == 0) return ffi::Error::Success();
+  if ((m + 63) / 64 * ((cout + 63) / 64) > 0x7FFFFFFF) {
+    return ffi::Error::InvalidArgument("sparse24_conv: too many output rows");
+  }
   ConvArgs p{x.untyped_data(), static_cast<const uint16_t*>(values.untyped_data()), meta.typed_data(),
              nbr.typed_data(), num.typed_data(), out->untyped_data(), xd[0], m, (int)cin, (int)cout, (int)v,
              meta_layout};
-  const int64_t blocks = ((cout + kTileCout - 1) / kTileCout) * ((m + kTileSites - 1) / kTileSites);
-  if (blocks > 0x7FFFFFFF) return ffi::Error::InvalidArgument("sparse24_conv: too many output rows");
+  const int picked = pick_tile(tile, m, cout);
   if (x.element_type() == ffi::DataType::F16) {
-    sparse24_conv_kernel<__half><<<(unsigned)blocks, kThreads, 0, stream>>>(p);
+    launch_conv_tile<__half>(p, picked, stream);
   } else if (x.element_type() == ffi::DataType::BF16) {
-    sparse24_conv_kernel<__nv_bfloat16><<<(unsigned)blocks, kThreads, 0, stream>>>(p);
+    launch_conv_tile<__nv_bfloat16>(p, picked, stream);
   } else {
     return ffi::Error::InvalidArgument("sparse24_conv: x must be float16 or bfloat16");
   }
@@ -388,7 +431,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Sparse24Conv, Sparse24ConvImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // nbr
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num
                                   .Ret<ffi::AnyBuffer>()         // out
-                                  .Attr<int64_t>("meta_layout"));
+                                  .Attr<int64_t>("meta_layout")
+                                  .Attr<int64_t>("tile"));
 
 static ffi::Error MmaSpProbeImpl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::Buffer<ffi::U16> a_meta,
                                  ffi::AnyBuffer b_t, ffi::Result<ffi::Buffer<ffi::F32>> d, int64_t meta_layout) {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import shutil
 import sys
 
@@ -82,6 +83,7 @@ def test_custom_call_lowers_for_cuda():
       lowering_platforms=("cuda",))
   text = lowered.as_text()
   assert f"custom_call @{sparse24.CONV_TARGET}" in text and "tensor<90x32xf16>" in text
+  assert f"meta_layout = {sparse24.META_LAYOUT}" in text and "tile = 0" in text
   probe = jax.ffi.ffi_call(sparse24.PROBE_TARGET, jax.ShapeDtypeStruct((16, 8), jnp.float32))
   text = jax.jit(lambda a, m, b: probe(a, m, b, meta_layout=0)).trace(
       jnp.zeros((16, 16), jnp.bfloat16), jnp.zeros((16, 2), jnp.uint16), jnp.zeros((8, 32), jnp.bfloat16)).lower(
@@ -128,14 +130,16 @@ def test_route_reasons():
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
 def test_cpu_falls_back_to_dense(dtype):
-  """On the CPU a Compressed2to4 convolution that meets the kernel's shape rules runs the dense path: values and
-  gradients bit-equal to the pruned dense weight's, and no custom call in the program."""
+  """On the XLA path (the CPU's default) a Compressed2to4 convolution that meets the kernel's shape rules runs
+  the dense path: values and gradients bit-equal to the pruned dense weight's, and no custom call in the program."""
   rng = np.random.default_rng(2)
   x = random_sparse(rng, (8, 7, 6), 32, batch_size=2, density=0.3, dtype=np.float32)
   x = x.replace(feats=x.feats.astype(dtype))
   w = _pruned(rng, (3, 3, 3, 32, 16), dtype)
   c = sparsity.compress_2to4(w)
-  conv = lambda x, w: jsparse.submconv3d(x, w, bias=jnp.linspace(-1, 1, 16))
+  # implementation=None is the XLA path on a CPU; on a GPU (where None is Pallas) the XLA path is asked for.
+  implementation = "xla" if jax.default_backend() == "gpu" else None
+  conv = lambda x, w: jsparse.submconv3d(x, w, bias=jnp.linspace(-1, 1, 16), implementation=implementation)
   cot = jnp.asarray(rng.standard_normal((x.capacity, 16)), jnp.float32)
   y, gx, gv = _grads(conv, x, c, cot)
   yd, gxd, gwd = _grads(conv, x, w, cot)
@@ -204,7 +208,8 @@ def _probe(a_values, a_meta, b_t, meta_layout):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
 def test_gpu_one_mma_sp_against_numpy(dtype):
   """One mma.sp m16n8k32 on a compressed 16 x 32 A and a 32 x 8 B equals numpy's A @ B with the metadata layout
-  the convolution uses (the other layout is reported, and must differ: the check can fail)."""
+  the convolution uses (the errors of all four candidate layouts are printed; the others must differ, so the
+check can fail)."""
   available, reason = sparse24.native_status()
   assert available, reason
   rng = np.random.default_rng(5)
@@ -212,11 +217,11 @@ def test_gpu_one_mma_sp_against_numpy(dtype):
   c = sparsity.compress_2to4(a)
   b = jnp.asarray(rng.standard_normal((32, 8)), dtype)
   expected = np.asarray(a, np.float64).T @ np.asarray(b, np.float64)
-  got = {layout: _probe(c.values.reshape(16, 16), c.metadata.reshape(16, 2), b.T, layout) for layout in (0, 1)}
+  got = {layout: _probe(c.values.reshape(16, 16), c.metadata.reshape(16, 2), b.T, layout) for layout in range(4)}
   errors = {layout: float(np.max(np.abs(d - expected))) for layout, d in got.items()}
   print(f"mma.sp probe {jnp.dtype(dtype).name}: max abs error per metadata layout {errors}")
   assert errors[sparse24.META_LAYOUT] < 1e-3, errors
-  assert errors[1 - sparse24.META_LAYOUT] > 1e-2, errors
+  assert all(err > 1e-2 for layout, err in errors.items() if layout != sparse24.META_LAYOUT), errors
 
 
 def _gpu_case(rng, m, cin, cout, v, dtype, missing, num_fraction):
@@ -234,16 +239,17 @@ GPU_SHAPES = [(1000, 32, 32, 27), (4096, 64, 128, 27), (20_000, 128, 64, 27), (1
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("m,cin,cout,v", GPU_SHAPES)
-def test_gpu_native_forward_against_xla(m, cin, cout, v, dtype):
+def test_gpu_native_forward_against_xla(m, cin, cout, v, dtype, tile):
   """The kernel against the XLA reference (decompressed weight, float32 accumulation): missing neighbours, rows
   at and past num, Cout not a multiple of the 64-channel tile, M not a multiple of the 64-site tile."""
   available, reason = sparse24.native_status()
   assert available, reason
   rng = np.random.default_rng(m + cin + cout)
   feats, c, nbr, num = _gpu_case(rng, m, cin, cout, v, dtype, missing=0.6, num_fraction=0.9)
-  got = jax.jit(sparse24.sparse24_forward)(feats, c.values, c.metadata, nbr, num)
+  got = jax.jit(functools.partial(sparse24.sparse24_forward, tile=tile))(feats, c.values, c.metadata, nbr, num)
   ref = _xla_stand_in(feats.astype(jnp.float32), c.values.astype(jnp.float32), c.metadata, nbr, num)
   got32 = np.asarray(got, np.float32)
   assert np.all(got32[num:] == 0)

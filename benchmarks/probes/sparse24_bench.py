@@ -36,7 +36,9 @@ def parse_args(argv=None):
   ap.add_argument("--channels", type=int, nargs="+", default=[128, 256])
   ap.add_argument("--res", type=int, nargs="+", default=[160, 512], help="shell grid sizes (160: ~100k, 512: ~1M)")
   ap.add_argument("--dtypes", nargs="+", default=["fp16"], choices=list(DTYPES))
-  ap.add_argument("--inner", type=int, default=4)
+  ap.add_argument("--inner", type=int, default=2)
+  ap.add_argument("--xla-max-sites", type=int, default=200_000,
+                  help="skip the XLA path above this many sites (it materialises the [sites, 27, C] gather)")
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
@@ -46,11 +48,13 @@ def parse_args(argv=None):
   return args
 
 
-def bench_route(fn, feat_sets, weight, warmup, repeats) -> dict:
-  batched = jax.jit(lambda sets, w: [fn(f, w) for f in sets])
-  compiled = batched.lower(feat_sets, weight).compile()
-  t = time_calls(lambda: compiled(feat_sets, weight), jax.block_until_ready, warmup, repeats)
-  first = compiled(feat_sets, weight)[0]
+def bench_route(fn, feat_sets, operands, warmup, repeats) -> dict:
+  """Per-call time of fn(feats, operands) over the feature sets, in one jitted call (operands: the weight, the
+  tensor and its map, passed as arguments rather than baked in as constants)."""
+  batched = jax.jit(lambda sets, ops: [fn(f, ops) for f in sets])
+  compiled = batched.lower(feat_sets, operands).compile()
+  t = time_calls(lambda: compiled(feat_sets, operands), jax.block_until_ready, warmup, repeats)
+  first = compiled(feat_sets, operands)[0]
   return {"ms": t["median_ms"] / len(feat_sets), "min_ms": t["min_ms"] / len(feat_sets), "out": first}
 
 
@@ -66,20 +70,33 @@ def run_case(res: int, channels: int, dtype, args) -> dict:
   feat_sets = [jnp.asarray(rng.standard_normal(x.feats.shape), dtype) for _ in range(args.inner)]
 
   def conv(implementation):
-    return lambda f, weight: jsparse.submconv3d(x.replace(feats=f), weight, cache=cache,
-                                                implementation=implementation).feats
+    def run(f, ops):
+      weight, x, cache = ops
+      return jsparse.submconv3d(x.replace(feats=f), weight, cache=cache, implementation=implementation).feats
+    return run
+
+  def kernel(tile):  # the native kernel alone, one CTA tile
+    def run(f, ops):
+      c, nbr, num = ops
+      return sparse24.sparse24_forward(f, c.values, c.metadata, nbr, num, tile=tile)
+    return run
 
   native_ok, native_why = sparse24.forward_route(
       dtype, compressed, implementation_is_pallas_on_gpu=jax.default_backend() == "gpu", num_offsets=27,
       cin=channels, cout=channels)
   row = {"res": res, "sites": int(len(coords)), "channels": channels, "dtype": jnp.dtype(dtype).name,
          "native_route": native_why}
-  routes = {"native": (conv(None), compressed, native_ok), "pallas": (conv(None), pruned, jax.default_backend() ==
-                                                                       "gpu"), "xla": (conv("xla"), pruned, True)}
+  on_gpu = jax.default_backend() == "gpu"
+  routes = {"native": (conv(None), (compressed, x, cache), native_ok),
+            "pallas": (conv(None), (pruned, x, cache), on_gpu),
+            "xla": (conv("xla"), (pruned, x, cache), len(coords) <= args.xla_max_sites)}
+  for tile in (1, 2, 3):
+    routes[f"native_tile{tile}"] = (kernel(tile), (compressed, cache.nbr, x.num), native_ok)
   outs = {}
   for name, (fn, weight, runs) in routes.items():
     if not runs:
-      row[name] = {"skipped": native_why if name == "native" else "no GPU"}
+      why = {"xla": f"over --xla-max-sites={args.xla_max_sites}", "pallas": "no GPU"}
+      row[name] = {"skipped": native_why if name.startswith("native") else why[name]}
       continue
     try:
       r = bench_route(fn, feat_sets, weight, args.warmup, args.repeats)
@@ -119,6 +136,10 @@ def main(argv=None):
     speed = f"{r['speedup_native_vs_pallas']:.2f}x" if "speedup_native_vs_pallas" in r else "-"
     print(f"{r['dtype']:6} {r['sites']:9d} {r['channels']:4d} | {fmt(r['native']):32} | {fmt(r['pallas']):32} | "
           f"{fmt(r['xla']):32} | {speed}")
+  print("\nnative kernel alone per CTA tile (1: 64 ch x 64 sites, 2: 64 x 128, 3: 128 x 128):")
+  for r in rows:
+    print(f"{r['dtype']:6} {r['sites']:9d} {r['channels']:4d} | " +
+          " | ".join(f"tile {t}: {fmt(r[f'native_tile{t}'])}" for t in (1, 2, 3)))
   with open(args.out, "w") as f:
     json.dump({"device": str(jax.devices()[0]), "native_status": list(sparse24.native_status()),
                "settings": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}, f, indent=1)

@@ -14,7 +14,7 @@ cp ~/.cache/jsparse/*.log "$OUT"/ 2>/dev/null
 echo "== one mma.sp against numpy (prints the error of each candidate metadata layout)"
 timeout 120 python3 -m pytest tests/test_sparse24_native.py -m gpu -k one_mma -q -s -p no:cacheprovider 2>&1 | tail -n 30
 echo "== GPU tests: the kernel against XLA (3 tiles, f16 / bf16), submconv3d native vs dense"
-timeout 300 python3 -m pytest tests/test_sparse24_native.py -m gpu -q -p no:cacheprovider -x --durations=5 \
+timeout 300 python3 -m pytest tests/test_sparse24_native.py -m gpu -q -p no:cacheprovider --durations=5 \
   2>&1 | tee "$OUT/gpu_tests.txt" | tail -n 60
 echo "== benchmark"
 timeout 240 python3 -m benchmarks.probes.sparse24_bench "$OUT/sparse24.json" 2>&1 | tail -n 25

@@ -224,6 +224,35 @@ check can fail)."""
   assert all(err > 1e-2 for layout, err in errors.items() if layout != sparse24.META_LAYOUT), errors
 
 
+@pytest.mark.gpu
+def test_gpu_mma_sp_places_every_value():
+  """The probe with distinct integer values, random position pairs and one-hot B columns reads back the dense A
+  the tensor core saw: every kept value at the column its metadata names (printed on failure, so a wrong layout
+  convention shows where values landed)."""
+  available, reason = sparse24.native_status()
+  assert available, reason
+  rng = np.random.default_rng(6)
+  pairs = [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+  chosen = rng.integers(0, len(pairs), size=(16, 8))
+  ids = np.arange(1, 257, dtype=np.float32).reshape(16, 16)  # exact in float16 and bfloat16
+  expected = np.zeros((16, 32), np.float32)
+  words = np.zeros((16, 2), np.uint16)
+  for r in range(16):
+    for j in range(8):
+      p0, p1 = pairs[chosen[r, j]]
+      expected[r, 4 * j + p0], expected[r, 4 * j + p1] = ids[r, 2 * j], ids[r, 2 * j + 1]
+      words[r, j // 4] |= (p0 | (p1 << 2)) << (4 * (j % 4))
+  seen = np.zeros((16, 32), np.float32)
+  for k0 in range(0, 32, 8):
+    b = np.zeros((32, 8), np.float32)
+    b[k0 + np.arange(8), np.arange(8)] = 1  # D[:, n] = A[:, k0 + n]
+    seen[:, k0:k0 + 8] = _probe(jnp.asarray(ids, jnp.bfloat16), jnp.asarray(words), jnp.asarray(b.T, jnp.bfloat16),
+                                sparse24.META_LAYOUT)
+  np.set_printoptions(linewidth=250)
+  assert np.array_equal(seen, expected), f"dense A seen by mma.sp:\n{seen.astype(int)}\nexpected:\n" \
+                                         f"{expected.astype(int)}"
+
+
 def _gpu_case(rng, m, cin, cout, v, dtype, missing, num_fraction):
   rows_x = max(m // 2, 1)
   feats = jnp.asarray(rng.standard_normal((rows_x, cin)), dtype)

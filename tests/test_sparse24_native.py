@@ -288,8 +288,8 @@ def test_gpu_native_forward_against_xla(m, cin, cout, v, dtype, tile):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
-@pytest.mark.parametrize("cin,cout", [(32, 64), (128, 128)])
+@pytest.mark.parametrize("cin,cout,dtype", [(32, 64, jnp.float16), (128, 128, jnp.bfloat16)], ids=["32-64-f16",
+                                                                                              "128-128-bf16"])
 def test_gpu_submconv_native_equals_dense(cin, cout, dtype):
   """submconv3d on a Compressed2to4 runs the native kernel on the GPU (the program holds the custom call) and
   gives the dense path's values (the dense_2to4 block) to 16-bit tolerance and its gradients exactly (the

@@ -8,8 +8,8 @@ a build error with the path of its log, a library that does not load). `native_s
 that needs a device: whether jax has a CUDA backend. Building needs no GPU (CI compiles the sources with nvcc
 and lowers the custom calls on a CPU-only jax).
 
-The library is built for sm_80 and sm_90 (Ampere and Hopper; mma.sp needs sm_80 or newer); the static CUDA
-runtime is linked in, so loading it needs only the driver, and only when a kernel runs.
+The library is built for sm_80 and sm_90 (Ampere and Hopper; mma.sp needs sm_80 or newer) with sm_90 PTX for
+newer GPUs; the static CUDA runtime is linked in, so loading it needs only the driver, and only when a kernel runs.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ HERE = Path(__file__).resolve().parent
 SOURCES = ("sparse24_conv.cu",)
 # FFI target name -> the handler symbol the library exports.
 TARGETS = {"jsparse_sparse24_conv": "Sparse24Conv", "jsparse_mma_sp_probe": "MmaSpProbe"}
-GENCODES = ("arch=compute_80,code=sm_80", "arch=compute_90,code=sm_90")
+# Ampere and Hopper machine code, plus Hopper PTX that newer GPUs compile at load time.
+GENCODES = ("arch=compute_80,code=sm_80", "arch=compute_90,code=sm_90", "arch=compute_90,code=compute_90")
 FLAGS = ("-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17")
 
 
@@ -143,11 +144,16 @@ def register() -> NativeStatus:
   return _register_once(find_nvcc())
 
 
-def _has_cuda_backend() -> bool:
+def _cuda_devices_problem() -> str | None:
+  """None when jax has CUDA devices that can run mma.sp (compute capability 8.0 or newer), else what is wrong."""
   try:
-    return bool(jax.devices("cuda"))
+    devices = jax.devices("cuda")
   except RuntimeError:
-    return False
+    return "no CUDA backend: jax has no CUDA device here"
+  older = [d for d in devices if int(str(getattr(d, "compute_capability", "8.0")).split(".")[0]) < 8]
+  if older:
+    return f"mma.sp needs compute capability 8.0 or newer; {older[0]} has {older[0].compute_capability}"
+  return None
 
 
 def native_status() -> NativeStatus:
@@ -156,7 +162,8 @@ def native_status() -> NativeStatus:
   status = register()
   if not status.available:
     return status
-  if not _has_cuda_backend():
-    return NativeStatus(False, "no CUDA backend: jax has no CUDA device here (the library is built and "
-                               f"registered: {status.library})", status.library)
+  problem = _cuda_devices_problem()
+  if problem is not None:
+    return NativeStatus(False, f"{problem} (the library is built and registered: {status.library})",
+                        status.library)
   return status

@@ -11,12 +11,13 @@
 // One K step is 32 dense channels of one kernel offset (Cin % 32 == 0), so a 2:4 group never straddles offsets
 // and every K step reads one neighbour row per site.
 //
-// CTA tile: 64 output channels x 64 sites, 4 warps in a 2 x 2 arrangement, each warp 32 channels x 32 sites =
-// 2 (m16) x 4 (n8) mma.sp.m16n8k32 per K step, float32 accumulators. A values, A metadata and the gathered B
-// tile of each K step are copied to shared memory with cp.async into a STAGES-deep ring (the copies of later
-// steps overlap the MMAs of the current one); A and B fragments come out of shared memory with ldmatrix.
-// Offsets that no site of the tile uses are skipped whole (surface-like inputs leave many of them empty).
-// The epilogue stages the tile through shared memory so that the output is written in 16-byte rows.
+// CTA tiles (TileSmall / TileWide / TileLarge below, picked by shape or by the `tile` attribute): 2 x 2 or 4 x 2
+// warps, each warp 32 output channels x 32 or 64 sites = 2 (m16) x 4 or 8 (n8) mma.sp.m16n8k32 per K step,
+// float32 accumulators. A values, A metadata and the gathered B tile of each K step are copied to shared memory
+// with cp.async into a 3- or 4-deep ring (the copies of later steps overlap the MMAs of the current one); A and
+// B fragments come out of shared memory with ldmatrix. Offsets that no site of the tile uses are skipped whole
+// (surface-like inputs leave many of them empty). The epilogue stages the tile through shared memory so that the
+// output is written in 16-byte rows.
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -162,7 +163,7 @@ struct Tile {
     Stage stages[kStages];
     uint16_t out[kSites * kOutStride];
   };
-  static_assert(sizeof(Shared) + 4 * kMaxOffsets + 16 <= 48 * 1024, "static shared memory limit");
+  static_assert(sizeof(Shared) + 4 * kMaxOffsets + 16 <= 160 * 1024, "fits an SM80 / SM90 CTA with room to spare");
 };
 
 // Issues the cp.async copies of K step (offset v, channels c0 .. c0 + 31) into `stage`.
@@ -202,7 +203,8 @@ __device__ __forceinline__ void load_step(typename Tl::Stage& stage, const ConvA
 template <typename T, typename Tl>
 __global__ void __launch_bounds__(Tl::kThreads) sparse24_conv_kernel(ConvArgs p) {
   using Stage = typename Tl::Stage;
-  __shared__ __align__(16) typename Tl::Shared shared;
+  extern __shared__ __align__(16) unsigned char dynamic_shared[];  // sizeof(Tl::Shared) bytes (launch_conv)
+  typename Tl::Shared& shared = *reinterpret_cast<typename Tl::Shared*>(dynamic_shared);
   Stage* stages = shared.stages;
   __shared__ int active[kMaxOffsets];
   __shared__ int num_active;
@@ -314,14 +316,20 @@ __global__ void __launch_bounds__(Tl::kThreads) sparse24_conv_kernel(ConvArgs p)
 }
 
 // The tiles the handler can launch (attribute `tile`; 0 picks one by shape).
-using TileSmall = Tile<2, 2, 32, 3>;   // 64 channels x 64 sites, 4 warps
-using TileWide = Tile<2, 2, 64, 3>;    // 64 channels x 128 sites, 4 warps
-using TileLarge = Tile<4, 2, 64, 2>;   // 128 channels x 128 sites, 8 warps, double buffered
+using TileSmall = Tile<2, 2, 32, 3>;   // 64 channels x 64 sites, 4 warps, 3 stages (33 KB)
+using TileWide = Tile<2, 2, 64, 4>;    // 64 channels x 128 sites, 4 warps, 4 stages (54 KB)
+using TileLarge = Tile<4, 2, 64, 3>;   // 128 channels x 128 sites, 8 warps, 3 stages (51 KB)
 
 template <typename T, typename Tl>
-void launch_conv(const ConvArgs& p, cudaStream_t stream) {
+cudaError_t launch_conv(const ConvArgs& p, cudaStream_t stream) {
   const int64_t blocks = ((p.cout + Tl::kCout - 1) / Tl::kCout) * ((p.m + Tl::kSites - 1) / Tl::kSites);
-  sparse24_conv_kernel<T, Tl><<<(unsigned)blocks, Tl::kThreads, 0, stream>>>(p);
+  constexpr int kBytes = sizeof(typename Tl::Shared);
+  // Above 48 KB of dynamic shared memory a kernel must opt in (per device; cheap to repeat).
+  cudaError_t err = cudaFuncSetAttribute(sparse24_conv_kernel<T, Tl>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kBytes);
+  if (err != cudaSuccess) return err;
+  sparse24_conv_kernel<T, Tl><<<(unsigned)blocks, Tl::kThreads, kBytes, stream>>>(p);
+  return cudaGetLastError();
 }
 
 // 1, 2, 3: TileSmall, TileWide, TileLarge; 0: Large when Cout >= 128 and there are enough sites to fill the GPU
@@ -334,10 +342,10 @@ inline int pick_tile(int64_t tile, int64_t m, int64_t cout) {
 }
 
 template <typename T>
-void launch_conv_tile(const ConvArgs& p, int tile, cudaStream_t stream) {
-  if (tile == 1) launch_conv<T, TileSmall>(p, stream);
-  else if (tile == 2) launch_conv<T, TileWide>(p, stream);
-  else launch_conv<T, TileLarge>(p, stream);
+cudaError_t launch_conv_tile(const ConvArgs& p, int tile, cudaStream_t stream) {
+  if (tile == 1) return launch_conv<T, TileSmall>(p, stream);
+  if (tile == 2) return launch_conv<T, TileWide>(p, stream);
+  return launch_conv<T, TileLarge>(p, stream);
 }
 
 // ---- one-warp probe: one mma.sp m16n8k32 on given operands -------------------------------------------------
@@ -412,14 +420,18 @@ static ffi::Error Sparse24ConvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::A
              nbr.typed_data(), num.typed_data(), out->untyped_data(), xd[0], m, (int)cin, (int)cout, (int)v,
              meta_layout};
   const int picked = pick_tile(tile, m, cout);
+  cudaError_t err;
   if (x.element_type() == ffi::DataType::F16) {
-    launch_conv_tile<__half>(p, picked, stream);
+    err = launch_conv_tile<__half>(p, picked, stream);
   } else if (x.element_type() == ffi::DataType::BF16) {
-    launch_conv_tile<__nv_bfloat16>(p, picked, stream);
+    err = launch_conv_tile<__nv_bfloat16>(p, picked, stream);
   } else {
     return ffi::Error::InvalidArgument("sparse24_conv: x must be float16 or bfloat16");
   }
-  return check_launch("sparse24_conv");
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("sparse24_conv launch: ") + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Sparse24Conv, Sparse24ConvImpl,

@@ -10,13 +10,15 @@ when all of these hold, and otherwise decompresses the weight and runs the dense
 - Cin % 32 == 0, Cout % 16 == 0 and at most 1024 kernel offsets;
 - the native library is available (`native_status()`: nvcc found, built, a CUDA backend);
 - no `dense_2to4()` block is active (it forces the dense path, e.g. for A/B timings).
-`forward_route(...)` says which path a call would take and why.
+`forward_route(...)` says which path a call would take and why. The generative form of `sparse_conv_transpose3d`
+(kernel == stride) and the 2D / 1D convolutions always run the dense path.
 
 Gradients: the forward is a custom_vjp whose backward is the dense path's own backward (the Pallas or XLA
 map-GEMM) on the decompressed weight, so the input gradient and the weight gradient equal the dense
 convolution's. The weight gradient reaches `Compressed2to4.values` through the decompression: only the kept
 entries receive it (the dense weight gradient is computed in full, then read at the kept positions), so training
-keeps the 2:4 pattern. Higher-order gradients differentiate that dense backward.
+keeps the 2:4 pattern. Higher-order gradients differentiate that dense backward. (The backward is `jax.vjp` of
+the dense path, whose forward output it does not use: under jit that unused forward is dead code.)
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ __all__ = ["native_status", "dense_2to4", "forward_route", "sparse24_forward", "
 
 CONV_TARGET = "jsparse_sparse24_conv"  # the FFI target of the native forward
 PROBE_TARGET = "jsparse_mma_sp_probe"  # the one-warp mma.sp probe (tests)
-# The metadata register layout the forward uses (sparse24_conv.cu: 0 = kMetaHalves, 1 = kMetaRows).
+# Which lanes' metadata registers hold which rows' words (sparse24_conv.cu lists the 4 candidates; 0: lane 4g + h
+# holds K half h of rows g and g + 8). The one-warp probe test checks it on the GPU.
 META_LAYOUT = 0
 MAX_OFFSETS = 1024
 NATIVE_DTYPES = (jnp.float16, jnp.bfloat16)

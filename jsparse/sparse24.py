@@ -108,7 +108,8 @@ def sparse24_forward(feats: jax.Array, values: jax.Array, metadata: jax.Array, n
     raise ValueError(f"tile must be 0, 1, 2 or 3, got {tile!r}")
   m = nbr.shape[0]
   cout = values.shape[0]
-  call = jax.ffi.ffi_call(CONV_TARGET, jax.ShapeDtypeStruct((m, cout), feats.dtype))
+  # Under vmap (jsparse.per_item, a user's batching) the kernel runs once per batch element.
+  call = jax.ffi.ffi_call(CONV_TARGET, jax.ShapeDtypeStruct((m, cout), feats.dtype), vmap_method="sequential")
   return call(feats, values.astype(feats.dtype), metadata, nbr.astype(jnp.int32),
               jnp.asarray(num, jnp.int32).reshape(()), meta_layout=META_LAYOUT, tile=tile)
 

@@ -84,6 +84,9 @@ def test_custom_call_lowers_for_cuda():
   text = lowered.as_text()
   assert f"custom_call @{sparse24.CONV_TARGET}" in text and "tensor<90x32xf16>" in text
   assert f"meta_layout = {sparse24.META_LAYOUT}" in text and "tile = 0" in text
+  batched = jax.vmap(lambda f: sparse24.sparse24_forward(f, c.values, c.metadata, nbr, 80))  # one call per item
+  text = jax.jit(batched).trace(jnp.stack([feats, feats])).lower(lowering_platforms=("cuda",)).as_text()
+  assert f"custom_call @{sparse24.CONV_TARGET}" in text
   probe = jax.ffi.ffi_call(sparse24.PROBE_TARGET, jax.ShapeDtypeStruct((16, 8), jnp.float32))
   text = jax.jit(lambda a, m, b: probe(a, m, b, meta_layout=0)).trace(
       jnp.zeros((16, 16), jnp.bfloat16), jnp.zeros((16, 2), jnp.uint16), jnp.zeros((8, 32), jnp.bfloat16)).lower(

@@ -130,6 +130,7 @@ def main(argv=None):
         row = run_case(res, channels, DTYPES[dname], args)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items()}, default=str), flush=True)
+        write(args, rows)  # after every case: a run cut short keeps what it measured
   header = f"{'dtype':6} {'sites':>9} {'C':>4} | {'native':32} | {'pallas (dense)':32} | {'xla':32} | speedup"
   print(header + "\n" + "-" * len(header))
   for r in rows:
@@ -140,11 +141,15 @@ def main(argv=None):
   for r in rows:
     print(f"{r['dtype']:6} {r['sites']:9d} {r['channels']:4d} | " +
           " | ".join(f"tile {t}: {fmt(r[f'native_tile{t}'])}" for t in (1, 2, 3)))
+  write(args, rows)
+  print(f"wrote {args.out}")
+  return 0
+
+
+def write(args, rows) -> None:
   with open(args.out, "w") as f:
     json.dump({"device": str(jax.devices()[0]), "native_status": list(sparse24.native_status()),
                "settings": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}, f, indent=1)
-  print(f"wrote {args.out}")
-  return 0
 
 
 if __name__ == "__main__":

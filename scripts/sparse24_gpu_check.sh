@@ -10,13 +10,13 @@ export PYTHONPATH=$PWD
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi -L
 echo "== build (nvcc, sm_80 + sm_90) and status"
-time timeout 180 python3 -c "from native_kernels import build; print(build.native_status())"
+time timeout 120 python3 -c "from native_kernels import build; print(build.native_status())"
 cp ~/.cache/jsparse/*.log "$OUT"/ 2>/dev/null
 echo "== one mma.sp against numpy (prints the error of each candidate metadata layout)"
-timeout 90 python3 -m pytest tests/test_sparse24_native.py -m gpu -k "one_mma or places_every" -q -s -p no:cacheprovider 2>&1 | tee "$OUT/probe.txt" | tail -n 45
+timeout 60 python3 -m pytest tests/test_sparse24_native.py -m gpu -k "one_mma or places_every" -q -s -p no:cacheprovider 2>&1 | tee "$OUT/probe.txt" | tail -n 45
 echo "== GPU tests: the kernel against XLA (3 tiles, f16 / bf16), submconv3d native vs dense"
-timeout 240 python3 -m pytest tests/test_sparse24_native.py -m gpu -k "not one_mma and not places_every" -q \
+timeout 220 python3 -m pytest tests/test_sparse24_native.py -m gpu -k "not one_mma and not places_every" -q \
   -p no:cacheprovider --durations=5 \
   2>&1 | tee "$OUT/gpu_tests.txt" | tail -n 60
 echo "== benchmark"
-timeout 240 python3 -m benchmarks.probes.sparse24_bench "$OUT/sparse24.json" 2>&1 | tail -n 25
+timeout 190 python3 -m benchmarks.probes.sparse24_bench "$OUT/sparse24.json" 2>&1 | tail -n 25

@@ -4,9 +4,10 @@ from __future__ import annotations
 import dataclasses
 
 from jsparse._types import ArrayLike, PrecisionLike, Size3
-from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm, with_plans
+from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, with_plans
 from jsparse.neighbors import NeighborCache, build_neighbor_map, cache_key, check_dilation, check_kernel_size
 from jsparse.sparse_tensor import SparseTensor, check_same_sites, check_spatial_ndim
+from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
 from pallas_kernels.weight_layout import WeightLayout
 
@@ -27,8 +28,9 @@ def submconv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
     (Cout, Kx, Ky, Kz, Cin) (PyTorch / spconv / FlexGEMM's layout: their checkpoints load without a
     transpose). Both give the same results; on the GPU a pass reads the weight in place or through a
     transposed copy, whichever its layout favours. Or a `jsparse.sparsity.Compressed2to4` (a 2:4 weight, compressed
-    in the same layout): it is decompressed and the dense path runs (no sparse tensor-core kernel yet), here and in
-    the strided, inverse and transposed convolutions. bias: (Cout,) or None.
+    in the same layout): on a GPU the forward runs on the native sparse tensor-core kernel where
+    `jsparse.sparse24` allows it (float16 / bfloat16, Cin % 32 == 0, Cout % 16 == 0), else it is decompressed and
+    the dense path runs; the same holds in the strided, inverse and transposed convolutions. bias: (Cout,) or None.
   cache: a NeighborCache for x's coordinates from `neighbor_map(x, kernel_size, dilation)`. If None, the map
     that x carries for this kernel (x.caches, attached by an earlier convolution on these coordinates) is
     used, or a new one is built; the output carries it on, so a stack of layers builds it once.
@@ -67,4 +69,4 @@ def submconv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   cache = dataclasses.replace(cache, plans=maps.plans)
   # The output shares x's coordinates, so it carries the map (with its plans) on, and its overflow flag.
   x = dataclasses.replace(x.with_cache(key, cache), overflow=x.overflow | cache.overflow)
-  return x.replace(feats=map_gemm(x.feats, w, b, maps, spec))
+  return x.replace(feats=conv_map_gemm(x.feats, weight, w, b, maps, spec))

@@ -55,6 +55,7 @@ from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
 from jsparse.neighbors import as_triple, check_dilation, lift_triple, lookup_keys, sorted_site_keys
 from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_same_sites, check_spatial_ndim,
                                    key_width, report, resolve_capacity, site_keys, sites_of_keys)
+from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
 from pallas_kernels import unique_keys
 from pallas_kernels.tiling import dot_precision
@@ -366,7 +367,8 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
     raise ValueError("cache was built for another geometry or input capacity than this convolution")
   else:
     check_same_sites("sparse_conv3d", "cache (a PairMap)", cache.in_coords, cache.in_num, x.coords, x.num)
-  feats = map_gemm(x.feats, w, b, ConvMaps(cache.nbr, cache.out_num, jnp.flip(cache.inv, 1), x.num), spec)
+  maps = ConvMaps(cache.nbr, cache.out_num, jnp.flip(cache.inv, 1), x.num)
+  feats = conv_map_gemm(x.feats, weight, w, b, maps, spec)
   out = cache.output(feats, x)
   return (out, cache.overflow) if with_overflow else out
 
@@ -462,7 +464,7 @@ def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike | Compressed2to4,
         f"{geom.out_shape} (batch_size={like.batch_size}) of this convolution of `like`")
   inv, nbr = _inverse_maps(y, like, geom)
   # The forward map of the inverse is the transposed map of the convolution, and vice versa.
-  feats = map_gemm(y.feats, w, b, ConvMaps(inv, like.num, jnp.flip(nbr, 1), y.num), spec)
+  feats = conv_map_gemm(y.feats, weight, w, b, ConvMaps(inv, like.num, jnp.flip(nbr, 1), y.num), spec)
   return like.replace(feats=feats, overflow=like.overflow | y.overflow)
 
 
@@ -610,7 +612,7 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
       raise ValueError(f"mask prunes the children of generative upsampling (kernel == stride, padding 0, "
                        f"output_padding 0, dilation 1); this transposed convolution has {_describe_transpose(geom)}")
     out_coords, out_num, nbr, inv, overflow = _transpose_map(x, geom, out_capacity, implementation, True)
-    feats = map_gemm(x.feats, w, b, ConvMaps(nbr, out_num, jnp.flip(inv, 1), x.num), spec)
+    feats = conv_map_gemm(x.feats, weight, w, b, ConvMaps(nbr, out_num, jnp.flip(inv, 1), x.num), spec)
     out = SparseTensor(out_coords, feats, out_num, geom.out_shape, x.batch_size, overflow=x.overflow | overflow)
   return (out, overflow) if with_overflow else out
 

@@ -1,0 +1,165 @@
+"""The 2:4 sparse-tensor-core forward: when a convolution's weight is a `Compressed2to4`, which path runs.
+
+A convolution (`submconv3d`, `sparse_conv3d`, `sparse_inverse_conv3d`, `sparse_conv_transpose3d`) given a
+`jsparse.sparsity.Compressed2to4` weight runs its forward on the native CUDA kernel of
+`native_kernels/sparse24_conv.cu` (a gather-fused implicit GEMM on `mma.sp`, reached through `jax.ffi.ffi_call`)
+when all of these hold, and otherwise decompresses the weight and runs the dense path (same values):
+- the weight was compressed with axis="cin" (2:4 groups within one kernel offset) and feature_group_count=1;
+- the features are float16 or bfloat16 (float32 accumulation; the output in the features' dtype);
+- the implementation is Pallas on a GPU (implementation=None or "pallas" there; "xla" always runs the dense path);
+- Cin % 32 == 0, Cout % 16 == 0 and at most 1024 kernel offsets;
+- the native library is available (`native_status()`: nvcc found, built, a CUDA backend);
+- no `dense_2to4()` block is active (it forces the dense path, e.g. for A/B timings).
+`forward_route(...)` says which path a call would take and why. The generative form of `sparse_conv_transpose3d`
+(kernel == stride) and the 2D / 1D convolutions always run the dense path.
+
+Gradients: the forward is a custom_vjp whose backward is the dense path's own backward (the Pallas or XLA
+map-GEMM) on the decompressed weight, so the input gradient and the weight gradient equal the dense
+convolution's. The weight gradient reaches `Compressed2to4.values` through the decompression: only the kept
+entries receive it (the dense weight gradient is computed in full, then read at the kept positions), so training
+keeps the 2:4 pattern. Higher-order gradients differentiate that dense backward. (The backward is `jax.vjp` of
+the dense path, whose forward output it does not use: under jit that unused forward is dead code.)
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+
+from jsparse.map_gemm import ConvMaps, ConvSpec, map_gemm
+from jsparse.sparsity import Compressed2to4, decompress_2to4
+
+__all__ = ["native_status", "dense_2to4", "forward_route", "sparse24_forward", "conv_map_gemm", "CONV_TARGET",
+           "META_LAYOUT"]
+
+CONV_TARGET = "jsparse_sparse24_conv"  # the FFI target of the native forward
+PROBE_TARGET = "jsparse_mma_sp_probe"  # the one-warp mma.sp probe (tests)
+# Which lanes' metadata registers hold which rows' words (sparse24_conv.cu lists the 4 candidates; 0: lane 4g + h
+# holds K half h of rows g and g + 8). The one-warp probe test checks it on the GPU.
+META_LAYOUT = 0
+MAX_OFFSETS = 1024
+NATIVE_DTYPES = (jnp.float16, jnp.bfloat16)
+
+_FORCE_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("jsparse_sparse24_force_dense", default=False)
+
+
+@contextlib.contextmanager
+def dense_2to4() -> Iterator[None]:
+  """Inside the block, convolutions given a Compressed2to4 weight run the dense path (decompress, then the
+  ordinary kernels) even where the native 2:4 kernel could run: for A/B timings and checks. Applies at trace
+  time (wrap the call that traces, e.g. the first call of a jitted function)."""
+  token = _FORCE_DENSE.set(True)
+  try:
+    yield
+  finally:
+    _FORCE_DENSE.reset(token)
+
+
+def native_status() -> tuple[bool, str]:
+  """(available, reason): whether the native 2:4 kernel can run here; reason names what is missing (nvcc, a
+  failed build and its log path, jax's CUDA backend) or the library that was loaded. Builds the kernel on first
+  call (about a minute with nvcc); never raises."""
+  from native_kernels import build
+
+  status = build.native_status()
+  return status.available, status.reason
+
+
+def forward_route(feats_dtype: Any, weight: Any, *, implementation_is_pallas_on_gpu: bool, num_offsets: int, cin: int,
+                  cout: int, groups: int = 1) -> tuple[bool, str]:
+  """(native, reason): whether a convolution with these arguments runs its forward on the native 2:4 kernel,
+  and why not when it does not. `weight`: the convolution's weight argument (only a Compressed2to4 can)."""
+  if not isinstance(weight, Compressed2to4):
+    return False, "the weight is not a Compressed2to4"
+  if weight.axis != "cin":
+    return False, f"the weight was compressed with axis={weight.axis!r} (the native kernel needs 'cin')"
+  if _FORCE_DENSE.get():
+    return False, "forced dense (jsparse.sparse24.dense_2to4)"
+  if jnp.dtype(feats_dtype) not in [jnp.dtype(d) for d in NATIVE_DTYPES]:
+    return False, f"features are {jnp.dtype(feats_dtype)} (the native kernel takes float16 or bfloat16)"
+  if not implementation_is_pallas_on_gpu:
+    return False, "the implementation is not Pallas on a GPU"
+  if groups != 1:
+    return False, f"feature_group_count={groups} (the native kernel runs ungrouped convolutions)"
+  if cin % 32 or cout % 16 or num_offsets > MAX_OFFSETS:
+    return False, (f"Cin={cin}, Cout={cout}, V={num_offsets} (the native kernel needs Cin % 32 == 0, "
+                   f"Cout % 16 == 0, V <= {MAX_OFFSETS})")
+  available, reason = native_status()
+  if not available:
+    return False, reason
+  return True, "native 2:4 kernel"
+
+
+def sparse24_forward(feats: jax.Array, values: jax.Array, metadata: jax.Array, nbr: jax.Array,
+                     num: jax.Array, *, tile: int = 0) -> jax.Array:
+  """The native forward, array level (GPU only, not differentiable): out[i] = sum_v feats[nbr[i, v]] @ W_v for
+  i < num, zero rows after, with W given compressed (Compressed2to4 axis="cin": values [Cout, V, Cin/2] in
+  feats' dtype, metadata uint16 [Cout, V, Cin/16]). out: [M, Cout] in feats' dtype. The library must be
+  registered (`native_status()` or native_kernels.build.register()).
+
+  tile: the CTA tile, 0 = chosen by shape, 1 = 64 channels x 64 sites, 2 = 64 x 128, 3 = 128 x 128 (all give
+  the same values; for timing them against each other)."""
+  if tile not in (0, 1, 2, 3):
+    raise ValueError(f"tile must be 0, 1, 2 or 3, got {tile!r}")
+  m = nbr.shape[0]
+  cout = values.shape[0]
+  # Under vmap (jsparse.per_item, a user's batching) the kernel runs once per batch element.
+  call = jax.ffi.ffi_call(CONV_TARGET, jax.ShapeDtypeStruct((m, cout), feats.dtype), vmap_method="sequential")
+  return call(feats, values.astype(feats.dtype), metadata, nbr.astype(jnp.int32),
+              jnp.asarray(num, jnp.int32).reshape(()), meta_layout=META_LAYOUT, tile=tile)
+
+
+def _dense_weight(compressed: Compressed2to4, values: jax.Array, dtype) -> jax.Array:
+  """The flattened dense weight (the layout's [V, Cin, Cout] or [Cout, V, Cin]) of `compressed` with `values`."""
+  dense = decompress_2to4(dataclasses.replace(compressed, values=values))
+  return compressed.layout.flatten(dense).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _native_map_gemm(feats, values, metadata, bias, maps: ConvMaps, weight_static, spec: ConvSpec):
+  out = sparse24_forward(feats, values, metadata, maps.nbr, maps.num)
+  if bias is not None:
+    valid = jnp.arange(out.shape[0]) < maps.num
+    out = out + jnp.where(valid[:, None], bias.astype(out.dtype), jnp.zeros((), out.dtype))
+  return out
+
+
+def _native_fwd(feats, values, metadata, bias, maps, weight_static, spec):
+  return _native_map_gemm(feats, values, metadata, bias, maps, weight_static, spec), (feats, values, metadata, bias,
+                                                                                      maps)
+
+
+def _native_bwd(weight_static, spec, residuals, g):
+  feats, values, metadata, bias, maps = residuals
+  compressed = Compressed2to4(values, metadata, *weight_static)
+
+  def dense(f, vals, b):
+    return map_gemm(f, _dense_weight(compressed, vals, f.dtype), b, maps, spec)
+
+  _, vjp = jax.vjp(dense, feats, values, bias)
+  d_feats, d_values, d_bias = vjp(g)
+  return d_feats, d_values, None, d_bias, None
+
+
+_native_map_gemm.defvjp(_native_fwd, _native_bwd)
+
+
+def conv_map_gemm(feats: jax.Array, weight, w: jax.Array, bias: jax.Array | None, maps: ConvMaps,
+                  spec: ConvSpec) -> jax.Array:
+  """What every convolution runs on its maps: the native 2:4 forward when `forward_route` allows it for the
+  convolution's `weight` argument, else `map_gemm(feats, w, bias, maps, spec)` (w: the validated, flattened
+  dense weight that `map_gemm.check_weight` made of `weight`; equal values either way)."""
+  v, cin, cout = spec.weight_layout.flat_dims(w)
+  native, _ = forward_route(feats.dtype, weight, num_offsets=v, cin=cin, cout=cout, groups=spec.groups,
+                            implementation_is_pallas_on_gpu=spec.implementation.is_pallas
+                            and not spec.implementation.interpret)
+  if not native:
+    return map_gemm(feats, w, bias, maps, spec)
+  values = weight.values.astype(feats.dtype)
+  static = (tuple(weight.shape), weight.layout, weight.axis)
+  return _native_map_gemm(feats, values, weight.metadata, bias, maps, static, spec)

@@ -4,12 +4,13 @@ A convolution (`submconv3d`, `sparse_conv3d`, `sparse_inverse_conv3d`, `sparse_c
 `jsparse.sparsity.Compressed2to4` weight runs its forward on the native CUDA kernel of
 `native_kernels/sparse24_conv.cu` (a gather-fused implicit GEMM on `mma.sp`, reached through `jax.ffi.ffi_call`)
 when all of these hold, and otherwise decompresses the weight and runs the dense path (same values):
+- a `native_2to4()` block is active: the native kernel is opt-in, because it is slower than the dense Pallas
+  kernels it would replace (BENCHMARKS.md, run 28: 0.20-0.39x on an H200), so the default is the dense path;
 - the weight was compressed with axis="cin" (2:4 groups within one kernel offset) and feature_group_count=1;
 - the features are float16 or bfloat16 (float32 accumulation; the output in the features' dtype);
 - the implementation is Pallas on a GPU (implementation=None or "pallas" there; "xla" always runs the dense path);
 - Cin % 32 == 0, Cout % 16 == 0 and at most 1024 kernel offsets;
 - the native library is available (`native_status()`: nvcc found, built, a CUDA backend);
-- no `dense_2to4()` block is active (it forces the dense path, e.g. for A/B timings).
 `forward_route(...)` says which path a call would take and why. The generative form of `sparse_conv_transpose3d`
 (kernel == stride) and the 2D / 1D convolutions always run the dense path.
 
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 from jsparse.map_gemm import ConvMaps, ConvSpec, map_gemm
 from jsparse.sparsity import Compressed2to4, decompress_2to4
 
-__all__ = ["native_status", "dense_2to4", "forward_route", "sparse24_forward", "conv_map_gemm", "CONV_TARGET",
+__all__ = ["native_status", "native_2to4", "forward_route", "sparse24_forward", "conv_map_gemm", "CONV_TARGET",
            "META_LAYOUT"]
 
 CONV_TARGET = "jsparse_sparse24_conv"  # the FFI target of the native forward
@@ -45,19 +46,19 @@ META_LAYOUT = 0
 MAX_OFFSETS = 1024
 NATIVE_DTYPES = (jnp.float16, jnp.bfloat16)
 
-_FORCE_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("jsparse_sparse24_force_dense", default=False)
+_USE_NATIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jsparse_sparse24_native", default=False)
 
 
 @contextlib.contextmanager
-def dense_2to4() -> Iterator[None]:
-  """Inside the block, convolutions given a Compressed2to4 weight run the dense path (decompress, then the
-  ordinary kernels) even where the native 2:4 kernel could run: for A/B timings and checks. Applies at trace
-  time (wrap the call that traces, e.g. the first call of a jitted function)."""
-  token = _FORCE_DENSE.set(True)
+def native_2to4(enabled: bool = True) -> Iterator[None]:
+  """Inside the block, convolutions given a Compressed2to4 weight run their forward on the native 2:4 kernel
+  where it can run (see the module doc); `enabled=False` restores the dense path inside an enclosing block.
+  Applies at trace time (wrap the call that traces, e.g. the first call of a jitted function)."""
+  token = _USE_NATIVE.set(bool(enabled))
   try:
     yield
   finally:
-    _FORCE_DENSE.reset(token)
+    _USE_NATIVE.reset(token)
 
 
 def native_status() -> tuple[bool, str]:
@@ -78,8 +79,6 @@ def forward_route(feats_dtype: Any, weight: Any, *, implementation_is_pallas_on_
     return False, "the weight is not a Compressed2to4"
   if weight.axis != "cin":
     return False, f"the weight was compressed with axis={weight.axis!r} (the native kernel needs 'cin')"
-  if _FORCE_DENSE.get():
-    return False, "forced dense (jsparse.sparse24.dense_2to4)"
   if jnp.dtype(feats_dtype) not in [jnp.dtype(d) for d in NATIVE_DTYPES]:
     return False, f"features are {jnp.dtype(feats_dtype)} (the native kernel takes float16 or bfloat16)"
   if not implementation_is_pallas_on_gpu:
@@ -89,6 +88,8 @@ def forward_route(feats_dtype: Any, weight: Any, *, implementation_is_pallas_on_
   if cin % 32 or cout % 16 or num_offsets > MAX_OFFSETS:
     return False, (f"Cin={cin}, Cout={cout}, V={num_offsets} (the native kernel needs Cin % 32 == 0, "
                    f"Cout % 16 == 0, V <= {MAX_OFFSETS})")
+  if not _USE_NATIVE.get():
+    return False, "the native kernel is opt-in (jsparse.sparse24.native_2to4) and no such block is active"
   available, reason = native_status()
   if not available:
     return False, reason

@@ -37,8 +37,9 @@ wraps an optax optimizer so that pruned entries receive exactly zero updates. Th
 `kernel_sparsity="2:4"` option instead prunes each kernel in the forward (`prune_2to4` of the stored values).
 
 The convolutions (`jsparse.submconv3d`, `jsparse.sparse_conv3d`, `jsparse.sparse_inverse_conv3d`,
-`jsparse.sparse_conv_transpose3d` and their 2D / 1D forms) accept a `Compressed2to4` as their weight. On a GPU,
-with float16 / bfloat16 features, an axis="cin" weight, Cin % 32 == 0 and Cout % 16 == 0, the 3D forms run their
+`jsparse.sparse_conv_transpose3d` and their 2D / 1D forms) accept a `Compressed2to4` as their weight. Inside a
+`jsparse.sparse24.native_2to4()` block (opt-in: the kernel is slower than the dense one), on a GPU, with float16 /
+bfloat16 features, an axis="cin" weight, Cin % 32 == 0 and Cout % 16 == 0, the 3D forms run their
 forward on a native sparse tensor-core kernel (`mma.sp`, CUDA C++ compiled with nvcc on first use, reached
 through jax.ffi; `jsparse.sparse24` says when and how); everywhere else they decompress the weight and run the
 dense path. Gradients always come from the dense path. `native_status()` says whether the native kernel is

@@ -55,8 +55,9 @@ def test_status_without_nvcc(monkeypatch, tmp_path):
   assert build.find_nvcc() is None
   available, reason = sparse24.native_status()
   assert not available and "nvcc" in reason
-  native, why = sparse24.forward_route(jnp.float16, sparsity.compress_2to4(jnp.zeros((3, 3, 3, 32, 16))),
-                                       implementation_is_pallas_on_gpu=True, num_offsets=27, cin=32, cout=16)
+  with sparse24.native_2to4():
+    native, why = sparse24.forward_route(jnp.float16, sparsity.compress_2to4(jnp.zeros((3, 3, 3, 32, 16))),
+                                         implementation_is_pallas_on_gpu=True, num_offsets=27, cin=32, cout=16)
   assert not native and "nvcc" in why
 
 
@@ -126,9 +127,10 @@ def test_route_reasons():
   flat = sparsity.compress_2to4(_pruned(np.random.default_rng(1), (3, 3, 3, 32, 16), jnp.float16), axis="flat")
   assert "axis='flat'" in sparse24.forward_route(jnp.float16, flat, implementation_is_pallas_on_gpu=True,
                                                  **common)[1]
-  with sparse24.dense_2to4():
-    assert "forced dense" in sparse24.forward_route(jnp.float16, c, implementation_is_pallas_on_gpu=True,
-                                                    **common)[1]
+  assert "opt-in" in sparse24.forward_route(jnp.float16, c, implementation_is_pallas_on_gpu=True, **common)[1]
+  with sparse24.native_2to4(), sparse24.native_2to4(enabled=False):
+    assert "opt-in" in sparse24.forward_route(jnp.float16, c, implementation_is_pallas_on_gpu=True,
+                                              **common)[1]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
@@ -316,9 +318,9 @@ def test_gpu_native_forward_against_xla(m, cin, cout, v, dtype, tile):
 @pytest.mark.parametrize("cin,cout,dtype", [(32, 64, jnp.float16), (128, 128, jnp.bfloat16)], ids=["32-64-f16",
                                                                                               "128-128-bf16"])
 def test_gpu_submconv_native_equals_dense(cin, cout, dtype):
-  """submconv3d on a Compressed2to4 runs the native kernel on the GPU (the program holds the custom call) and
-  gives the dense path's values (the dense_2to4 block) to 16-bit tolerance and its gradients exactly (the
-  backward is the dense path's)."""
+  """submconv3d on a Compressed2to4 runs the native kernel on the GPU inside a native_2to4 block (the program
+  holds the custom call) and gives the dense path's values (the default) to 16-bit tolerance and its gradients
+  exactly (the backward is the dense path's)."""
   rng = np.random.default_rng(cin + cout)
   x = jsparse.shapes.shell(48, channels=cin, capacity=None)
   x = x.replace(feats=jnp.asarray(rng.standard_normal(x.feats.shape), dtype))
@@ -326,12 +328,12 @@ def test_gpu_submconv_native_equals_dense(cin, cout, dtype):
   c = sparsity.compress_2to4(w)
   bias = jnp.asarray(rng.standard_normal(cout), dtype)
   conv = lambda x, w: jsparse.submconv3d(x, w, bias)
-  assert sparse24.CONV_TARGET in str(jax.make_jaxpr(lambda c: conv(x, c).feats)(c))
   cot = jnp.asarray(rng.standard_normal((x.capacity, cout)), jnp.float32)
-  y, gx, gv = _grads(conv, x, c, cot)
-  with sparse24.dense_2to4():
-    assert sparse24.CONV_TARGET not in str(jax.make_jaxpr(lambda c: conv(x, c).feats)(c))
-    yd, gxd, gvd = _grads(conv, x, c, cot)
+  with sparse24.native_2to4():
+    assert sparse24.CONV_TARGET in str(jax.make_jaxpr(lambda c: conv(x, c).feats)(c))
+    y, gx, gv = _grads(conv, x, c, cot)
+  assert sparse24.CONV_TARGET not in str(jax.make_jaxpr(lambda c: conv(x, c).feats)(c))
+  yd, gxd, gvd = _grads(conv, x, c, cot)
   assert rel_err(y, yd) < (3e-3 if dtype == jnp.float16 else 2e-2)
   np.testing.assert_array_equal(np.asarray(gx, np.float32), np.asarray(gxd, np.float32))
   np.testing.assert_array_equal(np.asarray(gv, np.float32), np.asarray(gvd, np.float32))

@@ -16,12 +16,13 @@ venv: $(VENV)/.installed
 demo: venv
 	$(PY) examples/demo.py
 
+# One worker per core (pytest-xdist): the suite's time is mostly XLA compiling, which runs on one core per test.
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 # Everything but the tests marked slow (the notebooks): the everyday loop while editing.
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n auto -m "not slow"
 
 # ruff (pyproject's [tool.ruff]) over the code; `pip install ruff` or the dev extra.
 lint:

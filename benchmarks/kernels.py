@@ -226,9 +226,10 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
             rec["config"] = f"{describe(cfg)} {cfg.tiles}" if cfg.tiles else describe(cfg)
             masked = cfg.uses_plan
             # The map and its plans are arguments (not jit constants), shared by all sets, built outside timing.
+            plan = cache.plan(cfg.tiles.block_m, interpret) if masked and pass_name != "weight_grad" else None
             maps = {"nbr": cache.nbr, "num": x0.num,
-                    "plan_forward": cache.plan(cfg.tiles.block_m) if masked and pass_name == "forward" else None,
-                    "plan_input_grad": cache.plan(cfg.tiles.block_m) if masked and pass_name == "input_grad" else None,
+                    "plan_forward": plan if pass_name == "forward" else None,
+                    "plan_input_grad": plan if pass_name == "input_grad" else None,
                     "pairs": cache.pair_lists() if masked and pass_name == "weight_grad" else None}
             fn = pass_fn(pass_name, cfg, interpret, args.weight_layout, groups)
           except Exception as e:  # noqa: BLE001

@@ -97,7 +97,7 @@ def tune_call(call: ConvCall, passes=PASSES, warmup: int = 2, repeats: int = 10,
           plan_key = (pass_name if maps.transposed is not None else "", cfg.tiles.block_m)
           if plan_key not in plans:
             build = maps.plan if pass_name == "forward" else maps.input_grad_plan
-            plans[plan_key] = jax.block_until_ready(build(cfg.tiles.block_m))
+            plans[plan_key] = jax.block_until_ready(build(cfg.tiles.block_m, not dispatch.on_gpu()))
           plan = plans[plan_key]
         if pass_name == "forward":
           inputs = PassInputs(x, w, maps.nbr, maps.num, plan=plan)

@@ -311,8 +311,8 @@ def markdown(results: dict) -> str:
   return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-  args = parse_args(argv)
+def run(args) -> tuple[dict, dict]:
+  """The experiment: (results, the parameters of each model by name, plus "masks": the 2:4 masks)."""
   t_start = time.time()
   train_masks = make_masks(args.seed, args.train_shapes, args.res)
   heldout_masks = make_masks(args.seed + 10_000, args.heldout_shapes, args.res)
@@ -348,6 +348,7 @@ def main(argv=None) -> int:
   models["dense N + M"] = {"steps": args.steps + args.finetune_steps, **evaluate(control)}
 
   pruned_layers, dense_layers = kernel_report(dense, masks)
+  trained = {"dense N": dense, "pruned 2:4": pruned, "2:4 + M": finetuned, "dense N + M": control, "masks": masks}
   results = {
       "probe": "sparse24_finetune", "meta": metadata(), "args": vars(args), "capacities": list(cap),
       "occupancy": float(train_masks.mean()),
@@ -355,17 +356,28 @@ def main(argv=None) -> int:
       "pattern": {"after_pruning": pruned_check, "after_finetuning": finetuned_check},
       "pruned_layers": pruned_layers, "dense_layers": dense_layers, "seconds": time.time() - t_start,
   }
+  return results, trained
+
+
+def report(results: dict, path: str) -> bool:
+  """Prints the table and the pattern check, writes the JSON (with the table) to `path`; whether the fine-tuned
+  kernels are exactly 2:4 with the pruning's zeros."""
+  dense_layers, finetuned_check = results["dense_layers"], results["pattern"]["after_finetuning"]
   table = markdown(results)
   print(table)
-  print(f"2:4 along Cin on {len(pruned_layers)} kernels; left dense (Cin % 4 != 0): "
+  print(f"2:4 along Cin on {len(results['pruned_layers'])} kernels; left dense (Cin % 4 != 0): "
         + (", ".join(f"{d['layer']} (Cin {d['cin']})" for d in dense_layers) or "none"))
   print(f"pattern after fine-tuning: is_2to4 {finetuned_check['is_2to4']}, zero where pruned "
         f"{finetuned_check['zero_where_pruned']}, non-zero fraction {finetuned_check['nonzero_fraction']:.3f} | "
         f"{results['seconds']:.0f}s")
-  results["table"] = table
-  write_json(results, args.out)
-  ok = finetuned_check["is_2to4"] and finetuned_check["zero_where_pruned"]
-  return 0 if ok else 1
+  write_json({**results, "table": table}, path)
+  return finetuned_check["is_2to4"] and finetuned_check["zero_where_pruned"]
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  results, _ = run(args)
+  return 0 if report(results, args.out) else 1
 
 
 if __name__ == "__main__":

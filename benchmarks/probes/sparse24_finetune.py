@@ -28,7 +28,6 @@ the sum of the two levels' means); loss = BCE + kl_weight * KL, the training obj
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from functools import partial

@@ -476,3 +476,38 @@ def test_grouped_conv_with_2to4_kernel():
   y = jsparse.submconv3d(x, sparsity.compress_2to4(pruned), params["bias"], feature_group_count=2,
                          implementation="xla", precision="highest")
   np.testing.assert_array_equal(np.asarray(y.feats), np.asarray(plain))
+
+
+def test_finetune_probe_smoke_keeps_the_pattern(tmp_path):
+  """benchmarks/probes/sparse24_finetune.py --smoke (the VAE of notebook 2, a few steps): after fine-tuning with
+  apply_masks + keep_2to4 every pruned kernel is still exactly 2:4 along Cin with the pruning's zeros, every kernel
+  the loss reads has trained, the first layer (Cin 1) stayed dense, and every reported number is finite."""
+  import json
+
+  from benchmarks.probes import sparse24_finetune
+
+  out = tmp_path / "sp24.json"
+  args = sparse24_finetune.parse_args(["--smoke", "--out", str(out)])
+  results, trained = sparse24_finetune.run(args)
+  masks, pruned, finetuned = trained["masks"], trained["pruned 2:4"], trained["2:4 + M"]
+  flat_masks = jax.tree_util.tree_flatten_with_path(masks, is_leaf=lambda m: m is None)[0]
+  triples = [(sparse24_finetune.leaf_name(path), m, p, f) for (path, m), p, f in
+             zip(flat_masks, jax.tree.leaves(pruned), jax.tree.leaves(finetuned)) if m is not None]
+  assert len(triples) == len(results["pruned_layers"]) > 10
+  moved = set()
+  for name, m, p, f in triples:
+    f = np.asarray(f)
+    assert (np.count_nonzero(_groups_np(f, "DHWIO"), axis=-1) <= 2).all(), name   # independent of is_2to4
+    assert (f[~np.asarray(m)] == 0).all() and np.asarray(m).sum() * 2 == m.size, name
+    if (f != np.asarray(p)).any():
+      moved.add(name)
+  # Every kernel trained except the last upsampling's, whose output features no loss reads (only its sites).
+  assert {name for name, *_ in triples} - moved == {"decoder/SparseConvTranspose3d_1/kernel"}
+  assert [d["cin"] for d in results["dense_layers"]] == [1]
+  for name in sparse24_finetune.MODELS:
+    assert all(np.isfinite(results["models"][name][k]) for k in ("iou", "child_accuracy", "bce", "kl", "loss"))
+  check = results["pattern"]["after_finetuning"]
+  assert check["is_2to4"] and check["zero_where_pruned"] and check["nonzero_fraction"] == 0.5
+  assert sparse24_finetune.report(results, str(out))   # what the CLI prints and writes
+  written = json.loads(out.read_text())
+  assert set(written["models"]) == set(sparse24_finetune.MODELS) and "| 2:4 + 3 |" in written["table"]

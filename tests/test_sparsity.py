@@ -478,6 +478,7 @@ def test_grouped_conv_with_2to4_kernel():
   np.testing.assert_array_equal(np.asarray(y.feats), np.asarray(plain))
 
 
+@pytest.mark.slow  # about a minute, mostly compiling the VAE
 def test_finetune_probe_smoke_keeps_the_pattern(tmp_path):
   """benchmarks/probes/sparse24_finetune.py --smoke (the VAE of notebook 2, a few steps): after fine-tuning with
   apply_masks + keep_2to4 every pruned kernel is still exactly 2:4 along Cin with the pruning's zeros, every kernel

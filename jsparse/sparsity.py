@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse._types import ArrayLike
+from jsparse.sparse_tensor import report
 from pallas_kernels.weight_layout import WeightLayout
 
 if TYPE_CHECKING:  # optax (a dependency of flax) is imported when keep_2to4 is called, not with jsparse
@@ -194,15 +195,16 @@ def compress_2to4(weight: ArrayLike, *, weight_layout: WeightLayout | str = "DHW
                   axis: Axis = "cin") -> Compressed2to4:
   """The 2:4 weight as kept values and packed 2-bit positions (a `Compressed2to4`, format in the module
   docstring). The weight must be 2:4 along `axis` (`prune_2to4` makes it so): ValueError naming `weight`
-  otherwise, checked when the weight is concrete (under jit the two largest of each group are kept).
+  otherwise when the weight is concrete. Under jit the two largest of each group are kept, and inside
+  `jsparse.error_checks()` a group with more non-zeros is reported to `jax.experimental.checkify`.
   `decompress_2to4` returns it exactly, dtype included."""
   layout = WeightLayout.of(weight_layout)
   weight = jnp.asarray(weight)
   _check_weight_shape(weight.shape, layout, axis)
-  if not isinstance(weight, jax.core.Tracer) and not bool(is_2to4(weight, weight_layout=layout, axis=axis)):
-    raise ValueError(f"weight is not 2:4 along axis={axis!r} (a group of 4 holds more than 2 non-zeros; "
-                     f"prune it with jsparse.sparsity.prune_2to4 first)")
   groups = _groups(weight, layout)  # [Cout, G, 4]
+  crowded = jnp.sum(jnp.sum(groups != 0, axis=-1) > KEPT)
+  report(crowded > 0, f"compress_2to4: weight is not 2:4 along axis={axis!r} ({{groups}} groups of 4 hold more "
+         f"than 2 non-zeros; prune it with jsparse.sparsity.prune_2to4 first)", groups=crowded)
   keep = _group_keep(groups)
   first = jnp.argmax(keep, axis=-1)                      # lower kept position
   second = GROUP - 1 - jnp.argmax(keep[..., ::-1], axis=-1)  # higher kept position

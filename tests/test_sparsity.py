@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.experimental import checkify
 from hypothesis import given, settings, strategies as st
 
 import jsparse
@@ -162,7 +163,7 @@ def test_bad_arguments():
     sparsity.prune_2to4(jnp.ones((3, 3, 3, 8, 4)), axis="cout")
   with pytest.raises(ValueError, match="weight_layout"):
     sparsity.prune_2to4(jnp.ones((3, 3, 3, 8, 4)), weight_layout="NCDHW")
-  with pytest.raises(ValueError, match="weight is not 2:4"):
+  with pytest.raises(ValueError, match="weight is not 2:4 along axis='cin' \\(216 groups"):
     sparsity.compress_2to4(jnp.ones((3, 3, 3, 8, 4)))
   c = sparsity.compress_2to4(sparsity.prune_2to4(jnp.ones((3, 3, 3, 8, 4))))
   with pytest.raises(ValueError, match="compressed.values"):
@@ -251,9 +252,19 @@ def test_compressed_weight_under_jit_and_2d():
   run = jax.jit(lambda x, c: jsparse.submconv3d(x, c, implementation="xla", precision="highest"))
   np.testing.assert_array_equal(np.asarray(run(x, c).feats),
                                 np.asarray(jsparse.submconv3d(x, w, implementation="xla", precision="highest").feats))
-  # compress under jit (no 2:4 check there) gives the same pytree as outside.
+  # compress under jit gives the same pytree as outside; a weight that is not 2:4 is reported through checkify
+  # inside error_checks (one group of 4 crowded here), and a 2:4 one passes.
   cj = jax.jit(sparsity.compress_2to4)(w)
   np.testing.assert_array_equal(np.asarray(cj.metadata), np.asarray(c.metadata))
+  np.testing.assert_array_equal(np.asarray(cj.values), np.asarray(c.values))
+  crowded = w.at[1, 2, 0, 0:4, 3].set(1.0)
+  with jsparse.error_checks():
+    checked = jax.jit(checkify.checkify(sparsity.compress_2to4))
+    err, _ = checked(crowded)
+    with pytest.raises(checkify.JaxRuntimeError, match="compress_2to4: weight is not 2:4.*1 groups"):
+      err.throw()
+    err, cj = checked(w)
+    err.throw()
   np.testing.assert_array_equal(np.asarray(cj.values), np.asarray(c.values))
   # 2D: a 4-D (Kh, Kw, Cin, Cout) weight.
   coords = np.argwhere(rng.random((2, 9, 8)) < 0.4).astype(np.int32)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-OURS = ("jsparse", "pallas_kernels")
+OURS = ("jsparse", "pallas_kernels", "native_kernels")
 SOURCES = sorted(p for package in OURS for p in (ROOT / package).rglob("*.py"))
 
 
@@ -47,7 +47,8 @@ def test_no_private_names_across_modules(path):
   assert not uses, f"{path.relative_to(ROOT)} uses private names of other modules: {uses}"
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "pallas_kernels").rglob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(p for package in ("pallas_kernels", "native_kernels")
+                                         for p in (ROOT / package).rglob("*.py")), ids=lambda p: p.name)
 def test_kernels_do_not_import_the_library(path):
   tree = ast.parse(path.read_text())
   imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]

@@ -28,9 +28,10 @@ def submconv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
     (Cout, Kx, Ky, Kz, Cin) (PyTorch / spconv / FlexGEMM's layout: their checkpoints load without a
     transpose). Both give the same results; on the GPU a pass reads the weight in place or through a
     transposed copy, whichever its layout favours. Or a `jsparse.sparsity.Compressed2to4` (a 2:4 weight, compressed
-    in the same layout): on a GPU the forward runs on the native sparse tensor-core kernel where
-    `jsparse.sparse24` allows it (float16 / bfloat16, Cin % 32 == 0, Cout % 16 == 0), else it is decompressed and
-    the dense path runs; the same holds in the strided, inverse and transposed convolutions. bias: (Cout,) or None.
+    in the same layout): it is decompressed and the dense path runs, or, inside `jsparse.sparse24.native_2to4()` on
+    a GPU, the forward runs on the native sparse tensor-core kernel where `jsparse.sparse24` allows it (float16 /
+    bfloat16, Cin % 32 == 0, Cout % 16 == 0; slower than the dense kernels, so opt-in); the same holds in the
+    strided, inverse and transposed convolutions. bias: (Cout,) or None.
   cache: a NeighborCache for x's coordinates from `neighbor_map(x, kernel_size, dilation)`. If None, the map
     that x carries for this kernel (x.caches, attached by an earlier convolution on these coordinates) is
     used, or a new one is built; the output carries it on, so a stack of layers builds it once.

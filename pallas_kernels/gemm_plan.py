@@ -21,9 +21,8 @@ whole [rows, V] map, together several times the plan's memory traffic (docs/perf
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -876,7 +876,6 @@ def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
   rows: dict[str, float] = {}
   row_bytes: dict[str, float] = {}
   by_name: dict[str, float] = {}
-  hlo_of: dict[str, str] = {}  # kernel name -> the HLO instruction that ran it
   for e in kernels:
     args = e.get("args", {})
     # Inside a command buffer (CUDA graph) hlo_op names the buffer, so the kernel's own name comes first.
@@ -886,27 +885,14 @@ def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
     size = sizes.get(e["name"]) or sizes.get(args.get("hlo_op", ""), 0)
     row_bytes[group] = row_bytes.get(group, 0.0) + size / calls
     key = f"{group} :: {e['name'][:60]} :: {op_name[-90:]}"
-    hlo_of.setdefault(e["name"], args.get("hlo_op", ""))
     by_name[key] = by_name.get(key, 0.0) + e.get("dur", 0.0) / 1e3 / calls
   unattributed = sorted({e["name"] for e in kernels if not meta.get(e["name"]) and not e["name"].startswith(
       MAP_KERNEL_PREFIXES) and not any(p in e["name"] for p in GEMM_NAME_PARTS)})
   top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:100])
-  # The GEMM kernels' HLO lines (operand shapes), to tell which layer a kernel is.
-  lines = {}
-  for line in text.splitlines():
-    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
-    if m and "custom" in m.group(1):
-      lines[m.group(1).replace(".", "_").replace("-", "_")] = line.strip()[:400]
-  gemm_shapes = {}
-  for k in top:
-    kernel = k.split(" :: ")[1]
-    if k.startswith("conv: GEMM"):
-      op = hlo_of.get(kernel, "")
-      gemm_shapes[kernel] = lines.get(op.replace(".", "_").replace("-", "_"), op)
   # GB/s by row: bytes its kernels' instructions read and write (hlo_bytes) over their time.
   gbps = {g: row_bytes.get(g, 0.0) / (ms * 1e-3) / 1e9 for g, ms in rows.items() if ms > 0}
   return {"ms": rows, "gbps": gbps, "kernels": len(kernels) // calls, "threads": thread_names,
-          "unattributed": unattributed[:30], "top_kernels": top, "gemm_shapes": gemm_shapes}
+          "unattributed": unattributed[:30], "top_kernels": top}
 
 
 def _torch_kind(event) -> str:

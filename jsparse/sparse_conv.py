@@ -57,7 +57,7 @@ from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_sa
                                    key_width, report, resolve_capacity, site_keys, sites_of_keys)
 from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
-from pallas_kernels import unique_keys
+from pallas_kernels import occupancy_sites, unique_keys
 from pallas_kernels.tiling import dot_precision
 from pallas_kernels.weight_layout import WeightLayout
 
@@ -233,7 +233,12 @@ def _site_search(coords, num, batch_size: int, rule: unique_keys.ProposalGeometr
   transposed convolution differ only in their rule."""
   wide = _check_keys(batch_size, rule.out_shape) == 2
   impl = dispatch.resolve(implementation)
-  if impl.is_pallas:
+  dense = impl.is_pallas and not wide and occupancy_sites.fits(coords.shape[0], rule, batch_size)
+  if dense:
+    occupancy = occupancy_sites.mark_occupancy(coords, num, geometry=rule, batch_size=batch_size,
+                                               interpret=impl.interpret)
+    count = occupancy.count
+  elif impl.is_pallas:
     proposals = unique_keys.dedupe_proposals(coords, num, geometry=rule, batch_size=batch_size,
                                              interpret=impl.interpret, wide_keys=wide)
     count = proposals.count
@@ -245,7 +250,10 @@ def _site_search(coords, num, batch_size: int, rule: unique_keys.ProposalGeometr
   if check:
     report(overflow, f"{op}: {{count}} output sites do not fit in out_capacity={out_capacity}; the sites past it "
            "were dropped", count=count)
-  if impl.is_pallas:
+  if dense:
+    out_coords, out_num, nbr, inv = _occupancy_compact(coords, num, occupancy, rule, batch_size, out_capacity,
+                                                       impl.interpret)
+  elif impl.is_pallas:
     out_coords, out_num, nbr, inv, table_overflow = _hashed_compact(
         coords, num, proposals, rule, batch_size, out_capacity, impl.interpret)
     if check:
@@ -309,6 +317,16 @@ def _hashed_compact(coords, num, proposals, rule: unique_keys.ProposalGeometry, 
   out_num = jnp.minimum(proposals.count, out_capacity)
   out_coords = out_keys if wide else _sites_of_keys((out_keys,), rule.out_shape, batch_size)  # wide: already sites
   return out_coords, out_num, nbr, inv, proposals.overflow | lookup_overflow
+
+
+# The occupancy map's counterpart of `_hashed_compact` (pallas_kernels/occupancy_sites.py): no table, no sort.
+@functools.partial(jax.jit, static_argnames=("rule", "batch_size", "out_capacity", "interpret"))
+def _occupancy_compact(coords, num, occupancy, rule: unique_keys.ProposalGeometry, batch_size: int,
+                       out_capacity: int, interpret: bool):
+  out_keys, inv, nbr = occupancy_sites.occupied_sites(coords, num, occupancy, out_capacity=out_capacity,
+                                                       geometry=rule, batch_size=batch_size, interpret=interpret)
+  out_num = jnp.minimum(occupancy.count, out_capacity)
+  return _sites_of_keys((out_keys,), rule.out_shape, batch_size), out_num, nbr, inv
 
 
 def strided_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 1, padding: Size3 = 0, dilation: Size3 = 1,

@@ -44,7 +44,7 @@ sets ``overflow``.
 
 Wide grids (``wide_keys=True``, output grid of 2**31 sites or more): the table holds proposal indices
 ``p = j*V + v`` instead of keys, and the same three kernels compare the sites the indices propose (recomputed
-from the coordinates and offsets, ``_proposal_site``): the probe loops run over hash_table's ``SiteRefs``
+from the coordinates and offsets, ``proposal_site``): the probe loops run over hash_table's ``SiteRefs``
 instead of ``KeySlots``. A proposal's site never changes, so the insertion and first-copy arguments above hold
 with "key" read as "site of p": copies still lie in the unbroken run from their site's home slot, and the
 mark keeps exactly the first reference to each site. ``output_sites`` then sorts the kept sites by their four
@@ -74,7 +74,7 @@ from pallas_kernels.hash_table import (EMPTY, KeySlots, SiteRefs, insert_absent_
 from pallas_kernels.kth_smallest import kth_smallest_if_over
 from pallas_kernels.out_struct import out_struct, same_vma
 
-__all__ = ["ProposalGeometry", "ProposalTable", "dedupe_proposals", "output_sites",
+__all__ = ["ProposalGeometry", "ProposalTable", "dedupe_proposals", "output_sites", "proposal_site",
            "proposals_per_site", "default_table_size"]
 
 BIG = int(np.iinfo(np.int32).max)  # sort key of an empty entry (site keys are < 2**31 - 1)
@@ -128,7 +128,7 @@ def default_table_size(capacity: int, geometry: ProposalGeometry, batch_size: in
 # --------------------------------------------------------------------------------------------
 
 
-def _proposal_site(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry):
+def proposal_site(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry):
   """Output site (batch, ox, oy, oz) fed by input row j = p // V at offset v = p % V, and whether it exists
   (as the XLA path's sparse_conv._proposals). coords flattened [capacity*4], offsets [V*3]."""
   j = lax.div(p, jnp.int32(nv))
@@ -151,7 +151,7 @@ def _proposal_site(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry:
 def _proposals(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry, wide: bool):
   """(slots, entry, key, exists) of pairs p: under KeySlots the proposed site's int32 linear key (grids of
   fewer than 2**31 sites) as both entry and key, under SiteRefs the proposal index p and its site."""
-  site, exists = _proposal_site(num, coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry)
+  site, exists = proposal_site(num, coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry)
   if wide:
     return _proposal_refs(num, coords_ref, offs_ref, nv=nv, geometry=geometry), p, site, exists
   key = linear_key(site, geometry.out_shape)
@@ -160,7 +160,7 @@ def _proposals(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: Pro
 
 def _proposal_refs(num, coords_ref, offs_ref, *, nv: int, geometry: ProposalGeometry) -> SiteRefs:
   """Slots holding proposal indices p, compared by the site they propose (wide grids)."""
-  site_of = lambda refs, mask: _proposal_site(num, coords_ref, offs_ref, refs, mask, nv=nv, geometry=geometry)[0]
+  site_of = lambda refs, mask: proposal_site(num, coords_ref, offs_ref, refs, mask, nv=nv, geometry=geometry)[0]
   return SiteRefs(site_of, geometry.out_shape)
 
 
@@ -389,7 +389,7 @@ def _smallest_sorted_sites(words, kept, count, out_capacity: int):
 
 def proposal_sites(coords, refs, *, geometry: ProposalGeometry):
   """(batch, ox, oy, oz) int32 [...] each: the output site of proposal index refs (p = j*V + v; XLA ops, as
-  _proposal_site), garbage where refs is EMPTY."""
+  proposal_site), garbage where refs is EMPTY."""
   nv = len(geometry.offsets)
   r = jnp.maximum(refs, 0)
   j, v = r // nv, r % nv

@@ -423,9 +423,11 @@ def test_gpu_random_batched_padded(offsets):
     np.testing.assert_array_equal(np.asarray(nbr), ref_sorted(coords, n, shape, offsets))
 
 
-def compare_pair_maps_on_sphere_shell(res, batch_size, kernel_size, stride, padding, implementation):
-  """jsparse.pair_map by `implementation` against the XLA path on a shuffled sphere shell with garbage
-  padding rows, under jit: exact, spare and too small out_capacity. Identical fields, order included."""
+def compare_pair_maps_on_sphere_shell(res, batch_size, kernel_size, stride, padding, implementation, grid=None):
+  """jsparse.pair_map by `implementation` against the XLA path on a shuffled sphere shell (in a grid of `grid`
+  sites per axis, default res) with garbage padding rows, under jit: exact, spare and too small out_capacity.
+  Identical fields, order included. The Pallas path searches a small grid's output sites with the occupancy
+  map and a large sparse one's with the hash table (occupancy_sites.fits); `grid` picks the side."""
   import jsparse
   from jsparse.sparse_conv import pair_map
 
@@ -433,11 +435,16 @@ def compare_pair_maps_on_sphere_shell(res, batch_size, kernel_size, stride, padd
   pts = sphere_shell_coords(res, batch_size)
   pts = pts[rng.permutation(len(pts))]
   num, cap = len(pts), len(pts) + 37
-  x = jsparse.SparseTensor.from_coords(pts, np.zeros((num, 1), np.float32), (res,) * 3, batch_size, capacity=cap)
+  x = jsparse.SparseTensor.from_coords(pts, np.zeros((num, 1), np.float32), (grid or res,) * 3, batch_size,
+                                       capacity=cap)
   coords = np.asarray(x.coords).copy()
   coords[num:] = rng.integers(-3, res + 3, size=(cap - num, 4))  # padding rows must stay ignored
   coords[num] = coords[0]
   x = x.replace(coords=jnp.asarray(coords))
+  from jsparse.sparse_conv import _proposal_geometry, geometry
+  from pallas_kernels import occupancy_sites
+  rule = _proposal_geometry(geometry(x.spatial_shape, (kernel_size,) * 3, (stride,) * 3, (padding,) * 3, (1,) * 3))
+  assert occupancy_sites.fits(cap, rule, batch_size) == (grid is None)  # the side of the search `grid` picks
   count = int(pair_map(x, kernel_size, stride, padding, implementation="xla").out_num)
   fields = ("out_coords", "out_num", "nbr", "inv", "overflow")
   for out_capacity in (count, count + 1000, count - count // 3):
@@ -454,15 +461,18 @@ def compare_pair_maps_on_sphere_shell(res, batch_size, kernel_size, stride, padd
   return count
 
 
-def test_compare_pair_maps_on_sphere_shell_interpret():
+@pytest.mark.parametrize("grid", [None, 256], ids=["occupancy", "hash_table"])
+def test_compare_pair_maps_on_sphere_shell_interpret(grid):
   # The GPU test's body, small and in interpret mode, so that it is known to be right before a GPU runs it.
-  assert compare_pair_maps_on_sphere_shell(8, 2, 2, 2, 0, "pallas") > 0
+  assert compare_pair_maps_on_sphere_shell(8, 2, 2, 2, 0, "pallas", grid) > 0
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_gpu, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("grid", [None, 1024], ids=["occupancy", "hash_table"])
 @pytest.mark.parametrize("kernel_size,stride,padding", [(3, 2, 1), (2, 2, 0), (3, 1, 1)])
-def test_gpu_output_sites_sphere_shell(kernel_size, stride, padding):
-  # RES 128, two batch items: ~128k sites; (3, 1, 1) gives up to 27 racing inserts of each key.
-  count = compare_pair_maps_on_sphere_shell(128, 2, kernel_size, stride, padding, "pallas")
+def test_gpu_output_sites_sphere_shell(kernel_size, stride, padding, grid):
+  # RES 128, two batch items: ~128k sites; (3, 1, 1) gives up to 27 racing inserts of each key (hash table)
+  # and of each byte (occupancy map). In a 1024^3 grid the hash table serves (wide keys for stride 1).
+  count = compare_pair_maps_on_sphere_shell(128, 2, kernel_size, stride, padding, "pallas", grid)
   assert count > 10_000

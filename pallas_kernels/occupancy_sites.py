@@ -1,0 +1,209 @@
+"""Output sites of a strided sparse convolution from an occupancy map of the output grid (Pallas -> Triton).
+
+Arrays in, arrays out: this module does not import ``jsparse``. It solves the problem of unique_keys.py (the
+distinct proposals of every valid input row and kernel offset, sorted by linear key, and each proposal's
+output row) without a hash table and without a sort, where the output grid is small enough to hold one byte
+per site: a LiDAR backbone's grids have tens of millions of output sites for about a million inputs, so the
+map is smaller than the hash table (``fits``), and the sorted order of the sites is just their order in it.
+
+1. ``mark_occupancy``:
+   * ``occupancy_mark``, flat over pairs ``p = j*V + v``: every valid proposal stores 1 into the byte of its
+     site (int8 [G], G = batch_size * |output grid|, zeroed first). All writers of a byte store the same
+     value, so plain stores in any order give the same map: no atomics.
+   * XLA: the bytes packed 32 to an int32 word, and the exclusive prefix sum of the words' bit counts. The
+     rank of site k among the occupied sites, which is its output row, is then
+     ``prefix[k >> 5] + popcount(word[k >> 5] & ((1 << (k & 31)) - 1))``; ``count`` is the total.
+2. ``occupied_sites``, ``occupancy_lookup`` flat over pairs: each valid proposal computes its site's rank and
+   stores ``inv[p]`` (contiguous), ``out_keys[rank] = key`` (every proposal of a site stores the same key)
+   and ``nbr[rank, v] = j`` (an output reads at most one input per offset). Ranks past ``out_capacity`` are
+   dropped, which keeps exactly the out_capacity smallest sites, as the other paths do on overflow.
+
+Nothing here can overflow except ``out_capacity`` (the caller compares ``count`` with it), and the result
+equals unique_keys.py's and the XLA sort's exactly.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.hash_table import linear_key
+from pallas_kernels.out_struct import out_struct, same_vma
+from pallas_kernels.unique_keys import BIG, ProposalGeometry, proposal_site, proposals_per_site
+
+__all__ = ["Occupancy", "fits", "mark_occupancy", "occupied_sites"]
+
+# Bytes of occupancy map allowed per possible proposal (capacity * proposals per site). The hash table of
+# unique_keys.py holds two int32 tables of 1.5-3 slots per possible proposal, 12-24 bytes, so at this bound the
+# map and its packed words never take more memory than the table they replace.
+BYTES_PER_PROPOSAL = 12
+WORD_BITS = 32
+# Pairs per program of both kernels and their warps: each lane does a few loads and stores, no loop.
+BLOCK_PAIRS = 1024
+NUM_WARPS = 4
+
+
+class Occupancy(NamedTuple):
+  """Result of ``mark_occupancy`` (a pytree of arrays: it can cross a jit boundary).
+
+  words: int32 [W], bit b of words[w] set iff output site 32*w + b is proposed.
+  prefix: int32 [W], the number of proposed sites before site 32*w.
+  count: int32 scalar, the number of proposed (distinct) sites.
+  """
+
+  words: jax.Array
+  prefix: jax.Array
+  count: jax.Array
+
+
+def grid_sites(geometry: ProposalGeometry, batch_size: int) -> int:
+  """G: the sites of the output grid over the batch (one byte of occupancy map each)."""
+  return int(batch_size) * math.prod(geometry.out_shape)
+
+
+def fits(capacity: int, geometry: ProposalGeometry, batch_size: int) -> bool:
+  """Whether the occupancy map should serve this search: int32 keys, and no more bytes than the hash table."""
+  sites = grid_sites(geometry, batch_size)
+  return 0 < sites < 2**31 - WORD_BITS and sites <= BYTES_PER_PROPOSAL * capacity * proposals_per_site(geometry)
+
+
+def _site_key(num, coords_ref, offs_ref, p, in_range, *, nv, geometry, batch_size):
+  """(key, ok): the linear key of pair p's proposed site, and whether that proposal exists (its batch index
+  is checked too, so that a bad row can never address outside the map)."""
+  site, exists = proposal_site(num, coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry)
+  ok = exists & (site[0] >= 0) & (site[0] < batch_size)
+  return linear_key(site, geometry.out_shape), ok
+
+
+def _mark_kernel(num_ref, coords_ref, offs_ref, occ_in_ref, occ_ref, *, block, num_pairs, nv, geometry,
+                 batch_size, spare):
+  del occ_in_ref  # aliased with occ_ref
+  p = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
+  key, ok = _site_key(num_ref[0], coords_ref, offs_ref, p, p < num_pairs, nv=nv, geometry=geometry,
+                      batch_size=batch_size)
+  plgpu.store(occ_ref.at[jnp.where(ok, key, spare)], jnp.ones((block,), jnp.int8), mask=ok)
+
+
+def _lookup_kernel(num_ref, coords_ref, offs_ref, words_ref, prefix_ref, keys_in_ref, nbr_in_ref, inv_ref, keys_ref,
+                   nbr_ref, *, block, num_pairs, nv, geometry, batch_size, out_capacity, spare):
+  del keys_in_ref, nbr_in_ref  # aliased with keys_ref, nbr_ref
+  p = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
+  in_range = p < num_pairs
+  key, ok = _site_key(num_ref[0], coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry,
+                      batch_size=batch_size)
+  word_index = jnp.where(ok, lax.shift_right_logical(key, jnp.int32(5)), 0)
+  word = plgpu.load(words_ref.at[word_index], mask=ok, other=0)
+  below = word & (jnp.left_shift(jnp.int32(1), key & (WORD_BITS - 1)) - 1)  # the bits of smaller sites
+  rank = plgpu.load(prefix_ref.at[word_index], mask=ok, other=0) + lax.population_count(below)
+  kept = ok & (rank < out_capacity)
+  plgpu.store(inv_ref.at[p], jnp.where(kept, rank, -1), mask=in_range)  # contiguous: pairs are [capacity, V]
+  plgpu.store(keys_ref.at[jnp.where(kept, rank, spare)], key, mask=kept)
+  j = lax.div(p, jnp.int32(nv))
+  plgpu.store(nbr_ref.at[jnp.where(kept, rank * nv + (p - j * nv), spare * nv)], j, mask=kept)
+
+
+def _spare(interpret: bool) -> int:
+  """Extra trailing elements of the stored arrays: one in interpret mode, where a masked store writes the old
+  value back at its masked lanes' index (a scatter in which it could undo a real store to the same index), so
+  masked lanes point there; none on the GPU, where masked lanes store nothing (they point at element 0)."""
+  return int(interpret)
+
+
+def _check(coords, geometry: ProposalGeometry, batch_size: int) -> tuple[int, int]:
+  if coords.ndim != 2 or coords.shape[1] != 4:
+    raise ValueError(f"coords must be [capacity, 4], got {coords.shape}")
+  capacity, nv = int(coords.shape[0]), len(geometry.offsets)
+  if capacity * nv >= 2**31:
+    raise ValueError("capacity * len(offsets) must be < 2**31 (flat int32 pair index)")
+  sites = grid_sites(geometry, batch_size)
+  if not 0 < sites < 2**31 - WORD_BITS:
+    raise ValueError(f"the output grid over the batch must have 1 to 2**31 - 33 sites, got {sites}")
+  return capacity, nv
+
+
+def _operands(coords, num, geometry: ProposalGeometry):
+  return (jnp.reshape(jnp.asarray(num, jnp.int32), (1,)), coords.reshape(-1),
+          jnp.asarray(np.asarray(geometry.offsets, np.int32).reshape(-1)))
+
+
+@functools.partial(jax.jit, static_argnames=("geometry", "batch_size", "interpret"))
+def mark_occupancy(coords, num, *, geometry: ProposalGeometry, batch_size: int,
+                   interpret: bool = False) -> Occupancy:
+  """Stage 1: which output sites are proposed, packed, with the prefix counts that rank them.
+
+  coords: int32 [capacity, 4] input rows (batch, x, y, z); rows >= num are padding (any contents).
+  num: int32 scalar (may be traced): valid rows. geometry: the static ProposalGeometry; batch_size: static.
+  """
+  coords = jnp.asarray(coords, jnp.int32)
+  capacity, nv = _check(coords, geometry, batch_size)
+  num_words = -(-grid_sites(geometry, batch_size) // WORD_BITS)
+  occupied = jnp.zeros((num_words * WORD_BITS + _spare(interpret),), jnp.int8)
+  num_pairs = capacity * nv
+  if num_pairs:
+    num_arr, coords_flat, offs_flat = _operands(coords, num, geometry)
+    occupied = pl.pallas_call(
+        functools.partial(_mark_kernel, block=BLOCK_PAIRS, num_pairs=num_pairs, nv=nv, geometry=geometry,
+                          batch_size=batch_size, spare=num_words * WORD_BITS * _spare(interpret)),
+        out_shape=out_struct(occupied.shape, jnp.int8, num_arr, coords_flat),
+        grid=(pl.cdiv(num_pairs, BLOCK_PAIRS),),
+        input_output_aliases={3: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name="occupancy_mark",
+    )(*same_vma(num_arr, coords_flat, offs_flat, occupied))
+  bits = occupied[:num_words * WORD_BITS].reshape(num_words, WORD_BITS).astype(jnp.int32)
+  # Distinct powers of two: their int32 sum is their bitwise or (bit 31 included, in two's complement).
+  words = jnp.sum(jnp.left_shift(bits, jnp.arange(WORD_BITS, dtype=jnp.int32)), axis=1, dtype=jnp.int32)
+  per_word = jnp.sum(bits, axis=1, dtype=jnp.int32)
+  ends = jnp.cumsum(per_word, dtype=jnp.int32)
+  return Occupancy(words, ends - per_word, ends[-1])
+
+
+@functools.partial(jax.jit, static_argnames=("out_capacity", "geometry", "batch_size", "interpret"))
+def occupied_sites(coords, num, occupancy: Occupancy, *, out_capacity: int, geometry: ProposalGeometry,
+                   batch_size: int, interpret: bool = False):
+  """Stage 2: the sorted output sites and both maps.
+
+  coords, num, geometry, batch_size, interpret: as given to ``mark_occupancy``; occupancy: its result;
+  out_capacity: static output rows.
+
+  Returns (out_keys, inv, nbr): out_keys int32 [out_capacity], the min(count, out_capacity) smallest proposed
+  sites' linear keys ascending, then int32 max; inv int32 [capacity, V], the output row of proposal (j, v) or
+  -1 (no proposal, or a site beyond out_capacity); nbr int32 [out_capacity, V], the input row read by output i
+  at offset v, or -1.
+  """
+  coords = jnp.asarray(coords, jnp.int32)
+  capacity, nv = _check(coords, geometry, batch_size)
+  if out_capacity < 0:
+    raise ValueError(f"out_capacity must be >= 0, got {out_capacity}")
+  if out_capacity * nv >= 2**31:
+    raise ValueError("out_capacity * len(offsets) must be < 2**31 (flat int32 map index)")
+  spare = _spare(interpret)
+  out_keys = jnp.full((out_capacity + spare,), BIG, jnp.int32)
+  nbr = jnp.full(((out_capacity + spare) * nv,), -1, jnp.int32)
+  num_pairs = capacity * nv
+  if num_pairs == 0 or out_capacity == 0:
+    return (out_keys[:out_capacity], jnp.full((capacity, nv), -1, jnp.int32),
+            nbr[:out_capacity * nv].reshape(out_capacity, nv))
+  operands = (*_operands(coords, num, geometry), occupancy.words, occupancy.prefix, out_keys, nbr)
+  inv, out_keys, nbr = pl.pallas_call(
+      functools.partial(_lookup_kernel, block=BLOCK_PAIRS, num_pairs=num_pairs, nv=nv, geometry=geometry,
+                        batch_size=batch_size, out_capacity=out_capacity, spare=out_capacity * spare),
+      out_shape=(out_struct((num_pairs,), jnp.int32, *operands), out_struct(out_keys.shape, jnp.int32, *operands),
+                 out_struct(nbr.shape, jnp.int32, *operands)),
+      grid=(pl.cdiv(num_pairs, BLOCK_PAIRS),),
+      input_output_aliases={5: 1, 6: 2},
+      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      interpret=interpret,
+      name="occupancy_lookup",
+  )(*same_vma(*operands))
+  if spare:
+    out_keys, nbr = out_keys[:out_capacity], nbr[:out_capacity * nv]
+  return out_keys, inv.reshape(capacity, nv), nbr.reshape(out_capacity, nv)

@@ -756,7 +756,8 @@ TORCH_BACKWARD_KINDS = (("batchnorm", "bn"), ("groupnorm", "gn"), ("relu", "relu
                         ("mmbackward", "linear"), ("conv", "conv"), ("implicitgemm", "conv"), ("sparse", "conv"))
 
 
-MAP_KERNEL_PREFIXES = ("hash_", "unique_")  # jsparse's Pallas hash tables (neighbour maps, output sites)
+MAP_KERNEL_PREFIXES = ("hash_", "unique_", "occupancy_")  # jsparse's Pallas map kernels (neighbours, output sites)
+PLAN_KERNEL_PREFIXES = ("masked_plan", "pair_lists")  # jsparse's Pallas plan kernels (they carry no op metadata)
 
 
 # XLA kernels that carry no op metadata (made by passes after lowering): cumulative sums become reduce_window
@@ -776,7 +777,9 @@ def op_group(kind: str, kernel: str) -> str:
   low = kernel.lower()
   gemm = any(part in low for part in GEMM_NAME_PARTS)
   if kernel.startswith(MAP_KERNEL_PREFIXES):
-    return "maps: hash tables"
+    return "maps: Pallas map kernels"
+  if kernel.startswith(PLAN_KERNEL_PREFIXES):
+    return "conv: other"
   if kind in CONV_KINDS + ("conv",) or (kind == "other" and gemm):
     return "conv: GEMM" if gemm else "conv: other"
   if kind == "other" and any(part in low for part in UNNAMED_MAP_KERNELS):

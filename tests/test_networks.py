@@ -65,7 +65,9 @@ def test_profile_rows():
   assert networks.op_group("relu", "anything") == "bn + relu"
   assert networks.op_group("other", "gather_gemm_t__5") == "conv: GEMM"
   assert networks.op_group("subm", "loop_select_fusion_6") == "conv: other"
-  assert networks.op_group("maxpool", "hash_query__3") == "maps: hash tables"
+  assert networks.op_group("maxpool", "hash_query__3") == "maps: Pallas map kernels"
+  assert networks.op_group("down", "occupancy_lookup__1") == "maps: Pallas map kernels"
+  assert networks.op_group("other", "masked_plan_blocks__2") == "conv: other"
   assert networks.op_group("other", "sort_23_1__1") == "maps: scans and sorts"
   assert networks.op_group("conv", "cumm::conv::main::Ampere_f16") == "conv: GEMM"
   names = networks.hlo_op_names('  %input_fusion.14 = f16[8]{0} fusion(%p), metadata={op_name="jit(f)/op:bn_relu/x"}\n')

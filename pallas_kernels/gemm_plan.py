@@ -18,6 +18,10 @@ gathers the block's map rows, finds the offsets they use, and writes them used-f
 transposed to [offset, lane]. In XLA that step was a transpose, an any-reduction and a take_along_axis over the
 whole [rows, V] map, together several times the plan's memory traffic (docs/perf_notes.md);
 `masked_plan_reference` keeps that XLA form as the tests' reference.
+
+The pair lists are two Pallas kernels over chunks of rows: one counts each chunk's rows with a neighbour per
+offset, the other (after an XLA scan of those counts) writes every list slot once as a stable partition. In XLA
+(`pair_lists_reference`) they were a transpose of the map, a cumsum and two scatters.
 """
 from __future__ import annotations
 

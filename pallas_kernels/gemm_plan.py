@@ -280,18 +280,21 @@ def _pair_lists_kernel(nbr_ref, starts_ref, counts_ref, rows_ref, sources_ref, *
   so that the programs together write every slot of [L, capacity] exactly once."""
   c = pl.program_id(0)
   rows, cols, row_ok, col_ok, tile = _chunk_tile(nbr_ref, chunk=chunk, num_lists=num_lists, width=width)
-  has = (tile >= 0).astype(jnp.int32)
-  has_before = jnp.cumsum(has, axis=0) - has  # in-chunk exclusive prefix, per offset
+  # Loaded [row, offset] (whole map rows, contiguous), worked on and stored [offset, row] (each offset's slots
+  # contiguous): the one transpose runs through shared memory, and the prefix sum runs along the last axis.
+  sources = tile.T
+  has = (sources >= 0).astype(jnp.int32)
+  has_before = jnp.cumsum(has, axis=1) - has  # in-chunk exclusive prefix, per offset
   start = plgpu.load(starts_ref.at[c, cols], mask=col_ok, other=0)
   count = plgpu.load(counts_ref.at[cols], mask=col_ok, other=0)
   lanes = jnp.arange(chunk, dtype=jnp.int32)
   # Rows without a neighbour before lane l: those of the earlier chunks (c * chunk - start) and of this one.
-  without_before = (c * chunk - start)[None, :] + (lanes[:, None] - has_before)
-  slot = jnp.where(has > 0, start[None, :] + has_before, count[None, :] + without_before)
-  ok = row_ok[:, None] & col_ok[None, :]
-  # Loaded [row, offset], stored transposed [offset, slot]: each offset's rows land in two contiguous runs.
-  plgpu.store(rows_ref.at[cols[:, None], slot.T], jnp.where(has > 0, rows[:, None], -1).T, mask=ok.T)
-  plgpu.store(sources_ref.at[cols[:, None], slot.T], jnp.where(has > 0, tile, -1).T, mask=ok.T)
+  without_before = (c * chunk - start)[:, None] + (lanes[None, :] - has_before)
+  slot = jnp.where(has > 0, start[:, None] + has_before, count[:, None] + without_before)
+  ok = col_ok[:, None] & row_ok[None, :]
+  # Each offset's rows land in two contiguous runs (those with a neighbour, those without).
+  plgpu.store(rows_ref.at[cols[:, None], slot], jnp.where(has > 0, rows[None, :], -1), mask=ok)
+  plgpu.store(sources_ref.at[cols[:, None], slot], jnp.where(has > 0, sources, -1), mask=ok)
 
 
 def pair_lists_reference(nbr: jax.Array, mirrored: bool = False) -> PairLists:

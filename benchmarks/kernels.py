@@ -230,7 +230,7 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
             maps = {"nbr": cache.nbr, "num": x0.num,
                     "plan_forward": plan if pass_name == "forward" else None,
                     "plan_input_grad": plan if pass_name == "input_grad" else None,
-                    "pairs": cache.pair_lists() if masked and pass_name == "weight_grad" else None}
+                    "pairs": cache.pair_lists(interpret) if masked and pass_name == "weight_grad" else None}
             fn = pass_fn(pass_name, cfg, interpret, args.weight_layout, groups)
           except Exception as e:  # noqa: BLE001
             rec["jsparse"] = {"error": short_error(e)}

@@ -80,7 +80,7 @@ def tune_call(call: ConvCall, passes=PASSES, warmup: int = 2, repeats: int = 10,
   w = jnp.asarray(rng.standard_normal((v, cin_group, call.cout)) / np.sqrt(v * cin_group), call.dtype)
   if call.weight_layout.cout_major:
     w = jnp.transpose(w, (2, 0, 1))
-  pairs = jax.block_until_ready(maps.pair_lists())  # as the convolution builds them
+  pairs = jax.block_until_ready(maps.pair_lists(not dispatch.on_gpu()))  # as the convolution builds them
   plans: dict[tuple[str, int], object] = {}
   best = {}
   for pass_name in passes:

@@ -150,11 +150,12 @@ class ConvMaps(NamedTuple):
       return self.plan(block_m, interpret)
     return gemm_plan.masked_plan(self.transposed, self.num_in, block_m, interpret=interpret)
 
-  def pair_lists(self) -> gemm_plan.PairLists:
-    """The weight gradient's pair lists (mirrored, half the offsets, for a submanifold map)."""
+  def pair_lists(self, interpret: bool = False) -> gemm_plan.PairLists:
+    """The weight gradient's pair lists (mirrored, half the offsets, for a submanifold map; built, where missing,
+    by the pair-list kernels, run in Pallas' interpret mode if asked)."""
     if self.pairs is not None:
       return self.pairs
-    return gemm_plan.pair_lists(self.nbr, mirrored=self.transposed is None)
+    return gemm_plan.pair_lists(self.nbr, mirrored=self.transposed is None, interpret=interpret)
 
 
 # ---- choosing configs, recording for the tuner ---------------------------------------------------------------
@@ -260,7 +261,7 @@ def map_gemm(feats: jax.Array, weight: jax.Array, bias: jax.Array | None, maps: 
   arrays = _PassArrays(maps.nbr, maps.num, *maps.input_grad_map(),
                        maps.plan(cfgs[0].tiles.block_m, interpret) if cfgs[0].uses_plan else None,
                        maps.input_grad_plan(cfgs[1].tiles.block_m, interpret) if cfgs[1].uses_plan else None,
-                       maps.pair_lists() if cfgs[2].uses_plan else None)
+                       maps.pair_lists(interpret) if cfgs[2].uses_plan else None)
   options = _Options(cfgs, RunOptions(spec.precision, spec.implementation.interpret, layout, spec.groups))
   return _forward(feats, weight, bias, arrays, options)
 

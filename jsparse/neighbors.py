@@ -102,9 +102,10 @@ class NeighborCache:
     kernel: `interpret=True` runs it on the CPU)."""
     return self._maps().plan(block_m, interpret)
 
-  def pair_lists(self) -> gemm_plan.PairLists:
-    """The weight gradient's pair lists (mirrored: half the offsets), built now if the cache has none."""
-    return self._maps().pair_lists()
+  def pair_lists(self, interpret: bool = False) -> gemm_plan.PairLists:
+    """The weight gradient's pair lists (mirrored: half the offsets), built now if the cache has none (by Pallas
+    kernels: `interpret=True` runs them on the CPU)."""
+    return self._maps().pair_lists(interpret)
 
   def _maps(self) -> ConvMaps:
     return ConvMaps(self.nbr, self.num, plans=self.plans, pairs=self.pairs)
@@ -173,7 +174,8 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
   if impl.is_pallas:
     sizes = plan_block_sizes if plan_block_sizes is not None else (gemm_plan.default_block_m(x.capacity),)
     plans = {int(bm): gemm_plan.masked_plan(nbr, x.num, int(bm), interpret=impl.interpret) for bm in sizes}
-    pairs = gemm_plan.pair_lists(nbr, mirrored=True)  # a submanifold map is its own mirror image
+    # A submanifold map is its own mirror image.
+    pairs = gemm_plan.pair_lists(nbr, mirrored=True, interpret=impl.interpret)
   cache = NeighborCache(nbr, overflow, kernel_size, dilation, plans, pairs, x.num, x.coords)
   report(overflow, "neighbor_map: the neighbour hash table overflowed (a probe ran past its bound); the map is "
          "invalid", error=RuntimeError)

@@ -18,6 +18,10 @@ gathers the block's map rows, finds the offsets they use, and writes them used-f
 transposed to [offset, lane]. In XLA that step was a transpose, an any-reduction and a take_along_axis over the
 whole [rows, V] map, together several times the plan's memory traffic (docs/perf_notes.md);
 `masked_plan_reference` keeps that XLA form as the tests' reference.
+
+The pair lists are two Pallas kernels over chunks of rows: one counts each chunk's rows with a neighbour per
+offset, the other (after an XLA scan of those counts) writes every list slot once as a stable partition. In XLA
+(`pair_lists_reference`) they were a transpose of the map, a cumsum and two scatters.
 """
 from __future__ import annotations
 
@@ -171,10 +175,132 @@ def _used_first(used: jax.Array) -> jax.Array:
                  dtype=jnp.int32)
 
 
-def pair_lists(nbr: jax.Array, mirrored: bool = False) -> PairLists:
-  """PairLists of `nbr`; mirrored=True (only for a submanifold map: see PairLists) stores half the offsets."""
+# Map entries one pair-list program holds as a [rows, offsets] int32 tile: 8192 over 4 warps is 64 registers a
+# thread, leaving room for the prefix sums and slots without spilling (so V 125 gets 64-row chunks, V 27 256).
+PAIR_LIST_TILE_ELEMENTS = 8192
+# Warps of a pair-list program (one tile of loads, a column prefix sum, two transposed stores).
+PAIR_LIST_WARPS = 4
+
+
+def pair_list_chunk_rows(num_lists: int) -> int:
+  """Rows per pair-list program for `num_lists` stored offsets (a power of two, 32 to 1024): the tile budget
+  PAIR_LIST_TILE_ELEMENTS over the padded offset count, capped so that large maps still spread over the SMs."""
+  width = max(2, pl.next_power_of_2(num_lists))
+  return min(1024, max(32, PAIR_LIST_TILE_ELEMENTS // width))
+
+
+def _num_lists(num_offsets: int, mirrored: bool) -> int:
+  return (num_offsets + 1) // 2 if mirrored and num_offsets > 1 else num_offsets
+
+
+def _with_mirrored_counts(counts: jax.Array, num_offsets: int) -> jax.Array:
+  """counts of the stored offsets, extended to all V: offset V-1-u has as many pairs as offset u."""
+  v = counts.shape[0]
+  if v < num_offsets:
+    counts = jnp.concatenate([counts, jnp.flip(counts[: num_offsets - v])])
+  return counts
+
+
+def pair_lists(nbr: jax.Array, mirrored: bool = False, *, interpret: bool = False,
+               chunk_rows: int | None = None) -> PairLists:
+  """PairLists of `nbr` (int32 [capacity, V]); mirrored=True (only for a submanifold map: see PairLists) stores
+  half the offsets.
+
+  Two Pallas kernels over chunks of `chunk_rows` rows (None: `pair_list_chunk_rows`; a power of two): the first
+  counts each chunk's rows with a neighbour per offset, XLA turns those into each chunk's start in every list,
+  and the second writes every slot of the lists once, as a stable partition (rows with a neighbour in row
+  order, then the others as -1). `interpret=True` runs the kernels on the CPU. Equal, bit for bit, to
+  `pair_lists_reference`.
+  """
+  nbr = jnp.asarray(nbr)
+  if nbr.ndim != 2:
+    raise ValueError(f"pair_lists: nbr must be a 2-D [capacity, V] map, got shape {nbr.shape}")
+  if not jnp.issubdtype(nbr.dtype, jnp.integer):
+    raise TypeError(f"pair_lists: nbr must hold integers (int32 row indices), got {nbr.dtype}")
+  nbr = nbr.astype(jnp.int32)
   cap, num_offsets = nbr.shape
-  v = (num_offsets + 1) // 2 if mirrored and num_offsets > 1 else num_offsets
+  lists = _num_lists(num_offsets, mirrored)
+  chunk = pair_list_chunk_rows(lists) if chunk_rows is None else chunk_rows
+  if not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
+    raise ValueError(f"pair_lists: chunk_rows must be a power of two, got {chunk_rows!r}")
+  if cap == 0 or lists == 0:  # nothing to trace a kernel over
+    empty = jnp.zeros((lists, cap), jnp.int32)
+    return PairLists(empty, jnp.zeros((num_offsets,), jnp.int32), empty)
+  num_chunks = -(-cap // chunk)
+  width = max(2, pl.next_power_of_2(lists))
+  params = dict(chunk=chunk, num_lists=lists, width=width)
+  compiler_params = plgpu.CompilerParams(num_warps=PAIR_LIST_WARPS, num_stages=1)
+  chunk_counts = pl.pallas_call(
+      functools.partial(_chunk_counts_kernel, **params),
+      out_shape=out_struct((num_chunks, lists), jnp.int32, nbr),
+      grid=(num_chunks,),
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name="pair_list_counts",
+  )(nbr)
+  # Where each chunk's rows start in every offset's list: a scan over num_chunks x L ints (capacity / chunk
+  # rows), small next to the map.
+  ends = jnp.cumsum(chunk_counts, axis=0, dtype=jnp.int32)
+  starts = ends - chunk_counts
+  counts = ends[-1]
+  starts, counts, nbr = same_vma(starts, counts, nbr)
+  rows, sources = pl.pallas_call(
+      functools.partial(_pair_lists_kernel, **params),
+      out_shape=(out_struct((lists, cap), jnp.int32, nbr), out_struct((lists, cap), jnp.int32, nbr)),
+      grid=(num_chunks,),
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name="pair_lists",
+  )(nbr, starts, counts)
+  return PairLists(rows, _with_mirrored_counts(counts, num_offsets), sources)
+
+
+def _chunk_tile(nbr_ref, *, chunk: int, num_lists: int, width: int):
+  """Chunk c's rows (int32 [chunk]), the offsets (int32 [width]), which of both are real, and the map tile
+  [chunk, width] (whole rows read contiguously; -1 past the capacity and the stored offsets)."""
+  cap = nbr_ref.shape[0]
+  rows = pl.program_id(0) * chunk + jnp.arange(chunk, dtype=jnp.int32)
+  cols = jnp.arange(width, dtype=jnp.int32)
+  row_ok, col_ok = rows < cap, cols < num_lists
+  tile = plgpu.load(nbr_ref.at[rows[:, None], cols[None, :]], mask=row_ok[:, None] & col_ok[None, :], other=-1)
+  return rows, cols, row_ok, col_ok, tile
+
+
+def _chunk_counts_kernel(nbr_ref, counts_ref, *, chunk: int, num_lists: int, width: int):
+  """counts[c, v]: the rows of chunk c with a neighbour at offset v."""
+  _, cols, _, col_ok, tile = _chunk_tile(nbr_ref, chunk=chunk, num_lists=num_lists, width=width)
+  count = jnp.sum((tile >= 0).astype(jnp.int32), axis=0)
+  plgpu.store(counts_ref.at[pl.program_id(0), cols], count, mask=col_ok)
+
+
+def _pair_lists_kernel(nbr_ref, starts_ref, counts_ref, rows_ref, sources_ref, *, chunk: int, num_lists: int,
+                       width: int):
+  """Chunk c's share of every list: a row with a neighbour at offset v goes to slot starts[c, v] + (rows with
+  one before it in the chunk), a row without one to slot counts[v] + (rows without one before it in the map),
+  so that the programs together write every slot of [L, capacity] exactly once."""
+  c = pl.program_id(0)
+  rows, cols, row_ok, col_ok, tile = _chunk_tile(nbr_ref, chunk=chunk, num_lists=num_lists, width=width)
+  # Loaded [row, offset] (whole map rows, contiguous), worked on and stored [offset, row] (each offset's slots
+  # contiguous): the one transpose runs through shared memory, and the prefix sum runs along the last axis.
+  sources = tile.T
+  has = (sources >= 0).astype(jnp.int32)
+  has_before = jnp.cumsum(has, axis=1) - has  # in-chunk exclusive prefix, per offset
+  start = plgpu.load(starts_ref.at[c, cols], mask=col_ok, other=0)
+  count = plgpu.load(counts_ref.at[cols], mask=col_ok, other=0)
+  lanes = jnp.arange(chunk, dtype=jnp.int32)
+  # Rows without a neighbour before lane l: those of the earlier chunks (c * chunk - start) and of this one.
+  without_before = (c * chunk - start)[:, None] + (lanes[None, :] - has_before)
+  slot = jnp.where(has > 0, start[:, None] + has_before, count[:, None] + without_before)
+  ok = col_ok[:, None] & row_ok[None, :]
+  # Each offset's rows land in two contiguous runs (those with a neighbour, those without).
+  plgpu.store(rows_ref.at[cols[:, None], slot], jnp.where(has > 0, rows[None, :], -1), mask=ok)
+  plgpu.store(sources_ref.at[cols[:, None], slot], jnp.where(has > 0, sources, -1), mask=ok)
+
+
+def pair_lists_reference(nbr: jax.Array, mirrored: bool = False) -> PairLists:
+  """`pair_lists` in plain XLA ops (the tests' reference)."""
+  cap, num_offsets = nbr.shape
+  v = _num_lists(num_offsets, mirrored)
   # Offset-major, so that consecutive updates of the scatters below write consecutive slots.
   by_offset = nbr[:, :v].T  # [v, cap]
   has = by_offset >= 0
@@ -189,6 +315,4 @@ def pair_lists(nbr: jax.Array, mirrored: bool = False) -> PairLists:
   # single ints at random rows).
   sources = empty.at[index].set(by_offset, mode="drop", unique_indices=True)
   counts = jnp.sum(has, axis=1, dtype=jnp.int32)
-  if v < num_offsets:  # offset V-1-u has as many pairs as offset u
-    counts = jnp.concatenate([counts, jnp.flip(counts[: num_offsets - v])])
-  return PairLists(lists, counts, sources)
+  return PairLists(lists, _with_mirrored_counts(counts, num_offsets), sources)

@@ -343,8 +343,8 @@ def test_grouped_gemm_kernels_against_the_xla_passes_on_arrays():
       want = weight_grad_xla(x, g, nbr, num, **kw)
       got = weight_grad(x, g, nbr, config=cfg, interpret=True, **kw)
       assert rel_err(got, want) < 1e-6
-      got = weight_grad(x, g, None, pairs=pair_lists(nbr), config=dataclasses.replace(cfg, balanced=True, split=2),
-                        interpret=True, **kw)
+      got = weight_grad(x, g, None, pairs=pair_lists(nbr, interpret=True),
+                        config=dataclasses.replace(cfg, balanced=True, split=2), interpret=True, **kw)
       assert rel_err(got, want) < 1e-6
 
 

@@ -42,6 +42,20 @@ def test_masked_plan_kernel_lowers(v, block_m):
   assert "masked_plan_blocks" in text
 
 
+@pytest.mark.parametrize("mirrored", [False, True])
+@pytest.mark.parametrize("v", [1, 27, 125])
+def test_pair_list_kernels_lower(v, mirrored):
+  """Both pair-list kernels lower (a capacity that is not a multiple of the chunk), the in-chunk prefix sum as a
+  Triton scan."""
+  from pallas_kernels.gemm_plan import pair_lists
+  from triton_lowering import capture_triton_modules
+
+  with capture_triton_modules() as captured:
+    text = lower_for_cuda(lambda nbr: pair_lists(nbr, mirrored), _spec((3001, v), jnp.int32))
+  assert "pair_list_counts" in text and "pair_lists" in text
+  assert len(captured) == 2 and "tt.scan" in captured[1][0]
+
+
 def test_explicit_tile_configs_lower():
   x, nbr, num = _spec((4096, 64), jnp.float16), _spec((4096, 27), jnp.int32), _spec((), jnp.int32)
   w, g = _spec((27, 64, 128), jnp.float16), _spec((4096, 128), jnp.float16)

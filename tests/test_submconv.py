@@ -145,7 +145,7 @@ def test_masked_plan_and_pair_lists():
     for j, v in enumerate(offsets):
       want = np.where((lane_rows >= 0) & (lane_rows < num), nbr_np[np.maximum(lane_rows, 0), v], -1)
       np.testing.assert_array_equal(block_rows[blk, j], want)
-  pairs = pair_lists(nbr)
+  pairs = pair_lists(nbr, interpret=True)
   for v in range(nbr.shape[1]):
     count = int(pairs.counts[v])
     np.testing.assert_array_equal(np.asarray(pairs.rows[v, :count]), np.nonzero(has[:, v])[0])
@@ -168,6 +168,47 @@ def test_masked_plan_kernel_matches_xla_reference(cap, v, fill, num_frac, block_
   want = masked_plan_reference(jnp.asarray(nbr), num, block_m)
   for name, a, b in zip(got._fields, got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+@settings(max_examples=16, deadline=None)
+@given(cap=st.integers(0, 600), v=st.sampled_from([1, 8, 27]), fill=st.floats(0.0, 1.0), mirrored=st.booleans(),
+       chunk_rows=st.sampled_from([None, 32, 64, 256]), seed=st.integers(0, 2**16))
+def test_pair_lists_kernel_matches_xla_reference(cap, v, fill, mirrored, chunk_rows, seed):
+  """The pair-list kernels (interpret mode) build exactly the XLA reference's lists: the same rows, sources and
+  counts, the same -1 padding, for any capacity (0, and not a multiple of the chunk), fill and V, full or
+  mirrored (the reference's mirrored form reads the first (V+1)//2 columns of any map)."""
+  from pallas_kernels.gemm_plan import pair_lists, pair_lists_reference
+
+  rng = np.random.default_rng(seed)
+  nbr = jnp.asarray(np.where(rng.random((cap, v)) < fill, rng.integers(0, max(cap, 1), (cap, v)), -1), jnp.int32)
+  got = pair_lists(nbr, mirrored, interpret=True, chunk_rows=chunk_rows)
+  want = pair_lists_reference(nbr, mirrored)
+  assert got.mirrored == want.mirrored == (mirrored and v > 1)
+  for name, a, b in zip(got._fields, got, want):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def test_pair_lists_kernel_on_a_submanifold_map_and_bad_input():
+  """A real submanifold map (3x3x3 and 5x5x5, padding rows past num), mirrored and full, under jit; and bad
+  arguments named in the error."""
+  from pallas_kernels.gemm_plan import pair_lists, pair_lists_reference
+
+  x = random_sparse(np.random.default_rng(12), (9, 8, 7), 1, batch_size=2, density=0.3, pad=21)
+  for ks in (3, 5):
+    nbr = jsparse.neighbor_map(x, ks, implementation="xla").nbr
+    for mirrored in (False, True):
+      got = jax.jit(pair_lists, static_argnums=1, static_argnames="interpret")(nbr, mirrored, interpret=True)
+      want = pair_lists_reference(nbr, mirrored)
+      for name, a, b in zip(got._fields, got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} k{ks} mirrored={mirrored}")
+  nbr = jnp.zeros((10, 27), jnp.int32)
+  with pytest.raises(ValueError, match="chunk_rows"):
+    pair_lists(nbr, interpret=True, chunk_rows=48)
+  with pytest.raises(ValueError, match="nbr"):
+    pair_lists(nbr[0], interpret=True)
+  with pytest.raises(TypeError, match="nbr"):
+    pair_lists(nbr.astype(jnp.float32), interpret=True)
 
 
 def test_pallas_kernels_direct_edge_shapes():
@@ -223,7 +264,7 @@ def test_float32_weight_grad_bf16_split_is_tf32_accurate():
   gathered = np.where(np.asarray(nbr)[..., None] >= 0, np.asarray(x, np.float64)[np.maximum(np.asarray(nbr), 0)], 0)
   ref = np.einsum("mvk,mn->vkn", gathered, np.asarray(dy, np.float64))
   cfg = TileConfig(block_m=16, block_n=32, block_k=32, split=2)
-  for pairs in (None, pair_lists(nbr)):
+  for pairs in (None, pair_lists(nbr, interpret=True)):
     dw = weight_grad(x, dy, nbr, pairs=pairs, config=cfg, interpret=True)
     assert dw.dtype == jnp.float32
     assert rel_err(dw, ref) < 3e-5
@@ -422,7 +463,7 @@ def test_weight_grad_balanced_matches_unbalanced_and_xla(dtype, precision, tol):
   x = jnp.asarray(rng.standard_normal((m, k)), dtype)
   dy = jnp.asarray(rng.standard_normal((m, n)), dtype)
   nbr = _unequal_nbr(rng, m, v, num)
-  pairs = pair_lists(nbr)
+  pairs = pair_lists(nbr, interpret=True)
   counts = np.asarray(pairs.counts)
   assert counts.max() > 10 * counts[counts > 0].min() and np.sum(counts == 0) == 2
   ref = _weight_grad_reference(x, dy, nbr)
@@ -449,7 +490,7 @@ def test_weight_grad_balanced_all_offsets_empty_and_needs_pairs():
   dy = jnp.asarray(rng.standard_normal((40, 6)).astype(np.float32))
   nbr = jnp.full((40, 4), -1, jnp.int32)
   cfg = TileConfig(16, 16, 16, split=2, balanced=True)
-  dw = weight_grad(x, dy, nbr, pairs=pair_lists(nbr), config=cfg, interpret=True)
+  dw = weight_grad(x, dy, nbr, pairs=pair_lists(nbr, interpret=True), config=cfg, interpret=True)
   np.testing.assert_array_equal(np.asarray(dw), 0)
   with pytest.raises(ValueError, match="pair lists"):
     weight_grad(x, dy, nbr, config=cfg, interpret=True)
@@ -490,7 +531,7 @@ def test_mirrored_pair_lists(v_kernel):
   x = random_sparse(rng, (9, 7, 8), 6, batch_size=2, density=0.3, pad=13)
   nbr = jsparse.neighbor_map(x, v_kernel, implementation="xla").nbr
   v = nbr.shape[1]
-  full, half = pair_lists(nbr), pair_lists(nbr, mirrored=True)
+  full, half = pair_lists(nbr, interpret=True), pair_lists(nbr, mirrored=True, interpret=True)
   assert not full.mirrored and half.mirrored and half.rows.shape == ((v + 1) // 2, x.capacity)
   np.testing.assert_array_equal(np.asarray(half.counts), np.asarray(full.counts))
   # Offset V-1-u holds offset u's pairs swapped: the same set of (row, source) pairs.

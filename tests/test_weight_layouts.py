@@ -98,7 +98,7 @@ def test_weight_grad_cout_major_output(split, balanced, use_pairs, precision, to
   gathered = jnp.where(nbr[..., None] >= 0, x[jnp.maximum(nbr, 0)], 0)
   ref = jnp.einsum("mvk,mn->nvk", gathered, dy, precision="highest")  # [Cout, V, Cin]
   cfg = TileConfig(block_m=16, block_n=32, block_k=32, split=split, balanced=balanced)
-  pairs = pair_lists(nbr) if use_pairs else None
+  pairs = pair_lists(nbr, interpret=True) if use_pairs else None
   dw = weight_grad(x, dy, nbr, pairs=pairs, config=cfg, precision=precision, interpret=True, weight_layout="ODHWI")
   assert dw.shape == (cout, v, cin)
   assert rel_err(dw, ref) < tol

@@ -14,7 +14,7 @@ def main(argv):
   print("== mirrored pair lists (default)", flush=True)
   networks.main(argv + ["--out", "/tmp/mirrored_a"])
   full = gemm_plan.pair_lists
-  neighbors.gemm_plan.pair_lists = lambda nbr, mirrored=False: full(nbr, False)  # probe only: full lists
+  neighbors.gemm_plan.pair_lists = lambda nbr, mirrored=False, **kw: full(nbr, False, **kw)  # probe only: full lists
   print("== full pair lists", flush=True)
   networks.main(argv + ["--out", "/tmp/mirrored_b"])
 

@@ -757,7 +757,7 @@ TORCH_BACKWARD_KINDS = (("batchnorm", "bn"), ("groupnorm", "gn"), ("relu", "relu
 
 
 MAP_KERNEL_PREFIXES = ("hash_", "unique_", "occupancy_")  # jsparse's Pallas map kernels (neighbours, output sites)
-PLAN_KERNEL_PREFIXES = ("masked_plan", "pair_lists")  # jsparse's Pallas plan kernels (they carry no op metadata)
+PLAN_KERNEL_PREFIXES = ("masked_plan", "pair_list")  # jsparse's Pallas plan kernels (they carry no op metadata)
 
 
 # XLA kernels that carry no op metadata (made by passes after lowering): cumulative sums become reduce_window

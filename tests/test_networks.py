@@ -68,6 +68,7 @@ def test_profile_rows():
   assert networks.op_group("maxpool", "hash_query__3") == "maps: Pallas map kernels"
   assert networks.op_group("down", "occupancy_lookup__1") == "maps: Pallas map kernels"
   assert networks.op_group("other", "masked_plan_blocks__2") == "conv: other"
+  assert networks.op_group("other", "pair_list_counts__1") == "conv: other"
   assert networks.op_group("other", "sort_23_1__1") == "maps: scans and sorts"
   assert networks.op_group("conv", "cumm::conv::main::Ampere_f16") == "conv: GEMM"
   names = networks.hlo_op_names('  %input_fusion.14 = f16[8]{0} fusion(%p), metadata={op_name="jit(f)/op:bn_relu/x"}\n')

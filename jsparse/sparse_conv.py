@@ -12,8 +12,8 @@ swapped, so one op (jsparse.map_gemm) serves submanifold, strided, inverse and t
 Output coordinates (jit-friendly): every valid input proposes, per kernel offset, the output it would
 feed (where the stride divides and the output is inside the grid). XLA: the proposals are sorted and
 deduplicated into a static number of rows, and `inv` is found by binary search of the proposals among the
-outputs (neighbors.lookup_keys). Pallas (`implementation`, as submconv3d): where a byte per output site takes no
-more memory than a hash table (`occupancy_sites.fits`), the proposals mark an occupancy map of the output grid
+outputs (neighbors.lookup_keys). Pallas (`implementation`, as submconv3d): where a byte per output site costs at
+most ~100 bytes per input row (`occupancy_sites.fits`), the proposals mark an occupancy map of the output grid
 and a site's rank in it is its output row (pallas_kernels/occupancy_sites.py: no table, no sort); otherwise
 they go into a GPU hash table, where duplicates collapse, and only the distinct keys are sorted; `inv` is read
 back from the table (pallas_kernels/unique_keys.py). All give the same rows in the same order. `nbr` is `inv`

@@ -4,7 +4,8 @@ Arrays in, arrays out: this module does not import ``jsparse``. It solves the pr
 distinct proposals of every valid input row and kernel offset, sorted by linear key, and each proposal's
 output row) without a hash table and without a sort, where the output grid is small enough to hold one byte
 per site: a LiDAR backbone's grids have tens of millions of output sites for about a million inputs, so the
-map is smaller than the hash table (``fits``), and the sorted order of the sites is just their order in it.
+map costs a few tens of bytes per input row (``fits``), and the sorted order of the sites is just their order in
+it.
 
 1. ``mark_occupancy``:
    * ``occupancy_mark``, flat over pairs ``p = j*V + v``: every valid proposal stores 1 into the byte of its
@@ -36,14 +37,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.hash_table import linear_key
 from pallas_kernels.out_struct import out_struct, same_vma
-from pallas_kernels.unique_keys import BIG, ProposalGeometry, proposal_site, proposals_per_site
+from pallas_kernels.unique_keys import BIG, ProposalGeometry, proposal_site
 
 __all__ = ["Occupancy", "fits", "mark_occupancy", "occupied_sites"]
 
-# Bytes of occupancy map allowed per possible proposal (capacity * proposals per site). The hash table of
-# unique_keys.py holds two int32 tables of 1.5-3 slots per possible proposal, 12-24 bytes, so at this bound the
-# map and its packed words never take more memory than the table they replace.
-BYTES_PER_PROPOSAL = 12
+# Bytes of occupancy map allowed per input row: the map is a transient of the forward pass, and at 96 bytes a
+# row it stays below the [capacity, V] int32 inverse map the search writes anyway for a 3^3 kernel (108 bytes a
+# row), and within a small factor of the hash table it replaces (2 int32 tables of 1.5-3 slots per possible
+# proposal: 12-24 bytes per proposal, up to 8 proposals a row for a 3^3 kernel of stride 2).
+BYTES_PER_ROW = 96
 WORD_BITS = 32
 # Pairs per program of both kernels and their warps: each lane does a few loads and stores, no loop.
 BLOCK_PAIRS = 1024
@@ -69,9 +71,10 @@ def grid_sites(geometry: ProposalGeometry, batch_size: int) -> int:
 
 
 def fits(capacity: int, geometry: ProposalGeometry, batch_size: int) -> bool:
-  """Whether the occupancy map should serve this search: int32 keys, and no more bytes than the hash table."""
+  """Whether the occupancy map should serve this search: int32 keys, and at most BYTES_PER_ROW bytes of map per
+  input row."""
   sites = grid_sites(geometry, batch_size)
-  return 0 < sites < 2**31 - WORD_BITS and sites <= BYTES_PER_PROPOSAL * capacity * proposals_per_site(geometry)
+  return 0 < sites < 2**31 - WORD_BITS and sites <= BYTES_PER_ROW * capacity
 
 
 def _site_key(num, coords_ref, offs_ref, p, in_range, *, nv, geometry, batch_size):

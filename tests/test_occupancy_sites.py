@@ -125,7 +125,10 @@ def test_rows_with_a_bad_batch_index_propose_nothing():
 def test_fits_rule():
   lidar_down = unique_keys.ProposalGeometry(_conv_geometry((3, 3, 3), 2, 1, 1, (41, 1600, 1408)).offsets,
                                             (2, 2, 2), (1, 1, 1), (21, 800, 704))
-  assert occupancy_sites.fits(1_100_000, lidar_down, 4)  # 47M sites against 8.8M possible proposals
+  assert occupancy_sites.fits(1_100_000, lidar_down, 4)  # 47M sites: 43 bytes a row
+  minkunet_down = unique_keys.ProposalGeometry(_conv_geometry((2, 2, 2), 2, 0, 1, (8,) * 3).offsets, (2, 2, 2),
+                                               (0, 0, 0), (20, 800, 704))
+  assert occupancy_sites.fits(1_100_000, minkunet_down, 4)  # one proposal a row, still 41 bytes of map a row
   assert not occupancy_sites.fits(100_000, _conv_geometry((3, 3, 3), 2, 1, 1, (1024,) * 3), 1)  # 134M sites
   assert not occupancy_sites.fits(2**28, _conv_geometry((2, 2, 2), 2, 0, 1, (2048,) * 3), 2)  # wide keys
   assert not occupancy_sites.fits(0, _conv_geometry((2, 2, 2), 2, 0, 1, (8,) * 3), 1)  # no rows

@@ -228,15 +228,16 @@ def _output_sites_interpret(coords, num, geometry, batch_size, out_capacity, **k
   return table, np.asarray(out_keys), np.asarray(inv), bool(overflow | table.overflow)
 
 
-@pytest.mark.parametrize(
-    "in_shape,batch,num,capacity,kernel_size,stride,padding,dilation",
-    [
-        ((7, 5, 9), 2, 60, 70, (3, 3, 3), 2, 1, 1),
-        ((8, 6, 5), 1, 50, 50, (2, 2, 2), 2, 0, 1),  # kernel == stride: one proposal per site
-        ((6, 7, 5), 3, 40, 45, (3, 2, 1), 1, 0, 1),  # stride 1: many duplicates per site
-        ((9, 8, 7), 2, 40, 48, (3, 3, 3), 3, 2, 2),  # dilation, padding > 1
-    ],
-)
+# (in_shape, batch, num, capacity, kernel_size, stride, padding, dilation); tests/test_occupancy_sites.py too.
+OUTPUT_SITE_CASES = [
+    ((7, 5, 9), 2, 60, 70, (3, 3, 3), 2, 1, 1),
+    ((8, 6, 5), 1, 50, 50, (2, 2, 2), 2, 0, 1),  # kernel == stride: one proposal per site
+    ((6, 7, 5), 3, 40, 45, (3, 2, 1), 1, 0, 1),  # stride 1: many duplicates per site
+    ((9, 8, 7), 2, 40, 48, (3, 3, 3), 3, 2, 2),  # dilation, padding > 1
+]
+
+
+@pytest.mark.parametrize("in_shape,batch,num,capacity,kernel_size,stride,padding,dilation", OUTPUT_SITE_CASES)
 def test_output_sites_interpret_matches_numpy(in_shape, batch, num, capacity, kernel_size, stride, padding,
                                               dilation):
   rng = np.random.default_rng(num * 31 + capacity)

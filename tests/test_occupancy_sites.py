@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import occupancy_sites, unique_keys
-from test_hash_table import _conv_geometry, random_points, ref_output_sites
+from test_hash_table import OUTPUT_SITE_CASES, _conv_geometry, random_points, ref_output_sites
 
 
 def _occupied(coords, num, geom, batch, out_capacity):
@@ -46,13 +46,7 @@ def _check_against_reference(coords, num, geom, batch, out_capacity):
 
 @pytest.mark.parametrize(
     "in_shape,batch,num,capacity,kernel_size,stride,padding,dilation",
-    [
-        ((7, 5, 9), 2, 60, 70, (3, 3, 3), 2, 1, 1),
-        ((8, 6, 5), 1, 50, 50, (2, 2, 2), 2, 0, 1),  # kernel == stride: one proposal per site
-        ((6, 7, 5), 3, 40, 45, (3, 2, 1), 1, 0, 1),  # stride 1: many duplicates per site
-        ((9, 8, 7), 2, 40, 48, (3, 3, 3), 3, 2, 2),  # dilation, padding > 1
-        ((41, 16, 14), 2, 300, 320, (3, 1, 1), 2, 0, 1),  # anisotropic, a LiDAR backbone's last down
-    ],
+    OUTPUT_SITE_CASES + [((41, 16, 14), 2, 300, 320, (3, 1, 1), 2, 0, 1)],  # + a LiDAR backbone's last down
 )
 def test_occupied_sites_match_numpy(in_shape, batch, num, capacity, kernel_size, stride, padding, dilation):
   rng = np.random.default_rng(num * 7 + capacity)

@@ -1,8 +1,9 @@
 """Tests for pallas_kernels/occupancy_sites.py (strided-convolution output sites from an occupancy map).
 
-CPU: interpret-mode kernels against the numpy reference of tests/test_hash_table.py, hypothesis over geometries,
-the dispatch rule and both sides of it through `pair_map`, and Triton lowering. GPU (``-m gpu``):
-tests/test_hash_table.py::test_gpu_output_sites_sphere_shell runs both site searches against the XLA path.
+CPU: interpret-mode kernels against the numpy reference of tests/test_hash_table.py, hypothesis over geometries
+(strided and transposed rules), the dispatch rule, its edges and both sides of it through `pair_map` and
+`transpose_map`, and Triton lowering. GPU (``-m gpu``): tests/test_hash_table.py::test_gpu_output_sites_sphere_shell
+runs both site searches against the XLA path.
 """
 from __future__ import annotations
 
@@ -62,26 +63,35 @@ def test_occupied_sites_match_numpy(in_shape, batch, num, capacity, kernel_size,
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_occupied_sites_property(data):
-  # Any geometry, batch, density, padding-row contents and out_capacity: the numpy reference exactly, and the
-  # count of distinct sites whatever out_capacity is.
+  # Any geometry (stride, padding and dilation per axis: anisotropic, kernel < stride, padding > kernel), the
+  # strided rule or the transposed convolution's (negated padding and offsets on coordinates scaled by the
+  # stride), batch, density, padding-row contents and out_capacity: the numpy reference exactly, and the count
+  # of distinct sites whatever out_capacity is.
+  from jsparse.sparse_conv import _proposal_geometry, geometry, transpose_geometry
+
   draw = data.draw
-  in_shape = tuple(draw(st.integers(1, 9)) for _ in range(3))
-  batch = draw(st.integers(1, 3))
-  kernel_size = tuple(draw(st.integers(1, 3)) for _ in range(3))
-  stride = draw(st.integers(1, 3))
-  dilation = draw(st.integers(1, 2))
-  padding = draw(st.integers(0, 2))
-  geom = _conv_geometry(kernel_size, stride, padding, dilation, in_shape)
-  if min(geom.out_shape) < 1:
+  triple = lambda lo, hi: tuple(draw(st.integers(lo, hi)) for _ in range(3))
+  in_shape, kernel_size, stride = triple(1, 9), triple(1, 3), triple(1, 3)
+  padding, dilation = triple(0, 3), triple(1, 2)
+  transposed = draw(st.booleans())
+  try:
+    if transposed:
+      rule = transpose_geometry(in_shape, kernel_size, stride, padding, 0, dilation).proposal_rule()
+    else:
+      rule = _proposal_geometry(geometry(in_shape, kernel_size, stride, padding, dilation))
+  except ValueError:  # an empty output grid
     return
+  batch = draw(st.integers(1, 3))
   sites = batch * int(np.prod(in_shape))
   num = draw(st.integers(0, min(sites, 80)))
   capacity = num + draw(st.integers(0, 8))
   rng = np.random.default_rng(draw(st.integers(0, 2**31)))
   coords = random_points(rng, in_shape, batch, num, capacity, pad=draw(st.sampled_from(["neg1", "garbage", "zero"])))
-  count = ref_output_sites(coords, num, geom, 0)[2]
+  if transposed:  # as sparse_conv._transpose_map: the rows scaled by the stride (padding rows too)
+    coords = coords * np.asarray((1,) + stride, np.int32)
+  count = ref_output_sites(coords, num, rule, 0)[2]
   out_capacity = draw(st.integers(0, count + 5))
-  assert _check_against_reference(coords, num, geom, batch, out_capacity) == count
+  assert _check_against_reference(coords, num, rule, batch, out_capacity) == count
 
 
 def test_traced_num_compiles_once():
@@ -160,6 +170,63 @@ def test_pair_map_takes_either_search_and_matches_xla(spatial_shape, expect_occu
                                                       implementation=impl))(x) for impl in ("pallas", "xla"))
     for name in ("out_coords", "out_num", "nbr", "inv", "overflow"):
       np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(ref, name)), err_msg=name)
+
+
+# (capacity, batch, output grid of a k2 s2 convolution, whether occupancy_sites.fits): maps of exactly
+# BYTES_PER_ROW bytes a row (96, 288 and 192 sites) and of one site more (97, 289, 193), a grid of one site, up to
+# 193 batch items, site counts off a multiple of 32.
+_FITS_EDGES = [(1, 1, (4, 4, 6), True), (1, 1, (97, 1, 1), False), (1, 1, (1, 1, 1), True),
+               (3, 32, (1, 1, 9), True), (3, 17, (17, 1, 1), False), (2, 64, (1, 1, 3), True),
+               (2, 193, (1, 1, 1), False), (4, 5, (3, 3, 5), True)]
+
+
+@pytest.mark.parametrize("capacity,batch,out_shape,fits", _FITS_EDGES)
+def test_pair_map_at_the_edges_of_fits(capacity, batch, out_shape, fits):
+  # Just inside and just outside the dispatch rule, with garbage padding rows and one free row: pair_map's
+  # Pallas path (either search) gives the XLA path's map, for a counted, a too small and an empty out_capacity.
+  import jsparse
+  from jsparse.sparse_conv import _proposal_geometry, geometry, pair_map
+
+  in_shape = tuple(2 * n for n in out_shape)
+  assert occupancy_sites.fits(capacity, _proposal_geometry(geometry(in_shape, 2, 2)), batch) == fits
+  rng = np.random.default_rng(capacity * 1000 + batch)
+  for num in {capacity, capacity - 1}:
+    coords = random_points(rng, in_shape, batch, num, capacity, pad="garbage")
+    x = jsparse.SparseTensor(jnp.asarray(coords), jnp.ones((capacity, 1), jnp.float32), jnp.int32(num), in_shape,
+                             batch)
+    count = int(pair_map(x, 2, 2, implementation="xla").out_num)
+    for out_capacity in (None, max(count - 1, 0), 0):
+      got, ref = (pair_map(x, 2, 2, out_capacity=out_capacity, check=False, implementation=impl)
+                  for impl in ("pallas", "xla"))
+      for name in ("out_coords", "out_num", "nbr", "inv", "overflow"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(ref, name)),
+                                      err_msg=f"{name} num={num} out_capacity={out_capacity}")
+
+
+@pytest.mark.parametrize("spatial_shape,expect_occupancy", [((5, 4, 6), True), ((300, 200, 250), False)])
+def test_transpose_map_takes_either_search_and_matches_xla(spatial_shape, expect_occupancy):
+  # The general transposed convolution's rule (negated padding and offsets on scaled coordinates) on both sides
+  # of the dispatch: small grids take the occupancy map, so only a large sparse grid still reaches the hash table
+  # with int32 keys. Exact, and too few rows under jit (the smallest sites and the flag).
+  import jsparse
+  from jsparse.sparse_conv import transpose_geometry, transpose_map
+
+  rng = np.random.default_rng(8)
+  batch, num, cap = 2, 40, 47
+  pts = random_points(rng, spatial_shape, batch, num, cap, pad="garbage")
+  x = jsparse.SparseTensor(jnp.asarray(pts), jnp.ones((cap, 1), jnp.float32), jnp.int32(num), spatial_shape, batch)
+  geo = dict(kernel_size=(3, 2, 3), stride=(2, 1, 3), padding=(1, 0, 2), output_padding=(1, 0, 0), dilation=1)
+  rule = transpose_geometry(spatial_shape, **geo).proposal_rule()
+  assert jsparse.key_width(batch, rule.out_shape) == 1
+  assert occupancy_sites.fits(cap, rule, batch) == expect_occupancy
+  count = int(transpose_map(x, out_capacity="exact", implementation="xla", **geo)[1])
+  assert count > 100
+  for out_capacity in (count, count - count // 3):
+    got, ref = (jax.jit(lambda x, impl=impl: transpose_map(x, out_capacity=out_capacity, implementation=impl,
+                                                            check=False, **geo))(x) for impl in ("pallas", "xla"))
+    for name, a, b in zip(("out_coords", "out_num", "nbr", "inv", "overflow"), got, ref):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    assert bool(got[4]) == (out_capacity < count)
 
 
 def test_triton_lowering():

@@ -318,7 +318,8 @@ SITE_CASES = [c[:6] for c in CASES] + [((6, 7, 5), 1, (3, 3, 3), 2, 1, 1)]
 
 @pytest.mark.parametrize("case", SITE_CASES, ids=[str(i) for i in range(len(SITE_CASES))])
 def test_pallas_output_sites_match_xla(case):
-  # The hash-table site search (interpret mode here) gives the XLA path's map exactly: rows, order, num, flag.
+  # The Pallas site search (interpret mode here; these small grids take the occupancy map) gives the XLA path's
+  # map exactly: rows, order, num, flag.
   shape, batch, ks, st, pad, dil = case
   rng = np.random.default_rng(abs(hash(case)) % 2**32)
   x = random_sparse(rng, shape, 1, batch_size=batch, density=0.2, pad=5)

@@ -219,7 +219,8 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   field holds at least one valid input. out_capacity: static rows of the output; None: round_capacity of the
   number of output sites, "exact": that number (both count them on the host: outside jit only).
   check: report an overflow of out_capacity (ValueError outside jit, checkify under jit; sparse_tensor.report).
-  implementation: None (GPU hash table on a GPU, XLA sort elsewhere), "pallas" or "xla"; same result.
+  implementation: None (Pallas on a GPU: an occupancy map of the output grid where it is small, else a hash
+    table; XLA sort elsewhere), "pallas" or "xla"; same result.
   op: the op named in those reports.
   """
   out_capacity = check_capacity(out_capacity, "out_capacity")
@@ -549,8 +550,8 @@ def transpose_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 2, paddin
   Output sites: the distinct o = j*stride - padding + v*dilation (per axis, in the same batch item) inside the
   output grid (`TransposeGeometry`), for every valid row j of x and kernel index v, sorted by linear key.
   nbr[i, v] = the row of x that output i reads with weight[v], or -1; inv[j, v] = the output row fed by row j
-  with weight[v], or -1. They are found by the strided convolution's site search (sort, or hash table with
-  implementation="pallas"; `pair_map`) on x's coordinates scaled by the stride, so both key widths, the
+  with weight[v], or -1. They are found by the strided convolution's site search (sort, or occupancy map / hash
+  table with implementation="pallas"; `pair_map`) on x's coordinates scaled by the stride, so both key widths, the
   overflow handling (`check`: ValueError outside jit, checkify under it) and out_capacity (None / "exact"
   count on the host, outside jit only) are those of `strided_map`. Sizes are in x's rank (a 2D tensor takes
   ints or pairs; nbr then has Kh*Kw columns).
@@ -609,7 +610,8 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   ordered by (parent row, child index), and `mask`, None or bool [x.capacity, prod(stride)] with mask[j, t]
   keeping child t of row j (t the C-order index of (a, b, c); rows >= x.num ignored), prunes children for
   coarse-to-fine generation. Otherwise (`transpose_map`): output rows sorted by linear key, found as a strided
-  convolution's output sites are (implementation "pallas": the GPU hash table), and `mask` must be None.
+  convolution's output sites are (implementation "pallas": an occupancy map or the GPU hash table), and `mask`
+  must be None.
 
   weight: (Kx, Ky, Kz, Cin, Cout), or (Cout, Kx, Ky, Kz, Cin) with weight_layout="ODHWI"; the kernel size is
   the weight's. stride, padding, output_padding, dilation: an int or 3 ints; padding >= 0; output_padding

@@ -15,7 +15,12 @@ if jax.default_backend() == "cpu":
 
 
 def pytest_collection_modifyitems(config, items):
-  """Tests marked `gpu` run the real Triton kernels: skip them where there is no GPU."""
+  """Tests marked `slow` run first; tests marked `gpu` (the real Triton kernels) are skipped where there is no GPU.
+
+  Longest first: pytest-xdist hands tests out in collection order, so a minutes-long notebook that starts late
+  keeps one worker busy after the other has run out of tests. Started first, it runs beside everything else.
+  The sort is stable (every worker collects the same order, as xdist requires) and changes no test."""
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
   if jax.default_backend() == "gpu":
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make gpu-test` on a GPU machine)")

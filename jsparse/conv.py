@@ -30,8 +30,9 @@ def submconv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
     transposed copy, whichever its layout favours. Or a `jsparse.sparsity.Compressed2to4` (a 2:4 weight, compressed
     in the same layout): it is decompressed and the dense path runs, or, inside `jsparse.sparse24.native_2to4()` on
     a GPU, the forward runs on the native sparse tensor-core kernel where `jsparse.sparse24` allows it (float16 /
-    bfloat16, Cin % 32 == 0, Cout % 16 == 0; slower than the dense kernels, so opt-in); the same holds in the
-    strided, inverse and transposed convolutions. bias: (Cout,) or None.
+    bfloat16, Cin % 32 == 0, Cout % 16 == 0; slower than the dense kernels, so opt-in), or for a 1x1x1 kernel on
+    cuSPARSELt (Cin and Cout multiples of 32, cuSPARSELt installed); the same holds in the strided, inverse and
+    transposed convolutions (on the mma.sp kernel). bias: (Cout,) or None.
   cache: a NeighborCache for x's coordinates from `neighbor_map(x, kernel_size, dilation)`. If None, the map
     that x carries for this kernel (x.caches, attached by an earlier convolution on these coordinates) is
     used, or a new one is built; the output carries it on, so a stack of layers builds it once.
@@ -70,4 +71,6 @@ def submconv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   cache = dataclasses.replace(cache, plans=maps.plans)
   # The output shares x's coordinates, so it carries the map (with its plans) on, and its overflow flag.
   x = dataclasses.replace(x.with_cache(key, cache), overflow=x.overflow | cache.overflow)
-  return x.replace(feats=conv_map_gemm(x.feats, weight, w, b, maps, spec))
+  # A 1x1x1 map is the identity on the valid rows: nothing to gather.
+  gather_free = all(k == 1 for k in spec.kernel_size)
+  return x.replace(feats=conv_map_gemm(x.feats, weight, w, b, maps, spec, gather_free=gather_free))

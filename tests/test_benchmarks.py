@@ -1,5 +1,6 @@
 """The benchmark harness on the CPU: the suite's jsparse side in both weight layouts, the memory probe's
-buffer-assignment reader, and the CPU voxelize probe."""
+buffer-assignment reader, the network memory probe (its dump readers and a tiny network's training step), and
+the CPU voxelize probe."""
 import json
 
 import jax
@@ -9,7 +10,7 @@ import pytest
 
 import jsparse
 from benchmarks import suite
-from benchmarks.probes import memory_probe
+from benchmarks.probes import memory_probe, network_memory
 from reference import rel_err
 
 
@@ -62,6 +63,104 @@ allocation 2: size 1000000, output shape is |f32[250,1000]|, maybe-live-out:
   assert memory_probe.newest_buffer_assignment(str(tmp_path), set()) == str(path)
   assert memory_probe.newest_buffer_assignment(str(tmp_path), {str(path)}) is None
   assert np.isclose(float(lines[1].split()[0]), 2.0)
+
+
+_TINY_ASSIGNMENT = """BufferAssignment:
+allocation 0: size 64, page 0, parameter 0, shape |f32[16]| at ShapeIndex {}:
+ value: <1 p0 @0> (size=64,offset=0): f32[16]{0}
+allocation 1: size 64, page 0, output shape is |f32[16]|, maybe-live-out:
+ value: <5 out @0> (size=64,offset=0): f32[16]{0}
+allocation 2: size 320, page 0, preallocated-temp:
+ value: <2 a @0> (size=100,offset=0): f32[25]{0}
+ value: <3 b @0> (size=200,offset=100): f32[5,10]{1,0}
+ value: <4 c @0> (size=100,offset=0): f32[25]{0}
+ value: <6 w.1{1} (phi) @0> (size=40,offset=0): f32[10]{0}
+ value: <7 d @0> (size=120,offset=200): s32[30]{0}
+allocation 3: size 8, page 0, thread-local:
+ value: <8 t @0> (size=8,offset=0): f32[2]{0}
+"""
+
+_TINY_LIVE_RANGE = """HloLiveRange (max 5):
+  InstructionSequence:
+    0:p0
+    1:a
+    2:b
+    3:c
+    4:d
+    5:out
+  BufferLiveRange:
+    p0{}:0-5
+    a{}:1-3
+    w.1{1}:1-2
+    b{}:2-3
+    c{}:3-4
+    d{}:4-4
+    out{}:5-5
+  Live ranges at 3 (peak):
+    b{}: 200 bytes (cumulative: 200 bytes)
+    a{}: 100 bytes (cumulative: 300 bytes)
+    p0{}: 64 bytes (cumulative: 364 bytes)
+  Stack trace breakdown for peak usage: 364 bytes
+    main (100.0%, total: 364 bytes, current: 0 bytes, remaining: 364 bytes)
+"""
+
+
+def test_network_memory_reads_the_dumps(tmp_path):
+  """Live ranges include both ends; values XLA placed on overlapping bytes (c updating a in place, a loop's
+  carried w.1) count once; a thread-local value is no part of the heap."""
+  (tmp_path / "m.buffer-assignment.txt").write_text(_TINY_ASSIGNMENT)
+  (tmp_path / "m.live-range.txt").write_text(_TINY_LIVE_RANGE)
+  files = network_memory.dump_files(str(tmp_path))
+  allocations = network_memory.parse_buffer_assignment(files["buffer-assignment"])
+  live = network_memory.parse_live_range(files["live-range"])
+  assert [a.kind for a in allocations] == ["parameter", "output", "temp", "thread-local"]
+  assert allocations[2].values[3].key == "w.1{1}" and allocations[2].values[1].dims == "[5,10]"
+  assert live.sequence[4] == "d" and live.ranges["w.1{1}"] == (1, 2) and live.xla_peak_step == 3
+  temp = network_memory.live_bytes(allocations, live, ("temp",))
+  np.testing.assert_array_equal(temp, [0, 100, 300, 300, 220, 0])
+  ops = {"a": "jit(train)/jvp(op:subm)/gather", "b": "jit(train)/transpose(jvp(op:bn))/mul",
+         "c": "jit(train)/jvp(op:subm)/add", "p0": "params[\\'enc1_bn/scale\\']"}
+  memory = {"argument": 64, "output": 64, "temp": 320, "alias": 0}
+  r = network_memory.analyse(memory, allocations, live, ops)
+  assert r["temp_peak"]["step"] == 2 and r["temp_peak"]["live_bytes"] == 300
+  assert r["temp_peak"]["fragmentation_bytes"] == 20
+  listed = {v["instruction"]: (v["bytes"], v["added_bytes"]) for v in r["live_at_temp_peak"]}
+  assert listed == {"b{}": (200, 200), "a{}": (100, 100), "w.1{1}": (40, 0)}
+  assert r["live_at_temp_peak_by_group"] == [
+      {"group": "transpose(jvp(op:bn))", "bytes": 200, "values": 1},
+      {"group": "jvp(op:subm)", "bytes": 100, "values": 1}, {"group": "(no metadata)", "bytes": 0, "values": 1}]
+  assert r["arguments_by_group"] == [{"group": "params['enc1_bn']", "bytes": 64, "values": 1}]
+  assert r["listed_bytes"] == 64 + 64 + 300 and r["analysed_peak_bytes"] == 448
+  assert r["whole_program_peak"]["bytes"] == 364 and r["whole_program_peak"]["xla_bytes"] == 364
+  assert network_memory.op_group("jit(train)/transpose(jvp(op:subm))/dot_general", 1) == \
+      "transpose(jvp(op:subm))/dot_general"
+  assert network_memory.op_group("jit(train)/jvp()/mul") == "jvp()"
+  with pytest.raises(ValueError, match="path"):
+    network_memory.parse_buffer_assignment(files["live-range"])
+
+
+def test_network_memory_probe_accounts_for_a_tiny_networks_peak(tmp_path, capsys):
+  """The probe on a tiny network's training step (XLA path, compiled with the dump, run once): the values it
+  lists at the temp buffer's peak, with the arguments and outputs it lists, add up to the compiled program's
+  analysed peak within the temp buffer's fragmentation, and the largest is attributed to a network op."""
+  out = tmp_path / "netmem.json"
+  rc = network_memory.main(["--networks", "second", "--sizes", "tiny", "--dtypes", "fp32", "--modes", "train",
+                            "--impl", "xla", "--top", "100000", "--run", "--out", str(out)])
+  assert rc == 0
+  (r,) = json.load(open(out))["reports"]
+  m, peak = r["memory_analysis"], r["temp_peak"]
+  values = r["live_at_temp_peak"]
+  assert len(values) == r["live_at_temp_peak_count"] > 10
+  temp_live = sum(v["added_bytes"] for v in values)
+  assert temp_live == peak["live_bytes"] == sum(g["bytes"] for g in r["live_at_temp_peak_by_group"])
+  assert 0 < temp_live <= m["temp"]
+  assert r["arguments_bytes"] == m["argument"] and r["outputs_bytes"] == m["output"]
+  listed = r["arguments_bytes"] + r["outputs_bytes"] - m["alias"] + temp_live
+  assert m["peak"] == m["argument"] + m["output"] + m["temp"] - m["alias"]
+  assert abs(listed - m["peak"]) <= 0.05 * m["peak"], (listed, m)
+  assert "op:" in max(values, key=lambda v: v["added_bytes"])["op_name"]
+  assert any(g["group"].startswith("transpose(jvp(op:") for g in r["outputs_by_group"])  # weight gradients
+  assert "run" in r and "live at the temp peak by op" in capsys.readouterr().out
 
 
 def test_voxelize_cpu_benchmark_smoke(capsys):

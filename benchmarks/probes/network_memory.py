@@ -14,7 +14,8 @@ running it and prints:
   temp allocation peak (the live range dump gives each value's [first, last] step, the buffer assignment its
   size and offset). At that moment every live temp value is listed, largest first, with its dtype, shape, size,
   HLO instruction and op_name metadata (`jvp(op:subm)` is a submanifold convolution's forward,
-  `transpose(jvp(op:subm))` its backward), and the values are grouped by that op prefix with totals;
+  `transpose(jvp(op:subm))` its backward; a forward value live during the backward is a residual kept for it),
+  and the values are grouped by that op prefix with totals (`--group-depth 1` splits each op by its next scope);
 - the arguments and outputs (resident for the whole step) by group, XLA's own whole-program live peak, and the
   reconciliation: arguments + outputs + temp live at its peak = analysed peak - fragmentation of the temp buffer.
 With --run the step is executed once and the device's peak_bytes_in_use (a process-lifetime high-water mark, so
@@ -403,7 +404,6 @@ def main(argv=None) -> int:
   ap.add_argument("--keep-dump", default=None, help="write XLA's dumps here and keep them")
   ap.add_argument("--out", default=None, help="JSON file of the reports")
   args = ap.parse_args(argv)
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before the backend starts: peaks stay readable
   from benchmarks import networks, suite
   for n in args.networks:
     if n not in networks.NETWORKS:
@@ -430,4 +430,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before the backend starts, as networks.py runs
   sys.exit(main())

@@ -235,6 +235,9 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   bf16_split = uses_bf16_split(in_dtype, precision)
   dy = dy.astype(in_dtype)
   if bf16_split:
+    # x is a forward residual: without the barrier XLA may split it as early as the forward pass and hold
+    # the copies (as large as x) through the backward; tied to dy, the split runs just before this gradient.
+    x, dy = lax.optimization_barrier((x, dy))
     (x, x_lo), (dy, dy_lo) = _split_bf16(x), _split_bf16(dy)
   kernel = functools.partial(
       _weight_grad_kernel, mirrored=pairs is not None and pairs.mirrored, split=cfg.split, num_rows=m,

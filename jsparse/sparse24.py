@@ -11,14 +11,14 @@ when all of these hold, and otherwise decompresses the weight and runs the dense
 - the implementation is Pallas on a GPU (implementation=None or "pallas" there; "xla" always runs the dense path);
 - Cin % 32 == 0, Cout % 16 == 0 and at most 1024 kernel offsets;
 - the native library is available (`native_status()`: nvcc found, built, a CUDA backend);
-`forward_route(...)` says which path a call would take and why.
+`forward_route(...)` says which path a call would take and why. The generative form of `sparse_conv_transpose3d`
+(kernel == stride) and the 2D / 1D convolutions always run the dense path.
 
 Gather-free convolutions (a 1x1x1 `submconv3d`: its map is the identity, so the convolution is one matrix
 product) run on NVIDIA's cuSPARSELt instead (`native_kernels/cusparselt_gemm.cu` through `jax.ffi`), under the
 same conditions except that Cin and Cout must be multiples of 32 and cuSPARSELt must be found and built
 (`cusparselt_status()`); `cslt_compress` / `cslt_matmul` are that route at the array level. Its compressed weight
-is cuSPARSELt's own opaque layout, the bytes `torch._cslt_compress` makes of the same [Cout, Cin] weight. The generative form of `sparse_conv_transpose3d`
-(kernel == stride) and the 2D / 1D convolutions always run the dense path.
+is cuSPARSELt's own opaque layout, the bytes `torch._cslt_compress` makes of the same [Cout, Cin] weight.
 
 Gradients: the forward is a custom_vjp whose backward is the dense path's own backward (the Pallas or XLA
 map-GEMM) on the decompressed weight, so the input gradient and the weight gradient equal the dense

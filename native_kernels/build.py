@@ -202,7 +202,8 @@ def _register_once(nvcc: str | None, library: Library) -> NativeStatus:
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(loaded, symbol)), platform="CUDA")
   except (OSError, AttributeError, ValueError, RuntimeError) as err:
     return NativeStatus(False, f"loading or registering {status.library} failed: {err}", status.library)
-  return NativeStatus(True, f"registered {', '.join(target for target, _ in library.targets)} from {status.library}", status.library)
+  names = ", ".join(target for target, _ in library.targets)
+  return NativeStatus(True, f"registered {names} from {status.library}", status.library)
 
 
 def register(library: Library = CONV) -> NativeStatus:

@@ -144,8 +144,8 @@ def test_cusparselt_custom_vjp_matches_dense(monkeypatch, layout):
   assert not np.any(np.asarray(y)[int(x.num):])
   np.testing.assert_array_equal(np.asarray(gx, np.float32)[: int(x.num)], np.asarray(gxd, np.float32)[: int(x.num)])
   kept = jnp.where(sparsity.mask_2to4(w, weight_layout=layout), gwd, 0)
-  np.testing.assert_array_equal(np.asarray(sparsity.decompress_2to4(dataclasses.replace(c, values=gc.values)), np.float32),
-                                np.asarray(kept, np.float32))
+  got = sparsity.decompress_2to4(dataclasses.replace(c, values=gc.values))
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(kept, np.float32))
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------

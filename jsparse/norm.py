@@ -202,7 +202,8 @@ def _batch_norm_train_bwd(epsilon, activation, out_dtype, impl, res, cotangents)
   feats, num, scale, bias, n, mean, inv_std = res
   g_y, g_mean, g_var = cotangents
   valid = _valid(feats, num)[:, None]
-  xhat = (feats.astype(jnp.float32) - mean) * inv_std
+  # Padding rows may hold anything (a nan there would reach sum_gx through 0 * nan): they become zeros first.
+  xhat = jnp.where(valid, (feats.astype(jnp.float32) - mean) * inv_std, 0)
   g = jnp.where(valid, _activation_grad(g_y.astype(jnp.float32), xhat, scale, bias, activation), 0)
   if impl.is_pallas:  # one read of x and dy for both sums
     sum_g, sum_gx = channel_moments.normalised_grad_sums(feats, g_y, num, mean, inv_std, scale, bias,

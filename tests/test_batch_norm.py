@@ -95,3 +95,86 @@ def test_batch_norm_bad_arguments():
     norm.batch_norm(x, mean=jnp.zeros(3))
   with pytest.raises(TypeError, match="SparseTensor"):
     norm.batch_norm(x.feats)
+
+
+def _garbage_padding(x):
+  """x with nan / inf in the padding rows' features (statistics and gradients must not see them)."""
+  pad = np.arange(x.capacity) >= int(x.num)
+  fill = np.where(np.arange(x.capacity * x.num_channels).reshape(x.capacity, -1) % 2, np.nan, np.inf)
+  return x.replace(feats=jnp.where(pad[:, None], jnp.asarray(fill, x.dtype), x.feats))
+
+
+@pytest.mark.parametrize("act", [None, jax.nn.relu, jax.nn.silu], ids=["none", "relu", "silu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("n,pad,c", [(0, 5, 3), (1, 6, 16), (77, 23, 3), (300, 13, 96), (50, 0, 1)])
+def test_batch_norm_pallas_matches_xla(n, pad, c, dtype, act):
+  """implementation="pallas" (the channel_moments kernels, interpret mode here) against "xla": outputs, returned
+  statistics and the gradients of feats, scale and bias, with nan / inf in the padding rows."""
+  rng = np.random.default_rng([n, c])
+  x = _garbage_padding(_tensor(rng, n, pad, c, dtype, offset=3.0, spread=2.0))
+  scale = jnp.asarray(rng.standard_normal(c) + 1, jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(c), jnp.float32)
+  w_y = jnp.asarray(rng.standard_normal((n + pad, c)), jnp.float32)
+  w_m, w_v = jnp.asarray(rng.standard_normal(c), jnp.float32), jnp.asarray(rng.standard_normal(c), jnp.float32)
+
+  def run(implementation):
+    def loss(f, s, b):
+      y, (m, v) = norm.batch_norm(x.replace(feats=f), s, b, activation=act, return_statistics=True,
+                                  implementation=implementation)
+      return jnp.sum(y.feats.astype(jnp.float32) * w_y) + jnp.sum(m * w_m) + jnp.sum(v * w_v), (y.feats, m, v)
+
+    grads, outs = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(x.feats, scale, bias)
+    text = str(jax.make_jaxpr(jax.grad(lambda f: loss(f, scale, bias)[0]))(x.feats))
+    assert text.count("pallas_call") == (2 if implementation == "pallas" else 0)  # statistics and backward sums
+    return outs, grads
+
+  (y, m, v), grads = run("pallas")
+  (y_x, m_x, v_x), grads_x = run("xla")
+  tol = {jnp.float32: 1e-5, jnp.float16: 2e-3, jnp.bfloat16: 1e-2}[dtype]
+  for got, want in [(y, y_x), (m, m_x), (v, v_x), *zip(grads, grads_x)]:
+    assert got.dtype == want.dtype and np.all(np.isfinite(np.asarray(got, np.float32)))
+    assert rel_err(got, want) < tol
+  assert not np.any(np.asarray(y[n:], np.float32)) and not np.any(np.asarray(grads[0][n:], np.float32))
+  if n:  # the statistics are those of the valid rows
+    f = np.asarray(x.feats[:n], np.float64)
+    np.testing.assert_allclose(np.asarray(m), f.mean(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(v), f.var(0), rtol=1e-4, atol=1e-6)
+
+
+def test_batch_norm_pallas_accurate_far_from_zero_and_bad_implementation():
+  rng = np.random.default_rng(1)
+  x = _tensor(rng, 5000, 3, 4, jnp.float32, offset=1000.0, spread=0.1)
+  _, (mean, var) = norm.batch_norm(x, return_statistics=True, implementation="pallas")
+  f = np.asarray(x.feats[:5000], np.float64)
+  np.testing.assert_allclose(np.asarray(mean), f.mean(0), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(var), f.var(0), rtol=1e-3)
+  with pytest.raises(ValueError, match="implementation"):
+    norm.batch_norm(x, implementation="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("c", [16, 96, 256])
+def test_gpu_batch_norm_pallas_matches_xla(c, dtype):
+  """On the GPU: batch_norm + relu values and gradients with the real kernels against the XLA path, at 300k
+  valid rows in a 2^19-row capacity."""
+  n, cap = 300_001, 1 << 19
+  rng = np.random.default_rng(c)
+  x = _garbage_padding(_tensor(rng, n, cap - n, c, dtype, offset=1.0, spread=2.0))
+  scale = jnp.asarray(rng.standard_normal(c) + 1, jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(c), jnp.float32)
+  w_y = jnp.asarray(rng.standard_normal((cap, c)), jnp.float32)
+
+  def run(implementation):
+    def loss(f, s, b):
+      y = norm.batch_norm(x.replace(feats=f), s, b, activation=jax.nn.relu, implementation=implementation)
+      return jnp.sum(y.feats.astype(jnp.float32) * w_y), y.feats
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(x.feats, scale, bias)
+
+  grads, y = run("pallas")
+  grads_x, y_x = run("xla")
+  tol = 1e-5 if dtype == jnp.float32 else 2e-3
+  for got, want in [(y, y_x), *zip(grads, grads_x)]:
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    assert rel_err(got, want) < tol

@@ -4,7 +4,8 @@ batch norm's column reductions.
     python -m benchmarks.kernels [--res 64,128,256,512] [--shapes 64x256,128x128,256x64,256x256]
                                  [--dtypes fp16,tf32] [--weight-layout DHWIO] [--groups 1] [--repeats 20]
                                  [--inner 8] [--sections matmul,neighbor_map,gemm,batch_norm]
-                                 [--bn-rows 1048576] [--bn-channels 32,64,128,256] [--out DIR] [--smoke]
+                                 [--bn-rows 1048576] [--bn-channels 32,64,128,256] [--bn-sweep] [--out DIR]
+                                 [--smoke]
 
 - matmul peak: jnp.dot of two random 8192x8192 matrices (fp16, bf16, and float32 at default precision =
   TF32), the ceiling each kernel's useful rate is compared with (fp16 kernels with fp16, tf32 with TF32).
@@ -23,7 +24,8 @@ batch norm's column reductions.
   g = relu'-masked dy) and "bn_relu" (jsparse.norm.batch_norm with relu, forward and backward: y, dx, dscale,
   dbias from x and dy). GB/s counts minimal traffic of rows x C elements of the dtype: stats reads x once,
   grad_sums x and dy once, bn_relu 8 passes (forward: x for the statistics, x again and y written; backward: x and
-  dy for the sums, x and dy again and dx written).
+  dy for the sums, x and dy again and dx written). --bn-sweep adds the Pallas reductions at the launch shapes of
+  `pallas_kernels.channel_moments_config.candidates` (the json's "sweep" lists; the fastest can become the default).
 
 Timing: one jitted function applies the op to `inner` distinct input sets (distinct buffers: no CSE, and
 each set is read from device memory, not from L2), timed with perf_counter + block_until_ready; the
@@ -54,6 +56,7 @@ from benchmarks.suite import (Interrupted, import_flexgemm, install_sigterm_hand
                               short_error, time_calls)
 from jsparse import map_gemm  # noqa: E402
 from jsparse.pass_config import PASSES, PassInputs, RunOptions, describe  # noqa: E402
+from pallas_kernels import channel_moments_config  # noqa: E402
 
 DTYPES = {"fp16": jnp.float16, "tf32": jnp.float32}
 SECTIONS = ("matmul", "neighbor_map", "gemm", "batch_norm")
@@ -273,21 +276,25 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
 BN_PASSES = {"stats": 1, "grad_sums": 2, "bn_relu": 8}  # element passes over [rows, C] (minimal traffic)
 
 
-def batch_norm_fns(impl_name: str) -> dict:
-  """The three timed batch-norm workloads on one implementation, each fn(x, dy, scale, bias)."""
+def batch_norm_fns(impl_name: str, config=None) -> dict:
+  """The three timed batch-norm workloads on one implementation, each fn(x, dy, scale, bias); with a
+  channel_moments_config.MomentsConfig, the Pallas reductions alone at that launch shape."""
   from jsparse import dispatch, norm
   from pallas_kernels import channel_moments
 
   impl = dispatch.resolve(impl_name)
 
   def stats(x, dy, scale, bias):
+    if config is not None:
+      return channel_moments.channel_moments(x, jnp.int32(x.shape[0]), bias, config=config,
+                                             interpret=impl.interpret)
     return norm._moments(x, jnp.int32(x.shape[0]), impl)[1:]
 
   def grad_sums(x, dy, scale, bias):
     mean, inv_std, num = bias, scale, jnp.int32(x.shape[0])  # any [C] values: the traffic is the same
     if impl.is_pallas:
       return channel_moments.normalised_grad_sums(x, dy, num, mean, inv_std, scale, bias, activation=jax.nn.relu,
-                                                  interpret=impl.interpret)
+                                                  config=config, interpret=impl.interpret)
     xhat = (x.astype(jnp.float32) - mean) * inv_std
     g = jnp.where(xhat * scale + bias > 0, dy.astype(jnp.float32), 0)
     return jnp.sum(g, axis=0), jnp.sum(g * xhat, axis=0)
@@ -306,6 +313,8 @@ def batch_norm_fns(impl_name: str) -> dict:
     y, vjp = jax.vjp(f, x, scale, bias)
     return (y, *vjp(dy))
 
+  if config is not None:
+    return {"stats": stats, "grad_sums": grad_sums}
   return {"stats": stats, "grad_sums": grad_sums, "bn_relu": bn_relu}
 
 
@@ -339,6 +348,15 @@ def bench_batch_norm(args) -> list[dict]:
         print(f"  batch_norm {kernel:9s} C {c:3d} {dname}: pallas {fmt(p)} ms"
               + (f" ({p['gb_per_s']:.0f} GB/s)" if "gb_per_s" in p else "") + f", xla {fmt(x)} ms"
               + (f" ({x['gb_per_s']:.0f} GB/s)" if "gb_per_s" in x else ""), flush=True)
+        if args.bn_sweep and kernel in ("stats", "grad_sums"):  # the Pallas kernel at other launch shapes
+          rec["sweep"] = []
+          for cfg in channel_moments_config.candidates(n, c, dt):
+            r = guarded(f"batch_norm {kernel} {cfg}", bench_jax, batch_norm_fns("pallas", cfg)[kernel], sets,
+                        args.warmup, args.repeats)
+            if "ms" in r:
+              r["gb_per_s"] = gbytes / (r["ms"] * 1e-3)
+              print(f"    {cfg}: {r['ms']:.4f} ms ({r['gb_per_s']:.0f} GB/s)", flush=True)
+            rec["sweep"].append(dict(r, config=str(cfg)))
       del sets
   return rows_out
 
@@ -449,6 +467,8 @@ def parse_args(argv=None):
   ap.add_argument("--sections", default="matmul,neighbor_map,gemm", help="of matmul, neighbor_map, gemm, batch_norm")
   ap.add_argument("--bn-rows", type=int, default=1 << 20, help="batch_norm section: rows (all valid)")
   ap.add_argument("--bn-channels", default="32,64,128,256", help="batch_norm section: channel counts")
+  ap.add_argument("--bn-sweep", action="store_true",
+                  help="batch_norm section: also time the Pallas reductions at channel_moments_config.candidates")
   ap.add_argument("--repeats", type=int, default=20)
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--inner", type=int, default=8, help="distinct input sets per timed run")
@@ -489,7 +509,7 @@ def main(argv=None):
   install_sigterm_handler()
   data = {"meta": metadata(), "settings": {k: getattr(args, k) for k in (
       "res", "shapes", "dtypes", "sections", "algorithms", "repeats", "warmup", "inner", "matmul_n", "impl",
-      "weight_layout", "groups", "bn_rows", "bn_channels",
+      "weight_layout", "groups", "bn_rows", "bn_channels", "bn_sweep",
       "smoke")}}
   fg, why = import_flexgemm()
   data["meta"]["flexgemm"] = "available" if fg else f"not run: {why}"

@@ -39,6 +39,21 @@ def _piece_rows(num_ref, *, num_rows: int, block_rows: int, pieces: int):
   return start, stop, pl.cdiv(jnp.maximum(stop - start, 0), block_rows)
 
 
+def _columns(channels: int, block_c: int):
+  """Inside a kernel: this program's channel indices and which are real (C padded to block_c)."""
+  cols = pl.program_id(1) * block_c + jnp.arange(block_c)
+  return cols, cols < channels
+
+
+def _tile_mask(rows, stop, col_ok, channels: int, block_c: int):
+  """The [block_rows, block_c] load mask; the column test is left out where C fills its blocks (a mask that is
+  constant along a row keeps the loads vectorised)."""
+  row_ok = (rows < stop)[:, None]
+  if channels % block_c == 0:
+    return jnp.broadcast_to(row_ok, (rows.shape[0], block_c))
+  return row_ok & col_ok[None, :]
+
+
 def _store_partials(refs, tiles, cols, col_ok):
   for ref, tile in zip(refs, tiles):
     plgpu.store(ref.at[pl.program_id(0), cols], jnp.sum(tile, axis=0), mask=col_ok)
@@ -46,15 +61,14 @@ def _store_partials(refs, tiles, cols, col_ok):
 
 def _moments_kernel(num_ref, x_ref, shift_ref, sum_ref, sum_sq_ref, *, num_rows, channels, block_rows, block_c,
                     pieces):
-  cols = pl.program_id(1) * block_c + jnp.arange(block_c)
-  col_ok = cols < channels
+  cols, col_ok = _columns(channels, block_c)
   shift = plgpu.load(shift_ref.at[cols], mask=col_ok, other=0.0)[None, :]
   start, stop, steps = _piece_rows(num_ref, num_rows=num_rows, block_rows=block_rows, pieces=pieces)
   lanes = jnp.arange(block_rows)
 
   def step(t, acc):
     rows = start + t * block_rows + lanes
-    ok = (rows < stop)[:, None] & col_ok[None, :]
+    ok = _tile_mask(rows, stop, col_ok, channels, block_c)
     x = plgpu.load(x_ref.at[rows[:, None], cols[None, :]], mask=ok, other=0)
     d = jnp.where(ok, x.astype(jnp.float32) - shift, 0.0)  # masked lanes must not add -shift
     return acc[0] + d, acc[1] + d * d
@@ -66,8 +80,7 @@ def _moments_kernel(num_ref, x_ref, shift_ref, sum_ref, sum_sq_ref, *, num_rows,
 
 def _grad_sums_kernel(num_ref, x_ref, dy_ref, mean_ref, inv_std_ref, scale_ref, bias_ref, sum_g_ref, sum_gx_ref, *,
                       num_rows, channels, block_rows, block_c, pieces, activation):
-  cols = pl.program_id(1) * block_c + jnp.arange(block_c)
-  col_ok = cols < channels
+  cols, col_ok = _columns(channels, block_c)
   load_c = lambda ref: plgpu.load(ref.at[cols], mask=col_ok, other=0.0)[None, :]  # noqa: E731
   mean, inv_std = load_c(mean_ref), load_c(inv_std_ref)
   scale, bias = (load_c(scale_ref), load_c(bias_ref)) if activation is not None else (None, None)
@@ -76,7 +89,7 @@ def _grad_sums_kernel(num_ref, x_ref, dy_ref, mean_ref, inv_std_ref, scale_ref, 
 
   def step(t, acc):
     rows = start + t * block_rows + lanes
-    ok = (rows < stop)[:, None] & col_ok[None, :]
+    ok = _tile_mask(rows, stop, col_ok, channels, block_c)
     where = (rows[:, None], cols[None, :])
     xhat = (plgpu.load(x_ref.at[where], mask=ok, other=0).astype(jnp.float32) - mean) * inv_std
     g = plgpu.load(dy_ref.at[where], mask=ok, other=0).astype(jnp.float32)

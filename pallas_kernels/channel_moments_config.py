@@ -12,6 +12,7 @@ MAX_BLOCK_CHANNELS = 256
 # Row blocks a piece should walk at least, so a program's fixed cost (loads of shift / mean, the final
 # reduction and store) stays small beside its streaming.
 MIN_BLOCKS_PER_PIECE = 4
+PROGRAMS_PER_SM = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +43,25 @@ class MomentsConfig:
 
 def default_config(num_rows: int, channels: int, dtype=None) -> MomentsConfig:
   """All channels in one block up to 256 (C padded to a power of two), rows to fill 4096 accumulator values, and
-  about 4 programs per SM over the rows (fewer where a piece would walk under 4 row blocks)."""
+  about 8 programs per SM over the rows (fewer where a piece would walk under 4 row blocks): a memory-bound
+  stream wants many loads in flight on every SM."""
   del dtype  # the same tile for every dtype: the accumulators are float32 either way
   block_c = clamp_pow2(max(channels, 1), 1, MAX_BLOCK_CHANNELS)
   block_rows = max(1, ACCUMULATOR_VALUES // block_c)
   channel_blocks = -(-max(channels, 1) // block_c)
-  want = max(1, 4 * gpu_num_sms() // channel_blocks)
+  want = max(1, PROGRAMS_PER_SM * gpu_num_sms() // channel_blocks)
   fits = max(1, -(-num_rows // (MIN_BLOCKS_PER_PIECE * block_rows)))
   return MomentsConfig(block_rows=block_rows, block_c=block_c, pieces=min(want, fits))
+
+
+def candidates(num_rows: int, channels: int, dtype=None) -> list[MomentsConfig]:
+  """Launch shapes a sweep times beside the default: half and twice the rows per tile, 8 warps, and half and
+  twice the pieces."""
+  base = default_config(num_rows, channels, dtype)
+  out = [base]
+  for change in (dict(block_rows=max(1, base.block_rows // 2)), dict(block_rows=base.block_rows * 2),
+                 dict(num_warps=8), dict(pieces=max(1, base.pieces // 2)), dict(pieces=base.pieces * 2)):
+    cfg = dataclasses.replace(base, **change)
+    if cfg not in out:
+      out.append(cfg)
+  return out

@@ -211,10 +211,12 @@ def test_committed_merged_results_are_runs():
 
 
 def test_kernels_batch_norm_section_smoke(tmp_path):
-  """The batch_norm section times every workload on both implementations and renders its table."""
+  """The batch_norm section times every workload on both implementations (and the Pallas reductions at the
+  sweep's launch shapes) and renders its table."""
   from benchmarks import kernels
 
-  rc = kernels.main(["--smoke", "--sections", "batch_norm", "--dtypes", "fp16,tf32", "--out", str(tmp_path)])
+  rc = kernels.main(["--smoke", "--sections", "batch_norm", "--dtypes", "fp16,tf32", "--bn-sweep", "--out",
+                     str(tmp_path)])
   assert rc == 0
   data = json.load(open(tmp_path / "kernels.json"))
   recs = data["batch_norm"]
@@ -223,6 +225,8 @@ def test_kernels_batch_norm_section_smoke(tmp_path):
   for r in recs:
     for impl in ("pallas", "xla"):
       assert r[impl]["ms"] > 0 and r[impl]["gb_per_s"] > 0
+    if r["kernel"] != "bn_relu":  # the sweep: every candidate launch shape timed
+      assert len(r["sweep"]) >= 4 and all(s["ms"] > 0 for s in r["sweep"])
   assert "section_errors" not in data
   assert "| bn_relu | 300 | 16 | fp16 |" in kernels.render(data)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import channel_moments as cm
-from pallas_kernels.channel_moments_config import MomentsConfig, default_config
+from pallas_kernels.channel_moments_config import MomentsConfig, candidates, default_config
 from triton_lowering import lower_for_cuda
 
 # (rows, num, C, config): small configs force many pieces, channel blocks and a ragged last row block.
@@ -130,6 +130,20 @@ def test_default_config(c):
     assert cfg.block_rows * cfg.block_c == 4096
     assert cfg.pieces == 1 or rows >= 4 * cfg.block_rows * (cfg.pieces - 1)
   assert default_config(1 << 20, 64).pieces >= 128  # a million rows fill the GPU
+  sweep = candidates(1 << 20, c)
+  assert sweep[0] == default_config(1 << 20, c) and len(set(sweep)) == len(sweep) >= 5
+
+
+def test_sweep_configs_give_the_same_sums():
+  """Every launch shape the benchmark sweeps computes the same sums (here on a small array)."""
+  rng = np.random.default_rng(9)
+  x = jnp.asarray(rng.standard_normal((300, 24)), jnp.float16)
+  shift = jnp.zeros(24)
+  want = np.asarray(x[:290], np.float64)
+  for cfg in candidates(300, 24):
+    s1, s2 = cm.channel_moments(x, jnp.int32(290), shift, config=cfg, interpret=True)
+    _close(s1, want.sum(0), np.abs(want).sum())
+    _close(s2, (want * want).sum(0), (want * want).sum())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)

@@ -517,7 +517,8 @@ def main(argv=None):
         f"FlexGEMM: {data['meta']['flexgemm']}", flush=True)
   t0 = time.perf_counter()
   sections = {"matmul": lambda: matmul_peaks(args), "neighbor_map": lambda: bench_neighbor_maps(args, fg),
-              "gemm": lambda: bench_gemms(args, fg, data.get("matmul", {})), "batch_norm": lambda: bench_batch_norm(args)}
+              "gemm": lambda: bench_gemms(args, fg, data.get("matmul", {})),
+              "batch_norm": lambda: bench_batch_norm(args)}
   try:
     for name in args.sections:
       try:

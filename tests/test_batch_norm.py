@@ -178,3 +178,31 @@ def test_gpu_batch_norm_pallas_matches_xla(c, dtype):
   for got, want in [(y, y_x), *zip(grads, grads_x)]:
     assert np.all(np.isfinite(np.asarray(got, np.float32)))
     assert rel_err(got, want) < tol
+
+
+def test_batch_norm_modules_pass_the_implementation_on():
+  """SparseBatchNorm (linen and nnx) and the residual blocks hand `implementation` to batch_norm: "pallas" runs
+  the kernels (the same answer as "xla"), a bad name is refused."""
+  from flax import nnx
+
+  x = _garbage_padding(_tensor(np.random.default_rng(6), 40, 8, 5, jnp.float16, offset=1.0))
+  outs = {}
+  for impl in ("xla", "pallas"):
+    bn = jsparse.nn.SparseBatchNorm(activation=jax.nn.relu, implementation=impl)
+    variables = bn.init(jax.random.key(0), x, use_running_average=False)
+    run = lambda v, t: bn.apply(v, t, use_running_average=False, mutable=["batch_stats"])  # noqa: E731
+    assert str(jax.make_jaxpr(run)(variables, x)).count("pallas_call") == (impl == "pallas")
+    outs[impl] = run(variables, x)
+    model = jsparse.nnx.SparseBatchNorm(5, activation=nnx.relu, implementation=impl, rngs=nnx.Rngs(0))
+    graph, state = nnx.split(model)
+    text = str(jax.make_jaxpr(lambda s, t: nnx.merge(graph, s)(t).feats)(state, x))
+    assert text.count("pallas_call") == (impl == "pallas")
+    block = jsparse.nnx.SparseResNetBlock(5, 5, 1, implementation=impl, rngs=nnx.Rngs(0))
+    assert block.norm1.implementation == impl
+  (y_x, s_x), (y_p, s_p) = outs["xla"], outs["pallas"]
+  assert rel_err(y_p.feats, y_x.feats) < 2e-3
+  for k in ("mean", "var"):
+    assert rel_err(s_p["batch_stats"][k], s_x["batch_stats"][k]) < 1e-5
+  bn = jsparse.nn.SparseBatchNorm(implementation="cuda")
+  with pytest.raises(ValueError, match="implementation"):
+    bn.init(jax.random.key(0), x, use_running_average=False)

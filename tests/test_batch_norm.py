@@ -174,7 +174,9 @@ def test_gpu_batch_norm_pallas_matches_xla(c, dtype):
 
   grads, y = run("pallas")
   grads_x, y_x = run("xla")
-  tol = 1e-5 if dtype == jnp.float32 else 2e-3
+  # float32 sums of 300k rows in another order: the scale and bias gradients (the sums themselves) may differ by
+  # more than the outputs do.
+  tol = 1e-4 if dtype == jnp.float32 else 2e-3
   for got, want in [(y, y_x), *zip(grads, grads_x)]:
     assert np.all(np.isfinite(np.asarray(got, np.float32)))
     assert rel_err(got, want) < tol

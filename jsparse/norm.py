@@ -18,6 +18,7 @@ from jax import lax
 from jsparse import dispatch, per_item
 from jsparse.sparse_tensor import SparseTensor, as_int, check_sparse_tensor
 from pallas_kernels import channel_moments
+from pallas_kernels.out_struct import same_vma
 
 __all__ = ["activation", "batch_statistics", "batch_norm", "layer_norm", "group_norm", "group_statistics"]
 
@@ -130,8 +131,10 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
     ones, zeros = jnp.ones(c, jnp.float32), jnp.zeros(c, jnp.float32)
     s = ones if scale is None else jnp.asarray(scale, jnp.float32)
     b = zeros if bias is None else jnp.asarray(bias, jnp.float32)
-    num = jnp.asarray(x.num, jnp.int32)
-    y, mean, var = _batch_norm_train(x.feats, num, s, b, float(epsilon), activation, out_dtype, impl)
+    # Inside shard_map the custom_vjp must see every input vary over the feature's mesh axes: a replicated scale
+    # would otherwise get a per-device cotangent (its pcast here transposes to the psum autodiff needs).
+    feats, num, s, b = same_vma(x.feats, jnp.asarray(x.num, jnp.int32), s, b)
+    y, mean, var = _batch_norm_train(feats, num, s, b, float(epsilon), activation, out_dtype, impl)
     out = x.replace(feats=y)
     return (out, (mean, var)) if return_statistics else out
   if mean is None:

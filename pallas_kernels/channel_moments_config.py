@@ -11,8 +11,10 @@ ACCUMULATOR_VALUES = 4096
 MAX_BLOCK_CHANNELS = 256
 # Row blocks a piece should walk at least, so a program's fixed cost (loads of shift / mean, the final
 # reduction and store) stays small beside its streaming.
-MIN_BLOCKS_PER_PIECE = 4
-PROGRAMS_PER_SM = 8
+MIN_BLOCKS_PER_PIECE = 8
+# Programs are equally long, so the last wave idles part of the GPU: many short ones keep that share small
+# whatever number of programs fits on an SM at once.
+PROGRAMS_PER_SM = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +45,7 @@ class MomentsConfig:
 
 def default_config(num_rows: int, channels: int, dtype=None) -> MomentsConfig:
   """All channels in one block up to 256 (C padded to a power of two), rows to fill 4096 accumulator values, and
-  about 8 programs per SM over the rows (fewer where a piece would walk under 4 row blocks): a memory-bound
-  stream wants many loads in flight on every SM."""
+  about 16 programs per SM over the rows (fewer where a piece would walk under 8 row blocks)."""
   del dtype  # the same tile for every dtype: the accumulators are float32 either way
   block_c = clamp_pow2(max(channels, 1), 1, MAX_BLOCK_CHANNELS)
   block_rows = max(1, ACCUMULATOR_VALUES // block_c)
@@ -55,12 +56,14 @@ def default_config(num_rows: int, channels: int, dtype=None) -> MomentsConfig:
 
 
 def candidates(num_rows: int, channels: int, dtype=None) -> list[MomentsConfig]:
-  """Launch shapes a sweep times beside the default: half and twice the rows per tile, 8 warps, and half and
-  twice the pieces."""
+  """Launch shapes a sweep times beside the default: half and twice the rows per tile, 8 warps (with the same
+  and with twice the rows), and a quarter, half and twice the pieces."""
   base = default_config(num_rows, channels, dtype)
   out = [base]
   for change in (dict(block_rows=max(1, base.block_rows // 2)), dict(block_rows=base.block_rows * 2),
-                 dict(num_warps=8), dict(pieces=max(1, base.pieces // 2)), dict(pieces=base.pieces * 2)):
+                 dict(num_warps=8), dict(num_warps=8, block_rows=base.block_rows * 2),
+                 dict(pieces=max(1, base.pieces // 4)), dict(pieces=max(1, base.pieces // 2)),
+                 dict(pieces=base.pieces * 2)):
     cfg = dataclasses.replace(base, **change)
     if cfg not in out:
       out.append(cfg)

@@ -161,7 +161,8 @@ def _moments(feats, num, impl: dispatch.Implementation):
   count = jnp.minimum(num, feats.shape[0]).astype(jnp.float32)
   n = jnp.maximum(count, 1.0)
   # Zero without valid rows: row 0 is then padding, whatever it holds (an inf would turn the mean into nan).
-  shift = jnp.where(count > 0, feats[0].astype(jnp.float32), 0.0)
+  first = feats[0] if feats.shape[0] else jnp.zeros(feats.shape[1:], feats.dtype)
+  shift = jnp.where(count > 0, first.astype(jnp.float32), 0.0)
   if impl.is_pallas:
     s1, s2 = channel_moments.channel_moments(feats, num, shift, interpret=impl.interpret)
   else:

@@ -299,15 +299,12 @@ def batch_norm_fns(impl_name: str, config=None) -> dict:
     g = jnp.where(xhat * scale + bias > 0, dy.astype(jnp.float32), 0)
     return jnp.sum(g, axis=0), jnp.sum(g * xhat, axis=0)
 
-  coords = {}
-
   def bn_relu(x, dy, scale, bias):
     rows = x.shape[0]
-    if rows not in coords:  # the sites do not matter to batch norm: one shared coordinate array
-      coords[rows] = jnp.zeros((rows, 4), jnp.int32)
 
     def f(feats, s, b):
-      t = jsparse.SparseTensor(coords[rows], feats, jnp.int32(rows), (1, 1, 1), 1)
+      # The sites do not matter to batch norm: traced zeros, which XLA drops (a concrete array would be a constant).
+      t = jsparse.SparseTensor(jnp.zeros((rows, 4), jnp.int32), feats, jnp.int32(rows), (1, 1, 1), 1)
       return jsparse.norm.batch_norm(t, s, b, activation=jax.nn.relu, implementation=impl_name).feats
 
     y, vjp = jax.vjp(f, x, scale, bias)

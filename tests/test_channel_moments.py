@@ -1,7 +1,7 @@
 """The per-channel column reductions of pallas_kernels/channel_moments.py (batch norm's statistics and backward
 sums) in interpret mode against float64 numpy: rows not a multiple of the block, num 0 / 1 / all rows, C from
 1 to 256 (padded to a power of two in the kernel), fp16 / bf16 / f32, and padding rows full of nan and inf that
-must never be read. Triton lowering on the CPU; on a GPU (marked gpu) the real kernels against numpy at 1M rows."""
+must never be read. Triton lowering on the CPU; on a GPU (marked gpu) the real kernels against numpy."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,10 +161,10 @@ def test_kernels_lower_to_triton(c, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("c", [3, 32, 96, 256])
+@pytest.mark.parametrize("c", [3, 96, 256])
 def test_gpu_kernels_match_numpy(c, dtype):
-  """On the GPU, at a million rows (a partly filled capacity with garbage after num): the real kernels."""
-  rows, num = 1 << 20, 1_000_003
+  """On the GPU, at 250k rows in a 2^18-row capacity (garbage after num): the real kernels, many programs."""
+  rows, num = 1 << 18, 250_003
   rng = np.random.default_rng(c)
   x = _data(rng, rows, num, c, dtype)
   dy = _data(rng, rows, num, c, dtype, offset=0.0)

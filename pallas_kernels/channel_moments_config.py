@@ -11,7 +11,7 @@ ACCUMULATOR_VALUES = 4096
 MAX_BLOCK_CHANNELS = 256
 # Row blocks a piece should walk at least, so a program's fixed cost (loads of shift / mean, the final
 # reduction and store) stays small beside its streaming.
-MIN_BLOCKS_PER_PIECE = 8
+MIN_BLOCKS_PER_PIECE = 4
 # Programs are equally long, so the last wave idles part of the GPU: many short ones keep that share small
 # whatever number of programs fits on an SM at once.
 PROGRAMS_PER_SM = 16
@@ -45,7 +45,7 @@ class MomentsConfig:
 
 def default_config(num_rows: int, channels: int, dtype=None) -> MomentsConfig:
   """All channels in one block up to 256 (C padded to a power of two), rows to fill 4096 accumulator values, and
-  about 16 programs per SM over the rows (fewer where a piece would walk under 8 row blocks)."""
+  about 16 programs per SM over the rows (fewer where a piece would walk under 4 row blocks)."""
   del dtype  # the same tile for every dtype: the accumulators are float32 either way
   block_c = clamp_pow2(max(channels, 1), 1, MAX_BLOCK_CHANNELS)
   block_rows = max(1, ACCUMULATOR_VALUES // block_c)

@@ -123,12 +123,12 @@ def test_bad_arguments():
 
 @pytest.mark.parametrize("c", [1, 3, 16, 96, 256, 320])
 def test_default_config(c):
-  """All channels in one power-of-two block up to 256, 4096 accumulator values, pieces walking >= 8 blocks."""
+  """All channels in one power-of-two block up to 256, 4096 accumulator values, pieces walking >= 4 blocks."""
   for rows in (1, 1000, 1 << 20):
     cfg = default_config(rows, c)
     assert cfg.block_c == min(256, 1 << (c - 1).bit_length()) and cfg.block_c >= min(c, 256)
     assert cfg.block_rows * cfg.block_c == 4096
-    assert cfg.pieces == 1 or rows >= 8 * cfg.block_rows * (cfg.pieces - 1)
+    assert cfg.pieces == 1 or rows >= 4 * cfg.block_rows * (cfg.pieces - 1)
   assert default_config(1 << 20, 64).pieces >= 128  # a million rows fill the GPU
   sweep = candidates(1 << 20, c)
   assert sweep[0] == default_config(1 << 20, c) and len(set(sweep)) == len(sweep) >= 5

@@ -1,8 +1,11 @@
-"""Per-kernel microbenchmark: jsparse's neighbour map, forward, input-gradient and weight-gradient kernels.
+"""Per-kernel microbenchmark: jsparse's neighbour map, forward, input-gradient and weight-gradient kernels, and
+batch norm's column reductions.
 
     python -m benchmarks.kernels [--res 64,128,256,512] [--shapes 64x256,128x128,256x64,256x256]
                                  [--dtypes fp16,tf32] [--weight-layout DHWIO] [--groups 1] [--repeats 20]
-                                 [--inner 8] [--out DIR] [--smoke]
+                                 [--inner 8] [--sections matmul,neighbor_map,gemm,batch_norm]
+                                 [--bn-rows 1048576] [--bn-channels 32,64,128,256] [--bn-sweep] [--out DIR]
+                                 [--smoke]
 
 - matmul peak: jnp.dot of two random 8192x8192 matrices (fp16, bf16, and float32 at default precision =
   TF32), the ceiling each kernel's useful rate is compared with (fp16 kernels with fp16, tf32 with TF32).
@@ -15,6 +18,14 @@
   and FlexGEMM's forward layer (sparse_submanifold_conv3d with a prebuilt neighbour cache) beside them.
   Useful TFLOP/s = 2 * pairs * Cin * Cout / groups / time. --groups G > 1 times grouped convolutions
   (feature_group_count G, weight [27, C/G, C]; G = C is depthwise); FlexGEMM, which has none, is then skipped.
+- batch norm (section "batch_norm", not run by default): on --bn-rows rows (all valid) x C in --bn-channels, in
+  --dtypes (tf32 = float32), with implementation "pallas" (pallas_kernels/channel_moments.py) and "xla":
+  "stats" (the training forward's per-channel moments), "grad_sums" (the backward's sum of g and of g * xhat,
+  g = relu'-masked dy) and "bn_relu" (jsparse.norm.batch_norm with relu, forward and backward: y, dx, dscale,
+  dbias from x and dy). GB/s counts minimal traffic of rows x C elements of the dtype: stats reads x once,
+  grad_sums x and dy once, bn_relu 8 passes (forward: x for the statistics, x again and y written; backward: x and
+  dy for the sums, x and dy again and dx written). --bn-sweep adds the Pallas reductions at the launch shapes of
+  `pallas_kernels.channel_moments_config.candidates` (the json's "sweep" lists; the fastest can become the default).
 
 Timing: one jitted function applies the op to `inner` distinct input sets (distinct buffers: no CSE, and
 each set is read from device memory, not from L2), timed with perf_counter + block_until_ready; the
@@ -45,8 +56,10 @@ from benchmarks.suite import (Interrupted, import_flexgemm, install_sigterm_hand
                               short_error, time_calls)
 from jsparse import map_gemm  # noqa: E402
 from jsparse.pass_config import PASSES, PassInputs, RunOptions, describe  # noqa: E402
+from pallas_kernels import channel_moments_config  # noqa: E402
 
 DTYPES = {"fp16": jnp.float16, "tf32": jnp.float32}
+SECTIONS = ("matmul", "neighbor_map", "gemm", "batch_norm")
 ON_GPU = jax.default_backend() == "gpu"
 
 
@@ -260,6 +273,91 @@ def bench_gemms(args, fg, peaks) -> list[dict]:
   return rows
 
 
+BN_PASSES = {"stats": 1, "grad_sums": 2, "bn_relu": 8}  # element passes over [rows, C] (minimal traffic)
+
+
+def batch_norm_fns(impl_name: str, config=None) -> dict:
+  """The three timed batch-norm workloads on one implementation, each fn(x, dy, scale, bias); with a
+  channel_moments_config.MomentsConfig, the Pallas reductions alone at that launch shape."""
+  from jsparse import dispatch, norm
+  from pallas_kernels import channel_moments
+
+  impl = dispatch.resolve(impl_name)
+
+  def stats(x, dy, scale, bias):
+    if config is not None:
+      return channel_moments.channel_moments(x, jnp.int32(x.shape[0]), bias, config=config,
+                                             interpret=impl.interpret)
+    return norm._moments(x, jnp.int32(x.shape[0]), impl)[1:]
+
+  def grad_sums(x, dy, scale, bias):
+    mean, inv_std, num = bias, scale, jnp.int32(x.shape[0])  # any [C] values: the traffic is the same
+    if impl.is_pallas:
+      return channel_moments.normalised_grad_sums(x, dy, num, mean, inv_std, scale, bias, activation=jax.nn.relu,
+                                                  config=config, interpret=impl.interpret)
+    xhat = (x.astype(jnp.float32) - mean) * inv_std
+    g = jnp.where(xhat * scale + bias > 0, dy.astype(jnp.float32), 0)
+    return jnp.sum(g, axis=0), jnp.sum(g * xhat, axis=0)
+
+  def bn_relu(x, dy, scale, bias):
+    rows = x.shape[0]
+
+    def f(feats, s, b):
+      # The sites do not matter to batch norm: traced zeros, which XLA drops (a concrete array would be a constant).
+      t = jsparse.SparseTensor(jnp.zeros((rows, 4), jnp.int32), feats, jnp.int32(rows), (1, 1, 1), 1)
+      return jsparse.norm.batch_norm(t, s, b, activation=jax.nn.relu, implementation=impl_name).feats
+
+    y, vjp = jax.vjp(f, x, scale, bias)
+    return (y, *vjp(dy))
+
+  if config is not None:
+    return {"stats": stats, "grad_sums": grad_sums}
+  return {"stats": stats, "grad_sums": grad_sums, "bn_relu": bn_relu}
+
+
+def bench_batch_norm(args) -> list[dict]:
+  """Batch norm's reductions and the whole bn+relu step, Pallas against XLA (see the module docstring)."""
+  rows_out = []
+  n = args.bn_rows
+  fns = {impl: batch_norm_fns(impl) for impl in ("pallas", "xla")}
+  for c in args.bn_channels:
+    for dname in args.dtypes:
+      dt = DTYPES[dname]
+      key = jax.random.key(c)
+      sets = []
+      for i in range(args.inner):  # distinct x, dy per set; generated on the device (no host copies)
+        kx, kd, ks = jax.random.split(jax.random.fold_in(key, i), 3)
+        sets.append((jax.random.normal(kx, (n, c), dt) + 1, jax.random.normal(kd, (n, c), dt),
+                     jax.random.uniform(ks, (c,), jnp.float32, 0.5, 1.5), jnp.full((c,), 0.1, jnp.float32)))
+      for kernel, passes in BN_PASSES.items():
+        rec = {"kernel": kernel, "rows": n, "channels": c, "dtype": dname}
+        gbytes = passes * n * c * jnp.dtype(dt).itemsize / 1e9
+        for impl, table in fns.items():
+          r = guarded(f"batch_norm {kernel} {impl} C {c} {dname}", bench_jax, table[kernel], sets, args.warmup,
+                      args.repeats)
+          if "ms" in r:
+            r["gb_per_s"] = gbytes / (r["ms"] * 1e-3)
+          rec[impl] = r
+        p, x = rec["pallas"], rec["xla"]
+        if "ms" in p and "ms" in x:
+          rec["speedup"] = x["ms"] / p["ms"]
+        rows_out.append(rec)
+        print(f"  batch_norm {kernel:9s} C {c:3d} {dname}: pallas {fmt(p)} ms"
+              + (f" ({p['gb_per_s']:.0f} GB/s)" if "gb_per_s" in p else "") + f", xla {fmt(x)} ms"
+              + (f" ({x['gb_per_s']:.0f} GB/s)" if "gb_per_s" in x else ""), flush=True)
+        if args.bn_sweep and kernel in ("stats", "grad_sums"):  # the Pallas kernel at other launch shapes
+          rec["sweep"] = []
+          for cfg in channel_moments_config.candidates(n, c, dt):
+            r = guarded(f"batch_norm {kernel} {cfg}", bench_jax, batch_norm_fns("pallas", cfg)[kernel], sets,
+                        args.warmup, args.repeats)
+            if "ms" in r:
+              r["gb_per_s"] = gbytes / (r["ms"] * 1e-3)
+              print(f"    {cfg}: {r['ms']:.4f} ms ({r['gb_per_s']:.0f} GB/s)", flush=True)
+            rec["sweep"].append(dict(r, config=str(cfg)))
+      del sets
+  return rows_out
+
+
 def flat_weight(w_vio: np.ndarray, weight_layout: str) -> np.ndarray:
   """A [V, Cin, Cout] weight in the flattened form of `weight_layout` ([Cout, V, Cin] for ODHWI)."""
   return np.ascontiguousarray(np.transpose(w_vio, (2, 0, 1))) if weight_layout == "ODHWI" else w_vio
@@ -333,12 +431,23 @@ def render(data) -> str:
       algo = f"{algo}: {chosen}"
     lines.append(f"| {rec['kernel']} | {rec['res']} | {rec['channels']} | {rec['dtype']} | {algo} | "
                  f"{rec.get('pairs', 0):,} | {fmt(js)} | {tf} | {pct} | {fmt(fgr)} | {ftf} | {ratio} | {err} |")
+  if data.get("batch_norm"):
+    lines += ["", "## Batch norm (Pallas channel_moments vs XLA; GB/s of minimal traffic, see the docstring)", "",
+              "| kernel | rows | C | dtype | pallas ms | pallas GB/s | xla ms | xla GB/s | xla / pallas |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for rec in data["batch_norm"]:
+      p, x = rec.get("pallas", {}), rec.get("xla", {})
+      bw = lambda r: f"{r['gb_per_s']:.0f}" if "gb_per_s" in r else "-"  # noqa: E731
+      speedup = f"{rec['speedup']:.2f}" if "speedup" in rec else "-"
+      lines.append(f"| {rec['kernel']} | {rec['rows']:,} | {rec['channels']} | {rec['dtype']} | {fmt(p)} | {bw(p)} | "
+                   f"{fmt(x)} | {bw(x)} | {speedup} |")
   errors = [f"{k}: {r['error']}" for k, r in data.get("matmul", {}).items() if "error" in r]
-  for sec in ("neighbor_map", "gemm"):
+  for sec in ("neighbor_map", "gemm", "batch_norm"):
     for rec in data.get(sec, []):
-      for side in ("jsparse_map", "jsparse", "flexgemm"):
+      for side in ("jsparse_map", "jsparse", "flexgemm", "pallas", "xla"):
         if isinstance(rec.get(side), dict) and "error" in rec[side]:
-          errors.append(f"{sec} {rec.get('kernel', '')} RES {rec['res']} {rec.get('dtype', '')} {side}: "
+          where = f"RES {rec['res']}" if "res" in rec else f"C {rec['channels']}"
+          errors.append(f"{sec} {rec.get('kernel', '')} {where} {rec.get('dtype', '')} {side}: "
                         f"{rec[side]['error']}")
   errors += [f"section {k}: {v}" for k, v in data.get("section_errors", {}).items()]
   if errors:
@@ -352,7 +461,11 @@ def parse_args(argv=None):
   ap.add_argument("--res", default="64,128,256,512", help="neighbour-map resolutions")
   ap.add_argument("--shapes", default="64x256,128x128,256x64,256x256", help="GEMM workloads RESxC")
   ap.add_argument("--dtypes", default="fp16,tf32")
-  ap.add_argument("--sections", default="matmul,neighbor_map,gemm")
+  ap.add_argument("--sections", default="matmul,neighbor_map,gemm", help="of matmul, neighbor_map, gemm, batch_norm")
+  ap.add_argument("--bn-rows", type=int, default=1 << 20, help="batch_norm section: rows (all valid)")
+  ap.add_argument("--bn-channels", default="32,64,128,256", help="batch_norm section: channel counts")
+  ap.add_argument("--bn-sweep", action="store_true",
+                  help="batch_norm section: also time the Pallas reductions at channel_moments_config.candidates")
   ap.add_argument("--repeats", type=int, default=20)
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--inner", type=int, default=8, help="distinct input sets per timed run")
@@ -368,17 +481,19 @@ def parse_args(argv=None):
   args = ap.parse_args(argv)
   if args.smoke:
     args.res, args.shapes, args.repeats, args.warmup, args.inner, args.matmul_n = "8", "8x16", 2, 1, 2, 256
+    args.bn_rows, args.bn_channels = 300, "3,16"
   args.res = [int(r) for r in str(args.res).split(",") if r.strip()]
   args.shapes = [tuple(int(v) for v in s.split("x")) for s in str(args.shapes).split(",") if s.strip()]
   args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
   args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+  args.bn_channels = [int(c) for c in str(args.bn_channels).split(",") if c.strip()]
   args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
   for a in args.algorithms:
     if a not in jsparse.ALGORITHMS:
       ap.error(f"unknown algorithm {a!r}; choose from {list(jsparse.ALGORITHMS)}")
   for s in args.sections:
-    if s not in ("matmul", "neighbor_map", "gemm"):
-      ap.error(f"unknown section {s!r}; choose from matmul, neighbor_map, gemm")
+    if s not in SECTIONS:
+      ap.error(f"unknown section {s!r}; choose from {', '.join(SECTIONS)}")
   for d in args.dtypes:
     if d not in DTYPES:
       ap.error(f"unknown dtype {d!r}; choose from {list(DTYPES)}")
@@ -391,7 +506,7 @@ def main(argv=None):
   install_sigterm_handler()
   data = {"meta": metadata(), "settings": {k: getattr(args, k) for k in (
       "res", "shapes", "dtypes", "sections", "algorithms", "repeats", "warmup", "inner", "matmul_n", "impl",
-      "weight_layout", "groups",
+      "weight_layout", "groups", "bn_rows", "bn_channels", "bn_sweep",
       "smoke")}}
   fg, why = import_flexgemm()
   data["meta"]["flexgemm"] = "available" if fg else f"not run: {why}"
@@ -399,7 +514,8 @@ def main(argv=None):
         f"FlexGEMM: {data['meta']['flexgemm']}", flush=True)
   t0 = time.perf_counter()
   sections = {"matmul": lambda: matmul_peaks(args), "neighbor_map": lambda: bench_neighbor_maps(args, fg),
-              "gemm": lambda: bench_gemms(args, fg, data.get("matmul", {}))}
+              "gemm": lambda: bench_gemms(args, fg, data.get("matmul", {})),
+              "batch_norm": lambda: bench_batch_norm(args)}
   try:
     for name in args.sections:
       try:

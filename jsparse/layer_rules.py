@@ -227,11 +227,13 @@ def check_norm_kind(module: str, kind) -> None:
 
 def batch_norm_step(x: SparseTensor, scale, bias, running_mean, running_var, *, use_running_average: bool,
                     update_statistics: bool, momentum: float, epsilon: float, axis_name, axis_index_groups,
-                    dtype, activation: Callable | None) -> tuple[SparseTensor, Any, Any]:
+                    dtype, activation: Callable | None,
+                    implementation: str | None = None) -> tuple[SparseTensor, Any, Any]:
   """One SparseBatchNorm call: (y, new running mean, new running var).
 
   With running averages the statistics pass through unchanged. With batch statistics they move towards the
   batch's (float32, no gradient) by `momentum` when update_statistics, as flax's BatchNorm does.
+  implementation: who takes batch statistics' column sums (`norm.batch_norm`).
   """
   if use_running_average:
     y = norm.batch_norm(x, scale, bias, mean=running_mean, var=running_var, epsilon=epsilon, dtype=dtype,
@@ -239,7 +241,7 @@ def batch_norm_step(x: SparseTensor, scale, bias, running_mean, running_var, *, 
     return y, running_mean, running_var
   y, (mean, var) = norm.batch_norm(x, scale, bias, epsilon=epsilon, axis_name=axis_name,
                                    axis_index_groups=axis_index_groups, dtype=dtype, activation=activation,
-                                   return_statistics=True)
+                                   return_statistics=True, implementation=implementation)
   if not update_statistics:
     return y, running_mean, running_var
   mean, var = lax.stop_gradient(mean), lax.stop_gradient(var)

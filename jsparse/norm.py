@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jsparse import per_item
+from jsparse import dispatch, per_item
 from jsparse.sparse_tensor import SparseTensor, as_int, check_sparse_tensor
+from pallas_kernels import channel_moments
+from pallas_kernels.out_struct import same_vma
 
 __all__ = ["activation", "batch_statistics", "batch_norm", "layer_norm", "group_norm", "group_statistics"]
 
@@ -99,7 +101,7 @@ def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None)
 
 def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, epsilon: float = 1e-5,
                axis_name=None, axis_index_groups=None, dtype=None, activation: Callable | None = None,
-               return_statistics: bool = False):
+               return_statistics: bool = False, implementation: str | None = None):
   """activation((x - mean) / sqrt(var + epsilon) * scale + bias) on every valid row.
 
   mean, var: [C]; both None computes them from x (batch statistics; pooled over `axis_name` if given, with
@@ -107,6 +109,9 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
   scale, bias: [C] or None. activation: an elementwise function applied in the same pass (e.g. jax.nn.relu),
     or None.
   return_statistics: also return the (mean, var) used, float32 [C] (for running averages).
+  implementation: who takes the column sums of batch statistics on one device: None (the Pallas kernels of
+    `pallas_kernels.channel_moments` on a GPU, XLA elsewhere), "pallas" or "xla". The elementwise passes are
+    XLA's either way.
 
   With batch statistics on one device the whole op is one differentiable unit (`_batch_norm_train`): a pass
   over x for the statistics, a pass that writes the output, and a backward of one reduction pass and one
@@ -121,11 +126,15 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
   if activation is not None and not callable(activation):
     raise TypeError(f"activation must be a callable such as jax.nn.relu, got {activation!r}")
   out_dtype = jnp.dtype(dtype if dtype is not None else x.dtype)
+  impl = dispatch.resolve(implementation)
   if mean is None and axis_name is None:
     ones, zeros = jnp.ones(c, jnp.float32), jnp.zeros(c, jnp.float32)
     s = ones if scale is None else jnp.asarray(scale, jnp.float32)
     b = zeros if bias is None else jnp.asarray(bias, jnp.float32)
-    y, mean, var = _batch_norm_train(x.feats, x.valid_mask(), s, b, float(epsilon), activation, out_dtype)
+    # Inside shard_map the custom_vjp must see every input vary over the feature's mesh axes: a replicated scale
+    # would otherwise get a per-device cotangent (its pcast here transposes to the psum autodiff needs).
+    feats, num, s, b = same_vma(x.feats, jnp.asarray(x.num, jnp.int32), s, b)
+    y, mean, var = _batch_norm_train(feats, num, s, b, float(epsilon), activation, out_dtype, impl)
     out = x.replace(feats=y)
     return (out, (mean, var)) if return_statistics else out
   if mean is None:
@@ -146,16 +155,25 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
   return (out, (jnp.asarray(mean, jnp.float32), jnp.asarray(var, jnp.float32))) if return_statistics else out
 
 
-def _moments(feats, valid):
-  """(count, mean, biased var) float32 over the valid rows, in one pass: sums of the rows shifted by the first
+def _moments(feats, num, impl: dispatch.Implementation):
+  """(count, mean, biased var) float32 over the rows < num, in one pass: sums of the rows shifted by the first
   row (a sample of the data, so the difference of squares cancels little, unlike sums about zero)."""
-  count = jnp.sum(valid, dtype=jnp.float32)
+  count = jnp.minimum(num, feats.shape[0]).astype(jnp.float32)
   n = jnp.maximum(count, 1.0)
-  shift = feats[0].astype(jnp.float32)
-  d = jnp.where(valid[:, None], feats.astype(jnp.float32) - shift, 0)
-  s1, s2 = jnp.sum(d, axis=0), jnp.sum(d * d, axis=0)
+  # Zero without valid rows: row 0 is then padding, whatever it holds (an inf would turn the mean into nan).
+  first = feats[0] if feats.shape[0] else jnp.zeros(feats.shape[1:], feats.dtype)
+  shift = jnp.where(count > 0, first.astype(jnp.float32), 0.0)
+  if impl.is_pallas:
+    s1, s2 = channel_moments.channel_moments(feats, num, shift, interpret=impl.interpret)
+  else:
+    d = jnp.where(_valid(feats, num)[:, None], feats.astype(jnp.float32) - shift, 0)
+    s1, s2 = jnp.sum(d, axis=0), jnp.sum(d * d, axis=0)
   mean_d = s1 / n
   return n, shift + mean_d, jnp.maximum(s2 / n - mean_d * mean_d, 0.0)
+
+
+def _valid(feats, num):
+  return jnp.arange(feats.shape[0]) < num
 
 
 def _normalise(feats, valid, mean, inv_std, scale, bias, activation):
@@ -164,32 +182,42 @@ def _normalise(feats, valid, mean, inv_std, scale, bias, activation):
   return jnp.where(valid[:, None], y, 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _batch_norm_train(feats, valid, scale, bias, epsilon, activation, out_dtype):
-  return _batch_norm_train_fwd(feats, valid, scale, bias, epsilon, activation, out_dtype)[0]
+def _activation_grad(g, xhat, scale, bias, activation):
+  """g pulled back through activation(xhat * scale + bias), recomputing the pre-activation instead of storing it."""
+  if activation is None:
+    return g
+  _, act_vjp = jax.vjp(activation, xhat * scale + bias)
+  return act_vjp(g)[0]
 
 
-def _batch_norm_train_fwd(feats, valid, scale, bias, epsilon, activation, out_dtype):
-  n, mean, var = _moments(feats, valid)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _batch_norm_train(feats, num, scale, bias, epsilon, activation, out_dtype, impl):
+  return _batch_norm_train_fwd(feats, num, scale, bias, epsilon, activation, out_dtype, impl)[0]
+
+
+def _batch_norm_train_fwd(feats, num, scale, bias, epsilon, activation, out_dtype, impl):
+  n, mean, var = _moments(feats, num, impl)
   inv_std = lax.rsqrt(var + epsilon)
-  y = _normalise(feats, valid, mean, inv_std, scale, bias, activation).astype(out_dtype)
-  return (y, mean, var), (feats, valid, scale, bias, n, mean, inv_std)
+  y = _normalise(feats, _valid(feats, num), mean, inv_std, scale, bias, activation).astype(out_dtype)
+  return (y, mean, var), (feats, num, scale, bias, n, mean, inv_std)
 
 
-def _batch_norm_train_bwd(epsilon, activation, out_dtype, res, cotangents):
-  feats, valid, scale, bias, n, mean, inv_std = res
+def _batch_norm_train_bwd(epsilon, activation, out_dtype, impl, res, cotangents):
+  feats, num, scale, bias, n, mean, inv_std = res
   g_y, g_mean, g_var = cotangents
-  xhat = (feats.astype(jnp.float32) - mean) * inv_std
-  g = g_y.astype(jnp.float32)
-  if activation is not None:  # recompute the pre-activation instead of storing it
-    _, act_vjp = jax.vjp(activation, xhat * scale + bias)
-    (g,) = act_vjp(g)
-  g = jnp.where(valid[:, None], g, 0)
-  sum_g, sum_gx = jnp.sum(g, axis=0), jnp.sum(g * xhat, axis=0)
+  valid = _valid(feats, num)[:, None]
+  # Padding rows may hold anything (a nan there would reach sum_gx through 0 * nan): they become zeros first.
+  xhat = jnp.where(valid, (feats.astype(jnp.float32) - mean) * inv_std, 0)
+  g = jnp.where(valid, _activation_grad(g_y.astype(jnp.float32), xhat, scale, bias, activation), 0)
+  if impl.is_pallas:  # one read of x and dy for both sums
+    sum_g, sum_gx = channel_moments.normalised_grad_sums(feats, g_y, num, mean, inv_std, scale, bias,
+                                                         activation=activation, interpret=impl.interpret)
+  else:
+    sum_g, sum_gx = jnp.sum(g, axis=0), jnp.sum(g * xhat, axis=0)
   # d/dx of (x - mean) * inv_std through the batch mean and variance, plus the statistics' own cotangents.
   g_x = (scale * inv_std) * (g - (sum_g + xhat * sum_gx) / n)
   g_x = g_x + (g_mean + 2.0 * g_var * (xhat / inv_std)) / n
-  g_x = jnp.where(valid[:, None], g_x, 0).astype(feats.dtype)
+  g_x = jnp.where(valid, g_x, 0).astype(feats.dtype)
   return g_x, None, sum_gx, sum_g
 
 

@@ -95,3 +95,164 @@ def test_batch_norm_bad_arguments():
     norm.batch_norm(x, mean=jnp.zeros(3))
   with pytest.raises(TypeError, match="SparseTensor"):
     norm.batch_norm(x.feats)
+
+
+def _garbage_padding(x):
+  """x with nan / inf in the padding rows' features (statistics and gradients must not see them)."""
+  pad = np.arange(x.capacity) >= int(x.num)
+  fill = np.where(np.arange(x.capacity * x.num_channels).reshape(x.capacity, x.num_channels) % 2, np.nan, np.inf)
+  return x.replace(feats=jnp.where(pad[:, None], jnp.asarray(fill, x.dtype), x.feats))
+
+
+@pytest.mark.parametrize("act", [None, jax.nn.relu, jax.nn.silu], ids=["none", "relu", "silu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("n,pad,c", [(0, 5, 3), (1, 6, 16), (77, 23, 3), (300, 13, 96), (50, 0, 1), (0, 0, 4)])
+def test_batch_norm_pallas_matches_xla(n, pad, c, dtype, act):
+  """implementation="pallas" (the channel_moments kernels, interpret mode here) against "xla": outputs, returned
+  statistics and the gradients of feats, scale and bias, with nan / inf in the padding rows."""
+  rng = np.random.default_rng([n, c])
+  x = _garbage_padding(_tensor(rng, n, pad, c, dtype, offset=3.0, spread=2.0))
+  scale = jnp.asarray(rng.standard_normal(c) + 1, jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(c), jnp.float32)
+  w_y = jnp.asarray(rng.standard_normal((n + pad, c)), jnp.float32)
+  w_m, w_v = jnp.asarray(rng.standard_normal(c), jnp.float32), jnp.asarray(rng.standard_normal(c), jnp.float32)
+
+  def run(implementation):
+    def loss(f, s, b):
+      y, (m, v) = norm.batch_norm(x.replace(feats=f), s, b, activation=act, return_statistics=True,
+                                  implementation=implementation)
+      return jnp.sum(y.feats.astype(jnp.float32) * w_y) + jnp.sum(m * w_m) + jnp.sum(v * w_v), (y.feats, m, v)
+
+    grads, outs = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(x.feats, scale, bias)
+    text = str(jax.make_jaxpr(jax.grad(lambda f: loss(f, scale, bias)[0]))(x.feats))
+    # The statistics and the backward sums; an empty array needs no kernel.
+    assert text.count("pallas_call") == (2 if implementation == "pallas" and n + pad else 0)
+    return outs, grads
+
+  (y, m, v), grads = run("pallas")
+  (y_x, m_x, v_x), grads_x = run("xla")
+  tol = {jnp.float32: 1e-5, jnp.float16: 2e-3, jnp.bfloat16: 1e-2}[dtype]
+  for got, want in [(y, y_x), (m, m_x), (v, v_x), *zip(grads, grads_x)]:
+    assert got.dtype == want.dtype and np.all(np.isfinite(np.asarray(got, np.float32)))
+    assert rel_err(got, want) < tol
+  assert not np.any(np.asarray(y[n:], np.float32)) and not np.any(np.asarray(grads[0][n:], np.float32))
+  if n:  # the statistics are those of the valid rows
+    f = np.asarray(x.feats[:n], np.float64)
+    np.testing.assert_allclose(np.asarray(m), f.mean(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(v), f.var(0), rtol=1e-4, atol=1e-6)
+
+
+def test_batch_norm_pallas_accurate_far_from_zero_and_bad_implementation():
+  rng = np.random.default_rng(1)
+  x = _tensor(rng, 5000, 3, 4, jnp.float32, offset=1000.0, spread=0.1)
+  _, (mean, var) = norm.batch_norm(x, return_statistics=True, implementation="pallas")
+  f = np.asarray(x.feats[:5000], np.float64)
+  np.testing.assert_allclose(np.asarray(mean), f.mean(0), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(var), f.var(0), rtol=1e-3)
+  with pytest.raises(ValueError, match="implementation"):
+    norm.batch_norm(x, implementation="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("c", [16, 96, 256])
+def test_gpu_batch_norm_pallas_matches_xla(c, dtype):
+  """On the GPU: batch_norm + relu values and gradients with the real kernels against the XLA path, at 200k
+  valid rows in a 2^18-row capacity."""
+  n, cap = 200_001, 1 << 18
+  rng = np.random.default_rng(c)
+  x = _garbage_padding(_tensor(rng, n, cap - n, c, dtype, offset=1.0, spread=2.0))
+  scale = jnp.asarray(rng.standard_normal(c) + 1, jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(c), jnp.float32)
+  w_y = jnp.asarray(rng.standard_normal((cap, c)), jnp.float32)
+
+  def run(implementation):
+    def loss(f, s, b):
+      y = norm.batch_norm(x.replace(feats=f), s, b, activation=jax.nn.relu, implementation=implementation)
+      return jnp.sum(y.feats.astype(jnp.float32) * w_y), y.feats
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(x.feats, scale, bias)
+
+  grads, y = run("pallas")
+  grads_x, y_x = run("xla")
+  # float32 sums of 200k rows in another order: the scale and bias gradients (the sums themselves) may differ by
+  # more than the outputs do.
+  tol = 1e-4 if dtype == jnp.float32 else 2e-3
+  for got, want in [(y, y_x), *zip(grads, grads_x)]:
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    assert rel_err(got, want) < tol
+
+
+def test_batch_norm_modules_pass_the_implementation_on():
+  """SparseBatchNorm (linen and nnx) and the residual blocks hand `implementation` to batch_norm: "pallas" runs
+  the kernels (the same answer as "xla"), a bad name is refused."""
+  from flax import nnx
+
+  x = _garbage_padding(_tensor(np.random.default_rng(6), 40, 8, 5, jnp.float16, offset=1.0))
+  outs = {}
+  for impl in ("xla", "pallas"):
+    bn = jsparse.nn.SparseBatchNorm(activation=jax.nn.relu, implementation=impl)
+    variables = bn.init(jax.random.key(0), x, use_running_average=False)
+    run = lambda v, t: bn.apply(v, t, use_running_average=False, mutable=["batch_stats"])  # noqa: E731
+    assert str(jax.make_jaxpr(run)(variables, x)).count("pallas_call") == (impl == "pallas")
+    outs[impl] = run(variables, x)
+    model = jsparse.nnx.SparseBatchNorm(5, activation=nnx.relu, implementation=impl, rngs=nnx.Rngs(0))
+    graph, state = nnx.split(model)
+    text = str(jax.make_jaxpr(lambda s, t: nnx.merge(graph, s)(t).feats)(state, x))
+    assert text.count("pallas_call") == (impl == "pallas")
+    block = jsparse.nnx.SparseResNetBlock(5, 5, 1, implementation=impl, rngs=nnx.Rngs(0))
+    assert block.norm1.implementation == impl
+  (y_x, s_x), (y_p, s_p) = outs["xla"], outs["pallas"]
+  assert rel_err(y_p.feats, y_x.feats) < 2e-3
+  for k in ("mean", "var"):
+    assert rel_err(s_p["batch_stats"][k], s_x["batch_stats"][k]) < 1e-5
+  bn = jsparse.nn.SparseBatchNorm(implementation="cuda")
+  with pytest.raises(ValueError, match="implementation"):
+    bn.init(jax.random.key(0), x, use_running_average=False)
+
+
+def _sharded_bn_grads(n, c, implementation):
+  """(step, its args, its one-device twin): batch norm + relu per device inside shard_map (no axis_name),
+  gradients of the features and of the replicated scale and bias."""
+  from jax.sharding import Mesh, PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+
+  def grads(f, num, s, b):
+    x = jsparse.SparseTensor(jnp.zeros((f.shape[0], 4), jnp.int32), f, num[0], (1, 1, 1), 1)
+
+    def loss(f, s, b):
+      y = norm.batch_norm(x.replace(feats=f), s, b, activation=jax.nn.relu, implementation=implementation)
+      return jnp.sum(jnp.sin(y.feats.astype(jnp.float32)))
+
+    return jax.grad(loss, argnums=(0, 1, 2))(f, s, b)
+
+  def step(f, num, s, b):
+    g_f, g_s, g_b = grads(f, num, s, b)
+    return g_f, jax.lax.psum(g_s, "data"), jax.lax.psum(g_b, "data")
+
+  fn = jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P("data"), P(), P()), out_specs=(P("data"), P(), P()))
+  rng = np.random.default_rng(7)
+  args = (jnp.asarray(rng.standard_normal((n, c)), jnp.float16), jnp.asarray([n - 3], jnp.int32),
+          jnp.asarray(rng.standard_normal(c), jnp.float32), jnp.asarray(rng.standard_normal(c), jnp.float32))
+  return fn, args, grads
+
+
+def test_batch_norm_gradients_inside_shard_map():
+  """Per-device batch norm inside shard_map (check_vma=True): the replicated scale and bias get their cotangents
+  (the custom_vjp once refused a per-device cotangent for a replicated input), equal to one device's."""
+  fn, args, grads = _sharded_bn_grads(40, 6, "xla")
+  got, want = jax.jit(fn)(*args), jax.jit(grads)(*args)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape and rel_err(g, w) < 1e-6
+
+
+def test_batch_norm_pallas_lowers_inside_shard_map(monkeypatch):
+  """The same step on the Pallas kernels lowers to Triton for CUDA on the CPU (both kernels), the way the GPU
+  runs it (interpret mode cannot run kernels inside shard_map, so this is what CI can check)."""
+  from jsparse import dispatch
+  from triton_lowering import lower_for_cuda
+
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)  # "pallas" then resolves to the Triton kernels
+  fn, args, _ = _sharded_bn_grads(4096, 96, "pallas")
+  assert lower_for_cuda(fn, *args).count("__gpu$xla.gpu.triton") == 2

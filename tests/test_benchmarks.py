@@ -208,3 +208,39 @@ def test_committed_merged_results_are_runs():
     runs = json.load(open(path))["runs"]
     assert runs and all(r["date"] and r["what"] and r["files"] for r in runs)
     assert [r["date"] for r in runs] == sorted(r["date"] for r in runs)
+
+
+def test_kernels_batch_norm_section_smoke(tmp_path):
+  """The batch_norm section times every workload on both implementations (and the Pallas reductions at the
+  sweep's launch shapes) and renders its table."""
+  from benchmarks import kernels
+
+  rc = kernels.main(["--smoke", "--sections", "batch_norm", "--dtypes", "fp16,tf32", "--bn-sweep", "--out",
+                     str(tmp_path)])
+  assert rc == 0
+  data = json.load(open(tmp_path / "kernels.json"))
+  recs = data["batch_norm"]
+  assert {(r["kernel"], r["channels"], r["dtype"]) for r in recs} == {
+      (k, c, d) for k in kernels.BN_PASSES for c in (3, 16) for d in ("fp16", "tf32")}
+  for r in recs:
+    for impl in ("pallas", "xla"):
+      assert r[impl]["ms"] > 0 and r[impl]["gb_per_s"] > 0
+    if r["kernel"] != "bn_relu":  # the sweep: every candidate launch shape timed
+      assert len(r["sweep"]) >= 4 and all(s["ms"] > 0 for s in r["sweep"])
+  assert "section_errors" not in data
+  assert "| bn_relu | 300 | 16 | fp16 |" in kernels.render(data)
+
+
+def test_kernels_batch_norm_workloads_agree():
+  """The timed workloads compute the same thing on both implementations (else the timings compare nothing)."""
+  from benchmarks import kernels
+
+  rng = np.random.default_rng(0)
+  x, dy = (jnp.asarray(rng.standard_normal((200, 16)) + 1, jnp.float32) for _ in range(2))
+  scale, bias = jnp.asarray(rng.uniform(0.5, 1.5, 16), jnp.float32), jnp.full((16,), 0.1, jnp.float32)
+  pallas, xla = kernels.batch_norm_fns("pallas"), kernels.batch_norm_fns("xla")
+  for name in kernels.BN_PASSES:
+    got, want = pallas[name](x, dy, scale, bias), xla[name](x, dy, scale, bias)
+    assert len(got) == len(want) >= 2
+    for g, w in zip(got, want):
+      assert rel_err(g, w) < 1e-5

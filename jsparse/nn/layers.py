@@ -150,6 +150,8 @@ class SparseBatchNorm(_AffineNormAttributes):
   live in the "batch_stats" collection as "mean" and "var" (update with `mutable=["batch_stats"]`).
   axis_name: under shard_map/pmap, pools the rows of all devices (psum of sums and counts, so devices with
   different voxel counts are weighted by their rows).
+  implementation: None | "xla" | "pallas": who takes the column sums of batch statistics on one device
+  (`jsparse.norm.batch_norm`; None: the Pallas kernels on a GPU, XLA elsewhere).
   """
 
   use_running_average: bool | None = None
@@ -158,6 +160,7 @@ class SparseBatchNorm(_AffineNormAttributes):
   axis_name: str | None = None
   axis_index_groups: Any = None
   activation: Callable | None = None  # e.g. nn.relu, applied in the same pass as the normalisation
+  implementation: str | None = None
 
   @nn.compact
   def __call__(self, x: SparseTensor, use_running_average: bool | None = None) -> SparseTensor:
@@ -174,7 +177,7 @@ class SparseBatchNorm(_AffineNormAttributes):
         x, scale, bias, ra_mean.value, ra_var.value, use_running_average=use_running_average,
         update_statistics=update, momentum=self.momentum, epsilon=self.epsilon,
         axis_name=None if initializing else self.axis_name, axis_index_groups=self.axis_index_groups,
-        dtype=_out_dtype(self, x), activation=self.activation)
+        dtype=_out_dtype(self, x), activation=self.activation, implementation=self.implementation)
     if update:  # an apply without mutable batch_stats may only read them
       ra_mean.value, ra_var.value = mean, var
     return y

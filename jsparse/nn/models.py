@@ -49,7 +49,7 @@ class SparseResNetBlock(_BlockAttributes):
       return lambda x, train: x
     if self.norm == "batch":
       bn = SparseBatchNorm(momentum=self.bn_momentum, dtype=self.dtype, param_dtype=self.param_dtype,
-                           axis_name=self.axis_name, name=name)
+                           axis_name=self.axis_name, implementation=self.implementation, name=name)
       return lambda x, train: bn(x, use_running_average=not train)
     gn = SparseGroupNorm(num_groups=self.num_groups, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
     return lambda x, train: gn(x)

@@ -302,15 +302,18 @@ class SparseBatchNorm(_Affine):
   arguments). Running averages are the nnx.BatchStat variables "mean" and "var"; they move by `momentum`
   on every call with batch statistics (`use_running_average=False`, what `model.train()` sets) and are read
   when `use_running_average=True` (`model.eval()`). activation: e.g. nnx.relu, fused into the same pass.
+  implementation: None | "xla" | "pallas": who takes the column sums of batch statistics on one device
+  (`jsparse.norm.batch_norm`; None: the Pallas kernels on a GPU, XLA elsewhere).
   """
 
   def __init__(self, num_features: int, *, use_running_average: bool | None = False, momentum: float = 0.99,
                epsilon: float = 1e-5, dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                use_bias: bool = True, use_scale: bool = True, bias_init: Initializer = _zeros,
                scale_init: Initializer = _ones, axis_name: str | None = None, axis_index_groups: Any = None,
-               activation: Callable | None = None, rngs: nnx.Rngs):
+               activation: Callable | None = None, implementation: str | None = None, rngs: nnx.Rngs):
     self._init_affine(num_features, dtype=dtype, param_dtype=param_dtype, use_bias=use_bias, use_scale=use_scale,
                       bias_init=bias_init, scale_init=scale_init, rngs=rngs)
+    self.implementation = implementation
     self.mean = nnx.BatchStat(jnp.zeros((num_features,), jnp.float32))
     self.var = nnx.BatchStat(jnp.ones((num_features,), jnp.float32))
     self.use_running_average, self.momentum, self.epsilon = use_running_average, momentum, epsilon
@@ -326,7 +329,8 @@ class SparseBatchNorm(_Affine):
     y, mean, var = rules.batch_norm_step(
         x, scale, bias, self.mean[...], self.var[...], use_running_average=use_ra, update_statistics=not use_ra,
         momentum=self.momentum, epsilon=self.epsilon, axis_name=self.axis_name,
-        axis_index_groups=self.axis_index_groups, dtype=out_dtype, activation=self.activation)
+        axis_index_groups=self.axis_index_groups, dtype=out_dtype, activation=self.activation,
+        implementation=self.implementation)
     if not use_ra:
       self.mean[...], self.var[...] = mean, var
     return y

@@ -43,7 +43,8 @@ class SparseResNetBlock(nnx.Module):
 
     def make_norm():
       if norm == "batch":
-        return SparseBatchNorm(features, momentum=bn_momentum, axis_name=axis_name, **common)
+        return SparseBatchNorm(features, momentum=bn_momentum, axis_name=axis_name, implementation=implementation,
+                               **common)
       return SparseGroupNorm(features, num_groups, **common) if norm == "group" else nnx.data(None)
 
     self.conv1, self.norm1 = conv(in_features, kernel_size), make_norm()

@@ -109,9 +109,9 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
   scale, bias: [C] or None. activation: an elementwise function applied in the same pass (e.g. jax.nn.relu),
     or None.
   return_statistics: also return the (mean, var) used, float32 [C] (for running averages).
-  implementation: who takes the column sums of batch statistics on one device: None (the Pallas kernels of
-    `pallas_kernels.channel_moments` on a GPU, XLA elsewhere), "pallas" or "xla". The elementwise passes are
-    XLA's either way.
+  implementation: who takes the column sums of batch statistics on one device: None or "xla" (XLA's
+    reductions, everywhere), or "pallas" (the kernels of `pallas_kernels.channel_moments`; opt-in, because on a
+    GPU they measured no faster than XLA's, docs/perf_notes.md). The elementwise passes are XLA's either way.
 
   With batch statistics on one device the whole op is one differentiable unit (`_batch_norm_train`): a pass
   over x for the statistics, a pass that writes the output, and a backward of one reduction pass and one
@@ -126,7 +126,8 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
   if activation is not None and not callable(activation):
     raise TypeError(f"activation must be a callable such as jax.nn.relu, got {activation!r}")
   out_dtype = jnp.dtype(dtype if dtype is not None else x.dtype)
-  impl = dispatch.resolve(implementation)
+  # XLA unless asked: the Pallas reductions measured no faster on a GPU.
+  impl = dispatch.resolve("xla" if implementation is None else implementation)
   if mean is None and axis_name is None:
     ones, zeros = jnp.ones(c, jnp.float32), jnp.zeros(c, jnp.float32)
     s = ones if scale is None else jnp.asarray(scale, jnp.float32)

@@ -151,7 +151,7 @@ class SparseBatchNorm(_AffineNormAttributes):
   axis_name: under shard_map/pmap, pools the rows of all devices (psum of sums and counts, so devices with
   different voxel counts are weighted by their rows).
   implementation: None | "xla" | "pallas": who takes the column sums of batch statistics on one device
-  (`jsparse.norm.batch_norm`; None: the Pallas kernels on a GPU, XLA elsewhere).
+  (`jsparse.norm.batch_norm`; None: XLA's, "pallas": the opt-in kernels, no faster on a GPU).
   """
 
   use_running_average: bool | None = None

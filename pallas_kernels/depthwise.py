@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.depthwise_config import default_config
 from pallas_kernels.gather_gemm import grouped_weight_dims
 from pallas_kernels.out_struct import out_struct, same_vma, split_out_struct, sum_split
-from pallas_kernels.tiling import TileConfig, split_share
+from pallas_kernels.tiling import TileConfig, int32_cdiv, split_share
 from pallas_kernels.weight_layout import WeightLayout
 
 
@@ -46,15 +46,15 @@ class DepthwiseOperands(NamedTuple):
 
 def _group_columns(cols, n_group: int, k_group: int):
   """(group of each output column, its first reduction column in x)."""
-  group = cols if n_group == 1 else lax.div(cols, n_group)
+  group = cols if n_group == 1 else lax.div(cols, jnp.int32(n_group))
   return group, group if k_group == 1 else group * k_group
 
 
 def _mac_kernel(ops: DepthwiseOperands, o_ref, *, num_rows, num_offsets, k_group, n_group, n_dim, block_m, block_n,
                 split, weight_axes, weight_shared_axis, flip_offsets):
-  rows = pl.program_id(0) * block_m + jnp.arange(block_m)
+  rows = pl.program_id(0) * block_m + jnp.arange(block_m, dtype=jnp.int32)
   row_ok = (rows < num_rows) & (rows < ops.num[0])
-  cols = pl.program_id(1) * block_n + jnp.arange(block_n)
+  cols = pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)
   col_ok = cols < n_dim
   group, x_base = _group_columns(cols, n_group, k_group)
   # The weight's n index: the output column, or its place within its group where the weight holds one group's.
@@ -77,7 +77,7 @@ def _mac_kernel(ops: DepthwiseOperands, o_ref, *, num_rows, num_offsets, k_group
     def mac(acc):
       if k_group == 1:
         return reduce_step(0, acc)
-      return lax.fori_loop(0, k_group, reduce_step, acc)
+      return lax.fori_loop(jnp.int32(0), jnp.int32(k_group), reduce_step, acc)
 
     return lax.cond(jnp.max(has.astype(jnp.int32)) > 0, mac, lambda acc: acc, acc)
 
@@ -114,7 +114,7 @@ def group_mac(x, weight, nbr, num, bias=None, *, weight_axes: str = "vkn", flip_
   if min(m, n_dim, x.shape[0], k_dim) == 0:  # nothing to gather (an empty ref cannot be traced): the bias
     out = jnp.zeros((m, n_dim), jnp.float32) if bias is None else jnp.broadcast_to(bias.astype(jnp.float32),
                                                                                    (m, n_dim))
-    return jnp.where((jnp.arange(m) < num)[:, None], out, 0).astype(x.dtype)
+    return jnp.where((jnp.arange(m, dtype=jnp.int32) < num)[:, None], out, 0).astype(x.dtype)
   cfg = config or default_config("forward", m, k_dim, n_dim, num_offsets, groups, x.dtype)
   split = cfg.split
   kernel = functools.partial(
@@ -157,8 +157,8 @@ def _weight_grad_kernel(ops: DepthwiseOperands, o_ref, *, num_rows, k_group, n_g
   if k_group == 1:
     v, r = pl.program_id(0), 0
   else:
-    v, r = lax.div(pl.program_id(0), k_group), lax.rem(pl.program_id(0), k_group)
-  cols = pl.program_id(1) * block_n + jnp.arange(block_n)
+    v, r = lax.div(pl.program_id(0), jnp.int32(k_group)), lax.rem(pl.program_id(0), jnp.int32(k_group))
+  cols = pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)
   col_ok = cols < n_dim
   _, x_base = _group_columns(cols, n_group, k_group)
   x_cols = x_base + r
@@ -166,7 +166,7 @@ def _weight_grad_kernel(ops: DepthwiseOperands, o_ref, *, num_rows, k_group, n_g
   per = pl.cdiv(pl.cdiv(num_rows, split), block_m) * block_m
   start = s * per
   stop = jnp.minimum(jnp.minimum(start + per, num_rows), ops.num[0])
-  lanes = jnp.arange(block_m)
+  lanes = jnp.arange(block_m, dtype=jnp.int32)
 
   def step(t, acc):
     rows = start + t * block_m + lanes
@@ -181,7 +181,7 @@ def _weight_grad_kernel(ops: DepthwiseOperands, o_ref, *, num_rows, k_group, n_g
 
     return lax.cond(jnp.max(has.astype(jnp.int32)) > 0, mac, lambda acc: acc, acc)
 
-  steps = pl.cdiv(jnp.maximum(stop - start, 0), block_m)
+  steps = int32_cdiv(jnp.maximum(stop - start, 0), block_m)
   acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
   partial = jnp.sum(acc, axis=0)
   where = (s, cols, v, r) if cout_major else (s, v, r, cols)

@@ -104,7 +104,7 @@ def _gather_gemm_kernel(ops: GatherGemmOperands, o_ref, *, num_rows, num_offsets
   masked = ops.plan is not None
   row_axis, col_axis = (1, 0) if columns_fastest else (0, 1)
   block = pl.program_id(row_axis)
-  lanes = block * block_m + jnp.arange(block_m)
+  lanes = block * block_m + jnp.arange(block_m, dtype=jnp.int32)
   lane_ok = lanes < num_rows
   if masked:
     # Lanes past the last row get an out-of-range row, so interpret mode's emulated masked store (a scatter)
@@ -117,25 +117,26 @@ def _gather_gemm_kernel(ops: GatherGemmOperands, o_ref, *, num_rows, num_offsets
   row_ok = lane_ok & (rows < ops.num[0])
   if groups > 1:  # column program = (group, column block within the group)
     col_blocks = pl.cdiv(n_dim, block_n)
-    group = lax.div(pl.program_id(col_axis), col_blocks)
-    group_cols = lax.rem(pl.program_id(col_axis), col_blocks) * block_n + jnp.arange(block_n)
+    group = lax.div(pl.program_id(col_axis), jnp.int32(col_blocks))
+    group_cols = (lax.rem(pl.program_id(col_axis), jnp.int32(col_blocks)) * block_n
+                  + jnp.arange(block_n, dtype=jnp.int32))
     col_ok = group_cols < n_dim
     cols = group * n_dim + group_cols
   else:
-    cols = pl.program_id(col_axis) * block_n + jnp.arange(block_n)
+    cols = pl.program_id(col_axis) * block_n + jnp.arange(block_n, dtype=jnp.int32)
     col_ok = cols < n_dim
   k_steps = pl.cdiv(k_dim, block_k)
-  ks = jnp.arange(block_k)
+  ks = jnp.arange(block_k, dtype=jnp.int32)
   # This program's share of the (offset, channel chunk) steps.
   total = num_used * k_steps
   t_start, t_stop = split_share(total, split)
 
   def step(t, acc):
-    j = lax.div(t, k_steps)
-    k0 = lax.rem(t, k_steps) * block_k
+    j = lax.div(t, jnp.int32(k_steps))
+    k0 = lax.rem(t, jnp.int32(k_steps)) * block_k
     if masked:  # the plan holds the gathered rows: one load away from the loop counter (gemm_plan.py)
       v = plgpu.load(ops.plan.block_offsets.at[block, j])
-      nb = plgpu.load(ops.plan.block_rows.at[block, j, jnp.arange(block_m)])
+      nb = plgpu.load(ops.plan.block_rows.at[block, j, jnp.arange(block_m, dtype=jnp.int32)])
     else:
       v = j
       nb = plgpu.load(ops.nbr.at[rows, v], mask=row_ok, other=-1)
@@ -208,7 +209,7 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
     # valid rows.
     out = jnp.zeros((m, n_dim), jnp.float32) if bias is None else jnp.broadcast_to(bias.astype(jnp.float32),
                                                                                    (m, n_dim))
-    return jnp.where((jnp.arange(m) < num)[:, None], out, 0).astype(x.dtype)
+    return jnp.where((jnp.arange(m, dtype=jnp.int32) < num)[:, None], out, 0).astype(x.dtype)
   k_group, n_group = k_dim // groups, n_dim // groups
   cfg = config or default_config(m, k_group, n_group, x.dtype)
   num_blocks = pl.cdiv(m, cfg.block_m)

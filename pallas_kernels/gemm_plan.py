@@ -80,7 +80,7 @@ def gray_rank(mask: jax.Array) -> jax.Array:
 def _row_order(nbr: jax.Array, num: jax.Array) -> jax.Array:
   """int32 [capacity]: the valid rows by the Gray-code rank of their neighbour bitmask, then the others."""
   cap, v = nbr.shape
-  valid = jnp.arange(cap) < num
+  valid = jnp.arange(cap, dtype=jnp.int32) < num
   has = (nbr >= 0) & valid[:, None]
   bits = min(v, _MASK_BITS)
   weights = jnp.left_shift(jnp.int32(1), jnp.arange(bits, dtype=jnp.int32))
@@ -133,9 +133,9 @@ def _block_plan_kernel(order_ref, nbr_ref, num_ref, offsets_ref, counts_ref, row
   # offset's lanes written contiguously): the transpose runs through shared memory.
   tile = plgpu.load(nbr_ref.at[rows[:, None], cols[None, :]], mask=valid[:, None] & col_ok[None, :], other=-1)
   used = (jnp.max(tile, axis=0) >= 0).astype(jnp.int32)  # padding offsets hold -1 only
-  count = jnp.sum(used)
+  count = jnp.sum(used, dtype=jnp.int32)
   # Where offset v goes: after the used offsets before it, or after all used ones and the unused before it.
-  used_before = jnp.sum(jnp.where(cols[None, :] < cols[:, None], used[None, :], 0), axis=1)
+  used_before = jnp.sum(jnp.where(cols[None, :] < cols[:, None], used[None, :], 0), axis=1, dtype=jnp.int32)
   slot = jnp.where(used > 0, used_before, count + cols - used_before)
   plgpu.store(offsets_ref.at[b, slot], cols, mask=col_ok)
   plgpu.store(counts_ref.at[b], count)
@@ -145,7 +145,7 @@ def _block_plan_kernel(order_ref, nbr_ref, num_ref, offsets_ref, counts_ref, row
 def masked_plan_reference(nbr: jax.Array, num: jax.Array, block_m: int) -> MaskedPlan:
   """`masked_plan` in plain XLA ops (the tests' reference)."""
   cap, v = nbr.shape
-  valid = jnp.arange(cap) < num
+  valid = jnp.arange(cap, dtype=jnp.int32) < num
   order = _row_order(nbr, num)
   num_blocks = -(-cap // block_m)
   padded = num_blocks * block_m
@@ -269,7 +269,7 @@ def _chunk_tile(nbr_ref, *, chunk: int, num_lists: int, width: int):
 def _chunk_counts_kernel(nbr_ref, counts_ref, *, chunk: int, num_lists: int, width: int):
   """counts[c, v]: the rows of chunk c with a neighbour at offset v."""
   _, cols, _, col_ok, tile = _chunk_tile(nbr_ref, chunk=chunk, num_lists=num_lists, width=width)
-  count = jnp.sum((tile >= 0).astype(jnp.int32), axis=0)
+  count = jnp.sum((tile >= 0).astype(jnp.int32), axis=0, dtype=jnp.int32)
   plgpu.store(counts_ref.at[pl.program_id(0), cols], count, mask=col_ok)
 
 
@@ -284,7 +284,7 @@ def _pair_lists_kernel(nbr_ref, starts_ref, counts_ref, rows_ref, sources_ref, *
   # contiguous): the one transpose runs through shared memory, and the prefix sum runs along the last axis.
   sources = tile.T
   has = (sources >= 0).astype(jnp.int32)
-  has_before = jnp.cumsum(has, axis=1) - has  # in-chunk exclusive prefix, per offset
+  has_before = jnp.cumsum(has, axis=1, dtype=jnp.int32) - has  # in-chunk exclusive prefix, per offset
   start = plgpu.load(starts_ref.at[c, cols], mask=col_ok, other=0)
   count = plgpu.load(counts_ref.at[cols], mask=col_ok, other=0)
   lanes = jnp.arange(chunk, dtype=jnp.int32)
@@ -308,7 +308,7 @@ def pair_lists_reference(nbr: jax.Array, mirrored: bool = False) -> PairLists:
   # Slot of row i in offset v's list; rows without a neighbour go to distinct slots past the end and are
   # dropped: unique indices, plain stores.
   slot = jnp.where(has, jnp.cumsum(has, axis=1, dtype=jnp.int32) - 1, cap + rows)
-  index = (jnp.broadcast_to(jnp.arange(v)[:, None], (v, cap)), slot)
+  index = (jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32)[:, None], (v, cap)), slot)
   empty = jnp.full((v, cap), -1, jnp.int32)
   lists = empty.at[index].set(rows, mode="drop", unique_indices=True)
   # The sources are scattered with the same indices rather than gathered back through `lists` (a gather of

@@ -30,9 +30,9 @@ def _count_at_or_below(keys_ref, thresholds, *, size: int, block: int):
   def count_block(b, counts):
     keys = keys_ref[pl.ds(pl.multiple_of(b * block, block), block)]
     below = (keys[:, None] >= 0) & (keys[:, None] <= thresholds[None, :])
-    return counts + jnp.sum(below.astype(jnp.int32), axis=0)
+    return counts + jnp.sum(below.astype(jnp.int32), axis=0, dtype=jnp.int32)
 
-  return lax.fori_loop(0, size // block, count_block, jnp.zeros((WAYS,), jnp.int32))
+  return lax.fori_loop(jnp.int32(0), jnp.int32(size // block), count_block, jnp.zeros((WAYS,), jnp.int32))
 
 
 def _kth_smallest_kernel(count_ref, keys_ref, out_ref, *, k: int, limit: int, size: int, block: int):
@@ -43,9 +43,10 @@ def _kth_smallest_kernel(count_ref, keys_ref, out_ref, *, k: int, limit: int, si
     step = (hi - lo) // WAYS + 1  # 15 * step cannot pass 2**31
     thresholds = jnp.where(ways < WAYS - 1, lo + jnp.minimum((ways + 1) * step - 1, hi - lo), hi)
     enough = _count_at_or_below(keys_ref, thresholds, size=size, block=block) >= k
-    first = WAYS - jnp.sum(enough.astype(jnp.int32))  # counts grow with the threshold; the last has enough
-    new_hi = jnp.sum(jnp.where(ways == first, thresholds, 0))
-    below = jnp.sum(jnp.where(ways == first - 1, thresholds, 0))
+    # Counts grow with the threshold; the last has enough.
+    first = WAYS - jnp.sum(enough.astype(jnp.int32), dtype=jnp.int32)
+    new_hi = jnp.sum(jnp.where(ways == first, thresholds, 0), dtype=jnp.int32)
+    below = jnp.sum(jnp.where(ways == first - 1, thresholds, 0), dtype=jnp.int32)
     return jnp.where(first > 0, below + 1, lo), new_hi
 
   overflowing = count_ref[0] > limit

@@ -51,4 +51,4 @@ def sum_split(out: jax.Array, bias, num: jax.Array, dtype) -> jax.Array:
   out = jnp.sum(out, axis=0)
   if bias is not None:
     out = out + bias.astype(jnp.float32)
-  return jnp.where((jnp.arange(out.shape[0]) < num[0])[:, None], out, 0).astype(dtype)
+  return jnp.where((jnp.arange(out.shape[0], dtype=jnp.int32) < num[0])[:, None], out, 0).astype(dtype)

@@ -87,11 +87,23 @@ def gpu_num_sms(default: int = 132) -> int:
     return default
 
 
+def int32_cdiv(a, b):
+  """ceil(a / b) for a >= 0, b > 0, either an int or an int32 value inside a kernel: two ints give an int, else an
+  int32 whether or not jax_enable_x64 is on (pl.cdiv of a traced int32 and an int fails under x64, since lax.div
+  then sees the int as int64)."""
+  if isinstance(a, int) and isinstance(b, int):
+    return -(-a // b)
+  if isinstance(b, int):
+    return lax.div(jnp.asarray(a, jnp.int32) + jnp.int32(b - 1), jnp.int32(b))
+  a, b = jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32)
+  return lax.div(a + (b - 1), b)
+
+
 def split_share(total, split: int, axis: int = 2):
   """Inside a kernel: [start, stop) of the `total` reduction steps this program takes when `split` programs along
   grid axis `axis` share them in equal runs (all of them when split is 1)."""
   if split == 1:
     return 0, total
-  per = pl.cdiv(total, split)
+  per = int32_cdiv(total, split)
   start = pl.program_id(axis) * per
   return start, jnp.minimum(start + per, total)

@@ -34,7 +34,7 @@ from jax import lax
 from pallas_kernels.gemm_plan import PairLists
 from pallas_kernels.out_struct import out_struct, same_vma
 from pallas_kernels.mma import mma
-from pallas_kernels.tiling import TileConfig, dot_precision
+from pallas_kernels.tiling import TileConfig, dot_precision, int32_cdiv
 from pallas_kernels.weight_grad_config import default_config
 from pallas_kernels.weight_layout import WeightLayout
 
@@ -73,12 +73,12 @@ def balanced_work(counts: jax.Array, split: int, block_k: int) -> WorkList:
   v = counts.shape[0]
   items = v * split
   counts = counts.astype(jnp.int32)
-  total = jnp.sum(counts)
+  total = jnp.sum(counts, dtype=jnp.int32)
   # ceil(ceil(total / items) / block_k) == ceil(total / (items * block_k)); at least one block when total is 0.
   chunk = jnp.maximum(-(-total // (items * block_k)), 1) * block_k
   per = -(-counts // chunk)  # items of each offset
   piece = -(-counts // jnp.maximum(per * block_k, 1)) * block_k  # <= chunk, so (per - 1) * piece < counts
-  ends = jnp.cumsum(per)
+  ends = jnp.cumsum(per, dtype=jnp.int32)
   w = jnp.arange(items + v, dtype=jnp.int32)
   offset = jnp.searchsorted(ends, w, side="right").astype(jnp.int32)  # V past the last used item
   used = offset < v
@@ -92,13 +92,13 @@ def _weight_grad_kernel(ops: WeightGradOperands, o_ref, *, mirrored, split, num_
                         block_m, block_n, block_k, precision, cout_major, groups=1):
   # cin, cout: one group's channels.
   use_pairs, balanced, bf16_split = ops.pairs is not None, ops.work is not None, ops.x_lo is not None
-  ci = pl.program_id(1) * block_m + jnp.arange(block_m)
+  ci = pl.program_id(1) * block_m + jnp.arange(block_m, dtype=jnp.int32)
   if groups > 1:  # Cout program = (group, Cout block within the group)
     co_blocks = pl.cdiv(cout, block_n)
-    group = lax.div(pl.program_id(2), co_blocks)
-    co = lax.rem(pl.program_id(2), co_blocks) * block_n + jnp.arange(block_n)
+    group = lax.div(pl.program_id(2), jnp.int32(co_blocks))
+    co = lax.rem(pl.program_id(2), jnp.int32(co_blocks)) * block_n + jnp.arange(block_n, dtype=jnp.int32)
   else:
-    co = pl.program_id(2) * block_n + jnp.arange(block_n)
+    co = pl.program_id(2) * block_n + jnp.arange(block_n, dtype=jnp.int32)
   ci_ok = ci < cin
   co_ok = co < cout
   # The columns of x and dy (and of dW's Cout axis) this program reads and writes.
@@ -112,11 +112,11 @@ def _weight_grad_kernel(ops: WeightGradOperands, o_ref, *, mirrored, split, num_
     v, s = pl.program_id(0), pl.program_id(3)
     out = s * num_offsets + v
     length = plgpu.load(ops.pairs.counts.at[v]) if use_pairs else num_rows
-    per = pl.cdiv(pl.cdiv(length, split), block_k) * block_k
+    per = int32_cdiv(int32_cdiv(length, split), block_k) * block_k
     start = s * per
     stop = jnp.minimum(start + per, length)
-  steps = pl.cdiv(jnp.maximum(stop - start, 0), block_k)
-  rk = jnp.arange(block_k)
+  steps = int32_cdiv(jnp.maximum(stop - start, 0), block_k)
+  rk = jnp.arange(block_k, dtype=jnp.int32)
   if mirrored:  # offset v's pairs are offset V-1-v's with the two rows swapped (PairLists)
     stored = jnp.minimum(v, num_offsets - 1 - v)
     swap = v != stored

@@ -139,13 +139,15 @@ def _check_keys(batch_size: int, shape) -> int:
 def _proposals(coords, valid, rule: unique_keys.ProposalGeometry, batch_size: int):
   """For every input row j and offset v, the linear key of the output it feeds (a tuple of key_width int32
   words, each [cap, V]; _BIG words where there is none) and whether it exists: o = (position + padding -
-  offset) / stride must be integral and inside the output grid (`rule`, as the Pallas kernels read it)."""
+  offset) / stride must be integral and inside the output grid (`rule`, as the Pallas kernels read it), and the
+  row's batch inside [0, batch_size) (`_outside_batch`)."""
   off = jnp.asarray(np.asarray(rule.offsets, np.int32).reshape(-1, 3))  # [V, 3]
   num = coords[:, None, 1:] + jnp.asarray(rule.padding, jnp.int32) - off[None]  # [cap, V, 3]
   st = jnp.asarray(rule.stride, jnp.int32)
   o = jnp.floor_divide(num, st)
   ok = (num >= 0) & (num - o * st == 0) & (o < jnp.asarray(rule.out_shape, jnp.int32))
-  ok = jnp.all(ok, axis=-1) & valid[:, None]
+  in_batch = (coords[:, 0] >= 0) & (coords[:, 0] < batch_size)
+  ok = jnp.all(ok, axis=-1) & (valid & in_batch)[:, None]
   sites = jnp.concatenate([jnp.broadcast_to(coords[:, None, :1], o.shape[:2] + (1,)), o], axis=-1)
   keys = site_keys(sites, rule.out_shape, _check_keys(batch_size, rule.out_shape))
   return tuple(jnp.where(ok, k, _BIG) for k in keys), ok
@@ -218,7 +220,9 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   Output sites (spconv's SparseConv3d rule): every output position, in the same batch item, whose receptive
   field holds at least one valid input. out_capacity: static rows of the output; None: round_capacity of the
   number of output sites, "exact": that number (both count them on the host: outside jit only).
-  check: report an overflow of out_capacity (ValueError outside jit, checkify under jit; sparse_tensor.report).
+  check: report an overflow of out_capacity, and valid rows of x whose batch index lies outside [0, batch_size)
+    (they feed no output site, on every implementation), ValueError outside jit, checkify under jit
+    (sparse_tensor.report).
   implementation: None (Pallas on a GPU: an occupancy map of the output grid where it is small, else a hash
     table; XLA sort elsewhere), "pallas" or "xla"; same result.
   op: the op named in those reports.
@@ -237,6 +241,10 @@ def _site_search(coords, num, batch_size: int, rule: unique_keys.ProposalGeometr
   transposed convolution differ only in their rule."""
   wide = _check_keys(batch_size, rule.out_shape) == 2
   impl = dispatch.resolve(implementation)
+  if check:
+    outside = _rows_outside_batch(coords, num, batch_size)
+    report(outside > 0, f"{op}: x has {{rows}} valid rows whose batch index lies outside [0, batch_size="
+           f"{batch_size}); they feed no output site", rows=outside)
   dense = impl.is_pallas and not wide and occupancy_sites.fits(coords.shape[0], rule, batch_size)
   if dense:
     occupancy = occupancy_sites.mark_occupancy(coords, num, geometry=rule, batch_size=batch_size,
@@ -267,6 +275,15 @@ def _site_search(coords, num, batch_size: int, rule: unique_keys.ProposalGeometr
   else:
     out_coords, out_num, nbr, inv = _compact(keys, ok, flat, first, count, rule.out_shape, batch_size, out_capacity)
   return out_coords, out_num, nbr, inv, overflow
+
+
+@functools.partial(jax.jit, static_argnames=("batch_size",))
+def _rows_outside_batch(coords, num, batch_size: int):
+  """int32 scalar: the valid rows whose batch lies outside [0, batch_size). Every site search skips them
+  (`_proposals`, the Pallas kernels' proposal_site); only a tensor built without from_coords' checks, or under jit,
+  can hold one."""
+  valid = jnp.arange(coords.shape[0], dtype=jnp.int32) < num
+  return jnp.sum(valid & ((coords[:, 0] < 0) | (coords[:, 0] >= batch_size)), dtype=jnp.int32)
 
 
 # The two stages are jitted separately (the host reads the count in between when out_capacity is None):
@@ -316,7 +333,8 @@ def _hashed_compact(coords, num, proposals, rule: unique_keys.ProposalGeometry, 
                     interpret: bool):
   wide = _check_keys(batch_size, rule.out_shape) == 2
   out_keys, inv, lookup_overflow = unique_keys.output_sites(
-      coords, num, proposals, out_capacity, geometry=rule, interpret=interpret, wide_keys=wide)
+      coords, num, proposals, out_capacity, geometry=rule, batch_size=batch_size, interpret=interpret,
+      wide_keys=wide)
   nbr = _scatter_transpose(inv, out_capacity)
   out_num = jnp.minimum(proposals.count, out_capacity)
   out_coords = out_keys if wide else _sites_of_keys((out_keys,), rule.out_shape, batch_size)  # wide: already sites

@@ -30,14 +30,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.hash_table import linear_key
 from pallas_kernels.out_struct import out_struct, same_vma
-from pallas_kernels.unique_keys import BIG, ProposalGeometry, proposal_site
+from pallas_kernels.unique_keys import BIG, ProposalGeometry, check_coords, proposal_operands, proposal_site
 
 __all__ = ["Occupancy", "fits", "mark_occupancy", "occupied_sites"]
 
@@ -78,11 +77,11 @@ def fits(capacity: int, geometry: ProposalGeometry, batch_size: int) -> bool:
 
 
 def _site_key(num, coords_ref, offs_ref, p, in_range, *, nv, geometry, batch_size):
-  """(key, ok): the linear key of pair p's proposed site, and whether that proposal exists (its batch index
-  is checked too, so that a bad row can never address outside the map)."""
-  site, exists = proposal_site(num, coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry)
-  ok = exists & (site[0] >= 0) & (site[0] < batch_size)
-  return linear_key(site, geometry.out_shape), ok
+  """(key, ok): the linear key of pair p's proposed site, and whether that proposal exists (a row outside the
+  batch proposes nothing, as in unique_keys.py, so no key addresses outside the map)."""
+  site, exists = proposal_site(num, coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry,
+                               batch_size=batch_size)
+  return linear_key(site, geometry.out_shape), exists
 
 
 def _mark_kernel(num_ref, coords_ref, offs_ref, occ_in_ref, occ_ref, *, block, num_pairs, nv, geometry,
@@ -120,20 +119,12 @@ def _spare(interpret: bool) -> int:
 
 
 def _check(coords, geometry: ProposalGeometry, batch_size: int) -> tuple[int, int]:
-  if coords.ndim != 2 or coords.shape[1] != 4:
-    raise ValueError(f"coords must be [capacity, 4], got {coords.shape}")
-  capacity, nv = int(coords.shape[0]), len(geometry.offsets)
-  if capacity * nv >= 2**31:
-    raise ValueError("capacity * len(offsets) must be < 2**31 (flat int32 pair index)")
+  """(capacity, V): unique_keys.check_coords, and an output grid whose bytes and words int32 can index."""
+  capacity, nv = check_coords(coords, geometry, batch_size)
   sites = grid_sites(geometry, batch_size)
   if not 0 < sites < 2**31 - WORD_BITS:
     raise ValueError(f"the output grid over the batch must have 1 to 2**31 - 33 sites, got {sites}")
   return capacity, nv
-
-
-def _operands(coords, num, geometry: ProposalGeometry):
-  return (jnp.reshape(jnp.asarray(num, jnp.int32), (1,)), coords.reshape(-1),
-          jnp.asarray(np.asarray(geometry.offsets, np.int32).reshape(-1)))
 
 
 @functools.partial(jax.jit, static_argnames=("geometry", "batch_size", "interpret"))
@@ -142,7 +133,8 @@ def mark_occupancy(coords, num, *, geometry: ProposalGeometry, batch_size: int,
   """Stage 1: which output sites are proposed, packed, with the prefix counts that rank them.
 
   coords: int32 [capacity, 4] input rows (batch, x, y, z); rows >= num are padding (any contents).
-  num: int32 scalar (may be traced): valid rows. geometry: the static ProposalGeometry; batch_size: static.
+  num: int32 scalar (may be traced): valid rows (one whose batch lies outside [0, batch_size) proposes nothing).
+  geometry: the static ProposalGeometry; batch_size: static.
   """
   coords = jnp.asarray(coords, jnp.int32)
   capacity, nv = _check(coords, geometry, batch_size)
@@ -150,7 +142,7 @@ def mark_occupancy(coords, num, *, geometry: ProposalGeometry, batch_size: int,
   occupied = jnp.zeros((num_words * WORD_BITS + _spare(interpret),), jnp.int8)
   num_pairs = capacity * nv
   if num_pairs:
-    num_arr, coords_flat, offs_flat = _operands(coords, num, geometry)
+    num_arr, coords_flat, offs_flat = proposal_operands(coords, num, geometry)
     occupied = pl.pallas_call(
         functools.partial(_mark_kernel, block=BLOCK_PAIRS, num_pairs=num_pairs, nv=nv, geometry=geometry,
                           batch_size=batch_size, spare=num_words * WORD_BITS * _spare(interpret)),
@@ -195,7 +187,7 @@ def occupied_sites(coords, num, occupancy: Occupancy, *, out_capacity: int, geom
   if num_pairs == 0 or out_capacity == 0:
     return (out_keys[:out_capacity], jnp.full((capacity, nv), -1, jnp.int32),
             nbr[:out_capacity * nv].reshape(out_capacity, nv))
-  operands = (*_operands(coords, num, geometry), occupancy.words, occupancy.prefix, out_keys, nbr)
+  operands = (*proposal_operands(coords, num, geometry), occupancy.words, occupancy.prefix, out_keys, nbr)
   inv, out_keys, nbr = pl.pallas_call(
       functools.partial(_lookup_kernel, block=BLOCK_PAIRS, num_pairs=num_pairs, nv=nv, geometry=geometry,
                         batch_size=batch_size, out_capacity=out_capacity, spare=out_capacity * spare),

@@ -4,7 +4,8 @@ Arrays in, arrays out: this module does not import ``jsparse``. It reuses hash_t
 ``fmix32`` home slot, linear probing, ``atomic_xchg`` as the only atomic) and its probe loops.
 
 Problem. Every valid input row ``j`` proposes, for every kernel offset ``v``, the output site it feeds
-(``o = (position + padding - offset) / stride``, where that is integral and inside the output grid). The
+(``o = (position + padding - offset) / stride``, where that is integral and inside the output grid, in the
+row's batch item, which must lie in [0, batch_size): a row outside the batch proposes nothing). The
 output sites are the distinct proposals, sorted by linear key; ``inv[j, v]`` is the output row of proposal
 ``(j, v)`` or -1. The XLA path sorts all ``capacity * V`` proposals; here only the distinct ones are sorted.
 
@@ -74,8 +75,8 @@ from pallas_kernels.hash_table import (EMPTY, KeySlots, SiteRefs, insert_absent_
 from pallas_kernels.kth_smallest import kth_smallest_if_over
 from pallas_kernels.out_struct import out_struct, same_vma
 
-__all__ = ["ProposalGeometry", "ProposalTable", "dedupe_proposals", "output_sites", "proposal_site",
-           "proposals_per_site", "default_table_size"]
+__all__ = ["ProposalGeometry", "ProposalTable", "check_coords", "dedupe_proposals", "output_sites", "proposal_site",
+           "proposal_operands", "proposals_per_site", "default_table_size"]
 
 BIG = int(np.iinfo(np.int32).max)  # sort key of an empty entry (site keys are < 2**31 - 1)
 
@@ -128,14 +129,17 @@ def default_table_size(capacity: int, geometry: ProposalGeometry, batch_size: in
 # --------------------------------------------------------------------------------------------
 
 
-def proposal_site(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry):
+def proposal_site(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry, batch_size: int):
   """Output site (batch, ox, oy, oz) fed by input row j = p // V at offset v = p % V, and whether it exists
-  (as the XLA path's sparse_conv._proposals). coords flattened [capacity*4], offsets [V*3]."""
+  (as the XLA path's sparse_conv._proposals: a row whose batch lies outside [0, batch_size) proposes nothing, so
+  that no key leaves the grid). coords flattened [capacity*4], offsets [V*3]."""
   j = lax.div(p, jnp.int32(nv))
   v = p - j * nv
   exists = in_range & (j < num)
   base = j * 4
-  site = [plgpu.load(coords_ref.at[base], mask=exists, other=0)]  # batch
+  batch = plgpu.load(coords_ref.at[base], mask=exists, other=0)
+  exists = exists & (batch >= 0) & (batch < batch_size)
+  site = [batch]
   for axis in range(3):
     pos = plgpu.load(coords_ref.at[base + 1 + axis], mask=exists, other=0)
     off = plgpu.load(offs_ref.at[v * 3 + axis], mask=in_range, other=0)
@@ -148,39 +152,43 @@ def proposal_site(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: 
   return tuple(site), exists
 
 
-def _proposals(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry, wide: bool):
+def _proposals(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry, batch_size: int,
+               wide: bool):
   """(slots, entry, key, exists) of pairs p: under KeySlots the proposed site's int32 linear key (grids of
   fewer than 2**31 sites) as both entry and key, under SiteRefs the proposal index p and its site."""
-  site, exists = proposal_site(num, coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry)
+  site, exists = proposal_site(num, coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry,
+                               batch_size=batch_size)
   if wide:
-    return _proposal_refs(num, coords_ref, offs_ref, nv=nv, geometry=geometry), p, site, exists
+    return _proposal_refs(num, coords_ref, offs_ref, nv=nv, geometry=geometry, batch_size=batch_size), p, site, exists
   key = linear_key(site, geometry.out_shape)
   return KeySlots(), key, key, exists
 
 
-def _proposal_refs(num, coords_ref, offs_ref, *, nv: int, geometry: ProposalGeometry) -> SiteRefs:
+def _proposal_refs(num, coords_ref, offs_ref, *, nv: int, geometry: ProposalGeometry, batch_size: int) -> SiteRefs:
   """Slots holding proposal indices p, compared by the site they propose (wide grids)."""
-  site_of = lambda refs, mask: proposal_site(num, coords_ref, offs_ref, refs, mask, nv=nv, geometry=geometry)[0]
+  site_of = lambda refs, mask: proposal_site(num, coords_ref, offs_ref, refs, mask, nv=nv, geometry=geometry,
+                                             batch_size=batch_size)[0]
   return SiteRefs(site_of, geometry.out_shape)
 
 
 def _insert_kernel(num_ref, coords_ref, offs_ref, table_in_ref, table_ref, ovf_ref, *, block,
-                   num_pairs, nv, geometry, tmask, max_probes, interpret, wide):
+                   num_pairs, nv, geometry, batch_size, tmask, max_probes, interpret, wide):
   del table_in_ref  # aliased with table_ref
   pid = pl.program_id(0)
   p = pid * block + jnp.arange(block, dtype=jnp.int32)
   slots, entry, key, exists = _proposals(num_ref[0], coords_ref, offs_ref, p, p < num_pairs, nv=nv,
-                                         geometry=geometry, wide=wide)
+                                         geometry=geometry, batch_size=batch_size, wide=wide)
   carrying = insert_absent_loop(table_ref, entry, key, exists, slots=slots, tmask=tmask, max_probes=max_probes,
                                 interpret=interpret)
   plgpu.store(ovf_ref.at[pid], jnp.max(carrying.astype(jnp.int32)))
 
 
-def _mark_kernel(*refs, block, nv, geometry, tmask, max_probes, wide):
+def _mark_kernel(*refs, block, nv, geometry, batch_size, tmask, max_probes, wide):
   # Wide tables come after the (num, coords, offsets) operands their sites are computed from.
   *site_refs, table_ref, unique_ref, ovf_ref = refs
   pid = pl.program_id(0)
-  slots = _proposal_refs(site_refs[0][0], *site_refs[1:], nv=nv, geometry=geometry) if wide else KeySlots()
+  slots = (_proposal_refs(site_refs[0][0], *site_refs[1:], nv=nv, geometry=geometry, batch_size=batch_size)
+           if wide else KeySlots())
   slot_ids = pid * block + jnp.arange(block, dtype=jnp.int32)  # block divides T: all in range
   entry = plgpu.load(table_ref.at[slot_ids])
   occupied = entry != EMPTY
@@ -192,12 +200,12 @@ def _mark_kernel(*refs, block, nv, geometry, tmask, max_probes, wide):
 
 
 def _lookup_kernel(num_ref, coords_ref, offs_ref, table_ref, slot_rows_ref, inv_ref, ovf_ref, *, block,
-                   num_pairs, nv, geometry, tmask, max_probes, wide):
+                   num_pairs, nv, geometry, batch_size, tmask, max_probes, wide):
   pid = pl.program_id(0)
   p = pid * block + jnp.arange(block, dtype=jnp.int32)
   in_range = p < num_pairs
   slots, _, key, exists = _proposals(num_ref[0], coords_ref, offs_ref, p, in_range, nv=nv,
-                                     geometry=geometry, wide=wide)
+                                     geometry=geometry, batch_size=batch_size, wide=wide)
   first, found, searching = probe_loop(table_ref, key, exists, slots=slots, tmask=tmask, max_probes=max_probes)
   row = plgpu.load(slot_rows_ref.at[first], mask=found, other=-1)
   plgpu.store(inv_ref.at[p], row, mask=in_range)  # contiguous: pairs are row-major [capacity, V]
@@ -211,10 +219,14 @@ def _lookup_kernel(num_ref, coords_ref, offs_ref, table_ref, slot_rows_ref, inv_
 # --------------------------------------------------------------------------------------------
 
 
-def _check(coords, geometry: ProposalGeometry, **blocks: int) -> tuple[int, int]:
-  """(capacity, V) after validating the arguments every entry point shares."""
+def check_coords(coords, geometry: ProposalGeometry, batch_size: int, **blocks: int) -> tuple[int, int]:
+  """(capacity, V) after validating what every site search's entry point shares (here and in
+  occupancy_sites.py): coords [capacity, 4], a positive batch_size, blocks (keyword: name=size) powers of two, and
+  an int32 flat pair index."""
   if coords.ndim != 2 or coords.shape[1] != 4:
     raise ValueError(f"coords must be [capacity, 4], got {coords.shape}")
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
   for name, block in blocks.items():
     if block < 1 or block & (block - 1):
       raise ValueError(f"{name} must be a power of two, got {block}")
@@ -222,6 +234,13 @@ def _check(coords, geometry: ProposalGeometry, **blocks: int) -> tuple[int, int]
   if capacity * nv >= 2**31:
     raise ValueError("capacity * len(offsets) must be < 2**31 (flat int32 pair index)")
   return capacity, nv
+
+
+def proposal_operands(coords, num, geometry: ProposalGeometry):
+  """(num int32 [1], coords int32 [capacity*4], offsets int32 [V*3]): what `proposal_site` reads, as the kernels
+  of both site searches take them."""
+  return (jnp.reshape(jnp.asarray(num, jnp.int32), (1,)), jnp.asarray(coords, jnp.int32).reshape(-1),
+          jnp.asarray(np.asarray(geometry.offsets, np.int32).reshape(-1)))
 
 
 def _flags(n: int, *like):
@@ -241,9 +260,10 @@ def dedupe_proposals(coords, num, *, geometry: ProposalGeometry, batch_size: int
 
   Args:
     coords: int32 [capacity, 4] input rows (batch, x, y, z); rows >= num are padding (any contents).
-    num: int32 scalar (may be traced): valid rows. Valid rows hold batch in [0, batch_size) and
-      batch_size * |output grid| < 2**31 (so keys are non-negative int32 below 2**31 - 1).
-    geometry: the static ProposalGeometry; batch_size: static, for the default table size.
+    num: int32 scalar (may be traced): valid rows. A valid row whose batch lies outside [0, batch_size)
+      proposes nothing; unless wide_keys, batch_size * |output grid| < 2**31 (so keys are non-negative int32
+      below 2**31 - 1).
+    geometry: the static ProposalGeometry; batch_size: static, the batch items (and the default table size).
     interpret: Pallas interpret mode (CPU tests): the insertion then runs one lane per program.
     block_pairs / num_warps: (row, offset) pairs per program and Triton warps of the insertion;
       block_slots: slots per program of the mark kernel (powers of two).
@@ -268,7 +288,7 @@ def dedupe_proposals(coords, num, *, geometry: ProposalGeometry, batch_size: int
 def _dedupe_proposals(coords, num, *, geometry, batch_size, interpret, block_pairs, num_warps,
                       block_slots, max_probes, table_size, wide_keys):
   coords = jnp.asarray(coords, jnp.int32)
-  capacity, nv = _check(coords, geometry, block_pairs=block_pairs, block_slots=block_slots)
+  capacity, nv = check_coords(coords, geometry, batch_size, block_pairs=block_pairs, block_slots=block_slots)
   smallest = default_table_size(capacity, geometry, batch_size)
   tsize = smallest if table_size is None else table_size
   if tsize & (tsize - 1) or tsize < smallest:
@@ -281,40 +301,40 @@ def _dedupe_proposals(coords, num, *, geometry, batch_size, interpret, block_pai
   if num_pairs == 0:
     return ProposalTable(empty_table, empty_table, jnp.int32(0), jnp.asarray(False))
 
-  num_arr = jnp.reshape(jnp.asarray(num, jnp.int32), (1,))
-  offs_flat = jnp.asarray(np.asarray(geometry.offsets, np.int32).reshape(-1))
+  num_arr, coords_flat, offs_flat = proposal_operands(coords, num, geometry)
   insert_block = 1 if interpret else block_pairs
   grid_i = pl.cdiv(num_pairs, insert_block)
   table, ovf_insert = pl.pallas_call(
       functools.partial(_insert_kernel, block=insert_block, num_pairs=num_pairs, nv=nv, geometry=geometry,
-                        tmask=tsize - 1, max_probes=probes, interpret=interpret, wide=wide_keys),
+                        batch_size=batch_size, tmask=tsize - 1, max_probes=probes, interpret=interpret,
+                        wide=wide_keys),
       out_shape=(out_struct((tsize,), jnp.int32, num_arr, coords), _flags(grid_i, num_arr, coords)),
       grid=(grid_i,),
       input_output_aliases={3: 0},
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="unique_insert_wide" if wide_keys else "unique_insert",
-  )(*same_vma(num_arr, coords.reshape(-1), offs_flat, empty_table))
+  )(*same_vma(num_arr, coords_flat, offs_flat, empty_table))
 
-  unique, mark_overflow = _keep_first(table, (num_arr, coords.reshape(-1), offs_flat) if wide_keys else (),
+  unique, mark_overflow = _keep_first(table, (num_arr, coords_flat, offs_flat) if wide_keys else (),
                                      block=block_slots, num_warps=num_warps, max_probes=probes, geometry=geometry,
-                                     interpret=interpret)
+                                     batch_size=batch_size, interpret=interpret)
   count = jnp.sum(unique != EMPTY, dtype=jnp.int32)
   return ProposalTable(table, unique, count, (jnp.max(ovf_insert) > 0) | mark_overflow)
 
 
 def _keep_first(table, site_operands=(), *, block: int, num_warps: int, max_probes: int,
-                geometry: ProposalGeometry | None = None, interpret: bool):
+                geometry: ProposalGeometry | None = None, batch_size: int = 1, interpret: bool):
   """(unique, overflow): the table with every key kept only at its first copy along its probe run. A wide
-  table (of proposal indices) comes with site_operands (num [1], coords flattened, offsets flattened), from
-  which the mark kernel computes the sites it compares, and the geometry."""
+  table (of proposal indices) comes with site_operands (`proposal_operands`), from which the mark kernel computes
+  the sites it compares, the geometry and the batch size."""
   tsize = int(table.shape[0])
   block = min(block, tsize)  # both powers of two: block divides T
   grid = tsize // block
   wide = bool(site_operands)
   unique, ovf = pl.pallas_call(
       functools.partial(_mark_kernel, block=block, nv=len(geometry.offsets) if wide else 0, geometry=geometry,
-                        tmask=tsize - 1, max_probes=max_probes, wide=wide),
+                        batch_size=batch_size, tmask=tsize - 1, max_probes=max_probes, wide=wide),
       out_shape=(out_struct((tsize,), jnp.int32, table), _flags(grid, table)),
       grid=(grid,),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
@@ -400,12 +420,12 @@ def proposal_sites(coords, refs, *, geometry: ProposalGeometry):
 
 
 def output_sites(coords, num, proposals: ProposalTable, out_capacity: int, *,
-                 geometry: ProposalGeometry, interpret=False, block_pairs=128, num_warps=1,
+                 geometry: ProposalGeometry, batch_size: int, interpret=False, block_pairs=128, num_warps=1,
                  max_probes=None, wide_keys=False):
   """Stage 2: the sorted output sites and, for every proposal, its output row.
 
   Args:
-    coords, num, geometry, interpret: as given to ``dedupe_proposals``.
+    coords, num, geometry, batch_size, interpret: as given to ``dedupe_proposals``.
     proposals: its result. out_capacity: static number of output rows.
     block_pairs / num_warps: pairs per program and Triton warps of the lookup kernel (a lookup block
       runs as long as its slowest lane: small blocks, as in hash_table.py's query).
@@ -421,16 +441,16 @@ def output_sites(coords, num, proposals: ProposalTable, out_capacity: int, *,
   """
   return _output_sites(
       coords, num, proposals, out_capacity=int(out_capacity), geometry=_geometry(geometry),
-      interpret=bool(interpret), block_pairs=int(block_pairs), num_warps=int(num_warps),
+      batch_size=int(batch_size), interpret=bool(interpret), block_pairs=int(block_pairs), num_warps=int(num_warps),
       max_probes=None if max_probes is None else int(max_probes), wide_keys=bool(wide_keys))
 
 
-@functools.partial(jax.jit, static_argnames=("out_capacity", "geometry", "interpret", "block_pairs",
+@functools.partial(jax.jit, static_argnames=("out_capacity", "geometry", "batch_size", "interpret", "block_pairs",
                                              "num_warps", "max_probes", "wide_keys"))
-def _output_sites(coords, num, proposals, *, out_capacity, geometry, interpret, block_pairs, num_warps,
+def _output_sites(coords, num, proposals, *, out_capacity, geometry, batch_size, interpret, block_pairs, num_warps,
                   max_probes, wide_keys):
   coords = jnp.asarray(coords, jnp.int32)
-  capacity, nv = _check(coords, geometry, block_pairs=block_pairs)
+  capacity, nv = check_coords(coords, geometry, batch_size, block_pairs=block_pairs)
   if out_capacity < 0:
     raise ValueError(f"out_capacity must be >= 0, got {out_capacity}")
   if max_probes is not None and max_probes < 1:
@@ -457,13 +477,12 @@ def _output_sites(coords, num, proposals, *, out_capacity, geometry, interpret, 
   grid = pl.cdiv(num_pairs, block_pairs)
   inv, ovf = pl.pallas_call(
       functools.partial(_lookup_kernel, block=block_pairs, num_pairs=num_pairs, nv=nv, geometry=geometry,
-                        tmask=tsize - 1, max_probes=probes, wide=wide_keys),
+                        batch_size=batch_size, tmask=tsize - 1, max_probes=probes, wide=wide_keys),
       out_shape=(out_struct((num_pairs,), jnp.int32, coords, proposals.table, slot_rows),
                  _flags(grid, coords, proposals.table, slot_rows)),
       grid=(grid,),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="unique_lookup_wide" if wide_keys else "unique_lookup",
-  )(*same_vma(jnp.reshape(jnp.asarray(num, jnp.int32), (1,)), coords.reshape(-1),
-               jnp.asarray(np.asarray(geometry.offsets, np.int32).reshape(-1)), proposals.table, slot_rows))
+  )(*same_vma(*proposal_operands(coords, num, geometry), proposals.table, slot_rows))
   return out_keys, inv.reshape(capacity, nv), jnp.max(ovf) > 0

@@ -224,7 +224,8 @@ def _output_sites_interpret(coords, num, geometry, batch_size, out_capacity, **k
   table = unique_keys.dedupe_proposals(jnp.asarray(coords), jnp.int32(num), geometry=geometry,
                                        batch_size=batch_size, interpret=True, **kw)
   out_keys, inv, overflow = unique_keys.output_sites(jnp.asarray(coords), jnp.int32(num), table,
-                                                     out_capacity, geometry=geometry, interpret=True)
+                                                     out_capacity, geometry=geometry, batch_size=batch_size,
+                                                     interpret=True)
   return table, np.asarray(out_keys), np.asarray(inv), bool(overflow | table.overflow)
 
 
@@ -269,7 +270,7 @@ def test_output_sites_interpret_capacity_beyond_table_and_traced_num():
   @jax.jit
   def f(c, n):
     table = unique_keys.dedupe_proposals(c, n, geometry=geom, batch_size=2, interpret=True)
-    keys, inv, ovf = unique_keys.output_sites(c, n, table, tsize + 5, geometry=geom, interpret=True)
+    keys, inv, ovf = unique_keys.output_sites(c, n, table, tsize + 5, geometry=geom, batch_size=2, interpret=True)
     return table.count, keys, inv, ovf | table.overflow
 
   for num in (0, 17, cap):
@@ -324,7 +325,7 @@ def test_output_sites_bad_arguments():
     dedupe(jnp.zeros((8, 3), jnp.int32), 0)
   table = unique_keys.dedupe_proposals(c, 0, geometry=geom, batch_size=1, interpret=True)
   with pytest.raises(ValueError, match="out_capacity"):
-    unique_keys.output_sites(c, 0, table, -1, geometry=geom, interpret=True)
+    unique_keys.output_sites(c, 0, table, -1, geometry=geom, batch_size=1, interpret=True)
 
 
 def test_proposals_per_site_and_table_size():
@@ -366,7 +367,7 @@ def test_output_sites_triton_lowering(kernel_size, stride, padding, dilation):
 
   def f(c, n):
     table = unique_keys.dedupe_proposals(c, n, geometry=geom, batch_size=2)
-    out_keys, inv, overflow = unique_keys.output_sites(c, n, table, 700, geometry=geom)
+    out_keys, inv, overflow = unique_keys.output_sites(c, n, table, 700, geometry=geom, batch_size=2)
     return out_keys, inv, table.count, overflow | table.overflow
 
   text = lower_for_cuda(f, jnp.zeros((1000, 4), jnp.int32), jnp.int32(0))

@@ -338,7 +338,7 @@ def test_wide_kernels_lower_to_triton():
 
   def f(c, n):
     table = unique_keys.dedupe_proposals(c, n, geometry=geom, batch_size=8, wide_keys=True)
-    sites, inv, overflow = unique_keys.output_sites(c, n, table, 700, geometry=geom, wide_keys=True)
+    sites, inv, overflow = unique_keys.output_sites(c, n, table, 700, geometry=geom, batch_size=8, wide_keys=True)
     return sites, inv, table.count, overflow | table.overflow
 
   text = lower_for_cuda(f, jnp.zeros((1000, 4), jnp.int32), jnp.int32(0))

@@ -200,14 +200,17 @@ def _conv_geometry(kernel_size, stride, padding, dilation, in_shape):
   return unique_keys.ProposalGeometry(offsets, (stride,) * 3, (padding,) * 3, out_shape)
 
 
-def ref_output_sites(coords, num, geometry, out_capacity):
-  """numpy: (out_keys, inv, count) of the proposals of rows < num (module docstring of unique_keys)."""
+def ref_output_sites(coords, num, geometry, out_capacity, batch_size=None):
+  """numpy: (out_keys, inv, count) of the proposals of rows < num (module docstring of unique_keys); given
+  batch_size, rows whose batch lies outside [0, batch_size) propose nothing."""
   c = np.asarray(coords, np.int64)[:num]
   offs = np.asarray(geometry.offsets, np.int64).reshape(-1, 3)
   st, pad, out = (np.asarray(t, np.int64) for t in (geometry.stride, geometry.padding, geometry.out_shape))
   shifted = c[:, None, 1:] + pad - offs[None]  # [num, V, 3]
   o = shifted // st
   ok = np.all((shifted >= 0) & (shifted % st == 0) & (o < out), axis=-1)
+  if batch_size is not None:
+    ok &= ((c[:, 0] >= 0) & (c[:, 0] < batch_size))[:, None]
   keys = ((c[:, None, 0] * out[0] + o[..., 0]) * out[1] + o[..., 1]) * out[2] + o[..., 2]
   distinct = np.unique(keys[ok])
   kept = distinct[:out_capacity]

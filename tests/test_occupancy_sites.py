@@ -126,6 +126,53 @@ def test_rows_with_a_bad_batch_index_propose_nothing():
   assert (inv[1:3] == -1).all()
 
 
+def _sites_of(keys, batch, out_shape):
+  """[n, 4] sites of linear keys, -1 rows for BIG (no site)."""
+  keys = np.asarray(keys, np.int64)
+  filled = keys != unique_keys.BIG
+  sites = np.stack(np.unravel_index(np.where(filled, keys, 0), (batch,) + tuple(out_shape)), axis=1)
+  return np.where(filled[:, None], sites, -1)
+
+
+def _search(name, coords, num, geom, batch, out_capacity):
+  """(sites [out_capacity, 4], inv [capacity, V]) of one site search, run as sparse_conv runs it."""
+  from jsparse.sparse_conv import _compact, _sorted_proposals
+
+  c, n = jnp.asarray(coords), jnp.int32(num)
+  if name == "occupancy":
+    _, keys, inv, _ = _occupied(coords, num, geom, batch, out_capacity)
+    return _sites_of(keys, batch, geom.out_shape), inv
+  if name == "xla":
+    sites, _, _, inv = _compact(*_sorted_proposals(c, n, geom, batch), geom.out_shape, batch, out_capacity)
+    return np.asarray(sites), np.asarray(inv)
+  wide = name == "hash_table_wide"  # proposal indices in the table, compared by their sites
+  table = unique_keys.dedupe_proposals(c, n, geometry=geom, batch_size=batch, interpret=True, wide_keys=wide)
+  out, inv, overflow = unique_keys.output_sites(c, n, table, out_capacity, geometry=geom, batch_size=batch,
+                                                interpret=True, wide_keys=wide)
+  assert not bool(overflow | table.overflow)
+  return (np.asarray(out) if wide else _sites_of(out, batch, geom.out_shape)), np.asarray(inv)
+
+
+@pytest.mark.parametrize("search", ["occupancy", "hash_table", "hash_table_wide", "xla"])
+def test_rows_outside_the_batch_propose_nothing_on_every_search(search):
+  # A valid row whose batch index lies outside [0, batch_size) (only a tensor built without from_coords' checks
+  # holds one) proposes nothing on every site search, so the searches agree: the occupancy map dropped such rows
+  # while the hash table and the sort kept their keys (a batch of -1 keys negatively, EMPTY among them).
+  rng = np.random.default_rng(21)
+  shape, batch, num, cap = (7, 5, 9), 2, 60, 66
+  coords = random_points(rng, shape, batch, num, cap, pad="garbage")
+  coords[[3, 17, 40, 59], 0] = [-1, 2, -7, 1000]
+  geom = _conv_geometry((3, 3, 3), 2, 1, 1, shape)
+  count = ref_output_sites(coords, num, geom, 0, batch_size=batch)[2]
+  assert count < ref_output_sites(coords, num, geom, 0)[2]  # those rows would have proposed more sites
+  for out_capacity in (count, count + 3, count // 2):
+    ref_keys, ref_inv, _ = ref_output_sites(coords, num, geom, out_capacity, batch_size=batch)
+    sites, inv = _search(search, coords, num, geom, batch, out_capacity)
+    np.testing.assert_array_equal(sites, _sites_of(ref_keys, batch, geom.out_shape))
+    np.testing.assert_array_equal(inv, ref_inv)
+    assert (inv[[3, 17, 40, 59]] == -1).all()
+
+
 def test_fits_rule():
   lidar_down = unique_keys.ProposalGeometry(_conv_geometry((3, 3, 3), 2, 1, 1, (41, 1600, 1408)).offsets,
                                             (2, 2, 2), (1, 1, 1), (21, 800, 704))

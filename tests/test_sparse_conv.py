@@ -256,6 +256,50 @@ def test_overflow_flag_under_jit_and_error_outside():
       assert nbr[i, v] == table.get((b,) + p, -1)
 
 
+def test_rows_outside_the_batch_are_reported_and_feed_nothing(monkeypatch):
+  """A valid row whose batch index lies outside [0, batch_size): from_coords refuses it, but the constructor and
+  replace(coords=...) do not look (nor can anything under jit). Every site search skips it (XLA sort, occupancy map,
+  hash table: the same output), eagerly it raises ValueError, under jit checkify reports it."""
+  from jax.experimental import checkify
+
+  from pallas_kernels import occupancy_sites
+
+  rng = np.random.default_rng(14)
+  x = random_sparse(rng, (7, 6, 5), 3, batch_size=2, density=0.3, pad=4)
+  num, coords = int(x.num), np.asarray(x.coords).copy()
+  with pytest.raises(ValueError, match="outside batch_size=2"):
+    jsparse.SparseTensor.from_coords(np.where(np.arange(num)[:, None] == 0, [2, 0, 0, 0], coords[:num]),
+                                     np.asarray(x.feats[:num]), x.spatial_shape, 2)
+  bad_rows = [0, 5, num - 1]
+  coords[bad_rows, 0] = [2, -1, 9]
+  bad = x.replace(coords=jnp.asarray(coords))
+  keep = np.setdiff1d(np.arange(num), bad_rows)
+  good = jsparse.SparseTensor.from_coords(coords[keep], np.asarray(x.feats)[keep], x.spatial_shape, 2)
+  w, wt = _w(rng, (3, 3, 3, 3, 4)), _w(rng, (3, 3, 3, 3, 2))
+  conv = lambda t, impl, cap: sparse_conv3d(t, w, stride=2, padding=1, out_capacity=cap, implementation=impl,
+                                            precision="highest")
+  transposed = lambda t, impl, cap: sparse_conv_transpose3d(t, wt, stride=2, padding=1, out_capacity=cap,
+                                                            implementation=impl, precision="highest")
+  for op, dense in ((conv, lambda d: _dense_conv(d, w, 2, 1, 1)),
+                    (transposed, lambda d: lax.conv_transpose(d, wt[::-1, ::-1, ::-1], (2, 2, 2), [(1, 1)] * 3,
+                                                              dimension_numbers=DN, precision=HI))):
+    ref = op(good, "xla", None)
+    for impl in ("xla", "pallas"):
+      with pytest.raises(ValueError, match=r"x has 3 valid rows whose batch index lies outside \[0, batch_size=2\)"):
+        op(bad, impl, ref.capacity)
+    # Under jit: no error, and the output of the tensor without those rows, on every site search.
+    for impl, occupancy in (("xla", None), ("pallas", True), ("pallas", False)):
+      monkeypatch.setattr(occupancy_sites, "fits", (lambda *a: False) if occupancy is False else occupancy_sites.fits)
+      y = jax.jit(lambda t: op(t, impl, ref.capacity))(bad)
+      monkeypatch.undo()
+      np.testing.assert_array_equal(np.asarray(y.coords), np.asarray(ref.coords))
+      assert int(y.num) == int(ref.num) and not bool(y.overflow)
+      assert rel_err(y.feats, _at(dense(good.todense()), ref)) < 1e-5
+  with jsparse.error_checks():
+    err, _ = jax.jit(checkify.checkify(lambda t: conv(t, "pallas", 256).feats))(bad)
+  assert "3 valid rows whose batch index lies outside" in err.get()
+
+
 def test_bad_inputs():
   rng = np.random.default_rng(8)
   x = random_sparse(rng, (4, 5, 6), 2, batch_size=1, density=0.4)

@@ -324,10 +324,12 @@ def _dedupe_proposals(coords, num, *, geometry, batch_size, interpret, block_pai
 
 
 def _keep_first(table, site_operands=(), *, block: int, num_warps: int, max_probes: int,
-                geometry: ProposalGeometry | None = None, batch_size: int = 1, interpret: bool):
+                geometry: ProposalGeometry | None = None, batch_size: int | None = None, interpret: bool):
   """(unique, overflow): the table with every key kept only at its first copy along its probe run. A wide
   table (of proposal indices) comes with site_operands (`proposal_operands`), from which the mark kernel computes
   the sites it compares, the geometry and the batch size."""
+  if site_operands and (geometry is None or batch_size is None):
+    raise ValueError("a wide table's mark needs the geometry and the batch_size of its proposals")
   tsize = int(table.shape[0])
   block = min(block, tsize)  # both powers of two: block divides T
   grid = tsize // block

@@ -189,8 +189,11 @@ def test_bad_arguments():
   geom = _conv_geometry((3, 3, 3), 2, 1, 1, (4, 4, 4))
   with pytest.raises(ValueError, match="coords"):
     occupancy_sites.mark_occupancy(jnp.zeros((8, 3), jnp.int32), 0, geometry=geom, batch_size=1, interpret=True)
-  with pytest.raises(ValueError, match="output grid"):
+  with pytest.raises(ValueError, match="batch_size"):
     occupancy_sites.mark_occupancy(jnp.zeros((8, 4), jnp.int32), 0, geometry=geom, batch_size=0, interpret=True)
+  with pytest.raises(ValueError, match="output grid"):  # 2**31 sites: no int32 byte index
+    occupancy_sites.mark_occupancy(jnp.zeros((8, 4), jnp.int32), 0, geometry=geom._replace(out_shape=(2048,) * 3),
+                                   batch_size=256, interpret=True)
   occ = occupancy_sites.mark_occupancy(jnp.zeros((8, 4), jnp.int32), 0, geometry=geom, batch_size=1,
                                        interpret=True)
   with pytest.raises(ValueError, match="out_capacity"):

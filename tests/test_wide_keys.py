@@ -312,7 +312,7 @@ def test_wide_mark_keeps_the_first_reference():
     table[home], table[(home + 1) % tsize] = first, second
     unique, overflow = unique_keys._keep_first(
         jnp.asarray(table), (jnp.array([3], jnp.int32), coords.reshape(-1), jnp.zeros(3, jnp.int32)), block=16,
-        num_warps=1, max_probes=tsize, geometry=geom, interpret=True)
+        num_warps=1, max_probes=tsize, geometry=geom, batch_size=4, interpret=True)
     expect = np.full(tsize, EMPTY, np.int32)
     expect[home] = first
     np.testing.assert_array_equal(unique, expect)

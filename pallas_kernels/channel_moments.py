@@ -28,20 +28,21 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.channel_moments_config import MomentsConfig, default_config
 from pallas_kernels.out_struct import out_struct, same_vma
+from pallas_kernels.tiling import int32_cdiv
 
 
 def _piece_rows(num_ref, *, num_rows: int, block_rows: int, pieces: int):
   """Inside a kernel: (first row, stop row, row-block steps) of this program's share of the valid rows."""
   valid = jnp.minimum(num_ref[0], num_rows)
-  per = pl.cdiv(pl.cdiv(valid, pieces), block_rows) * block_rows
+  per = int32_cdiv(int32_cdiv(valid, pieces), block_rows) * block_rows
   start = pl.program_id(0) * per
   stop = jnp.minimum(start + per, valid)
-  return start, stop, pl.cdiv(jnp.maximum(stop - start, 0), block_rows)
+  return start, stop, int32_cdiv(jnp.maximum(stop - start, 0), block_rows)
 
 
 def _columns(channels: int, block_c: int):
   """Inside a kernel: this program's channel indices and which are real (C padded to block_c)."""
-  cols = pl.program_id(1) * block_c + jnp.arange(block_c)
+  cols = pl.program_id(1) * block_c + jnp.arange(block_c, dtype=jnp.int32)
   return cols, cols < channels
 
 
@@ -64,7 +65,7 @@ def _moments_kernel(num_ref, x_ref, shift_ref, sum_ref, sum_sq_ref, *, num_rows,
   cols, col_ok = _columns(channels, block_c)
   shift = plgpu.load(shift_ref.at[cols], mask=col_ok, other=0.0)[None, :]
   start, stop, steps = _piece_rows(num_ref, num_rows=num_rows, block_rows=block_rows, pieces=pieces)
-  lanes = jnp.arange(block_rows)
+  lanes = jnp.arange(block_rows, dtype=jnp.int32)
 
   def step(t, acc):
     rows = start + t * block_rows + lanes
@@ -85,7 +86,7 @@ def _grad_sums_kernel(num_ref, x_ref, dy_ref, mean_ref, inv_std_ref, scale_ref, 
   mean, inv_std = load_c(mean_ref), load_c(inv_std_ref)
   scale, bias = (load_c(scale_ref), load_c(bias_ref)) if activation is not None else (None, None)
   start, stop, steps = _piece_rows(num_ref, num_rows=num_rows, block_rows=block_rows, pieces=pieces)
-  lanes = jnp.arange(block_rows)
+  lanes = jnp.arange(block_rows, dtype=jnp.int32)
 
   def step(t, acc):
     rows = start + t * block_rows + lanes

@@ -142,6 +142,26 @@ def test_maps_under_x64_match_x32(implementation):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_batch_norm_under_x64_matches_x32(implementation):
+  # Batch statistics and the fused backward (pallas_kernels/channel_moments.py on the Pallas path).
+  rng = np.random.default_rng(4)
+  x = _points(rng, SMALL, 2, 90, 5)
+  scale, bias = _weight(rng, (5,)) + 1, _weight(rng, (5,))
+
+  def run(feats, scale, bias):
+    y = jsparse.norm.batch_norm(x.replace(feats=feats), scale, bias, activation=jax.nn.gelu,
+                                implementation=implementation)
+    return jnp.sum(jnp.sin(y.feats))
+
+  grad = jax.jit(jax.value_and_grad(run, argnums=(0, 1, 2)))
+  ref = grad(x.feats, scale, bias)
+  with jax.enable_x64(True):
+    got = grad(x.feats, scale, bias)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+    assert a.dtype == b.dtype == jnp.float32 and rel_err(a, b) < 1e-6
+
+
 def _triton_integer_ops(ttir: str) -> set[str]:
   """The ops of a Triton IR module that compute on 64-bit integers (constants, their splats and truncations to
   int32 excepted: x64 makes `other=0` an int64 literal, folded away by Triton)."""
@@ -172,11 +192,13 @@ def test_kernels_lower_without_64_bit_integers_under_x64(monkeypatch):
       half = x.replace(feats=feats.astype(jnp.float16))
       grouped = jsparse.submconv3d(half, w[:, :, :, :c // 2].astype(jnp.float16), feature_group_count=2)
       depthwise = jsparse.submconv3d(half, w[:, :, :, :1].astype(jnp.float16), feature_group_count=c)
-      return sum(jnp.sum(t.feats.astype(jnp.float32) ** 2) for t in (y, grouped, depthwise))
+      normed = jsparse.norm.batch_norm(x, activation=jax.nn.relu, implementation="pallas")
+      return sum(jnp.sum(t.feats.astype(jnp.float32) ** 2) for t in (y, grouped, depthwise, normed))
     return lambda coords, feats, num, w: jax.grad(loss, argnums=(0, 1))(feats, w, coords, num)
 
   common = {"hash_build", "hash_query", "masked_plan_blocks", "pair_list_counts", "pair_lists", "gather_gemm",
-            "gather_gemm_t", "weight_grad", "depthwise", "depthwise_t", "depthwise_weight_grad"}
+            "gather_gemm_t", "weight_grad", "depthwise", "depthwise_t", "depthwise_weight_grad", "channel_moments",
+            "bn_grad_sums"}
   hashed = {"unique_insert", "unique_mark", "unique_lookup"}
   # grid: the site search's kernels (the hash table's with the cut, unique_kth_smallest, on narrow keys).
   searches = {(16, 16, 16): {"occupancy_mark", "occupancy_lookup"}, (512, 512, 512): hashed | {"unique_kth_smallest"},

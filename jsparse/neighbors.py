@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any, Sequence
 
@@ -160,6 +161,12 @@ def neighbor_map(x: SparseTensor, kernel_size: Size3 = 3, dilation: Size3 = 1, i
 def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilation: tuple[int, int, int],
                        impl: dispatch.Implementation, plan_block_sizes: Sequence[int] | None = None) -> NeighborCache:
   """`neighbor_map` for arguments already validated (a ConvSpec's)."""
+  # A row outside the grid has a linear key that can alias another site's (or the hash table's EMPTY), so it
+  # would get or give wrong neighbours: only a tensor built without from_coords' checks can hold one.
+  outside = _rows_outside_grid(x.coords, x.num, x.batch_size, tuple(x.spatial_shape))
+  report(outside > 0, "neighbor_map: x has {rows} valid rows whose coordinates lie outside the grid (batch in "
+         f"[0, {x.batch_size}), each axis in [0, extent) of {tuple(x.spatial_shape)}); their neighbours would be "
+         "wrong", rows=outside)
   offsets = _offsets(kernel_size, dilation)
   if impl.is_pallas:
     from pallas_kernels.hash_table import neighbor_map_hashed
@@ -180,6 +187,15 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
   report(overflow, "neighbor_map: the neighbour hash table overflowed (a probe ran past its bound); the map is "
          "invalid", error=RuntimeError)
   return cache
+
+
+@functools.partial(jax.jit, static_argnames=("batch_size", "spatial_shape"))
+def _rows_outside_grid(coords, num, batch_size: int, spatial_shape: tuple[int, int, int]):
+  """int32 scalar: the valid rows whose (batch, x, y, z) lies outside [0, batch_size) x the grid."""
+  valid = jnp.arange(coords.shape[0], dtype=jnp.int32) < num
+  upper = jnp.asarray((batch_size, *spatial_shape), jnp.int32)
+  outside = jnp.any((coords < 0) | (coords >= upper), axis=1)
+  return jnp.sum(valid & outside, dtype=jnp.int32)
 
 
 def with_maps(x: SparseTensor, kernel_size: Size3 = 3, *more_kernel_sizes: Size3, dilation: Size3 = 1,

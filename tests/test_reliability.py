@@ -534,3 +534,28 @@ def test_capacity_accepts_only_integers(value):
 if __name__ == "__main__":
   _two_device_check()
   print("OK")
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("row", [(0, 4, 1, 1), (0, 1, -1, 1), (1, 1, 1, 1), (-1, 3, 3, 3)],
+                         ids=["x-past-extent", "negative-y", "batch-past-batch_size", "negative-batch"])
+def test_neighbor_map_reports_rows_outside_the_grid(implementation, row):
+  """A row outside the grid (only a tensor built without from_coords' checks can hold one) would alias another
+  site's linear key: the neighbour map reports it, ValueError eagerly and through checkify under jit inside
+  error_checks(), and stays silent (no cost) under plain jit; an in-grid tensor passes."""
+  from jax.experimental import checkify
+
+  coords = np.array([[0, 1, 1, 1], [0, 2, 1, 1], [0, 3, 3, 3]], np.int32)
+  x = SparseTensor.from_coords(coords, np.ones((3, 4), np.float32), (4, 4, 4), 1)
+  jsparse.neighbor_map(x, 3, implementation=implementation)  # in the grid: no report
+  bad = x.replace(coords=x.coords.at[2].set(jnp.asarray(row, jnp.int32)))
+  with pytest.raises(ValueError, match="1 valid rows whose coordinates lie outside the grid"):
+    jsparse.neighbor_map(bad, 3, implementation=implementation)
+  run = jax.jit(lambda t: jsparse.neighbor_map(t, 3, implementation=implementation).nbr)
+  assert run(bad).shape == (x.capacity, 27)
+  with jsparse.error_checks():
+    err, _ = checkify.checkify(jax.jit(lambda t: jsparse.neighbor_map(t, 3, implementation=implementation).nbr))(bad)
+  assert "outside the grid" in str(err.get())
+  with jsparse.error_checks():
+    err, _ = checkify.checkify(jax.jit(lambda t: jsparse.neighbor_map(t, 3, implementation=implementation).nbr))(x)
+  assert err.get() is None

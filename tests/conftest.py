@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -12,6 +15,23 @@ if jax.default_backend() == "cpu":
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
   jax.config.update("jax_disable_most_optimizations",
                     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in ("1", "true", "t", "yes", "y", "on"))
+
+# The xdist workers each compile what the other already compiled (the primitives that eager calls dispatch one
+# by one on common shapes above all, each its own XLA program at ~25 ms of CPU): a compilation cache shared by
+# the processes of this run turns the second compilation into a file read. Its directory is made by the first
+# process (pytest itself, before it starts the workers, which inherit the variable, as do the notebook kernels
+# and the subprocess checks) and removed when that process exits, so that every run compiles everything once:
+# no cache outlives its run. Every compilation is cached (the default keeps only those over a second).
+# JSPARSE_TEST_COMPILATION_CACHE=0 turns it off.
+_RUN_CACHE = "JSPARSE_TEST_COMPILATION_CACHE"
+if jax.default_backend() == "cpu" and os.environ.get(_RUN_CACHE) != "0":
+  if not os.environ.get(_RUN_CACHE):
+    os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="jsparse-tests-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ[_RUN_CACHE], ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_RUN_CACHE]
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  jax.config.update("jax_compilation_cache_dir", os.environ[_RUN_CACHE])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def pytest_collection_modifyitems(config, items):

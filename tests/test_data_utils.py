@@ -215,8 +215,10 @@ def test_voxel_reductions_scan_matches_scatter(reduce):
       coords, out, num = voxelize_lib._reduce(plan, f, capacity=capacity, reduce=reduce, segment_impl=segment_impl)
       return jnp.sum(out * jnp.arange(1.0, 4.0)), (coords, out, num)
 
-    (_, (c1, o1, n1)), g1 = jax.value_and_grad(loss, has_aux=True)(feats, "scatter")
-    (_, (c2, o2, n2)), g2 = jax.value_and_grad(loss, has_aux=True)(feats, "scan")
+    # Jitted (as voxelize_jit runs them): eagerly, every primitive of both passes compiled as its own program.
+    value_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (_, (c1, o1, n1)), g1 = value_and_grad(feats, "scatter")
+    (_, (c2, o2, n2)), g2 = value_and_grad(feats, "scan")
     assert int(n1) == int(n2) == min(count, capacity)
     np.testing.assert_array_equal(np.asarray(c1), np.asarray(c2))
     np.testing.assert_allclose(np.asarray(o1), np.asarray(o2), rtol=1e-6, atol=1e-6)
@@ -427,12 +429,14 @@ def test_grid_sample_gradients():
   # Away from voxel centres (index + 0.5), where the trilinear blend is smooth.
   pts = (rng.integers(0, 7, (40, 3)) + 0.5 + rng.uniform(0.1, 0.9, (40, 3))).astype(np.float32)
   batch = rng.integers(0, 2, 40)
-  check_grads(lambda f: grid_sample(t.replace(feats=f), pts, batch=batch), (t.feats,), order=1,
+  # Jitted: check_grads evaluates the function, its jvp and its vjp many times, and eagerly each of those
+  # compiles every primitive as its own program (the tests above run grid_sample eagerly).
+  check_grads(jax.jit(lambda f: grid_sample(t.replace(feats=f), pts, batch=batch)), (t.feats,), order=1,
               modes=("rev",), atol=1e-2, rtol=1e-2)
-  check_grads(lambda p: grid_sample(t, p, batch=batch), (jnp.asarray(pts),), order=1, modes=("fwd", "rev"),
+  check_grads(jax.jit(lambda p: grid_sample(t, p, batch=batch)), (jnp.asarray(pts),), order=1, modes=("fwd", "rev"),
               atol=1e-2, rtol=1e-2, eps=1e-2)
   # Gradient w.r.t. feats in nearest mode: each voxel sums the cotangents of the points in it.
-  g = jax.grad(lambda f: grid_sample(t.replace(feats=f), pts, mode="nearest", batch=batch).sum())(t.feats)
+  g = jax.jit(jax.grad(lambda f: grid_sample(t.replace(feats=f), pts, mode="nearest", batch=batch).sum()))(t.feats)
   rows = np.asarray(lookup_rows(t, np.concatenate([batch[:, None], np.floor(pts).astype(np.int32)], 1)))
   expected = np.zeros(t.capacity)
   np.add.at(expected, rows[rows >= 0], 1.0)

@@ -113,7 +113,7 @@ def test_grid_sample_trilinear_gradient_matches_autodiff_gather():
   x = voxelize(pts, feats, voxel_size=VOXEL, origin=ORIGIN, batch=batch)
   sample = lambda f: grid_sample(x.replace(feats=f), pts, batch=batch, voxel_size=VOXEL, origin=ORIGIN)
   cot = jnp.asarray(np.random.default_rng(6).normal(size=(len(pts), 4)).astype(np.float32))
-  g = jax.vjp(sample, x.feats)[1](cot)[0]
+  g = jax.jit(lambda f, c: jax.vjp(sample, f)[1](c)[0])(x.feats, cot)  # jitted: one program, not one per primitive
   # The same blend written with a plain gather (whose autodiff gradient is a scatter-add) as the reference.
   u = (pts - np.asarray(ORIGIN, np.float32)) / np.float32(VOXEL) - 0.5
   base = np.floor(u).astype(np.int32)

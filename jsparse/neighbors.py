@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from typing import Any, Sequence
 
@@ -14,7 +13,7 @@ from jsparse import dispatch
 from jsparse._types import Size3
 from jsparse.map_gemm import ConvMaps
 from pallas_kernels import gemm_plan
-from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int, report, site_keys
+from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int, report, rows_outside_grid, site_keys
 
 
 def as_triple(value, name: str) -> tuple[int, int, int]:
@@ -163,7 +162,7 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
   """`neighbor_map` for arguments already validated (a ConvSpec's)."""
   # A row outside the grid has a linear key that can alias another site's (or the hash table's EMPTY), so it
   # would get or give wrong neighbours: only a tensor built without from_coords' checks can hold one.
-  outside = _rows_outside_grid(x.coords, x.num, x.batch_size, tuple(x.spatial_shape))
+  outside = rows_outside_grid(x.coords, x.num, x.batch_size, tuple(x.spatial_shape))
   report(outside > 0, "neighbor_map: x has {rows} valid rows whose coordinates lie outside the grid (batch in "
          f"[0, {x.batch_size}), each axis in [0, extent) of {tuple(x.spatial_shape)}); their neighbours would be "
          "wrong", rows=outside)
@@ -187,15 +186,6 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
   report(overflow, "neighbor_map: the neighbour hash table overflowed (a probe ran past its bound); the map is "
          "invalid", error=RuntimeError)
   return cache
-
-
-@functools.partial(jax.jit, static_argnames=("batch_size", "spatial_shape"))
-def _rows_outside_grid(coords, num, batch_size: int, spatial_shape: tuple[int, int, int]):
-  """int32 scalar: the valid rows whose (batch, x, y, z) lies outside [0, batch_size) x the grid."""
-  valid = jnp.arange(coords.shape[0], dtype=jnp.int32) < num
-  upper = jnp.asarray((batch_size, *spatial_shape), jnp.int32)
-  outside = jnp.any((coords < 0) | (coords >= upper), axis=1)
-  return jnp.sum(valid & outside, dtype=jnp.int32)
 
 
 def with_maps(x: SparseTensor, kernel_size: Size3 = 3, *more_kernel_sizes: Size3, dilation: Size3 = 1,

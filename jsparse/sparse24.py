@@ -91,54 +91,46 @@ def cusparselt_status() -> tuple[bool, str]:
   return status.available, status.reason
 
 
-def _route_problem(feats_dtype: Any, weight: Any, implementation_is_pallas_on_gpu: bool, groups: int) -> str | None:
-  """What keeps a convolution off every 2:4 tensor-core route, or None."""
+def _route(feats_dtype: Any, weight: Any, implementation_is_pallas_on_gpu: bool, groups: int,
+           shape_problem: str | None, status, name: str) -> tuple[bool, str]:
+  """(native, reason) of one 2:4 tensor-core route: the checks every route shares, then the route's own shape
+  rule (shape_problem: what it refuses, or None), the opt-in block and the route's `status()`."""
   if not isinstance(weight, Compressed2to4):
-    return "the weight is not a Compressed2to4"
+    return False, "the weight is not a Compressed2to4"
   if weight.axis != "cin":
-    return f"the weight was compressed with axis={weight.axis!r} (the native routes need 'cin')"
+    return False, f"the weight was compressed with axis={weight.axis!r} (the native routes need 'cin')"
   if jnp.dtype(feats_dtype) not in [jnp.dtype(d) for d in NATIVE_DTYPES]:
-    return f"features are {jnp.dtype(feats_dtype)} (the native routes take float16 or bfloat16)"
+    return False, f"features are {jnp.dtype(feats_dtype)} (the native routes take float16 or bfloat16)"
   if not implementation_is_pallas_on_gpu:
-    return "the implementation is not Pallas on a GPU"
+    return False, "the implementation is not Pallas on a GPU"
   if groups != 1:
-    return f"feature_group_count={groups} (the native routes run ungrouped convolutions)"
-  return None
+    return False, f"feature_group_count={groups} (the native routes run ungrouped convolutions)"
+  if shape_problem is not None:
+    return False, shape_problem
+  if not _USE_NATIVE.get():
+    return False, "the native 2:4 routes are opt-in (jsparse.sparse24.native_2to4) and no such block is active"
+  available, reason = status()
+  return (True, name) if available else (False, reason)
 
 
 def forward_route(feats_dtype: Any, weight: Any, *, implementation_is_pallas_on_gpu: bool, num_offsets: int, cin: int,
                   cout: int, groups: int = 1) -> tuple[bool, str]:
   """(native, reason): whether a convolution with these arguments runs its forward on the native 2:4 kernel,
   and why not when it does not. `weight`: the convolution's weight argument (only a Compressed2to4 can)."""
-  problem = _route_problem(feats_dtype, weight, implementation_is_pallas_on_gpu, groups)
-  if problem is not None:
-    return False, problem
+  shape = None
   if cin % 32 or cout % 16 or num_offsets > MAX_OFFSETS:
-    return False, (f"Cin={cin}, Cout={cout}, V={num_offsets} (the native kernel needs Cin % 32 == 0, "
-                   f"Cout % 16 == 0, V <= {MAX_OFFSETS})")
-  if not _USE_NATIVE.get():
-    return False, "the native kernel is opt-in (jsparse.sparse24.native_2to4) and no such block is active"
-  available, reason = native_status()
-  if not available:
-    return False, reason
-  return True, "native 2:4 kernel"
+    shape = (f"Cin={cin}, Cout={cout}, V={num_offsets} (the native kernel needs Cin % 32 == 0, Cout % 16 == 0, "
+             f"V <= {MAX_OFFSETS})")
+  return _route(feats_dtype, weight, implementation_is_pallas_on_gpu, groups, shape, native_status,
+                "native 2:4 kernel")
 
 
 def cusparselt_route(feats_dtype: Any, weight: Any, *, implementation_is_pallas_on_gpu: bool, cin: int, cout: int,
                      groups: int = 1) -> tuple[bool, str]:
   """(native, reason): whether a gather-free convolution (1x1x1 submanifold) with these arguments runs its forward
   on cuSPARSELt, and why not when it does not."""
-  problem = _route_problem(feats_dtype, weight, implementation_is_pallas_on_gpu, groups)
-  if problem is not None:
-    return False, problem
-  if cin % 32 or cout % 32:
-    return False, f"Cin={cin}, Cout={cout} (the cuSPARSELt route needs both multiples of 32)"
-  if not _USE_NATIVE.get():
-    return False, "the native routes are opt-in (jsparse.sparse24.native_2to4) and no such block is active"
-  available, reason = cusparselt_status()
-  if not available:
-    return False, reason
-  return True, "cuSPARSELt"
+  shape = f"Cin={cin}, Cout={cout} (the cuSPARSELt route needs both multiples of 32)" if cin % 32 or cout % 32 else None
+  return _route(feats_dtype, weight, implementation_is_pallas_on_gpu, groups, shape, cusparselt_status, "cuSPARSELt")
 
 
 def sparse24_forward(feats: jax.Array, values: jax.Array, metadata: jax.Array, nbr: jax.Array,

@@ -57,7 +57,8 @@ from jsparse._types import ArrayLike, Capacity, PrecisionLike, Size3
 from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
 from jsparse.neighbors import as_triple, check_dilation, lift_triple, lookup_keys, sorted_site_keys
 from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_same_sites, check_spatial_ndim,
-                                   key_width, report, resolve_capacity, site_keys, sites_of_keys)
+                                   key_width, report, resolve_capacity, rows_outside_grid, site_keys,
+                                   sites_of_keys)
 from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
 from pallas_kernels import occupancy_sites, unique_keys
@@ -140,7 +141,7 @@ def _proposals(coords, valid, rule: unique_keys.ProposalGeometry, batch_size: in
   """For every input row j and offset v, the linear key of the output it feeds (a tuple of key_width int32
   words, each [cap, V]; _BIG words where there is none) and whether it exists: o = (position + padding -
   offset) / stride must be integral and inside the output grid (`rule`, as the Pallas kernels read it), and the
-  row's batch inside [0, batch_size) (`_outside_batch`)."""
+  row's batch inside [0, batch_size) (`rows_outside_grid` counts the others)."""
   off = jnp.asarray(np.asarray(rule.offsets, np.int32).reshape(-1, 3))  # [V, 3]
   num = coords[:, None, 1:] + jnp.asarray(rule.padding, jnp.int32) - off[None]  # [cap, V, 3]
   st = jnp.asarray(rule.stride, jnp.int32)
@@ -242,7 +243,7 @@ def _site_search(coords, num, batch_size: int, rule: unique_keys.ProposalGeometr
   wide = _check_keys(batch_size, rule.out_shape) == 2
   impl = dispatch.resolve(implementation)
   if check:
-    outside = _rows_outside_batch(coords, num, batch_size)
+    outside = rows_outside_grid(coords, num, batch_size)
     report(outside > 0, f"{op}: x has {{rows}} valid rows whose batch index lies outside [0, batch_size="
            f"{batch_size}); they feed no output site", rows=outside)
   dense = impl.is_pallas and not wide and occupancy_sites.fits(coords.shape[0], rule, batch_size)
@@ -275,15 +276,6 @@ def _site_search(coords, num, batch_size: int, rule: unique_keys.ProposalGeometr
   else:
     out_coords, out_num, nbr, inv = _compact(keys, ok, flat, first, count, rule.out_shape, batch_size, out_capacity)
   return out_coords, out_num, nbr, inv, overflow
-
-
-@functools.partial(jax.jit, static_argnames=("batch_size",))
-def _rows_outside_batch(coords, num, batch_size: int):
-  """int32 scalar: the valid rows whose batch lies outside [0, batch_size). Every site search skips them
-  (`_proposals`, the Pallas kernels' proposal_site); only a tensor built without from_coords' checks, or under jit,
-  can hold one."""
-  valid = jnp.arange(coords.shape[0], dtype=jnp.int32) < num
-  return jnp.sum(valid & ((coords[:, 0] < 0) | (coords[:, 0] >= batch_size)), dtype=jnp.int32)
 
 
 # The two stages are jitted separately (the host reads the count in between when out_capacity is None):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import operator
 from typing import Any, Sequence
@@ -98,6 +99,17 @@ def report(failed, message: str, *, error=ValueError, eager: bool = True, **coun
       checkify.debug_check(jnp.logical_not(failed), message, **{k: jnp.asarray(v) for k, v in counts.items()})
   elif eager and bool(failed):
     raise error(message.format(**{k: "?" if is_traced(v) else int(v) for k, v in counts.items()}))
+
+
+@functools.partial(jax.jit, static_argnames=("batch_size", "spatial_shape"))
+def rows_outside_grid(coords, num, batch_size: int, spatial_shape: tuple[int, ...] | None = None) -> jax.Array:
+  """int32 scalar: the valid rows (index < num) whose batch lies outside [0, batch_size), or, with
+  spatial_shape, any of whose coordinates lies outside [0, extent). Only a tensor built without from_coords'
+  checks can hold one; the map builders report them (`report`)."""
+  valid = jnp.arange(coords.shape[0], dtype=jnp.int32) < num
+  upper = jnp.asarray((batch_size,) + tuple(spatial_shape or ()), jnp.int32)
+  checked = coords[:, : upper.shape[0]]
+  return jnp.sum(valid & jnp.any((checked < 0) | (checked >= upper), axis=1), dtype=jnp.int32)
 
 
 def check_same_sites(op: str, what: str, coords, num, like_coords, like_num, hint: str = "") -> None:

@@ -4,7 +4,13 @@ import shutil
 import tempfile
 
 import jax
+import jax.experimental.pallas.fuser  # noqa: F401  (see below)
 import pytest
+
+# Pallas's interpret mode imports its fuser on first use, and that module registers a configuration that is part
+# of jit's cache key: a test's first interpret-mode call would then trace under another key than its later calls,
+# so tests that count a function's compilations (`_cache_size()`) passed or failed with test order. Importing it
+# up front makes the key the same for every call.
 
 # Off the GPU the suite's time is mostly XLA compiling small programs (Pallas kernels in interpret mode above
 # all), each run a few times on tiny inputs: ask XLA for less optimisation work (LLVM -O0, no expensive passes;

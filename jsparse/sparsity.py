@@ -264,7 +264,8 @@ def as_dense_weight(weight: ArrayLike | Compressed2to4, weight_layout: WeightLay
 def native_status() -> tuple[bool, str]:
   """(available, reason): whether convolutions on a `Compressed2to4` weight can run their forward on the native
   2:4 sparse tensor-core kernel here (nvcc found, the kernel built, a CUDA backend), and why not
-  (`jsparse.sparse24.native_status`; builds the kernel on first call, never raises)."""
+  (`jsparse.sparse24.native_status`; builds the kernel on first call, never raises). The cuSPARSELt route of
+  1x1x1 convolutions has its own query, `jsparse.sparse24.cusparselt_status`."""
   from jsparse import sparse24  # sparse24 imports this module
 
   return sparse24.native_status()

@@ -289,8 +289,9 @@ class JaxBackend:
   output rows of every site-creating op, by layer name (recorded by a planning run, `plan_capacities`)."""
 
   def __init__(self, params: Params | dict, dtype, train: bool, capacities: dict | None = None,
-               targets=None, implementation=None, precision=None):
+               targets=None, implementation=None, precision=None, buckets: int | None = None):
     self.params, self.dtype, self.train, self.precision = params, dtype, train, precision
+    self.buckets = buckets
     self.capacities = capacities if capacities is not None else {}
     self.recording = capacities is None
     self.targets = targets or []
@@ -306,7 +307,7 @@ class JaxBackend:
 
   def _record(self, name, y):
     if self.recording:
-      self.capacities[name] = jsparse.round_capacity(int(y.num))
+      self.capacities[name] = capacity_for(int(y.num), self.buckets)
 
   def channels(self, x):
     return x.num_channels
@@ -402,18 +403,25 @@ class JaxBackend:
     return x.replace(feats=y)  # padding rows: 0 @ w = 0
 
 
-def jax_input(inp: Inputs, dtype) -> jsparse.SparseTensor:
+def capacity_for(rows: int, buckets: int | None = None) -> int:
+  """The static rows jsparse holds for `rows` sites: `jsparse.round_capacity`'s bucket, with `buckets` per
+  power of two (None: the library's default), as a training loop over scans of varying size would."""
+  return jsparse.round_capacity(rows) if buckets is None else jsparse.round_capacity(rows, buckets)
+
+
+def jax_input(inp: Inputs, dtype, buckets: int | None = None) -> jsparse.SparseTensor:
   return jsparse.SparseTensor.from_coords(inp.coords, jnp.asarray(inp.feats, dtype), inp.spatial_shape,
-                                          inp.batch_size, capacity=jsparse.round_capacity(len(inp.coords)))
+                                          inp.batch_size, capacity=capacity_for(len(inp.coords), buckets))
 
 
 def plan_capacities(network: Callable, inp: Inputs, params: Params, dtype, implementation=None,
-                    precision=None) -> dict:
-  """One eager forward that draws every parameter and records each site-creating op's output rows."""
+                    precision=None, buckets: int | None = None) -> dict:
+  """One eager forward that draws every parameter and records each site-creating op's output rows (bucketed
+  by `capacity_for`)."""
   backend = JaxBackend(params, dtype, train=False, capacities=None,
                        targets=[jnp.asarray(t, jnp.int32) for t in inp.targets], implementation=implementation,
-                       precision=precision)
-  network(backend, jax_input(inp, dtype))
+                       precision=precision, buckets=buckets)
+  network(backend, jax_input(inp, dtype, buckets))
   return backend.capacities
 
 
@@ -628,12 +636,13 @@ def bench_jsparse(w: Workload, inp: Inputs, dtype_name: str, args) -> dict:
   dtype, precision = DTYPES[dtype_name]
   params = Params(args.seed)
   t0 = time.perf_counter()
-  caps = plan_capacities(network, inp, params, dtype, args.impl, precision)
+  caps = plan_capacities(network, inp, params, dtype, args.impl, precision, args.buckets_per_octave)
   plan_s = time.perf_counter() - t0
   p = {k: jnp.asarray(v) for k, v in params.arrays.items()}
-  x = jax_input(inp, dtype)
+  x = jax_input(inp, dtype, args.buckets_per_octave)
   inference, train = jax_functions(network, inp, caps, dtype, args.impl, precision)
-  out = {"plan_s": plan_s, "params": int(sum(v.size for v in params.arrays.values()))}
+  out = {"plan_s": plan_s, "params": int(sum(v.size for v in params.arrays.values())),
+         "input_rows_held": int(x.capacity), "buckets_per_octave": args.buckets_per_octave}
   for mode, fn in (("inference", inference), ("train", train)):
     if mode not in args.modes:
       continue
@@ -1114,6 +1123,9 @@ def parse_args(argv=None):
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--buckets-per-octave", type=int, default=None,
+                  help="capacity buckets per power of two for jsparse's static row counts (round_capacity's "
+                       "steps_per_octave; default: the library's)")
   ap.add_argument("--skip-jsparse", action="store_true",
                   help="anchors only (torch's profiler and JAX's cannot both hold CUPTI in one process)")
   ap.add_argument("--profile", action="store_true",

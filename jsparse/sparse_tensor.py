@@ -137,11 +137,13 @@ def overflowed(x: "SparseTensor") -> jax.Array:
   return jnp.asarray(x.overflow)
 
 
-def round_capacity(n: int, steps_per_octave: int = 4, minimum: int = 128) -> int:
-  """Rounds a site count up to a bucket (4 per power of two, multiples of 128).
+def round_capacity(n: int, steps_per_octave: int = 8, minimum: int = 128) -> int:
+  """Rounds a site count up to a bucket (`steps_per_octave` per power of two, multiples of `minimum`).
 
-  Jitted code compiles once per capacity, so bucketing keeps the number of compilations small while the
-  padding stays under ~19%.
+  Jitted code compiles once per capacity, so bucketing keeps the number of compilations small; the padding
+  rows cost memory and every pass over the rows that is not cut at `num` (the XLA elementwise passes, batch
+  norm's), so they are kept below n / steps_per_octave once the steps exceed `minimum` (12.5% at the default 8; 4 per octave allowed up to 25%,
+  which put a LiDAR UNet's training peak above spconv's: docs/perf_notes.md).
   """
   steps_per_octave = as_int(steps_per_octave, "steps_per_octave", minimum=1)
   minimum = as_int(minimum, "minimum", minimum=1)
@@ -266,7 +268,9 @@ class SparseTensor:
                        f"(the lifted axes), got {self.spatial_shape}")
     if self.overflow is None:
       # A leaf in every tensor (not None) so that loop carries and cond branches keep one pytree structure.
-      object.__setattr__(self, "overflow", jnp.zeros((), jnp.bool_))
+      # A plain transfer: jnp.zeros / jnp.asarray compile a one-off program on first use, which made compile
+      # counts of the first test to build a tensor depend on test order.
+      object.__setattr__(self, "overflow", jax.device_put(np.bool_(False)))
 
   # ---- construction -------------------------------------------------------------------------------
 

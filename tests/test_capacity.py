@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jsparse
 
@@ -59,3 +61,26 @@ def test_ops_pick_bucketed_output_capacities_outside_jit():
       op(out_capacity="bucket")
   with pytest.raises(TypeError, match="under jax.jit"):
     jax.jit(lambda x: jsparse.sparse_max_pool3d(x, 2, implementation="xla").feats)(x)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 2**30), steps=st.sampled_from([1, 2, 4, 8, 16]), minimum=st.sampled_from([1, 64, 128]))
+def test_round_capacity_is_a_bounded_bucket(n, steps, minimum):
+  """A bucket holds n, is a multiple of its step, and pads by less than one step: under n / steps_per_octave
+  once the step exceeds `minimum` (the default's 12.5% bound), else under `minimum` rows."""
+  cap = jsparse.round_capacity(n, steps, minimum)
+  assert cap >= max(n, minimum) and cap % minimum == 0
+  m = max(n, minimum)
+  step = max((1 << (m.bit_length() - 1)) // steps, minimum)
+  assert cap % step == 0 and cap - m < step
+  if n >= minimum:
+    assert cap - n < max(n / steps, minimum)
+  else:
+    assert cap == minimum
+
+
+def test_default_buckets_pad_under_an_eighth():
+  for n in (1_071_607, 1 << 20, (1 << 20) + 1, 300_001, 5_000_000):
+    cap = jsparse.round_capacity(n)
+    assert n <= cap < n * 1.125, (n, cap)
+  assert jsparse.round_capacity(1_071_607) == 1_179_648  # the LiDAR UNet's input: 10% padding (4 a power: 22%)

@@ -143,7 +143,7 @@ def test_voxelize_compiles_once_per_size_bucket(dedup):
   point_buckets = {round_capacity(n) for n in sizes}
   programs = {(round_capacity(n), t.capacity) for n, t in zip(sizes, tensors)}  # (points, voxels) buckets
   print(f"{compiles} compilations; buckets: {len(point_buckets)} of N, {len(programs)} of (N, capacity)")
-  assert len(point_buckets) == 3 and len(programs) <= 6
+  assert 3 <= len(point_buckets) <= 5 and len(programs) <= 2 * len(point_buckets)  # 20 sizes, a handful of programs
   assert compiles <= len(programs) + (len(point_buckets) if dedup == "xla" else 0)
   assert len({t.spatial_shape for t in tensors}) > 1  # the grid is not part of the compiled program
   # Still right: the last cloud against the plain reference.

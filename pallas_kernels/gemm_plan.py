@@ -13,8 +13,7 @@ that inside a kernel's loop every data load is one indirection away from the loo
 pipeliner splits its stages over the chain of dependent loads (offset -> neighbour row -> features): with the
 chain cut to one level the feature and weight tiles get twice the prefetch depth (docs/perf_notes.md).
 
-The masked plan is a Pallas kernel for the rows' sort keys (`row_sort_keys`), an XLA sort, then one Pallas
-kernel (`_block_plan_kernel`, a program per block): it
+The masked plan is an XLA sort followed by one Pallas kernel (`_block_plan_kernel`, a program per block): it
 gathers the block's map rows, finds the offsets they use, and writes them used-first with their row indices
 transposed to [offset, lane]. In XLA that step was a transpose, an any-reduction and a take_along_axis over the
 whole [rows, V] map, together several times the plan's memory traffic (docs/perf_notes.md);
@@ -78,62 +77,16 @@ def gray_rank(mask: jax.Array) -> jax.Array:
   return n
 
 
-def row_sort_keys_reference(nbr: jax.Array, num: jax.Array) -> jax.Array:
-  """int32 [capacity]: each valid row's sort key, the Gray-code rank of its neighbour bitmask over the first
-  _MASK_BITS offsets; int32 max for the other rows (so they sort last). `row_sort_keys` in XLA ops."""
+def _row_order(nbr: jax.Array, num: jax.Array) -> jax.Array:
+  """int32 [capacity]: the valid rows by the Gray-code rank of their neighbour bitmask, then the others."""
   cap, v = nbr.shape
   valid = jnp.arange(cap, dtype=jnp.int32) < num
   has = (nbr >= 0) & valid[:, None]
   bits = min(v, _MASK_BITS)
   weights = jnp.left_shift(jnp.int32(1), jnp.arange(bits, dtype=jnp.int32))
   mask = jnp.sum(jnp.where(has[:, :bits], weights[None, :], 0), axis=1, dtype=jnp.int32)
-  return jnp.where(valid, gray_rank(mask), jnp.iinfo(jnp.int32).max)
-
-
-# Map rows per sort-key program: a [rows, 32] int32 tile of 8192 values over 4 warps (as the pair lists').
-ROW_KEY_TILE_ELEMENTS = 8192
-ROW_KEY_WARPS = 4
-
-
-def row_sort_keys(nbr: jax.Array, num: jax.Array, *, interpret: bool = False) -> jax.Array:
-  """`row_sort_keys_reference` as one Pallas kernel over chunks of rows: each program reads its rows' map
-  entries whole (contiguous) and writes their keys. XLA's reduction over the [capacity, 27] map's rows ran at
-  about 40% of bandwidth inside the training graph (docs/perf_notes.md)."""
-  cap, v = nbr.shape
-  bits = min(v, _MASK_BITS)
-  num = jnp.asarray(num, jnp.int32).reshape(1)
-  if cap == 0 or bits == 0:
-    return jnp.where(jnp.arange(cap, dtype=jnp.int32) < num[0], 0, jnp.iinfo(jnp.int32).max)
-  width = max(2, pl.next_power_of_2(bits))
-  chunk = max(32, ROW_KEY_TILE_ELEMENTS // width)
-  nbr, num = same_vma(nbr, num)
-  return pl.pallas_call(
-      functools.partial(_row_keys_kernel, chunk=chunk, bits=bits, width=width),
-      out_shape=out_struct((cap,), jnp.int32, nbr),
-      grid=(pl.cdiv(cap, chunk),),
-      compiler_params=plgpu.CompilerParams(num_warps=ROW_KEY_WARPS, num_stages=1),
-      interpret=interpret,
-      name="plan_row_keys",
-  )(nbr, num)
-
-
-def _row_keys_kernel(nbr_ref, num_ref, keys_ref, *, chunk: int, bits: int, width: int):
-  cap = nbr_ref.shape[0]
-  rows = pl.program_id(0) * chunk + jnp.arange(chunk, dtype=jnp.int32)
-  cols = jnp.arange(width, dtype=jnp.int32)
-  valid = rows < num_ref[0]
-  tile = plgpu.load(nbr_ref.at[rows[:, None], cols[None, :]], mask=(rows < cap)[:, None] & (cols < bits)[None, :],
-                    other=-1)
-  weights = jnp.left_shift(jnp.int32(1), cols)
-  # Distinct powers of two: their sum is the bitmask (bit 30 at most, so no sign bit).
-  mask = jnp.sum(jnp.where(tile >= 0, weights[None, :], 0), axis=1, dtype=jnp.int32)
-  keys = jnp.where(valid, gray_rank(mask), jnp.iinfo(jnp.int32).max)
-  plgpu.store(keys_ref.at[rows], keys, mask=rows < cap)
-
-
-def _row_order(keys: jax.Array) -> jax.Array:
-  """int32 [capacity]: rows by their sort keys (valid rows by Gray-code rank, then the others), stable."""
-  return jnp.argsort(keys, stable=True).astype(jnp.int32)
+  key = jnp.where(valid, gray_rank(mask), jnp.iinfo(jnp.int32).max)
+  return jnp.argsort(key, stable=True).astype(jnp.int32)
 
 
 # Warps of a block-plan program: its work is one [block_m, V] tile of loads and stores.
@@ -145,7 +98,7 @@ def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int, *, interpret: bool
   rows: the row order by XLA's sort, each block's offsets and rows by `_block_plan_kernel`."""
   cap, v = nbr.shape
   num = jnp.asarray(num, jnp.int32).reshape(1)
-  order = _row_order(row_sort_keys(nbr, num, interpret=interpret))
+  order = _row_order(nbr, num)
   num_blocks = -(-cap // block_m)
   if cap == 0:  # no rows: nothing to trace a kernel over
     return MaskedPlan(order, jnp.zeros((0, v), jnp.int32), jnp.zeros((0,), jnp.int32),
@@ -193,7 +146,7 @@ def masked_plan_reference(nbr: jax.Array, num: jax.Array, block_m: int) -> Maske
   """`masked_plan` in plain XLA ops (the tests' reference)."""
   cap, v = nbr.shape
   valid = jnp.arange(cap, dtype=jnp.int32) < num
-  order = _row_order(row_sort_keys_reference(nbr, num))
+  order = _row_order(nbr, num)
   num_blocks = -(-cap // block_m)
   padded = num_blocks * block_m
   # Whole rows are gathered in processing order (contiguous V-int rows), then each block picks its used

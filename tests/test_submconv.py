@@ -170,27 +170,6 @@ def test_masked_plan_kernel_matches_xla_reference(cap, v, fill, num_frac, block_
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-@settings(max_examples=12, deadline=None)
-@given(cap=st.integers(0, 700), v=st.sampled_from([1, 3, 27, 31, 32, 40]), fill=st.floats(0.0, 1.0),
-       num_frac=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
-def test_row_sort_keys_kernel_matches_xla_reference(cap, v, fill, num_frac, seed):
-  """The sort-key kernel (interpret mode) writes the XLA reference's keys: the Gray-code rank of each valid row's
-  bitmask over its first 31 offsets (V 32 and 40 truncate), int32 max past num, for chunks cut anywhere."""
-  from pallas_kernels.gemm_plan import gray_rank, row_sort_keys, row_sort_keys_reference
-
-  rng = np.random.default_rng(seed)
-  nbr = np.where(rng.random((cap, v)) < fill, rng.integers(0, max(cap, 1), (cap, v)), -1).astype(np.int32)
-  num = int(num_frac * cap)
-  got = np.asarray(row_sort_keys(jnp.asarray(nbr), jnp.asarray([num], jnp.int32), interpret=True))
-  np.testing.assert_array_equal(got, np.asarray(row_sort_keys_reference(jnp.asarray(nbr), num)))
-  # And against numpy: the bitmask's Gray rank, built bit by bit.
-  bits = min(v, 31)
-  mask = ((nbr[:, :bits] >= 0).astype(np.int64) << np.arange(bits)).sum(axis=1).astype(np.int32)
-  want = np.where(np.arange(cap) < num, np.asarray(gray_rank(jnp.asarray(mask))), np.iinfo(np.int32).max)
-  np.testing.assert_array_equal(got, want)
-  assert np.all(got[:num] >= 0)
-
-
 @settings(max_examples=16, deadline=None)
 @given(cap=st.integers(0, 600), v=st.sampled_from([1, 8, 27]), fill=st.floats(0.0, 1.0), mirrored=st.booleans(),
        chunk_rows=st.sampled_from([None, 32, 64, 256]), seed=st.integers(0, 2**16))

@@ -288,7 +288,8 @@ one in five in several pieces:
 
 def coarse_grid(params, i):
     mean = encode(params, batches[i])
-    n = int(mean.num); c = np.asarray(mean.coords[:n]); z = np.asarray(mean.feats[:n])
+    # Copied to numpy before slicing: a jax array sliced to each batch's own row count compiles one slice per count.
+    n = int(mean.num); c = np.asarray(mean.coords)[:n]; z = np.asarray(mean.feats)[:n]
     g = np.zeros((BATCH, C, C, C, 1 + LATENT), np.float32); g[..., 0] = -OCC
     g[c[:, 0], c[:, 1], c[:, 2], c[:, 3], 0] = OCC; g[c[:, 0], c[:, 1], c[:, 2], c[:, 3], 1:] = z
     return g

@@ -140,10 +140,10 @@ def overflowed(x: "SparseTensor") -> jax.Array:
 def round_capacity(n: int, steps_per_octave: int = 8, minimum: int = 128) -> int:
   """Rounds a site count up to a bucket (`steps_per_octave` per power of two, multiples of `minimum`).
 
-  Jitted code compiles once per capacity, so bucketing keeps the number of compilations small; the padding
-  rows cost memory and every pass over the rows that is not cut at `num` (the XLA elementwise passes, batch
-  norm's), so they are kept below n / steps_per_octave once the steps exceed `minimum` (12.5% at the default 8; 4 per octave allowed up to 25%,
-  which put a LiDAR UNet's training peak above spconv's: docs/perf_notes.md).
+  Jitted code compiles once per capacity, so bucketing keeps the number of compilations small. Padding rows
+  cost memory and every pass over the rows that is not cut at `num` (XLA's elementwise passes, batch norm's),
+  so they stay below n / steps_per_octave once the step exceeds `minimum`: 12.5% at the default 8 (4 allowed
+  25%; docs/perf_notes.md has what that cost a LiDAR network). Fewer steps: fewer compilations, more padding.
   """
   steps_per_octave = as_int(steps_per_octave, "steps_per_octave", minimum=1)
   minimum = as_int(minimum, "minimum", minimum=1)

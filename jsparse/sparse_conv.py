@@ -382,7 +382,8 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   weight: (Kx, Ky, Kz, Cin, Cout), any kernel sizes >= 1, or (Cout, Kx, Ky, Kz, Cin) with
   weight_layout="ODHWI" (as submconv3d). out_capacity: output rows (None: round_capacity of
   the count, "exact": the count, both outside jit only; under jit pass e.g. round_capacity of an upper bound).
-  cache: a PairMap of x for this geometry (else built).
+  cache: a PairMap of x for this geometry (else built); it fixes the output rows, so out_capacity must then be
+    None (or "exact", ignored) or the map's own.
   The output carries its PairMap in `caches` for `sparse_inverse_conv3d`.
   with_overflow: return (output, overflow); see the module docstring (outside jit an overflow raises).
   implementation / precision / algorithm / feature_group_count: as submconv3d (weight (Kx, Ky, Kz, Cin/G, Cout));
@@ -399,6 +400,11 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   elif (cache.geom != geometry(x.spatial_shape, ks, stride, padding, dilation)
         or cache.in_capacity != x.capacity):
     raise ValueError("cache was built for another geometry or input capacity than this convolution")
+  elif check_capacity(out_capacity, "out_capacity") not in (None, EXACT, cache.out_capacity):
+    # The map fixes the output rows: an out_capacity it does not have would be ignored without a word.
+    raise ValueError(f"sparse_conv3d: out_capacity={out_capacity} but the cache (a PairMap) has "
+                     f"{cache.out_capacity} output rows: pass out_capacity=None with a cache, or build the map "
+                     "with this out_capacity")
   else:
     check_same_sites("sparse_conv3d", "cache (a PairMap)", cache.in_coords, cache.in_num, x.coords, x.num)
   maps = ConvMaps(cache.nbr, cache.out_num, jnp.flip(cache.inv, 1), x.num)

@@ -232,7 +232,9 @@ def batch_norm_step(x: SparseTensor, scale, bias, running_mean, running_var, *, 
   """One SparseBatchNorm call: (y, new running mean, new running var).
 
   With running averages the statistics pass through unchanged. With batch statistics they move towards the
-  batch's (float32, no gradient) by `momentum` when update_statistics, as flax's BatchNorm does.
+  batch's (float32, no gradient) by `momentum` when update_statistics, as flax's BatchNorm does, unless the
+  batch has no valid rows (on any device of `axis_name`): its statistics are then placeholders (0 and 0), and
+  the running averages stay as they are.
   implementation: who takes batch statistics' column sums (`norm.batch_norm`).
   """
   if use_running_average:
@@ -245,7 +247,12 @@ def batch_norm_step(x: SparseTensor, scale, bias, running_mean, running_var, *, 
   if not update_statistics:
     return y, running_mean, running_var
   mean, var = lax.stop_gradient(mean), lax.stop_gradient(var)
-  return (y, momentum * running_mean + (1 - momentum) * mean, momentum * running_var + (1 - momentum) * var)
+  # Averaging an empty batch's placeholders in would shrink the running variance towards 0 (an eval after a
+  # pruning step that left no sites would divide by it). A scalar psum; XLA can fuse it with the statistics'.
+  rows = x.num if axis_name is None else lax.psum(x.num, axis_name, axis_index_groups=axis_index_groups)
+  has_rows = rows > 0
+  return (y, jnp.where(has_rows, momentum * running_mean + (1 - momentum) * mean, running_mean),
+          jnp.where(has_rows, momentum * running_var + (1 - momentum) * var, running_var))
 
 
 def accepted_kwargs(fn: Callable, kwargs: dict) -> dict:

@@ -13,7 +13,8 @@ from jsparse import dispatch
 from jsparse._types import Size3
 from jsparse.map_gemm import ConvMaps
 from pallas_kernels import gemm_plan
-from jsparse.sparse_tensor import MAX_KEYS, SparseTensor, as_int, report, rows_outside_grid, site_keys
+from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_int, check_sparse_tensor, report, rows_outside_grid,
+                                   site_keys)
 
 
 def as_triple(value, name: str) -> tuple[int, int, int]:
@@ -151,6 +152,7 @@ def neighbor_map(x: SparseTensor, kernel_size: Size3 = 3, dilation: Size3 = 1, i
     block size for this capacity. A convolution builds any other plan it needs (a tuned block size) and its
     output carries it on with the map.
   """
+  check_sparse_tensor(x)
   ndim = x.spatial_ndim
   return build_neighbor_map(x, check_kernel_size(lift_triple(kernel_size, "kernel_size", ndim)),
                             check_dilation(lift_triple(dilation, "dilation", ndim)), dispatch.resolve(implementation),
@@ -198,6 +200,7 @@ def with_maps(x: SparseTensor, kernel_size: Size3 = 3, *more_kernel_sizes: Size3
   `implementation` the layers use (the map is keyed by them), e.g. `with_maps(x, 3, 1)` for a body with
   3x3x3 and 1x1x1 convolutions. Sizes are in x's rank (a 2D tensor takes ints or pairs).
   """
+  check_sparse_tensor(x)
   ndim = x.spatial_ndim
   dil, impl = check_dilation(lift_triple(dilation, "dilation", ndim)), dispatch.resolve(implementation)
   for kernel_size in (kernel_size,) + more_kernel_sizes:

@@ -19,7 +19,7 @@ from jsparse import per_item
 from jsparse._types import Capacity, Size3
 from jsparse.gemm_xla import gather_rows
 from jsparse.sparse_conv import pair_map
-from jsparse.sparse_tensor import SparseTensor, check_spatial_ndim
+from jsparse.sparse_tensor import SparseTensor, check_sparse_tensor, check_spatial_ndim
 
 _GLOBAL_REDUCE = ("mean", "max", "sum")
 
@@ -136,6 +136,7 @@ def global_pool(x: SparseTensor, reduce: str = "mean") -> jax.Array:
 
   Batch items without sites give zeros (also for "max"). Accumulates in float32; returns x's dtype.
   """
+  check_sparse_tensor(x)
   if reduce not in _GLOBAL_REDUCE:
     raise ValueError(f"reduce must be one of {_GLOBAL_REDUCE}, got {reduce!r}")
   # Per-item sums as one-hot matmuls, not segment sums (scatter-adds into batch_size slots: see per_item.py).

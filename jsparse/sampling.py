@@ -18,7 +18,7 @@ from jax import lax
 
 from jsparse._types import ArrayLike
 from jsparse.neighbors import lookup_keys, sorted_site_keys
-from jsparse.sparse_tensor import SparseTensor, site_keys
+from jsparse.sparse_tensor import SparseTensor, check_sparse_tensor, site_keys
 
 MODES = ("trilinear", "nearest")
 
@@ -88,6 +88,7 @@ def lookup_rows(x: SparseTensor, query, ok=None) -> jax.Array:
   query: int [..., 4] (batch, x, y, z); ok: optional bool [...] (False forces -1; out-of-grid queries are
   -1 anyway). Sorts x's linear keys once, then binary-searches every query key (neighbors.lookup_keys).
   """
+  check_sparse_tensor(x)
   query = jnp.asarray(query, jnp.int32)
   lead = query.shape[:-1]
   q = query.reshape(-1, 4)
@@ -116,6 +117,7 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   Jit-able; differentiable with respect to x.feats (both modes, no scatter-add: `gather_sites`) and points
   (trilinear; piecewise linear, so the gradient jumps where u - 0.5 is an integer).
   """
+  check_sparse_tensor(x)
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
   points = jnp.asarray(points)

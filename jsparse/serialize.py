@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse.sparse_tensor import SparseTensor, as_int, site_keys
+from jsparse.sparse_tensor import SparseTensor, as_int, check_sparse_tensor, site_keys
 
 MAX_BITS = 10  # bits per axis of a one-word (int32) key
 MAX_WIDE_BITS = 21  # bits per axis of a key in words (coordinates < sparse_tensor.MAX_EXTENT)
@@ -226,6 +226,7 @@ def serialization_keys(x: SparseTensor, order: str = "morton", bits: int | None 
   "linear" keys (which include the batch) on grids of 2**31 sites or more, as the (hi, lo) words of
   sparse_tensor.site_keys.
   """
+  check_sparse_tensor(x)
   if order not in ORDERS:
     raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
   valid = x.valid_mask()

@@ -56,7 +56,8 @@ from jsparse import dispatch
 from jsparse._types import ArrayLike, Capacity, PrecisionLike, Size3
 from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
 from jsparse.neighbors import as_triple, check_dilation, lift_triple, lookup_keys, sorted_site_keys
-from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_same_sites, check_spatial_ndim,
+from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_same_sites, check_sparse_tensor,
+                                   check_spatial_ndim,
                                    key_width, report, resolve_capacity, rows_outside_grid, site_keys,
                                    sites_of_keys)
 from jsparse.sparse24 import conv_map_gemm
@@ -354,6 +355,7 @@ def strided_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 1, padding:
   raises ValueError, under jit only the flag tells. See `pair_map` for the full structure (and
   `implementation`). Sizes are in x's rank (a 2D tensor takes ints or pairs; nbr then has Kh*Kw columns).
   """
+  check_sparse_tensor(x)
   ndim = x.spatial_ndim
   pm = pair_map(x, lift_triple(kernel_size, "kernel_size", ndim), lift_triple(stride, "stride", ndim),
                 lift_triple(padding, "padding", ndim, fill=0), lift_triple(dilation, "dilation", ndim), out_capacity,
@@ -380,7 +382,8 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   weight: (Kx, Ky, Kz, Cin, Cout), any kernel sizes >= 1, or (Cout, Kx, Ky, Kz, Cin) with
   weight_layout="ODHWI" (as submconv3d). out_capacity: output rows (None: round_capacity of
   the count, "exact": the count, both outside jit only; under jit pass e.g. round_capacity of an upper bound).
-  cache: a PairMap of x for this geometry (else built).
+  cache: a PairMap of x for this geometry (else built); it fixes the output rows, so out_capacity must then be
+    None (or "exact", ignored) or the map's own.
   The output carries its PairMap in `caches` for `sparse_inverse_conv3d`.
   with_overflow: return (output, overflow); see the module docstring (outside jit an overflow raises).
   implementation / precision / algorithm / feature_group_count: as submconv3d (weight (Kx, Ky, Kz, Cin/G, Cout));
@@ -397,6 +400,11 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   elif (cache.geom != geometry(x.spatial_shape, ks, stride, padding, dilation)
         or cache.in_capacity != x.capacity):
     raise ValueError("cache was built for another geometry or input capacity than this convolution")
+  elif check_capacity(out_capacity, "out_capacity") not in (None, EXACT, cache.out_capacity):
+    # The map fixes the output rows: an out_capacity it does not have would be ignored without a word.
+    raise ValueError(f"sparse_conv3d: out_capacity={out_capacity} but the cache (a PairMap) has "
+                     f"{cache.out_capacity} output rows: pass out_capacity=None with a cache, or build the map "
+                     "with this out_capacity")
   else:
     check_same_sites("sparse_conv3d", "cache (a PairMap)", cache.in_coords, cache.in_num, x.coords, x.num)
   maps = ConvMaps(cache.nbr, cache.out_num, jnp.flip(cache.inv, 1), x.num)
@@ -566,6 +574,7 @@ def transpose_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 2, paddin
   count on the host, outside jit only) are those of `strided_map`. Sizes are in x's rank (a 2D tensor takes
   ints or pairs; nbr then has Kh*Kw columns).
   """
+  check_sparse_tensor(x)
   out_capacity = check_capacity(out_capacity, "out_capacity")
   ndim = x.spatial_ndim
   geom = transpose_geometry(x.spatial_shape, lift_triple(kernel_size, "kernel_size", ndim),
@@ -716,6 +725,8 @@ def concat(a: SparseTensor, b: SparseTensor) -> SparseTensor:
   outside jit (ValueError if they differ); under jit they are trusted and `jax.experimental.checkify` compares
   them. The result carries both tensors' caches and overflow flags (or'd).
   """
+  check_sparse_tensor(a, "a")
+  check_sparse_tensor(b, "b")
   grid = lambda t: (t.capacity, t.spatial_shape, t.batch_size, t.spatial_ndim)
   if grid(a) != grid(b):
     raise ValueError(f"concat needs tensors on the same coordinates: capacity/spatial_shape/batch_size/spatial_ndim "

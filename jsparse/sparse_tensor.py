@@ -173,8 +173,8 @@ def resolve_capacity(capacity, count, name: str = "capacity", what: str = "sites
   if capacity is not None and capacity != EXACT:
     return capacity
   if isinstance(count, jax.core.Tracer):
-    raise TypeError(f"{name}=None or {EXACT!r} counts the {what} on the host: under jax.jit pass an int "
-                    f"(e.g. round_capacity of an upper bound)")
+    raise TypeError(f"{name}=None or {EXACT!r} counts the {what} on the host: under jax.jit (or jax.vmap) pass "
+                    f"an int (e.g. round_capacity of an upper bound)")
   count = int(count)
   return count if capacity == EXACT else round_capacity(count)
 
@@ -247,6 +247,10 @@ class SparseTensor:
   map when the input lacks it. So build the maps before the loop, `x = jsparse.with_maps(x, kernel_size=3)`
   (one call per kernel size and dilation the body uses, with the body's `implementation`); the body then
   reuses them and the structure stays put.
+
+  `jax.vmap` maps the ops over tensors of one capacity, spatial_shape and batch_size stacked leaf by leaf
+  (`jax.tree.map(lambda *a: jnp.stack(a), *tensors)`; each element keeps its own num and sites). Inside it the ops
+  run as under jit: capacities must be ints, and an overflow sets each element's flag instead of raising.
   """
 
   coords: jax.Array

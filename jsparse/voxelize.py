@@ -27,8 +27,8 @@ from jax import lax
 
 from jsparse._types import ArrayLike
 from jsparse.sampling import gather_sites
-from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_spatial_shape, check_capacity, key_width, report,
-                                   resolve_capacity, round_capacity, site_keys, wide_divmod)
+from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_spatial_shape, check_capacity, check_sparse_tensor,
+                                   key_width, report, resolve_capacity, round_capacity, site_keys, wide_divmod)
 
 REDUCTIONS = ("mean", "sum", "max", "first")
 DEDUPS = ("numpy", "xla")
@@ -445,6 +445,7 @@ def voxel_centres(x: SparseTensor, *, voxel_size: ArrayLike = 1.0,
   points = origin + (coords + 0.5) * voxel_size (the module's convention: voxelizing a centre gives its voxel
   back); padding rows hold 0. The batch id of row i is x.coords[i, 0]. Jit-compatible.
   """
+  check_sparse_tensor(x)
   vs = jnp.broadcast_to(jnp.asarray(voxel_size, jnp.float32), (3,))
   org = jnp.broadcast_to(jnp.asarray(origin, jnp.float32), (3,))
   valid = x.valid_mask()
@@ -460,8 +461,7 @@ def devoxelize(x: SparseTensor, point_rows: ArrayLike) -> jax.Array:
   without a voxel index, `grid_sample(x, points, "nearest", voxel_size=, origin=)` finds the same voxels by
   coordinates. Jit-able; the gradient with respect to x.feats sums each voxel's points (no scatter-add).
   """
-  if not isinstance(x, SparseTensor):
-    raise TypeError(f"x must be a jsparse.SparseTensor, got {type(x).__name__}")
+  check_sparse_tensor(x)
   rows = jnp.asarray(point_rows)
   if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
     raise ValueError(f"point_rows must be integer [N], got {rows.dtype} {rows.shape}")

@@ -85,6 +85,44 @@ def test_batch_norm_empty_and_module_matches_functional():
   np.testing.assert_allclose(np.asarray(state["batch_stats"]["var"]), 0.5 + 0.5 * f.var(0), rtol=1e-4)
 
 
+def test_running_averages_skip_batches_without_rows():
+  """A batch without valid rows (num 0; with axis_name, on every device) has no statistics: the running mean and
+  var stay as they are, in jsparse.nn and jsparse.nnx (they once moved towards the placeholders 0 and 0, so an
+  eval after such a step divided by a shrunken variance). A batch with rows on one device only still counts."""
+  from flax import nnx
+
+  x = _tensor(np.random.default_rng(5), 50, 5, 3, jnp.float32, offset=4.0, spread=3.0)
+  empty = x.replace(num=0)
+  f = np.asarray(x.feats[:50], np.float64)
+  after_x = (0.5 * f.mean(0), 0.5 + 0.5 * f.var(0))  # from the initial (0, 1) with momentum 0.5
+
+  bn = jsparse.nn.SparseBatchNorm(use_running_average=False, momentum=0.5)
+  variables = bn.init(jax.random.key(0), x)
+  step = jax.jit(lambda v, t: bn.apply(v, t, mutable=["batch_stats"])[1])
+  stats = step(variables, x)
+  np.testing.assert_allclose(np.asarray(stats["batch_stats"]["mean"]), after_x[0], rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(stats["batch_stats"]["var"]), after_x[1], rtol=1e-5)
+  unchanged = step({**variables, **stats}, empty)
+  jax.tree.map(np.testing.assert_array_equal, unchanged, stats)
+
+  module = jsparse.nnx.SparseBatchNorm(3, momentum=0.5, rngs=nnx.Rngs(0))
+  module(x)
+  before = (np.asarray(module.mean[...]), np.asarray(module.var[...]))
+  np.testing.assert_allclose(before[1], after_x[1], rtol=1e-5)
+  module(empty)
+  np.testing.assert_array_equal(np.asarray(module.mean[...]), before[0])
+  np.testing.assert_array_equal(np.asarray(module.var[...]), before[1])
+
+  pooled = jsparse.nn.SparseBatchNorm(use_running_average=False, momentum=0.5, axis_name="d")
+  run = jax.vmap(lambda t: pooled.apply(variables, t, mutable=["batch_stats"])[1], axis_name="d")
+  stack = lambda *ts: jax.tree.map(lambda *a: jnp.stack(a), *ts)  # noqa: E731
+  none = run(stack(empty, empty))
+  jax.tree.map(lambda got, want: np.testing.assert_array_equal(got, np.stack([want, want])), none,
+               {"batch_stats": variables["batch_stats"]})
+  one = run(stack(empty, x))
+  for device in range(2):
+    np.testing.assert_allclose(np.asarray(one["batch_stats"]["var"][device]), after_x[1], rtol=1e-5)
+
 def test_batch_norm_bad_arguments():
   x = _tensor(np.random.default_rng(4), 20, 2, 3, jnp.float32)
   with pytest.raises(TypeError, match="activation"):

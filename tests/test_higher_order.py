@@ -91,3 +91,63 @@ def test_strided_and_transposed_gradient_penalty_matches_xla(op):
   for name, p, r in zip(("feats", "weight", "bias"), pallas, xla):
     assert rel_err(p, r) < 1e-5, name
     assert float(jnp.linalg.norm(r)) > 0, name
+
+
+def _valid_rows(x):
+  return np.flatnonzero(np.arange(x.capacity) < int(x.num))  # numpy: the references index with it under jit
+
+
+def _valid_rows_per_item(x):
+  items = np.asarray(x.coords)[_valid_rows(x), 0]
+  return [_valid_rows(x)[items == b] for b in range(x.batch_size)]
+
+
+def _pool_reference(x, feats, reduce):
+  """A 3-wide, stride-2, padding-1 window pool of the dense tensor (inactive sites: -inf for max, left out of
+  the mean), at every output position."""
+  dense = x.replace(feats=feats).todense()
+  active = (jnp.zeros(dense.shape[:-1] + (1,)).at[tuple(np.asarray(x.coords)[_valid_rows(x)].T)].set(1.0))
+  window = dict(window_dimensions=(1, 3, 3, 3, 1), window_strides=(1, 2, 2, 2, 1),
+                padding=((0, 0),) + ((1, 1),) * 3 + ((0, 0),))
+  if reduce == "max":
+    return jax.lax.reduce_window(jnp.where(active > 0, dense, -jnp.inf), -jnp.inf, jax.lax.max, **window)
+  total = jax.lax.reduce_window(dense, 0.0, jax.lax.add, **window)
+  return total / jnp.maximum(jax.lax.reduce_window(active, 0.0, jax.lax.add, **window), 1.0)
+
+
+def _no_inf(y):
+  return jnp.where(jnp.isfinite(y), y, 0.0)
+
+
+# name -> (sparse op on (x, feats), plain-JAX reference on (x, feats)); each is summed after a nonlinearity.
+_FEATURE_OPS = {
+    "batch_norm": (lambda x, f: jsparse.norm.batch_norm(x.replace(feats=f), activation=jnp.tanh).feats,
+                   lambda x, f: jnp.tanh(jax.nn.standardize(f[_valid_rows(x)], axis=0, epsilon=1e-5))),
+    "group_norm": (lambda x, f: jsparse.norm.group_norm(x.replace(feats=f), 3).feats,
+                   lambda x, f: jnp.concatenate([jax.nn.standardize(f[rows].reshape(len(rows), 3, -1), axis=(0, 2),
+                                                                    epsilon=1e-6).reshape(len(rows), -1)
+                                                 for rows in _valid_rows_per_item(x)])),
+    "global_pool_mean": (lambda x, f: jsparse.global_pool(x.replace(feats=f), "mean"),
+                         lambda x, f: jnp.stack([jnp.mean(f[rows], 0) for rows in _valid_rows_per_item(x)])),
+    "max_pool": (lambda x, f: jsparse.sparse_max_pool3d(x.replace(feats=f), 3, 2, 1, out_capacity=64).feats,
+                 lambda x, f: _no_inf(_pool_reference(x, f, "max"))),
+    "avg_pool": (lambda x, f: jsparse.sparse_avg_pool3d(x.replace(feats=f), 3, 2, 1, out_capacity=64).feats,
+                 lambda x, f: _pool_reference(x, f, "mean")),
+}
+
+
+@pytest.mark.parametrize("name", list(_FEATURE_OPS))
+def test_norms_and_pools_gradient_penalty_matches_plain_jax(name):
+  """Reverse over reverse (README, Things to know: second derivatives are taken in reverse mode) through the ops
+  with custom gradients besides the convolutions, against plain autodiff of their textbook formulas."""
+  x, _, _ = _inputs(3, (1, 1, 1), 6, 1, spatial_shape=(5, 5, 5))
+  op, reference = _FEATURE_OPS[name]
+
+  def penalty(f, fn):
+    inner = jax.grad(lambda g: jnp.sum(jnp.sin(fn(x, g)) ** 2))
+    return jnp.sum(jnp.cos(inner(f)))
+
+  got = jax.jit(jax.grad(lambda f: penalty(f, op)))(x.feats)
+  want = jax.jit(jax.grad(lambda f: penalty(f, reference)))(x.feats)
+  assert rel_err(got, want) < 1e-4
+  assert np.all(np.asarray(got[int(x.num):]) == 0)

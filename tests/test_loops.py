@@ -130,3 +130,54 @@ def test_with_maps_builds_each_map_once_and_keeps_the_others():
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(both)[0]]
   assert paths[:4] == [".coords", ".feats", ".num", ".overflow"] and all(p.startswith(".caches[") for p in paths[4:])
   assert both.replace(feats=both.feats * 2).caches.keys() == both.caches.keys()
+
+
+def _same_capacity(seed, count, capacity, shape=(6, 6, 6)):
+  """`count` random tensors of one capacity (different site counts), as jax.vmap needs them stacked."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(count):
+    x = random_sparse(rng, shape, CHANNELS, batch_size=2, density=0.15, pad=0)
+    n = int(x.num)
+    out.append(jsparse.SparseTensor.from_coords(np.asarray(x.coords[:n]), np.asarray(x.feats[:n]), shape, 2,
+                                                capacity=capacity))
+  return out
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_vmap_over_stacked_tensors(implementation):
+  """jax.vmap over equal-capacity tensors stacked leaf by leaf (README, Things to know): a small U-shaped step
+  (submanifold, strided convolution with an int out_capacity, batch norm, inverse convolution, global pool)
+  and its gradient equal the step run on each tensor; the submanifold layer equals the dense convolution;
+  an out_capacity too small sets each element's overflow flag, as under jit, without raising."""
+  from reference import dense_submconv_at_sites
+
+  tensors = _same_capacity(3, 3, 96)
+  assert len({int(t.num) for t in tensors}) > 1
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *tensors)
+  rng = np.random.default_rng(4)
+  w = jnp.asarray(rng.standard_normal((3, 3, 3, CHANNELS, 5)) * 0.2, jnp.float32)
+  wd = jnp.asarray(rng.standard_normal((2, 2, 2, 5, 6)) * 0.2, jnp.float32)
+  wu = jnp.asarray(rng.standard_normal((2, 2, 2, 6, 5)) * 0.2, jnp.float32)
+
+  def step(x, w):
+    h = jsparse.submconv3d(x, w, implementation=implementation, precision="highest")
+    d = jsparse.norm.batch_norm(jsparse.sparse_conv3d(h, wd, stride=2, out_capacity=64, precision="highest",
+                                                      implementation=implementation))
+    u = jsparse.sparse_inverse_conv3d(d, wu, like=h, stride=2, implementation=implementation, precision="highest")
+    return h.feats, u.feats, jsparse.global_pool(u, "max")
+
+  got = jax.vmap(step, in_axes=(0, None))(stacked, w)
+  for i, x in enumerate(tensors):
+    want = step(x, w)
+    for g, r in zip(got, want):
+      assert rel_err(g[i], r) < 1e-5
+    assert rel_err(got[0][i], dense_submconv_at_sites(x, x.feats, w)) < 1e-5
+  loss = lambda x, w: sum(jnp.sum(jnp.sin(o)) for o in step(x, w))  # noqa: E731
+  grads = jax.vmap(jax.grad(loss, argnums=1), in_axes=(0, None))(stacked, w)
+  for i, x in enumerate(tensors):
+    assert rel_err(grads[i], jax.grad(loss, argnums=1)(x, w)) < 1e-5
+
+  small = lambda x: jsparse.overflowed(jsparse.sparse_conv3d(x, wd[..., :CHANNELS, :], stride=2,  # noqa: E731
+                                                             out_capacity=3, implementation=implementation))
+  np.testing.assert_array_equal(jax.vmap(small)(stacked), [True, True, True])

@@ -234,6 +234,22 @@ def test_neighbor_cache_of_other_coordinates():
   assert "sparse_conv3d: cache (a PairMap) is on other coordinates" in _error(strided, x, pm)
 
 
+
+def test_pair_map_cache_of_another_out_capacity():
+  """sparse_conv3d with a PairMap `cache` and an int out_capacity: the map fixes the output rows, so another
+  out_capacity raises ValueError naming both (it was ignored, the output had the map's rows); None or the
+  map's own capacity runs, with the same values as building the map."""
+  x = _x(seed=12)
+  w = _w((2, 2, 2, CHANNELS, 2))
+  pm = jsparse.sparse_conv.pair_map(x, 2, 2, out_capacity=x.capacity, implementation="xla")
+  with pytest.raises(ValueError, match=f"out_capacity=7 .* cache .* {x.capacity} output rows"):
+    jsparse.sparse_conv3d(x, w, stride=2, out_capacity=7, cache=pm, implementation="xla")
+  built = jsparse.sparse_conv3d(x, w, stride=2, out_capacity=x.capacity, implementation="xla")
+  for capacity in (None, x.capacity):
+    y = jsparse.sparse_conv3d(x, w, stride=2, out_capacity=capacity, cache=pm, implementation="xla")
+    assert y.capacity == x.capacity
+    np.testing.assert_array_equal(np.asarray(y.feats), np.asarray(built.feats))
+
 def test_inverse_conv_with_other_geometry_or_coordinates():
   x = _x(seed=8, shape=(8, 8, 8))
   y = jsparse.sparse_conv3d(x, _w((2, 2, 2, CHANNELS, 4)), stride=2, implementation="xla")

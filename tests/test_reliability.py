@@ -371,6 +371,28 @@ def test_wrong_types_raise_type_error():
       fn(jnp.zeros((4, 3)))
 
 
+_DENSE = jnp.zeros((3, 3))
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda: jsparse.neighbor_map(_DENSE, 3), "x"),
+    (lambda: jsparse.with_maps(_DENSE, 3), "x"),
+    (lambda: jsparse.global_pool(_DENSE), "x"),
+    (lambda: jsparse.concat(_DENSE, _small()), "a"),
+    (lambda: jsparse.concat(_small(), _DENSE), "b"),
+    (lambda: jsparse.strided_map(_DENSE, 2, 2), "x"),
+    (lambda: jsparse.transpose_map(_DENSE, 2, 2), "x"),
+    (lambda: jsparse.voxelize.voxel_centres(_DENSE), "x"),
+    (lambda: jsparse.sampling.grid_sample(_DENSE, jnp.zeros((2, 3))), "x"),
+    (lambda: jsparse.serialize.sort_by(_DENSE), "x"),
+])
+def test_dense_array_for_a_sparse_tensor_raises_type_error(call, name):
+  # A dense array where a SparseTensor belongs is a TypeError naming the argument, not an AttributeError
+  # from deep inside the op.
+  with pytest.raises(TypeError, match=f"{name} must be a jsparse.SparseTensor"):
+    call()
+
+
 def _entry(**fields):
   return {"algorithm": "masked", "block_m": 64, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 3,
           "split": 1, **fields}

@@ -149,6 +149,20 @@ def test_submconv_odhwi_under_jit_and_bad_shapes():
     jsparse.submconv3d(x, jnp.zeros((6, 3, 3, 4)), weight_layout="ODHWI")
 
 
+
+def test_square_weight_is_read_in_the_layout_named():
+  """A weight whose shape is the same in both layouts (Cin = Cout = K, here (3, 3, 3, 3, 3)) cannot be told
+  apart by its shape: it is read in `weight_layout` (DHWIO unless named; the docstring says so), each layout
+  equal to the dense convolution of the weight read that way."""
+  rng = np.random.default_rng(7)
+  x = random_sparse(rng, (6, 5, 6), 3, batch_size=2, density=0.4, pad=3)
+  w = jnp.asarray(rng.standard_normal((3, 3, 3, 3, 3)).astype(np.float32))
+  as_dhwio = jsparse.submconv3d(x, w, implementation="xla", precision="highest").feats
+  as_odhwi = jsparse.submconv3d(x, w, implementation="xla", precision="highest", weight_layout="ODHWI").feats
+  assert rel_err(as_dhwio, dense_submconv_at_sites(x, x.feats, w)) < 1e-5
+  assert rel_err(as_odhwi, dense_submconv_at_sites(x, x.feats, jnp.transpose(w, (1, 2, 3, 4, 0)))) < 1e-5
+  assert rel_err(as_dhwio, as_odhwi) > 0.1
+
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_strided_inverse_and_transposed_convs_take_odhwi(implementation):
   rng = np.random.default_rng(8)

@@ -147,7 +147,8 @@ class SparseBatchNorm(_AffineNormAttributes):
   """Batch normalisation over the valid rows of a SparseTensor (nn.BatchNorm's attributes and collections).
 
   Statistics are per channel over every valid row of the batch (padding rows excluded); running averages
-  live in the "batch_stats" collection as "mean" and "var" (update with `mutable=["batch_stats"]`).
+  live in the "batch_stats" collection as "mean" and "var" (update with `mutable=["batch_stats"]`); a batch
+  without valid rows (with axis_name: on every device) leaves them as they are.
   axis_name: under shard_map/pmap, pools the rows of all devices (psum of sums and counts, so devices with
   different voxel counts are weighted by their rows).
   implementation: None | "xla" | "pallas": who takes the column sums of batch statistics on one device

@@ -300,7 +300,8 @@ class _Affine(nnx.Module):
 class SparseBatchNorm(_Affine):
   """Batch normalisation over the valid rows: the nnx twin of `jsparse.nn.SparseBatchNorm` (nnx.BatchNorm's
   arguments). Running averages are the nnx.BatchStat variables "mean" and "var"; they move by `momentum`
-  on every call with batch statistics (`use_running_average=False`, what `model.train()` sets) and are read
+  on every call with batch statistics (`use_running_average=False`, what `model.train()` sets; a batch without
+  valid rows, with axis_name on every device, leaves them as they are) and are read
   when `use_running_average=True` (`model.eval()`). activation: e.g. nnx.relu, fused into the same pass.
   implementation: None | "xla" | "pallas": who takes the column sums of batch statistics on one device
   (`jsparse.norm.batch_norm`; None: XLA's, "pallas": the opt-in kernels, no faster on a GPU).

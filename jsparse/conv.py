@@ -29,7 +29,8 @@ def submconv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
     transpose). Both give the same results; on the GPU a pass reads the weight in place or through a
     transposed copy, whichever its layout favours. A shape that reads the same in both layouts (Cin = Cout =
     Kx = Ky = Kz, e.g. (3, 3, 3, 3, 3)) cannot be told apart: it is read in weight_layout, so name the layout of
-    a PyTorch / spconv checkpoint (a weight read in the wrong layout is checked only by its shape). Or a `jsparse.sparsity.Compressed2to4` (a 2:4 weight, compressed
+    a PyTorch / spconv checkpoint (a weight read in the wrong layout is checked only by its shape).
+    Or a `jsparse.sparsity.Compressed2to4` (a 2:4 weight, compressed
     in the same layout): it is decompressed and the dense path runs, or, inside `jsparse.sparse24.native_2to4()` on
     a GPU, the forward runs on the native sparse tensor-core kernel where `jsparse.sparse24` allows it (float16 /
     bfloat16, Cin % 32 == 0, Cout % 16 == 0; slower than the dense kernels, so opt-in), or for a 1x1x1 kernel on

@@ -57,9 +57,8 @@ from jsparse._types import ArrayLike, Capacity, PrecisionLike, Size3
 from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
 from jsparse.neighbors import as_triple, check_dilation, lift_triple, lookup_keys, sorted_site_keys
 from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_same_sites, check_sparse_tensor,
-                                   check_spatial_ndim,
-                                   key_width, report, resolve_capacity, rows_outside_grid, site_keys,
-                                   sites_of_keys)
+                                   check_spatial_ndim, key_width, report, resolve_capacity, rows_outside_grid,
+                                   site_keys, sites_of_keys)
 from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
 from pallas_kernels import occupancy_sites, unique_keys

@@ -838,6 +838,13 @@ def hlo_bytes(hlo_text: str) -> dict:
   return out
 
 
+def forward_masks(hlo_text: str) -> list[str]:
+  """Fusions of a compiled training step's forward pass (op names without 'transpose(') that output a 2-D pred
+  array: a mask XLA computed for the backward ahead of time and keeps alive until then."""
+  found = re.findall(r'^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) fusion\(.*?op_name="([^"]*)"', hlo_text, re.M)
+  return [name for name, shape, op in found if re.search(r"pred\[\d+,\d+\]", shape) and "transpose(" not in op]
+
+
 def _scope_kind(op_name: str) -> str:
   m = re.search(r"op:(\w+)", op_name or "")
   return m.group(1) if m else "other"
@@ -888,6 +895,7 @@ def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
   rows: dict[str, float] = {}
   row_bytes: dict[str, float] = {}
   by_name: dict[str, float] = {}
+  name_bytes: dict[str, float] = {}
   for e in kernels:
     args = e.get("args", {})
     # Inside a command buffer (CUDA graph) hlo_op names the buffer, so the kernel's own name comes first.
@@ -898,13 +906,16 @@ def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
     row_bytes[group] = row_bytes.get(group, 0.0) + size / calls
     key = f"{group} :: {e['name'][:60]} :: {op_name[-90:]}"
     by_name[key] = by_name.get(key, 0.0) + e.get("dur", 0.0) / 1e3 / calls
+    name_bytes[key] = name_bytes.get(key, 0.0) + size / calls
   unattributed = sorted({e["name"] for e in kernels if not meta.get(e["name"]) and not e["name"].startswith(
       MAP_KERNEL_PREFIXES) and not any(p in e["name"] for p in GEMM_NAME_PARTS)})
   top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:100])
+  # A kernel's GB/s tells a fusion that moves too many bytes (f32 intermediates) from one that runs slowly.
+  top_gbps = {k: name_bytes[k] / (ms * 1e-3) / 1e9 for k, ms in top.items() if ms > 0}
   # GB/s by row: bytes its kernels' instructions read and write (hlo_bytes) over their time.
   gbps = {g: row_bytes.get(g, 0.0) / (ms * 1e-3) / 1e9 for g, ms in rows.items() if ms > 0}
   return {"ms": rows, "gbps": gbps, "kernels": len(kernels) // calls, "threads": thread_names,
-          "unattributed": unattributed[:30], "top_kernels": top}
+          "unattributed": unattributed[:30], "top_kernels": top, "top_kernel_gbps": top_gbps}
 
 
 def _torch_kind(event) -> str:

@@ -206,6 +206,10 @@ def _batch_norm_train_fwd(feats, num, scale, bias, epsilon, activation, out_dtyp
 def _batch_norm_train_bwd(epsilon, activation, out_dtype, impl, res, cotangents):
   feats, num, scale, bias, n, mean, inv_std = res
   g_y, g_mean, g_var = cotangents
+  # Tied to the cotangent, the recomputation below cannot run before the backward: otherwise XLA fuses the
+  # activation's derivative into the forward pass and keeps it as a [rows, C] mask until here (measured: five
+  # such masks, 133 MB, in MinkUNet's fp16 training step; docs/perf_notes.md).
+  g_y, feats, mean, inv_std = lax.optimization_barrier((g_y, feats, mean, inv_std))
   valid = _valid(feats, num)[:, None]
   # Padding rows may hold anything (a nan there would reach sum_gx through 0 * nan): they become zeros first.
   xhat = jnp.where(valid, (feats.astype(jnp.float32) - mean) * inv_std, 0)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jsparse
+from benchmarks import networks
 from jsparse import norm
 from reference import rel_err
 
@@ -216,7 +217,16 @@ def test_gpu_batch_norm_pallas_matches_xla(c, dtype):
   # float32 sums of 200k rows in another order: the scale and bias gradients (the sums themselves) may differ by
   # more than the outputs do.
   tol = 1e-4 if dtype == jnp.float32 else 2e-3
-  for got, want in [(y, y_x), *zip(grads, grads_x)]:
+  # Where the pre-activation is within rounding of 0, ReLU's derivative is 0 or 1 depending on how each path
+  # fused its arithmetic: one such element among 19M moved dx's error to 2.4e-4 (H200, c 96, float32). The input
+  # gradient is compared away from those few entries; everything else as computed.
+  f = np.asarray(x.feats[:n], np.float64)
+  z = (f - f.mean(0)) / np.sqrt(f.var(0) + 1e-5) * np.asarray(scale) + np.asarray(bias)
+  ambiguous = np.zeros((cap, c), bool)
+  ambiguous[:n] = np.abs(z) < 1e-5 * (1 + np.abs(np.asarray(bias)))
+  assert ambiguous.mean() < 1e-4
+  g_x, g_x_xla = (np.where(ambiguous, 0, np.asarray(a, np.float32)) for a in (grads[0], grads_x[0]))
+  for got, want in [(y, y_x), (g_x, g_x_xla), *zip(grads[1:], grads_x[1:])]:
     assert np.all(np.isfinite(np.asarray(got, np.float32)))
     assert rel_err(got, want) < tol
 
@@ -294,3 +304,36 @@ def test_batch_norm_pallas_lowers_inside_shard_map(monkeypatch):
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)  # "pallas" then resolves to the Triton kernels
   fn, args, _ = _sharded_bn_grads(4096, 96, "pallas")
   assert lower_for_cuda(fn, *args).count("__gpu$xla.gpu.triton") == 2
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("n,c", [(1_100_000, 32), (340_000, 96)])
+def test_gpu_batch_norm_relu_keeps_no_mask_for_the_backward(n, c, implementation):
+  """A training step of batch norm + ReLU, a channel mix (a convolution's stand-in) and batch norm + ReLU again,
+  compiled on the GPU at MinkUNet's row counts and widths: the activation's derivative is recomputed in the
+  backward, not computed in the forward's fusion and kept as a [rows, C] mask until then (which cost MinkUNet
+  133 MB of peak memory); the gradients match the XLA path's."""
+  rng = np.random.default_rng(1)
+  pad = jsparse.round_capacity(n) - n
+  x = _tensor(rng, n, pad, c, jnp.float16)
+  scale = jnp.asarray(rng.standard_normal(c) + 1, jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(c), jnp.float32)
+  mix = jnp.asarray(rng.standard_normal((c, c)) / np.sqrt(c), jnp.float16)
+  w_y = jnp.asarray(rng.standard_normal((n + pad, c)), jnp.float16)
+
+  def loss(f, s, b, impl):
+    y = norm.batch_norm(x.replace(feats=f), s, b, activation=jax.nn.relu, implementation=impl)
+    y = norm.batch_norm(y.replace(feats=y.feats @ mix), s * 0.5, b + 0.1, activation=jax.nn.relu,
+                        implementation=impl)
+    return jnp.sum((y.feats * w_y).astype(jnp.float32))
+
+  step = jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=3)
+  hlo = step.lower(x.feats, scale, bias, implementation).compile().as_text()
+  assert networks.forward_masks(hlo) == []
+  got = step(x.feats, scale, bias, implementation)
+  want = step(x.feats, scale, bias, "xla")
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(np.asarray(g, np.float32)))
+    assert rel_err(g, w) < 2e-3

@@ -165,3 +165,34 @@ def test_speedup_chart_shows_each_ratio(tmp_path, monkeypatch):
   labels = [t.get_text() for t in ax.texts]
   assert labels == ["2.50", "2.50", "n/a", "n/a"]
   assert ax.get_xlabel() and "spconv time / jsparse time" in ax.get_ylabel() and "Test GPU" in ax.get_title()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_gpu_minkunet_training_keeps_no_forward_masks(size):
+  """MinkUNet's fp16 training step compiled on the GPU: no fusion of the forward pass outputs a [rows, C] mask
+  for the backward (XLA used to compute batch norm + ReLU's derivative there and keep it, 133 MB of MinkUNet's
+  peak at ~1M voxels)."""
+  w = networks.workload("minkunet", size)
+  inp = networks.make_inputs(w)
+  params = networks.Params(0)
+  caps = networks.plan_capacities(networks.minkunet, inp, params, jnp.float16)
+  p = {k: jnp.asarray(v) for k, v in params.arrays.items()}
+  x = networks.jax_input(inp, jnp.float16)
+  _, train = networks.jax_functions(networks.minkunet, inp, caps, jnp.float16)
+  hlo = jax.jit(train).lower(p, x).compile().as_text()
+  assert networks.forward_masks(hlo) == []
+
+
+def test_forward_masks_finds_forward_fusions_with_2d_masks_only():
+  hlo = "\n".join([
+      '  %fwd.1 = (f16[64,8]{1,0}, pred[64,8]{1,0}) fusion(%a), kind=kLoop, calls=%f1, '
+      'metadata={op_name="jit(train)/jvp(op:bn_relu)/convert_element_type"}',
+      '  %bwd.1 = pred[64,8]{1,0} fusion(%a), kind=kLoop, calls=%f2, '
+      'metadata={op_name="jit(train)/transpose(jvp(op:bn_relu))/jvp()/gt"}',
+      '  %fwd.2 = (f16[64,8]{1,0}, pred[64]{0}) fusion(%a), kind=kLoop, calls=%f3, '
+      'metadata={op_name="jit(train)/jvp(op:bn)/lt"}',
+      '  ROOT %fwd.3 = pred[9,2]{1,0} fusion(%a), kind=kLoop, calls=%f4, '
+      'metadata={op_name="jit(train)/jvp(op:pool)/gt"}',
+  ])
+  assert networks.forward_masks(hlo) == ["fwd.1", "fwd.3"]

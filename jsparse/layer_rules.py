@@ -241,15 +241,20 @@ def batch_norm_step(x: SparseTensor, scale, bias, running_mean, running_var, *, 
     y = norm.batch_norm(x, scale, bias, mean=running_mean, var=running_var, epsilon=epsilon, dtype=dtype,
                         activation=activation)
     return y, running_mean, running_var
-  y, (mean, var) = norm.batch_norm(x, scale, bias, epsilon=epsilon, axis_name=axis_name,
-                                   axis_index_groups=axis_index_groups, dtype=dtype, activation=activation,
-                                   return_statistics=True, implementation=implementation)
+  if axis_name is None:  # one device: the fused train-mode batch norm, statistics included
+    y, (mean, var) = norm.batch_norm(x, scale, bias, epsilon=epsilon, dtype=dtype, activation=activation,
+                                     return_statistics=True, implementation=implementation)
+    rows = x.num
+  else:  # what batch_norm does with axis_name, keeping the pooled row count that the statistics' psum brings
+    mean, var, rows = norm.batch_statistics(x, axis_name=axis_name, axis_index_groups=axis_index_groups,
+                                            return_count=True)
+    y = norm.batch_norm(x, scale, bias, mean=mean, var=var, epsilon=epsilon, dtype=dtype, activation=activation,
+                        implementation=implementation)
   if not update_statistics:
     return y, running_mean, running_var
   mean, var = lax.stop_gradient(mean), lax.stop_gradient(var)
   # Averaging an empty batch's placeholders in would shrink the running variance towards 0 (an eval after a
-  # pruning step that left no sites would divide by it). A scalar psum; XLA can fuse it with the statistics'.
-  rows = x.num if axis_name is None else lax.psum(x.num, axis_name, axis_index_groups=axis_index_groups)
+  # pruning step that left no sites would divide by it); with axis_name, "empty" means on every device.
   has_rows = rows > 0
   return (y, jnp.where(has_rows, momentum * running_mean + (1 - momentum) * mean, running_mean),
           jnp.where(has_rows, momentum * running_var + (1 - momentum) * var, running_var))

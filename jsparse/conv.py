@@ -6,6 +6,7 @@ import dataclasses
 from jsparse._types import ArrayLike, PrecisionLike, Size3
 from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, with_plans
 from jsparse.neighbors import NeighborCache, build_neighbor_map, cache_key, check_dilation, check_kernel_size
+from jsparse.size_errors import SizeError
 from jsparse.sparse_tensor import SparseTensor, check_same_sites, check_spatial_ndim
 from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
@@ -63,9 +64,11 @@ def submconv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   if cache is None:
     cache = build_neighbor_map(x, spec.kernel_size, spec.dilation, spec.implementation)
   elif cache.kernel_size != spec.kernel_size or cache.dilation != spec.dilation or cache.capacity != x.capacity:
-    raise ValueError(
-        f"cache was built for kernel_size={cache.kernel_size}, dilation={cache.dilation}, capacity={cache.capacity}"
-        f" but this conv has kernel_size={spec.kernel_size}, dilation={spec.dilation}, capacity={x.capacity}")
+    raise SizeError("cache was built for kernel_size={cache_kernel_size}, dilation={cache_dilation}, capacity="
+                    "{cache_capacity} but this conv has kernel_size={kernel_size}, dilation={dilation}, capacity="
+                    "{capacity}", cache_kernel_size=cache.kernel_size, cache_dilation=cache.dilation,
+                    cache_capacity=cache.capacity, kernel_size=spec.kernel_size, dilation=spec.dilation,
+                    capacity=x.capacity)
   elif passed and cache.coords is not None:
     # A map carried in x.caches is x's by construction (replacing coords drops them); a passed one may not be.
     check_same_sites("submconv3d", "cache (a NeighborCache)", cache.coords, cache.num, x.coords, x.num,

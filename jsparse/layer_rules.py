@@ -7,6 +7,7 @@ that the two module families cannot drift apart (their parameters are interchang
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Any, Callable, Sequence
@@ -19,6 +20,7 @@ from jax import lax
 from jsparse import norm, sparse_conv, topology
 from jsparse._types import WeightLayout
 from jsparse.neighbors import lift_triple
+from jsparse.size_errors import sizes_in_rank
 from jsparse.sparse_tensor import SparseTensor
 from jsparse.sparsity import prune_2to4
 
@@ -37,6 +39,17 @@ def triple(value, name: str, module: str, ndim: int = 3) -> tuple[int, ...]:
     return lift_triple(value, name, ndim)[3 - ndim:]
   except (TypeError, ValueError) as e:
     raise type(e)(f"{module}: {e}") from None
+
+
+@contextlib.contextmanager
+def op_errors(module: str, ndim: int):
+  """The ValueErrors of the ops' own checks run inside, after the module's name and quoting the module's rank
+  (`jsparse.size_errors`)."""
+  try:
+    with sizes_in_rank(ndim):
+      yield
+  except ValueError as e:
+    raise ValueError(f"{module}: {e}") from None
 
 
 def submanifold_geometry(module: str, kernel_size, strides, padding, kernel_dilation, ndim: int = 3):
@@ -104,8 +117,11 @@ def strided_geometry(module: str, x: SparseTensor, kernel_size, strides, padding
   if not is_same_padding(padding):
     return x, explicit_padding(padding, module, ndim)
   lifted = lambda value, name: (1,) * (3 - ndim) + triple(value, name, module, ndim)
-  low, extra = same_padding(x.spatial_shape, lifted(kernel_size, "kernel_size"), lifted(strides, "strides"),
-                            lifted(kernel_dilation, "kernel_dilation"))
+  ks, st = lifted(kernel_size, "kernel_size"), lifted(strides, "strides")
+  dil = lifted(kernel_dilation, "kernel_dilation")
+  with op_errors(module, ndim):  # the op's checks first: a stride of 0 would divide by zero below
+    sparse_conv.kernel_arguments(ks, st, 0, dil)
+  low, extra = same_padding(x.spatial_shape, ks, st, dil)
   return on_grid(x, [n + e for n, e in zip(x.spatial_shape, extra)]), low[3 - ndim:]
 
 
@@ -119,11 +135,9 @@ def transpose_geometry(module: str, kernel_size, strides, padding, output_paddin
   out_pad = triple(output_padding, "output_padding", module, ndim)
   dil = triple(kernel_dilation, "kernel_dilation", module, ndim)
   ones, zeros = (1,) * (3 - ndim), (0,) * (3 - ndim)
-  try:  # the op's own checks, on a grid that is large enough for any padding
+  with op_errors(module, ndim):  # the op's own checks, on a grid that is large enough for any padding
     sparse_conv.transpose_geometry((2 * max(pad) + 1,) * 3, ones + ks, ones + st, zeros + pad, zeros + out_pad,
                                    ones + dil)
-  except ValueError as e:
-    raise ValueError(f"{module}: {e}") from None
   return ks, st, pad, out_pad, dil
 
 
@@ -241,15 +255,20 @@ def batch_norm_step(x: SparseTensor, scale, bias, running_mean, running_var, *, 
     y = norm.batch_norm(x, scale, bias, mean=running_mean, var=running_var, epsilon=epsilon, dtype=dtype,
                         activation=activation)
     return y, running_mean, running_var
-  y, (mean, var) = norm.batch_norm(x, scale, bias, epsilon=epsilon, axis_name=axis_name,
-                                   axis_index_groups=axis_index_groups, dtype=dtype, activation=activation,
-                                   return_statistics=True, implementation=implementation)
+  if axis_name is None:  # one device: the fused train-mode batch norm, statistics included
+    y, (mean, var) = norm.batch_norm(x, scale, bias, epsilon=epsilon, dtype=dtype, activation=activation,
+                                     return_statistics=True, implementation=implementation)
+    rows = x.num
+  else:  # what batch_norm does with axis_name, keeping the pooled row count that the statistics' psum brings
+    mean, var, rows = norm.batch_statistics(x, axis_name=axis_name, axis_index_groups=axis_index_groups,
+                                            return_count=True)
+    y = norm.batch_norm(x, scale, bias, mean=mean, var=var, epsilon=epsilon, dtype=dtype, activation=activation,
+                        implementation=implementation)
   if not update_statistics:
     return y, running_mean, running_var
   mean, var = lax.stop_gradient(mean), lax.stop_gradient(var)
   # Averaging an empty batch's placeholders in would shrink the running variance towards 0 (an eval after a
-  # pruning step that left no sites would divide by it). A scalar psum; XLA can fuse it with the statistics'.
-  rows = x.num if axis_name is None else lax.psum(x.num, axis_name, axis_index_groups=axis_index_groups)
+  # pruning step that left no sites would divide by it); with axis_name, "empty" means on every device.
   has_rows = rows > 0
   return (y, jnp.where(has_rows, momentum * running_mean + (1 - momentum) * mean, running_mean),
           jnp.where(has_rows, momentum * running_var + (1 - momentum) * var, running_var))

@@ -29,6 +29,7 @@ from jsparse._types import PrecisionLike
 from jsparse.gemm_xla import submconv_xla
 from jsparse.pass_config import (PASSES, PassConfig, PassInputs, RunOptions, ShapeKey, check_algorithm, check_pass,
                                  heuristic)
+from jsparse.size_errors import SizeError, WeightShape
 from jsparse.sparsity import as_dense_weight
 from pallas_kernels import gemm_plan
 from pallas_kernels.weight_layout import WeightLayout
@@ -93,18 +94,20 @@ def check_weight(num_channels: int, dtype, weight, bias, weight_layout: WeightLa
   if weight.ndim != 5:
     raise ValueError(f"weight must be {weight_layout.describe()} (weight_layout={weight_layout.value!r}), got "
                      f"shape {weight.shape}")
+  # The shape as a 2D or 1D op quotes it: without the kernel axes it lifted (jsparse.size_errors).
+  shape = WeightShape(tuple(weight.shape), weight_layout)
   if 0 in weight.shape:
-    raise ValueError(f"weight must have nonzero kernel sizes and channel counts, got shape {weight.shape}")
+    raise SizeError("weight must have nonzero kernel sizes and channel counts, got shape {shape}", shape=shape)
   kernel_size, cin, cout = weight_layout.split_shape(weight.shape)
   if groups > 1 and num_channels % groups:
     raise ValueError(f"feature_group_count={groups} must divide the input channels ({num_channels})")
   if groups > 1 and cout % groups:
-    raise ValueError(f"feature_group_count={groups} must divide the output channels ({cout}, weight shape "
-                     f"{weight.shape}, weight_layout={weight_layout.value!r})")
+    raise SizeError(f"feature_group_count={groups} must divide the output channels ({cout}, weight shape "
+                    f"{{shape}}, weight_layout={weight_layout.value!r})", shape=shape)
   if cin * groups != num_channels:
     per_group = f" / feature_group_count={groups} = {num_channels // groups}" if groups > 1 else ""
-    raise ValueError(f"weight expects {cin} input channels but the features have {num_channels}{per_group} "
-                     f"(weight shape {weight.shape}, weight_layout={weight_layout.value!r})")
+    raise SizeError(f"weight expects {cin} input channels but the features have {num_channels}{per_group} "
+                    f"(weight shape {{shape}}, weight_layout={weight_layout.value!r})", shape=shape)
   if bias is not None:
     bias = jnp.asarray(bias)
     _check_real("bias", bias)

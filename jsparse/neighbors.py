@@ -12,6 +12,7 @@ from jax import lax
 from jsparse import dispatch
 from jsparse._types import Size3
 from jsparse.map_gemm import ConvMaps
+from jsparse.size_errors import SizeError, sizes_in_rank
 from pallas_kernels import gemm_plan
 from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_int, check_sparse_tensor, report, rows_outside_grid,
                                    site_keys)
@@ -44,16 +45,16 @@ def lift_triple(value, name: str, ndim: int, fill: int = 1) -> tuple[int, int, i
 def check_kernel_size(kernel_size) -> tuple[int, int, int]:
   ks = as_triple(kernel_size, "kernel_size")
   if any(k < 1 or k % 2 == 0 for k in ks):
-    raise ValueError(f"submanifold kernel sizes must be odd and >= 1, got {ks}")
+    raise SizeError("submanifold kernel sizes must be odd and >= 1, got {kernel_size}", kernel_size=ks)
   return ks
 
 
 def check_dilation(dilation) -> tuple[int, int, int]:
   d = as_triple(dilation, "dilation")
   if any(v < 1 for v in d):
-    raise ValueError(f"dilation must be >= 1, got {d}")
+    raise SizeError("dilation must be >= 1, got {dilation}", dilation=d)
   if any(v > MAX_KEYS for v in d):  # kernel offsets are int32, and no int32-keyed grid is that wide
-    raise ValueError(f"dilation must be < 2**31, got {d}")
+    raise SizeError("dilation must be < 2**31, got {dilation}", dilation=d)
   return d
 
 
@@ -67,7 +68,8 @@ def kernel_offsets(kernel_size: Size3, dilation: Size3 = 1) -> tuple[tuple[int, 
 
 def _offsets(ks: tuple[int, int, int], d: tuple[int, int, int]) -> tuple[tuple[int, int, int], ...]:
   if any((k // 2) * s > MAX_KEYS for k, s in zip(ks, d)):
-    raise ValueError(f"kernel_size {ks} with dilation {d} reaches offsets past int32 (2**31 - 1)")
+    raise SizeError("kernel_size {kernel_size} with dilation {dilation} reaches offsets past int32 (2**31 - 1)",
+                    kernel_size=ks, dilation=d)
   return tuple(
       tuple((i - k // 2) * s for i, k, s in zip(idx, ks, d))
       for idx in itertools.product(*(range(k) for k in ks)))
@@ -154,9 +156,10 @@ def neighbor_map(x: SparseTensor, kernel_size: Size3 = 3, dilation: Size3 = 1, i
   """
   check_sparse_tensor(x)
   ndim = x.spatial_ndim
-  return build_neighbor_map(x, check_kernel_size(lift_triple(kernel_size, "kernel_size", ndim)),
-                            check_dilation(lift_triple(dilation, "dilation", ndim)), dispatch.resolve(implementation),
-                            plan_block_sizes)
+  with sizes_in_rank(ndim):
+    return build_neighbor_map(x, check_kernel_size(lift_triple(kernel_size, "kernel_size", ndim)),
+                              check_dilation(lift_triple(dilation, "dilation", ndim)),
+                              dispatch.resolve(implementation), plan_block_sizes)
 
 
 def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilation: tuple[int, int, int],
@@ -202,12 +205,13 @@ def with_maps(x: SparseTensor, kernel_size: Size3 = 3, *more_kernel_sizes: Size3
   """
   check_sparse_tensor(x)
   ndim = x.spatial_ndim
-  dil, impl = check_dilation(lift_triple(dilation, "dilation", ndim)), dispatch.resolve(implementation)
-  for kernel_size in (kernel_size,) + more_kernel_sizes:
-    ks = check_kernel_size(lift_triple(kernel_size, "kernel_size", ndim))
-    key = cache_key(ks, dil, impl)
-    if key not in x.caches:
-      x = x.with_cache(key, build_neighbor_map(x, ks, dil, impl))
+  with sizes_in_rank(ndim):
+    dil, impl = check_dilation(lift_triple(dilation, "dilation", ndim)), dispatch.resolve(implementation)
+    for kernel_size in (kernel_size,) + more_kernel_sizes:
+      ks = check_kernel_size(lift_triple(kernel_size, "kernel_size", ndim))
+      key = cache_key(ks, dil, impl)
+      if key not in x.caches:
+        x = x.with_cache(key, build_neighbor_map(x, ks, dil, impl))
   return x
 
 

@@ -51,12 +51,15 @@ def activation(x: SparseTensor, fn: Callable[[jax.Array], jax.Array]) -> SparseT
 # ---- batch norm ------------------------------------------------------------------------------------------
 
 
-def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None):
+def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None, return_count: bool = False):
   """(mean, var), float32 [C]: per channel over the valid rows of the whole batch.
 
   axis_name: a mapped axis (shard_map / pmap) to pool the rows of every device over. The result is the
     statistic of the union of all devices' valid rows even when their row counts differ (a pmean of
     per-device means would weight them equally).
+  return_count: also return the number of valid rows the statistics are over, a float32 scalar (every
+    device's together with axis_name): (mean, var, count). It comes out of the same psum, so a caller that
+    needs it (the modules' running averages skip batches without rows) pays no second cross-device reduction.
   The variance is the biased one. Each device centres its rows on its own float32 mean first (two passes,
   for accuracy). With axis_name every device's (count, mean, mean of its centred rows, centred sum of
   squares) goes into its own slot of a [devices, 3C + 1] array that one psum fills in everywhere (a gather
@@ -79,7 +82,8 @@ def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None)
   centred = jnp.where(mask, f - local_mean, 0)
   m2 = jnp.sum(centred * centred, axis=0)
   if axis_name is None:
-    return local_mean, m2 / jnp.maximum(count, 1.0)
+    var = m2 / jnp.maximum(count, 1.0)
+    return (local_mean, var, count) if return_count else (local_mean, var)
   residual = jnp.sum(centred, axis=0) / jnp.maximum(count, 1.0)  # the exact mean is ~ local_mean + residual
   mine = jnp.concatenate([count[None], local_mean, residual, m2])
   # Slots by the index along the whole axis: with axis_index_groups the other groups' slots stay zero
@@ -88,15 +92,16 @@ def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None)
   slots = lax.psum(jnp.where(slot[:, None], mine[None], 0.0), axis_name, axis_index_groups=axis_index_groups)
   counts = slots[:, 0]
   means, residuals, m2s = jnp.split(slots[:, 1:], 3, axis=1)
-  denom = jnp.maximum(jnp.sum(counts), 1.0)
+  total = jnp.sum(counts)
+  denom = jnp.maximum(total, 1.0)
   reference = means[jnp.argmax(counts > 0)]  # a device with rows: its mean is near the data
   offsets = (means - reference) + residuals  # each device's mean relative to the reference, small and exact
   shift = jnp.sum(counts[:, None] * offsets, axis=0) / denom
   spread = offsets - shift
   # Within-device parts about the exact device means (m2 is about the rounded one: minus count * residual^2).
   within = m2s - counts[:, None] * residuals * residuals
-  var = jnp.sum(within + counts[:, None] * spread * spread, axis=0) / denom
-  return reference + shift, jnp.maximum(var, 0.0)
+  var = jnp.maximum(jnp.sum(within + counts[:, None] * spread * spread, axis=0) / denom, 0.0)
+  return (reference + shift, var, total) if return_count else (reference + shift, var)
 
 
 def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, epsilon: float = 1e-5,

@@ -56,6 +56,7 @@ from jsparse import dispatch
 from jsparse._types import ArrayLike, Capacity, PrecisionLike, Size3
 from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
 from jsparse.neighbors import as_triple, check_dilation, lift_triple, lookup_keys, sorted_site_keys
+from jsparse.size_errors import SizeError, sizes_in_rank
 from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_same_sites, check_sparse_tensor,
                                    check_spatial_ndim, key_width, report, resolve_capacity, rows_outside_grid,
                                    site_keys, sites_of_keys)
@@ -103,6 +104,22 @@ class Geometry(KernelGeometry):
   out_shape: tuple[int, int, int]
 
 
+# The sizes that describe a geometry in error messages, in the order of the ops' arguments.
+_KERNEL_ARGUMENTS = ("kernel_size", "stride", "padding", "dilation")
+_TRANSPOSE_ARGUMENTS = ("kernel_size", "stride", "padding", "output_padding", "dilation")
+
+
+def _describe(tag: str = "", names=_KERNEL_ARGUMENTS) -> str:
+  """A SizeError template quoting a geometry's sizes, "kernel_size={kernel_size}, stride={stride}, ...", each
+  field named with `tag` first (for two geometries in one message)."""
+  return ", ".join(f"{name}={{{tag}{name}}}" for name in names)
+
+
+def _sizes(geom: KernelGeometry, tag: str = "", names=_KERNEL_ARGUMENTS) -> dict:
+  """The values of `_describe(tag, names)`'s fields."""
+  return {tag + name: getattr(geom, name) for name in names}
+
+
 def kernel_arguments(kernel_size, stride, padding, dilation) -> tuple[tuple[int, int, int], ...]:
   """(kernel_size, stride, padding, dilation) as validated triples: sizes and strides >= 1, padding >= 0."""
   ks = as_triple(kernel_size, "kernel_size")
@@ -110,11 +127,11 @@ def kernel_arguments(kernel_size, stride, padding, dilation) -> tuple[tuple[int,
   pad = as_triple(padding, "padding")
   dil = check_dilation(dilation)
   if min(ks) < 1:
-    raise ValueError(f"kernel_size must be >= 1, got {ks}")
+    raise SizeError("kernel_size must be >= 1, got {kernel_size}", kernel_size=ks)
   if min(st) < 1:
-    raise ValueError(f"stride must be >= 1, got {st}")
+    raise SizeError("stride must be >= 1, got {stride}", stride=st)
   if min(pad) < 0:
-    raise ValueError(f"padding must be >= 0, got {pad}")
+    raise SizeError("padding must be >= 0, got {padding}", padding=pad)
   return ks, st, pad, dil
 
 
@@ -123,9 +140,9 @@ def geometry(spatial_shape, kernel_size, stride=1, padding=0, dilation=1) -> Geo
   in_shape = tuple(int(s) for s in spatial_shape)
   out = tuple((n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(in_shape, ks, st, pad, dil))
   if min(out) <= 0:
-    raise ValueError(
-        f"kernel_size={ks}, stride={st}, padding={pad}, dilation={dil} on spatial_shape={in_shape} gives an "
-        f"empty output grid {out}: the dilated kernel does not fit in the padded input")
+    raise SizeError(_describe() + " on spatial_shape={in_shape} gives an empty output grid {out}: the dilated "
+                    "kernel does not fit in the padded input", kernel_size=ks, stride=st, padding=pad, dilation=dil,
+                    in_shape=in_shape, out=out)
   return Geometry(ks, st, pad, dil, in_shape, out)
 
 
@@ -133,8 +150,8 @@ def _check_keys(batch_size: int, shape) -> int:
   """The key width of the output grid (sparse_tensor.key_width; ValueError past its limits)."""
   try:
     return key_width(batch_size, shape)
-  except ValueError as e:
-    raise ValueError(f"output grid: {e}") from None
+  except SizeError as e:
+    raise SizeError("output grid: " + e.template, **e.values) from None
 
 
 def _proposals(coords, valid, rule: unique_keys.ProposalGeometry, batch_size: int):
@@ -356,9 +373,10 @@ def strided_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 1, padding:
   """
   check_sparse_tensor(x)
   ndim = x.spatial_ndim
-  pm = pair_map(x, lift_triple(kernel_size, "kernel_size", ndim), lift_triple(stride, "stride", ndim),
-                lift_triple(padding, "padding", ndim, fill=0), lift_triple(dilation, "dilation", ndim), out_capacity,
-                implementation=implementation)
+  with sizes_in_rank(ndim):
+    pm = pair_map(x, lift_triple(kernel_size, "kernel_size", ndim), lift_triple(stride, "stride", ndim),
+                  lift_triple(padding, "padding", ndim, fill=0), lift_triple(dilation, "dilation", ndim),
+                  out_capacity, implementation=implementation)
   return pm.out_coords, pm.out_num, pm.nbr, pm.overflow
 
 
@@ -421,11 +439,6 @@ def _same_coords(a, b) -> bool | None:
   return a.shape == b.shape and bool(jnp.array_equal(a, b))
 
 
-def _describe(geom: Geometry) -> str:
-  return (f"kernel_size={geom.kernel_size}, stride={geom.stride}, padding={geom.padding}, "
-          f"dilation={geom.dilation}")
-
-
 def _inverse_maps(y: SparseTensor, like: SparseTensor, geom: Geometry):
   """(inv [like.capacity, V], nbr [y.capacity, V]) between like (conv input) and y (conv output)."""
   op = "sparse_inverse_conv3d"
@@ -458,12 +471,14 @@ def _check_same_geometry(y: SparseTensor, like: SparseTensor, geom: Geometry) ->
             and other.batch_size == like.batch_size and other.in_capacity == like.capacity
             and other.out_capacity == y.capacity):
       continue
-    message = (f"sparse_inverse_conv3d: y was made from `like` by a convolution with {_describe(other.geom)}, "
-               f"but this inverse has {_describe(geom)}: pass the forward convolution's")
+    error = SizeError("sparse_inverse_conv{ndim}d: y was made from `like` by a convolution with "
+                      + _describe("made_") + ", but this inverse has " + _describe()
+                      + ": pass the forward convolution's", **_sizes(other.geom, "made_"), **_sizes(geom))
     if other.in_coords is like.coords and other.in_num is like.num:
-      raise ValueError(message)
+      raise error
     made_from_like = jnp.array_equal(other.in_coords, like.coords) & (other.in_num == like.num)
-    report(made_from_like, message)
+    # Raised as it is outside jit (so that a 2D or 1D op re-words it); under jit, checkify reports the text.
+    report(made_from_like, str(error), error=lambda text: error)
 
 
 def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike | Compressed2to4,
@@ -498,9 +513,9 @@ def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike | Compressed2to4,
   geom = geometry(like.spatial_shape, ks, stride, padding, dilation)
   spec = ConvSpec.build(ks, geom.dilation, implementation, layout, precision, algorithm, feature_group_count)
   if y.spatial_shape != geom.out_shape or y.batch_size != like.batch_size:
-    raise ValueError(
-        f"y (spatial_shape={y.spatial_shape}, batch_size={y.batch_size}) is not on the output grid "
-        f"{geom.out_shape} (batch_size={like.batch_size}) of this convolution of `like`")
+    raise SizeError(f"y (spatial_shape={{y_shape}}, batch_size={y.batch_size}) is not on the output grid {{grid}} "
+                    f"(batch_size={like.batch_size}) of this convolution of `like`", y_shape=tuple(y.spatial_shape),
+                    grid=geom.out_shape)
   inv, nbr = _inverse_maps(y, like, geom)
   # The forward map of the inverse is the transposed map of the convolution, and vice versa.
   feats = conv_map_gemm(y.feats, weight, w, b, ConvMaps(inv, like.num, jnp.flip(nbr, 1), y.num), spec)
@@ -543,18 +558,21 @@ def transpose_geometry(spatial_shape, kernel_size, stride=2, padding=0, output_p
   ks, st, pad, dil = kernel_arguments(kernel_size, stride, padding, dilation)
   out_pad = as_triple(output_padding, "output_padding")
   if min(out_pad) < 0:
-    raise ValueError(f"output_padding must be >= 0, got {out_pad}")
+    raise SizeError("output_padding must be >= 0, got {output_padding}", output_padding=out_pad)
   if any(q >= max(s, d) for q, s, d in zip(out_pad, st, dil)):
-    raise ValueError(f"output_padding must be smaller than the stride or the dilation on every axis (as PyTorch's "
-                     f"ConvTranspose3d), got output_padding={out_pad}, stride={st}, dilation={dil}")
+    raise SizeError("output_padding must be smaller than the stride or the dilation on every axis (as PyTorch's "
+                    "ConvTranspose{ndim}d), got output_padding={output_padding}, stride={stride}, dilation={dilation}",
+                    output_padding=out_pad, stride=st, dilation=dil)
   in_shape = tuple(int(n) for n in spatial_shape)
   out = tuple((n - 1) * s - 2 * p + d * (k - 1) + q + 1
               for n, k, s, p, q, d in zip(in_shape, ks, st, pad, out_pad, dil))
-  if min(out) <= 0:
-    raise ValueError(f"kernel_size={ks}, stride={st}, padding={pad}, output_padding={out_pad}, dilation={dil} on "
-                     f"spatial_shape={in_shape} gives an empty output grid {out}: padding is too large")
-  return TransposeGeometry(kernel_size=ks, stride=st, padding=pad, dilation=dil, output_padding=out_pad,
+  geom = TransposeGeometry(kernel_size=ks, stride=st, padding=pad, dilation=dil, output_padding=out_pad,
                            in_shape=in_shape, out_shape=out)
+  if min(out) <= 0:
+    raise SizeError(_describe(names=_TRANSPOSE_ARGUMENTS) + " on spatial_shape={in_shape} gives an empty output "
+                    "grid {out}: padding is too large", **_sizes(geom, names=_TRANSPOSE_ARGUMENTS), in_shape=in_shape,
+                    out=out)
+  return geom
 
 
 def transpose_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 2, padding: Size3 = 0,
@@ -576,11 +594,12 @@ def transpose_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 2, paddin
   check_sparse_tensor(x)
   out_capacity = check_capacity(out_capacity, "out_capacity")
   ndim = x.spatial_ndim
-  geom = transpose_geometry(x.spatial_shape, lift_triple(kernel_size, "kernel_size", ndim),
-                            lift_triple(stride, "stride", ndim), lift_triple(padding, "padding", ndim, fill=0),
-                            lift_triple(output_padding, "output_padding", ndim, fill=0),
-                            lift_triple(dilation, "dilation", ndim))
-  return _transpose_map(x, geom, out_capacity, implementation, check)
+  with sizes_in_rank(ndim):
+    geom = transpose_geometry(x.spatial_shape, lift_triple(kernel_size, "kernel_size", ndim),
+                              lift_triple(stride, "stride", ndim), lift_triple(padding, "padding", ndim, fill=0),
+                              lift_triple(output_padding, "output_padding", ndim, fill=0),
+                              lift_triple(dilation, "dilation", ndim))
+    return _transpose_map(x, geom, out_capacity, implementation, check)
 
 
 def _transpose_map(x: SparseTensor, geom: TransposeGeometry, out_capacity, implementation, check: bool):
@@ -650,17 +669,13 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
     out, overflow = _spawn_children(x, w, b, geom, out_capacity, mask, spec)
   else:
     if mask is not None:
-      raise ValueError(f"mask prunes the children of generative upsampling (kernel == stride, padding 0, "
-                       f"output_padding 0, dilation 1); this transposed convolution has {_describe_transpose(geom)}")
+      raise SizeError("mask prunes the children of generative upsampling (kernel == stride, padding 0, "
+                      "output_padding 0, dilation 1); this transposed convolution has "
+                      + _describe(names=_TRANSPOSE_ARGUMENTS), **_sizes(geom, names=_TRANSPOSE_ARGUMENTS))
     out_coords, out_num, nbr, inv, overflow = _transpose_map(x, geom, out_capacity, implementation, True)
     feats = conv_map_gemm(x.feats, weight, w, b, ConvMaps(nbr, out_num, jnp.flip(inv, 1), x.num), spec)
     out = SparseTensor(out_coords, feats, out_num, geom.out_shape, x.batch_size, overflow=x.overflow | overflow)
   return (out, overflow) if with_overflow else out
-
-
-def _describe_transpose(geom: TransposeGeometry) -> str:
-  return (f"kernel_size={geom.kernel_size}, stride={geom.stride}, padding={geom.padding}, "
-          f"output_padding={geom.output_padding}, dilation={geom.dilation}")
 
 
 def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity, mask, spec: ConvSpec):

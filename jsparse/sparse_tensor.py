@@ -15,6 +15,7 @@ from jax._src import config as _jax_config  # the one private import: a trace-co
 from jax.experimental import checkify
 
 from jsparse._types import ArrayLike, Capacity
+from jsparse.size_errors import SizeError, sizes_in_rank
 
 # Linear site keys are int32 (JAX runs without x64 by default) on grids of fewer than 2**31 sites; wider grids
 # key a site by two int32 words (key_width), up to MAX_WIDE_KEYS sites and extents below MAX_EXTENT.
@@ -348,7 +349,8 @@ class SparseTensor:
       raise ValueError(
           f"coordinate {_user_row(coords[row], ndim)} in row {row} is outside batch_size={batch_size}, "
           f"spatial_shape={user_shape}")
-    key_width(batch_size, spatial_shape)
+    with sizes_in_rank(ndim):
+      key_width(batch_size, spatial_shape)
     keys = _linear_keys_np(coords, spatial_shape)
     uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
     if len(uniq) != n:
@@ -580,11 +582,11 @@ def key_width(batch_size: int, spatial_shape: Sequence[int]) -> int:
   shape = as_spatial_shape(spatial_shape)
   total = batch_size * math.prod(shape)
   if max(shape) >= MAX_EXTENT:
-    raise ValueError(f"spatial_shape={shape}: every extent must be below 2**21 (site coordinates fit in "
-                     "21 bits)")
+    raise SizeError("spatial_shape={shape}: every extent must be below 2**21 (site coordinates fit in 21 bits)",
+                    shape=shape)
   if total >= MAX_WIDE_KEYS:
-    raise ValueError(f"batch_size={batch_size} * spatial_shape={shape} = {total} sites: jsparse keys sites "
-                     "by a linear index below 2**62")
+    raise SizeError(f"batch_size={batch_size} * spatial_shape={{shape}} = {total} sites: jsparse keys sites by a "
+                    "linear index below 2**62", shape=shape)
   return 1 if total <= MAX_KEYS else 2
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jsparse._types import ArrayLike, SizeND
 from jsparse.conv import submconv3d
 from jsparse.neighbors import lift_triple
+from jsparse.size_errors import sizes_in_rank
 from jsparse.pool import sparse_avg_pool3d, sparse_max_pool3d
 from jsparse.sparse_conv import sparse_conv3d, sparse_conv_transpose3d, sparse_inverse_conv3d
 from jsparse.sparse_tensor import SparseTensor, check_spatial_ndim
@@ -66,7 +67,8 @@ def call_in_rank(op3d: Callable[..., Any], ndim: int, op: str, x: SparseTensor, 
   """`op3d(x, **kwargs)` (a 3D op of jsparse) as an `ndim`-D op named `op`: x and a `like` argument must be
   `ndim`-D SparseTensors (ValueError naming the op to use otherwise); `weight` is `ndim` + 2-D in
   `weight_layout`; the sizes (kernel_size, stride, dilation, padding, output_padding) are ints or `ndim` ints.
-  The result is in x's rank. ndim=3 calls op3d as it is, after the rank checks."""
+  The result is in x's rank, and so are the sizes that the 3D checks' errors quote (`jsparse.size_errors`: a
+  2D op's kernel_size reads (3, 3), not the lifted (1, 3, 3)). ndim=3 calls op3d as it is, after the rank checks."""
   name = "y" if "like" in kwargs else "x"
   check_spatial_ndim(x, ndim, op, name)
   if "like" in kwargs:
@@ -81,7 +83,8 @@ def call_in_rank(op3d: Callable[..., Any], ndim: int, op: str, x: SparseTensor, 
       kwargs[size] = lift_triple(kwargs[size], size, ndim, fill)
   if "like" in kwargs:
     kwargs["like"] = _as_3d(kwargs["like"])
-  return _in_rank(op3d(_as_3d(x), **kwargs), ndim)
+  with sizes_in_rank(ndim):  # the 3D checks' messages, quoting the sizes lifted above, in the user's rank
+    return _in_rank(op3d(_as_3d(x), **kwargs), ndim)
 
 
 # ---- 2D -------------------------------------------------------------------------------------------------------

@@ -271,16 +271,18 @@ def child_labels(coarse: SparseTensor, fine: SparseTensor, stride: Size3 = 2) ->
   check_sparse_tensor(fine, "fine")
   if coarse.spatial_ndim != fine.spatial_ndim:
     raise ValueError(f"coarse ({coarse.spatial_ndim}D) and fine ({fine.spatial_ndim}D) must have one spatial_ndim")
-  st = lift_triple(stride, "stride", fine.spatial_ndim)
+  ndim = fine.spatial_ndim
+  user = lambda sizes: tuple(sizes)[3 - ndim:]  # sizes as the user's rank has them, not lifted
+  st = lift_triple(stride, "stride", ndim)
   if min(st) < 1:
-    raise ValueError(f"stride must be >= 1, got {st}")
+    raise ValueError(f"stride must be >= 1, got {user(st)}")
   low = tuple(n // s for n, s in zip(fine.spatial_shape, st))
   high = tuple(-(-n // s) for n, s in zip(fine.spatial_shape, st))
   fits = all(lo <= c <= hi for lo, c, hi in zip(low, coarse.spatial_shape, high))
   if not fits or coarse.batch_size != fine.batch_size:
-    raise ValueError(f"coarse (spatial_shape={coarse.spatial_shape}, batch_size={coarse.batch_size}) is not the "
-                     f"stride-{st} grid of fine (spatial_shape between {low} and {high}, batch_size="
-                     f"{fine.batch_size})")
+    raise ValueError(f"coarse (spatial_shape={user(coarse.spatial_shape)}, batch_size={coarse.batch_size}) is not "
+                     f"the stride-{user(st)} grid of fine (spatial_shape between {user(low)} and {user(high)}, "
+                     f"batch_size={fine.batch_size})")
   t = math.prod(st)
   child = jnp.stack(jnp.unravel_index(jnp.arange(t), st), axis=-1).astype(jnp.int32)  # [T, 3], C order
   xyz = coarse.coords[:, None, 1:] * jnp.asarray(st, jnp.int32) + child[None]

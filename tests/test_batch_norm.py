@@ -124,6 +124,74 @@ def test_running_averages_skip_batches_without_rows():
   for device in range(2):
     np.testing.assert_allclose(np.asarray(one["batch_stats"]["var"][device]), after_x[1], rtol=1e-5)
 
+
+def test_data_parallel_batch_norm_pools_the_row_count_once():
+  """With axis_name, one cross-device reduction per layer and step: the pooled row count that decides whether a
+  batch had rows comes with the pooled statistics (it once took a second psum, a second synchronisation point of
+  a data-parallel step), in jsparse.nn and jsparse.nnx. The running averages equal one device's on all the rows
+  together, and stay as they are when no device has a row."""
+  from flax import nnx
+
+  rng = np.random.default_rng(6)
+  parts = [_tensor(rng, 40, 10, 3, jnp.float32, offset=2.0, spread=1.5),
+           _tensor(rng, 17, 33, 3, jnp.float32, offset=-1.0, spread=0.5)]
+  stack = lambda *ts: jax.tree.map(lambda *a: jnp.stack(a), *ts)  # noqa: E731
+  rows = [np.asarray(p.feats[:int(p.num)]) for p in parts]
+  whole = _tensor(rng, 57, 3, 3, jnp.float32)  # all the rows on one device (coordinates do not enter)
+  whole = whole.replace(feats=jnp.asarray(np.concatenate(rows + [np.zeros((3, 3), np.float32)])))
+  bn = jsparse.nn.SparseBatchNorm(use_running_average=False, momentum=0.5)
+  pooled = jsparse.nn.SparseBatchNorm(use_running_average=False, momentum=0.5, axis_name="d")
+  variables = bn.init(jax.random.key(0), whole)
+  one_device = bn.apply(variables, whole, mutable=["batch_stats"])[1]["batch_stats"]
+  f = np.concatenate(rows).astype(np.float64)
+  np.testing.assert_allclose(np.asarray(one_device["mean"]), 0.5 * f.mean(0), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(one_device["var"]), 0.5 + 0.5 * f.var(0), rtol=1e-5)
+
+  step = lambda v, t: pooled.apply(v, t, mutable=["batch_stats"])  # noqa: E731
+  assert str(jax.make_jaxpr(step, axis_env=[("d", 2)])(variables, parts[0])).count("psum[") == 1
+  run = jax.jit(jax.vmap(lambda t: step(variables, t)[1]["batch_stats"], axis_name="d"))
+  got = run(stack(*parts))
+  for device in range(2):
+    for k in ("mean", "var"):
+      np.testing.assert_allclose(np.asarray(got[k][device]), np.asarray(one_device[k]), rtol=1e-5, atol=1e-6)
+  none = run(stack(*(p.replace(num=0) for p in parts)))
+  for k in ("mean", "var"):
+    np.testing.assert_array_equal(np.asarray(none[k]), np.stack([variables["batch_stats"][k]] * 2))
+
+  module = jsparse.nnx.SparseBatchNorm(3, momentum=0.5, axis_name="d", rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(module)
+
+  def member(state, t):
+    model = nnx.merge(graphdef, state)
+    model(t)
+    return nnx.state(model, nnx.BatchStat)
+
+  assert str(jax.make_jaxpr(member, axis_env=[("d", 2)])(state, parts[0])).count("psum[") == 1
+  run = jax.jit(jax.vmap(member, in_axes=(None, 0), axis_name="d"))
+  got = run(state, stack(*parts))
+  for device in range(2):
+    for k in ("mean", "var"):
+      np.testing.assert_allclose(np.asarray(got[k][...][device]), np.asarray(one_device[k]), rtol=1e-5, atol=1e-6)
+  none = run(state, stack(*(p.replace(num=0) for p in parts)))
+  for k in ("mean", "var"):
+    np.testing.assert_array_equal(np.asarray(none[k][...]), np.stack([np.asarray(state[k][...])] * 2))
+
+
+def test_batch_statistics_return_count():
+  """return_count adds the number of valid rows the statistics are over: x's own, or every device's with
+  axis_name (the sum of the members' rows, in float32, on every member)."""
+  rng = np.random.default_rng(8)
+  x = _tensor(rng, 23, 4, 2, jnp.float32)
+  mean, var, count = norm.batch_statistics(x, return_count=True)
+  want = norm.batch_statistics(x)
+  np.testing.assert_array_equal(np.asarray(mean), np.asarray(want[0]))
+  np.testing.assert_array_equal(np.asarray(var), np.asarray(want[1]))
+  assert count.dtype == jnp.float32 and float(count) == 23
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), x, x.replace(num=9))
+  counts = jax.vmap(lambda t: norm.batch_statistics(t, axis_name="d", return_count=True)[2], axis_name="d")(stacked)
+  np.testing.assert_array_equal(np.asarray(counts), [32.0, 32.0])
+
+
 def test_batch_norm_bad_arguments():
   x = _tensor(np.random.default_rng(4), 20, 2, 3, jnp.float32)
   with pytest.raises(TypeError, match="activation"):

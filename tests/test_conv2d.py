@@ -1,4 +1,6 @@
 """2D and 1D sparse tensors, convolutions, pools and modules against dense lax references on todense()."""
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -355,6 +357,107 @@ def test_ranks_do_not_mix():
     snnx.SparseConv2d(3, 4, 3, rngs=nnx.Rngs(0))(x3)
   with pytest.raises(ValueError, match="kernel_size must be an int or 2 ints"):
     snnx.SubMConv2d(3, 4, (3, 3, 3), rngs=nnx.Rngs(0))
+
+
+def _rank_error_cases(nd):
+  """(what, call, text) for every size check the 2D (nd=2) or 1D ops reach: `text` is the message in the user's
+  rank (the ops run in 3D on a lifted grid, whose checks once quoted e.g. kernel_size (1, 3, 3) for a 2D op)."""
+  shape = (6, 5) if nd == 2 else (9,)
+  x = jsparse.SparseTensor.from_coords(np.argwhere(np.arange(2 * math.prod(shape)).reshape((2,) + shape) % 3 == 0),
+                                       np.ones(((2 * math.prod(shape) + 2) // 3, 3), np.float32), shape, 2)
+  K = lambda v: (v,) * nd  # a size of every axis, as the user writes it
+  grid = lambda f: str(tuple(f(n) for n in shape))
+  w = lambda ks, cin=3, cout=4: jnp.ones(ks + (cin, cout), jnp.float32)
+  op = lambda name: getattr(jsparse, f"{name}{nd}d")
+  sub, conv = op("submconv"), op("sparse_conv")
+  inverse, transpose = op("sparse_inverse_conv"), op("sparse_conv_transpose")
+  y = conv(x, w(K(3)), stride=2, padding=1)
+  coarse = op("sparse_max_pool")(x, 2)
+  ln = lambda name, *a, **k: getattr(snn, f"{name}{nd}d")(*a, **k).init(jax.random.key(0), x)
+  nx = lambda name, *a, **k: getattr(snnx, f"{name}{nd}d")(*a, **k, rngs=nnx.Rngs(0))
+  empty_conv = (f"kernel_size={K(15)}, stride={K(1)}, padding={K(0)}, dilation={K(1)} on spatial_shape={shape} gives "
+                f"an empty output grid {grid(lambda n: n - 14)}")
+  empty_pool = (f"kernel_size={K(20)}, stride={K(20)}, padding={K(0)}, dilation={K(1)} on spatial_shape={shape} "
+                f"gives an empty output grid {grid(lambda n: 0)}")
+  output_padding = f"ConvTranspose{nd}d), got output_padding={K(2)}, stride={K(2)}, dilation={K(1)}"
+  return [
+      ("even submanifold kernel", lambda: sub(x, w(K(2))), f"odd and >= 1, got {K(2)}"),
+      ("dilation 0", lambda: sub(x, w(K(3)), dilation=0), f"dilation must be >= 1, got {K(0)}"),
+      ("offsets past int32", lambda: sub(x, w(K(5)), dilation=2**30),
+       f"kernel_size {K(5)} with dilation {K(2**30)} reaches offsets past int32"),
+      ("input channels", lambda: sub(x, w(K(3), cin=5)), f"(weight shape {K(3) + (5, 4)}, weight_layout='DHWIO')"),
+      ("input channels ODHWI", lambda: sub(x, jnp.ones((4,) + K(3) + (5,)), weight_layout="ODHWI"),
+       f"(weight shape {(4,) + K(3) + (5,)}, weight_layout='ODHWI')"),
+      ("groups", lambda: sub(x, w(K(3), 1, 4), feature_group_count=3),
+       f"must divide the output channels (4, weight shape {K(3) + (1, 4)}"),
+      ("empty kernel", lambda: sub(x, w(K(0))), f"nonzero kernel sizes and channel counts, got shape {K(0) + (3, 4)}"),
+      ("cache", lambda: sub(x, w(K(3)), cache=jsparse.neighbor_map(x, 5)),
+       f"kernel_size={K(5)}, dilation={K(1)}, capacity={x.capacity} but this conv has kernel_size={K(3)}, "
+       f"dilation={K(1)}"),
+      ("stride 0", lambda: conv(x, w(K(3)), stride=0), f"stride must be >= 1, got {K(0)}"),
+      ("padding -1", lambda: conv(x, w(K(3)), padding=-1), f"padding must be >= 0, got {K(-1)}"),
+      ("empty output grid", lambda: conv(x, w(K(15))), empty_conv),
+      ("inverse off the grid", lambda: inverse(y, w(K(3), 4, 3), like=x, stride=1, padding=1),
+       f"y (spatial_shape={y.spatial_shape[3 - nd:]}, batch_size=2) is not on the output grid {shape} "),
+      ("inverse of another geometry", lambda: inverse(y, w(K(1), 4, 3), like=x, stride=2),
+       f"sparse_inverse_conv{nd}d: y was made from `like` by a convolution with kernel_size={K(3)}, stride={K(2)}, "
+       f"padding={K(1)}, dilation={K(1)}, but this inverse has kernel_size={K(1)}, stride={K(2)}, padding={K(0)}, "
+       f"dilation={K(1)}"),
+      ("output_padding", lambda: transpose(x, w(K(3)), stride=2, output_padding=2), output_padding),
+      ("output_padding -1", lambda: transpose(x, w(K(3)), stride=2, output_padding=-1),
+       f"output_padding must be >= 0, got {K(-1)}"),
+      ("transposed empty grid", lambda: transpose(x, w(K(1)), stride=1, padding=9),
+       f"kernel_size={K(1)}, stride={K(1)}, padding={K(9)}, output_padding={K(0)}, dilation={K(1)} on "
+       f"spatial_shape={shape} gives an empty output grid {grid(lambda n: n - 18)}"),
+      ("mask", lambda: transpose(x, w(K(3)), stride=2, mask=jnp.ones((x.capacity, 2**nd), bool)),
+       f"this transposed convolution has kernel_size={K(3)}, stride={K(2)}, padding={K(0)}, output_padding={K(0)}, "
+       f"dilation={K(1)}"),
+      ("grid past 21 bits", lambda: transpose(x, w(K(2)), stride=2**20),
+       f"output grid: spatial_shape={grid(lambda n: (n - 1) * 2**20 + 2)}: every extent"),
+      ("pool kernel 0", lambda: op("sparse_max_pool")(x, 0), f"kernel_size must be >= 1, got {K(0)}"),
+      ("pool empty grid", lambda: op("sparse_avg_pool")(x, 20), empty_pool),
+      ("pool dilation 0", lambda: op("sparse_avg_pool")(x, 2, dilation=0), f"dilation must be >= 1, got {K(0)}"),
+      ("neighbor_map even", lambda: jsparse.neighbor_map(x, 2), f"odd and >= 1, got {K(2)}"),
+      ("neighbor_map dilation", lambda: jsparse.neighbor_map(x, 3, 0), f"dilation must be >= 1, got {K(0)}"),
+      ("with_maps even", lambda: jsparse.with_maps(x, 3, 4), f"odd and >= 1, got {K(4)}"),
+      ("with_maps dilation", lambda: jsparse.with_maps(x, dilation=0), f"dilation must be >= 1, got {K(0)}"),
+      ("strided_map stride", lambda: jsparse.strided_map(x, 3, 0), f"stride must be >= 1, got {K(0)}"),
+      ("strided_map empty", lambda: jsparse.strided_map(x, 15), empty_conv),
+      ("transpose_map", lambda: jsparse.transpose_map(x, 3, 2, output_padding=2), output_padding),
+      ("child_labels stride", lambda: jsparse.child_labels(coarse, x, 0), f"stride must be >= 1, got {K(0)}"),
+      ("child_labels grid", lambda: jsparse.child_labels(coarse, x, 3),
+       f"coarse (spatial_shape={coarse.spatial_shape[3 - nd:]}, batch_size=2) is not the stride-{K(3)} grid of fine "
+       f"(spatial_shape between {grid(lambda n: n // 3)} and {grid(lambda n: -(-n // 3))}"),
+      ("from_coords grid", lambda: jsparse.SparseTensor.from_coords(np.zeros((1, nd + 1), int), np.ones((1, 1)),
+                                                                     (2**21,) * nd),
+       f"spatial_shape={K(2**21)}: every extent"),
+      ("linen conv empty grid", lambda: ln("SparseConv", 4, K(15), padding="VALID"), empty_conv),
+      ("linen conv SAME stride 0", lambda: ln("SparseConv", 4, K(3), strides=0),
+       f"SparseConv{nd}d: stride must be >= 1, got {K(0)}"),
+      ("linen transposed output_padding", lambda: ln("SparseConvTranspose", 4, 2, kernel_size=3, output_padding=2),
+       f"SparseConvTranspose{nd}d: output_padding must be smaller than the stride or the dilation on every axis "
+       f"(as PyTorch's {output_padding}"),
+      ("linen pool kernel 0", lambda: ln("SparseMaxPool", 0), f"kernel_size must be >= 1, got {K(0)}"),
+      ("linen pool empty grid", lambda: ln("SparseAvgPool", 20), empty_pool),
+      ("nnx submanifold dilation", lambda: nx("SubMConv", 3, 4, 3, kernel_dilation=0)(x),
+       f"dilation must be >= 1, got {K(0)}"),
+      ("nnx conv empty grid", lambda: nx("SparseConv", 3, 4, K(15), padding="VALID")(x), empty_conv),
+      ("nnx transposed output_padding", lambda: nx("SparseConvTranspose", 3, 4, 2, kernel_size=3, output_padding=2),
+       f"SparseConvTranspose{nd}d: output_padding must be smaller"),
+  ]
+
+
+@pytest.mark.parametrize("nd", [2, 1])
+def test_size_errors_quote_the_users_rank(nd):
+  """Every size check that the 2D and 1D ops, maps and modules reach words its message in the user's rank: the
+  sizes as passed (2 or 1 entries, not the lifted grid's 3) and the op's own rank."""
+  wrong = {}
+  for what, call, text in _rank_error_cases(nd):
+    with pytest.raises(ValueError) as info:
+      call()
+    if text not in str(info.value):
+      wrong[what] = str(info.value)
+  assert not wrong, wrong  # every case that quotes other sizes, with its message
 
 
 def test_maps_norms_and_topology_keep_the_rank():

@@ -260,38 +260,109 @@ def _check_groups(channels: int, num_groups: int) -> int:
 
 
 def _group_moments(x: SparseTensor, num_groups: int):
-  """(mean, var [batch_size, G], the valid rows centred on their item's group mean [capacity, G, group_size],
-  the item one-hot [capacity, batch_size]); padding rows of the centred array are zero."""
+  """(mean, var) float32 [batch_size, G] of `group_statistics`, from the item one-hot's sums."""
   check_sparse_tensor(x)
-  group_size = _check_groups(x.num_channels, num_groups)
+  _check_groups(x.num_channels, num_groups)
   one_hot = per_item.item_one_hot(x)  # sums per item as matmuls, not scatter-adds (see per_item.py)
-  valid = x.valid_mask()
-  f = jnp.where(valid[:, None], x.feats.astype(jnp.float32), 0).reshape(x.capacity, num_groups, group_size)
+  return _group_stats(x.feats, one_hot, num_groups)
+
+
+def _rows_of(one_hot: jax.Array) -> jax.Array:
+  """bool [capacity]: the valid rows (a padding row's one-hot row is zero)."""
+  return jnp.sum(one_hot, axis=1) > 0
+
+
+def _group_stats(feats: jax.Array, one_hot: jax.Array, num_groups: int):
+  """(mean, biased var) float32 [batch_size, G] over each item's valid rows and each group's channels: a pass for
+  the means, then one over the rows centred on them (float32 sums of squares about zero cancel badly)."""
+  cap, c = feats.shape
+  group_size = c // num_groups
+  valid = _rows_of(one_hot)
+  f = jnp.where(valid[:, None], feats.astype(jnp.float32), 0).reshape(cap, num_groups, group_size)
   denom = jnp.maximum(per_item.count_per_item(one_hot) * group_size, 1.0)[:, None]
   mean = per_item.sum_per_item(one_hot, jnp.sum(f, axis=-1)) / denom
   centred = jnp.where(valid[:, None, None], f - per_item.per_row(one_hot, mean)[..., None], 0)
   var = per_item.sum_per_item(one_hot, jnp.sum(centred * centred, axis=-1)) / denom
-  return mean, var, centred, one_hot
+  return mean, var
+
+
+def _group_normalised(feats, one_hot, mean, inv_std, num_groups):
+  """float32 [capacity, C]: each valid row normalised with its item's group statistics; zero at padding rows."""
+  cap, c = feats.shape
+  f = feats.astype(jnp.float32).reshape(cap, num_groups, c // num_groups)
+  xhat = (f - per_item.per_row(one_hot, mean)[..., None]) * per_item.per_row(one_hot, inv_std)[..., None]
+  return jnp.where(_rows_of(one_hot)[:, None], xhat.reshape(cap, c), 0)
 
 
 def group_statistics(x: SparseTensor, num_groups: int):
   """(mean, var), float32 [batch_size, num_groups]: over the channels of each group and the valid rows of
   each batch item. Batch items without valid rows get mean 0, var 0."""
-  mean, var, _, _ = _group_moments(x, num_groups)
-  return mean, var
+  return _group_moments(x, num_groups)
 
 
 def group_norm(x: SparseTensor, num_groups: int, scale=None, bias=None, *, epsilon: float = 1e-6,
-               dtype=None) -> SparseTensor:
-  """Group normalisation per batch item: each group of channels is normalised with the statistics of that
-  group over the valid rows of the row's batch item (the sparse twin of flax's GroupNorm on [B, X, Y, Z, C],
-  counting active sites only)."""
+               dtype=None, activation: Callable | None = None) -> SparseTensor:
+  """activation(group-normalised x * scale + bias) per batch item: each group of channels is normalised with
+  the statistics of that group over the valid rows of the row's batch item (the sparse twin of flax's GroupNorm
+  on [B, X, Y, Z, C], counting active sites only).
+
+  activation: an elementwise function applied in the same pass (e.g. jax.nn.silu), or None.
+
+  One differentiable unit (`_group_norm_unit`), like batch norm's: the forward's statistics and output passes,
+  and a backward that recomputes the normalised rows and the activation's input instead of keeping them, so a
+  training step holds only the input and the output of each normalisation.
+  """
   check_sparse_tensor(x)
   c = x.num_channels
   _check_groups(c, num_groups)
+  num_groups = int(num_groups)
   _check_affine("scale", scale, c)
   _check_affine("bias", bias, c)
-  _, var, centred, one_hot = _group_moments(x, num_groups)
-  row_inv = per_item.per_row(one_hot, lax.rsqrt(var + epsilon))  # padding rows: 0 (and centred is 0 there)
-  y = (centred * row_inv[..., None]).reshape(x.capacity, c)
-  return _finish(x, y, scale, bias, dtype)
+  if activation is not None and not callable(activation):
+    raise TypeError(f"activation must be a callable such as jax.nn.silu, got {activation!r}")
+  out_dtype = jnp.dtype(dtype if dtype is not None else x.dtype)
+  s = jnp.ones(c, jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
+  b = jnp.zeros(c, jnp.float32) if bias is None else jnp.asarray(bias, jnp.float32)
+  feats, one_hot, s, b = same_vma(x.feats, per_item.item_one_hot(x), s, b)
+  y = _group_norm_unit(feats, one_hot, s, b, num_groups, float(epsilon), activation, out_dtype)
+  return x.replace(feats=y)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _group_norm_unit(feats, one_hot, scale, bias, num_groups, epsilon, activation, out_dtype):
+  return _group_norm_unit_fwd(feats, one_hot, scale, bias, num_groups, epsilon, activation, out_dtype)[0]
+
+
+def _group_norm_unit_fwd(feats, one_hot, scale, bias, num_groups, epsilon, activation, out_dtype):
+  mean, var = _group_stats(feats, one_hot, num_groups)
+  inv_std = lax.rsqrt(var + epsilon)
+  z = _group_normalised(feats, one_hot, mean, inv_std, num_groups) * scale + bias
+  y = z if activation is None else activation(z)
+  y = jnp.where(_rows_of(one_hot)[:, None], y, 0).astype(out_dtype)
+  return y, (feats, one_hot, scale, bias, mean, inv_std)
+
+
+def _group_norm_unit_bwd(num_groups, epsilon, activation, out_dtype, res, g_y):
+  feats, one_hot, scale, bias, mean, inv_std = res
+  # As in batch norm's backward: tied to the cotangent, the recomputation stays in the backward pass.
+  g_y, feats, mean, inv_std = lax.optimization_barrier((g_y, feats, mean, inv_std))
+  cap, c = feats.shape
+  group_size = c // num_groups
+  valid = _rows_of(one_hot)[:, None]
+  xhat = _group_normalised(feats, one_hot, mean, inv_std, num_groups)
+  g = jnp.where(valid, _activation_grad(g_y.astype(jnp.float32), xhat, scale, bias, activation), 0)
+  sum_g, sum_gx = jnp.sum(g, axis=0), jnp.sum(g * xhat, axis=0)
+  # d/dx of (x - mean) * inv_std through the item's group mean and variance: the means over each (item, group)
+  # of the normalised rows' cotangent and of its product with them.
+  g_hat = (g * scale).reshape(cap, num_groups, group_size)
+  xhat = xhat.reshape(cap, num_groups, group_size)
+  denom = jnp.maximum(per_item.count_per_item(one_hot) * group_size, 1.0)[:, None]
+  mean_g = per_item.sum_per_item(one_hot, jnp.sum(g_hat, axis=-1)) / denom
+  mean_gx = per_item.sum_per_item(one_hot, jnp.sum(g_hat * xhat, axis=-1)) / denom
+  g_x = per_item.per_row(one_hot, inv_std)[..., None] * (
+      g_hat - per_item.per_row(one_hot, mean_g)[..., None] - xhat * per_item.per_row(one_hot, mean_gx)[..., None])
+  g_x = jnp.where(valid, g_x.reshape(cap, c), 0).astype(feats.dtype)
+  return g_x, jnp.zeros_like(one_hot), sum_gx, sum_g
+
+
+_group_norm_unit.defvjp(_group_norm_unit_fwd, _group_norm_unit_bwd)

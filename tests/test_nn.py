@@ -218,6 +218,49 @@ def test_group_norm_per_batch_item(num_groups, group_size):
   assert rel_err(gs, jax.jit(jax.grad(dense_loss))(x.feats)) < 1e-4
 
 
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.float16, 4e-3), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("act", [None, jax.nn.relu, jax.nn.silu], ids=["none", "relu", "silu"])
+def test_group_norm_with_activation_values_and_gradients(dtype, tol, act):
+  """group_norm(activation=...) (one custom_vjp unit) against autodiff of the textbook formula per batch item:
+  output, and the gradients of feats, scale and bias, with three items of different sizes, padding rows holding
+  garbage, a mean far from zero, and half precision."""
+  rng = np.random.default_rng(3)
+  sizes, pad, c, groups, eps = (70, 23, 41), 9, 12, 3, 1e-5
+  coords = np.concatenate([np.stack([np.full(k, b), np.arange(k) % 5, np.arange(k) // 5 % 5, np.arange(k) // 25], 1)
+                           for b, k in enumerate(sizes)]).astype(np.int32)
+  n = len(coords)
+  feats = (rng.standard_normal((n, c)) * 2.0 + 3.0).astype(np.float32)
+  x = jsparse.SparseTensor.from_coords(coords, jnp.asarray(feats, dtype), (5, 5, 3), len(sizes), capacity=n + pad)
+  x = x.replace(feats=x.feats.at[n:].set(jnp.asarray(7.5, dtype)))  # padding rows are never read
+  scale = jnp.asarray(rng.standard_normal(c) + 1, jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(c), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((n + pad, c)), jnp.float32)
+  order = np.asarray(x.coords[:n, 0])
+
+  def ours(f, s, b):
+    y = norm.group_norm(x.replace(feats=f), groups, s, b, epsilon=eps, activation=act)
+    return jnp.sum(y.feats.astype(jnp.float32) * w), y.feats
+
+  def reference(f, s, b):
+    out = jnp.zeros((n + pad, c), jnp.float32)
+    for item in range(len(sizes)):
+      rows = np.nonzero(order == item)[0]
+      v = f[rows].astype(jnp.float32).reshape(len(rows), groups, c // groups)
+      mu, var = jnp.mean(v, axis=(0, 2), keepdims=True), jnp.var(v, axis=(0, 2), keepdims=True)
+      z = ((v - mu) / jnp.sqrt(var + eps)).reshape(len(rows), c) * s + b
+      out = out.at[rows].set(z if act is None else act(z))
+    return jnp.sum(out * w), out
+
+  (grads, y) = jax.jit(jax.grad(ours, (0, 1, 2), has_aux=True))(x.feats, scale, bias)
+  (want_grads, want_y) = jax.jit(jax.grad(reference, (0, 1, 2), has_aux=True))(x.feats, scale, bias)
+  assert y.dtype == dtype and np.all(np.asarray(y[n:]) == 0)
+  assert rel_err(y, want_y) < tol
+  for got, want in zip(grads, want_grads):
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    assert rel_err(got, want) < tol
+  assert np.all(np.asarray(grads[0][n:]) == 0)
+
+
 def test_group_norm_empty_batch_item_is_finite():
   coords = np.array([[0, 1, 1, 1], [0, 2, 1, 1], [2, 0, 0, 0]], np.int32)  # item 1 has no sites
   x = jsparse.SparseTensor.from_coords(coords, np.arange(12, dtype=np.float32).reshape(3, 4), (3, 3, 3), 3,

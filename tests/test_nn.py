@@ -261,6 +261,33 @@ def test_group_norm_with_activation_values_and_gradients(dtype, tol, act):
   assert np.all(np.asarray(grads[0][n:]) == 0)
 
 
+def test_group_norm_modules_fuse_the_activation():
+  """SparseGroupNorm(activation=silu), linen and nnx, equals silu applied after the plain module (values and the
+  input gradient), with the same parameter tree."""
+  from flax import nnx
+  from jsparse import nnx as snnx
+
+  x = _norm_input(4, batch=3, channels=8)
+  m, fused = snn.SparseGroupNorm(num_groups=4), snn.SparseGroupNorm(num_groups=4, activation=nn.silu)
+  params = perturb(m.init(KEY, x))
+  assert jax.tree.structure(fused.init(KEY, x)) == jax.tree.structure(params)
+  cot = jnp.asarray(np.random.default_rng(2).standard_normal(x.feats.shape), jnp.float32)
+
+  def pair(apply_plain, apply_fused):
+    plain = lambda f: norm.activation(apply_plain(x.replace(feats=f)), jax.nn.silu).feats  # noqa: E731
+    both = [fn(x.feats) for fn in (plain, lambda f: apply_fused(x.replace(feats=f)).feats)]
+    grads = [jax.grad(lambda f, fn=fn: jnp.sum(fn(f) * cot))(x.feats)
+             for fn in (plain, lambda f: apply_fused(x.replace(feats=f)).feats)]
+    assert rel_err(both[1], both[0]) < 1e-6 and rel_err(grads[1], grads[0]) < 1e-5
+
+  pair(lambda t: m.apply(params, t), lambda t: fused.apply(params, t))
+  nm = snnx.SparseGroupNorm(8, 4, rngs=nnx.Rngs(0))
+  nf = snnx.SparseGroupNorm(8, 4, activation=nnx.silu, rngs=nnx.Rngs(0))
+  nm.scale[...] = nf.scale[...] = params["params"]["scale"]
+  nm.bias[...] = nf.bias[...] = params["params"]["bias"]
+  pair(nm, nf)
+
+
 def test_group_norm_empty_batch_item_is_finite():
   coords = np.array([[0, 1, 1, 1], [0, 2, 1, 1], [2, 0, 0, 0]], np.int32)  # item 1 has no sites
   x = jsparse.SparseTensor.from_coords(coords, np.arange(12, dtype=np.float32).reshape(3, 4), (3, 3, 3), 3,

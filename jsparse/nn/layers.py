@@ -200,11 +200,14 @@ class SparseGroupNorm(_AffineNormAttributes):
   """Group normalisation per batch item over the valid rows (nn.GroupNorm's attributes).
 
   Exactly one of num_groups / group_size is set (as flax); channels must divide evenly into groups.
+  activation: e.g. nn.silu, applied in the same pass as the normalisation (its backward recomputes the
+  normalised rows instead of keeping them: `jsparse.norm.group_norm`).
   """
 
   num_groups: int | None = 32
   group_size: int | None = None
   epsilon: float = 1e-6
+  activation: Callable | None = None
 
   @nn.compact
   def __call__(self, x: SparseTensor) -> SparseTensor:
@@ -213,7 +216,8 @@ class SparseGroupNorm(_AffineNormAttributes):
     c = x.num_channels
     num_groups = rules.group_count(name, c, self.num_groups, self.group_size)
     scale, bias = _affine(self, (c,))
-    return norm.group_norm(x, num_groups, scale, bias, epsilon=self.epsilon, dtype=_out_dtype(self, x))
+    return norm.group_norm(x, num_groups, scale, bias, epsilon=self.epsilon, dtype=_out_dtype(self, x),
+                           activation=self.activation)
 
 
 def _affine(module: nn.Module, shape):

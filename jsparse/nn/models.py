@@ -43,15 +43,19 @@ class SparseResNetBlock(_BlockAttributes):
   bn_momentum: float = 0.99
   axis_name: str | None = None
 
-  def _norm(self, name: str):
+  def _norm(self, name: str, activation=None):
+    """The block's norm `name` as f(x, train), with `activation` fused into its pass (or applied alone when the
+    block has no norm)."""
     check_norm_kind("SparseResNetBlock", self.norm)
     if self.norm is None:
-      return lambda x, train: x
+      return lambda x, train: x if activation is None else norm.activation(x, activation)
     if self.norm == "batch":
       bn = SparseBatchNorm(momentum=self.bn_momentum, dtype=self.dtype, param_dtype=self.param_dtype,
-                           axis_name=self.axis_name, implementation=self.implementation, name=name)
+                           axis_name=self.axis_name, activation=activation, implementation=self.implementation,
+                           name=name)
       return lambda x, train: bn(x, use_running_average=not train)
-    gn = SparseGroupNorm(num_groups=self.num_groups, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+    gn = SparseGroupNorm(num_groups=self.num_groups, dtype=self.dtype, param_dtype=self.param_dtype,
+                         activation=activation, name=name)
     return lambda x, train: gn(x)
 
   @nn.compact
@@ -61,7 +65,7 @@ class SparseResNetBlock(_BlockAttributes):
                                             name=name)
     with_bias = self.norm is None  # a norm right after the conv makes its bias redundant
     h = conv(self.kernel_size, "conv1", with_bias)(x)
-    h = norm.activation(self._norm("norm1")(h, train), self.activation)
+    h = self._norm("norm1", self.activation)(h, train)
     h = conv(self.kernel_size, "conv2", with_bias)(h)
     h = self._norm("norm2")(h, train)
     if x.num_channels != self.features:

@@ -355,21 +355,23 @@ class SparseLayerNorm(_Affine):
 
 class SparseGroupNorm(_Affine):
   """Group normalisation per batch item over the valid rows: the nnx twin of `jsparse.nn.SparseGroupNorm`
-  (nnx.GroupNorm's arguments: exactly one of num_groups / group_size, dividing num_features)."""
+  (nnx.GroupNorm's arguments: exactly one of num_groups / group_size, dividing num_features). activation: e.g.
+  nnx.silu, fused into the same pass."""
 
   def __init__(self, num_features: int, num_groups: int | None = 32, group_size: int | None = None, *,
                epsilon: float = 1e-6, dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                use_bias: bool = True, use_scale: bool = True, bias_init: Initializer = _zeros,
-               scale_init: Initializer = _ones, rngs: nnx.Rngs):
+               scale_init: Initializer = _ones, activation: Callable | None = None, rngs: nnx.Rngs):
     self._init_affine(num_features, dtype=dtype, param_dtype=param_dtype, use_bias=use_bias, use_scale=use_scale,
                       bias_init=bias_init, scale_init=scale_init, rngs=rngs)
     self.num_groups = rules.group_count(type(self).__name__, num_features, num_groups, group_size)
-    self.group_size, self.epsilon = num_features // self.num_groups, epsilon
+    self.group_size, self.epsilon, self.activation = num_features // self.num_groups, epsilon, activation
 
   def __call__(self, x: SparseTensor) -> SparseTensor:
-    """x normalised per batch item and channel group."""
+    """x normalised per batch item and channel group (then the activation, if any)."""
     x, scale, bias, out_dtype = self._affine_inputs(x)
-    return norm.group_norm(x, self.num_groups, scale, bias, epsilon=self.epsilon, dtype=out_dtype)
+    return norm.group_norm(x, self.num_groups, scale, bias, epsilon=self.epsilon, dtype=out_dtype,
+                           activation=self.activation)
 
 SubMConv2d = rules.in_rank(SubMConv3d, 2, __name__)
 SparseConv2d = rules.in_rank(SparseConv3d, 2, __name__)

@@ -41,13 +41,16 @@ class SparseResNetBlock(nnx.Module):
     def conv(cin: int, k: int) -> SubMConv3d:
       return SubMConv3d(cin, features, k, use_bias=with_bias, implementation=implementation, **common)
 
-    def make_norm():
+    def make_norm(fused_activation=None):
       if norm == "batch":
-        return SparseBatchNorm(features, momentum=bn_momentum, axis_name=axis_name, implementation=implementation,
-                               **common)
-      return SparseGroupNorm(features, num_groups, **common) if norm == "group" else nnx.data(None)
+        return SparseBatchNorm(features, momentum=bn_momentum, axis_name=axis_name, activation=fused_activation,
+                               implementation=implementation, **common)
+      if norm == "group":
+        return SparseGroupNorm(features, num_groups, activation=fused_activation, **common)
+      return nnx.data(None)
 
-    self.conv1, self.norm1 = conv(in_features, kernel_size), make_norm()
+    # norm1 applies the activation in its own pass (its backward recomputes rather than keeps the normalised rows).
+    self.conv1, self.norm1 = conv(in_features, kernel_size), make_norm(activation)
     self.conv2, self.norm2 = conv(features, kernel_size), make_norm()
     if in_features != features:
       self.proj, self.proj_norm = conv(in_features, 1), make_norm()
@@ -64,7 +67,9 @@ class SparseResNetBlock(nnx.Module):
 
   def __call__(self, x: SparseTensor, train: bool | None = None) -> SparseTensor:
     """The block on x's sites; train (None: the batch norms' own mode) picks batch or running statistics."""
-    h = norm.activation(self._norm(self.norm1, self.conv1(x), train), self.activation)
+    h = self._norm(self.norm1, self.conv1(x), train)
+    if self.norm1 is None:
+      h = norm.activation(h, self.activation)
     h = self._norm(self.norm2, self.conv2(h), train)
     shortcut = x if self.proj is None else self._norm(self.proj_norm, self.proj(x), train)
     out = h.replace(feats=h.feats + shortcut.feats.astype(h.dtype))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax import lax
+from jax import ad_checkpoint, lax
 
 import jsparse
 import jsparse.conv
@@ -286,6 +286,30 @@ def test_group_norm_modules_fuse_the_activation():
   nm.scale[...] = nf.scale[...] = params["params"]["scale"]
   nm.bias[...] = nf.bias[...] = params["params"]["bias"]
   pair(nm, nf)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+def test_norm_units_keep_only_their_input_for_the_backward(fused, capsys):
+  """What autodiff keeps for the backward of a norm + SiLU, by JAX's own account (print_saved_residuals): the
+  fused units (group norm and batch norm with activation=) keep one [rows, C] array, their input; a norm
+  followed by a separate activation keeps several more (the count is asserted, so this test also shows what
+  the fusion saves)."""
+  n, c = 300, 64
+  coords = np.stack([np.arange(n) % 2, np.arange(n) % 7, np.arange(n) // 7 % 7, np.arange(n) // 49], 1)
+  x = jsparse.SparseTensor.from_coords(coords.astype(np.int32), jnp.ones((n, c), jnp.float16), (7, 7, 7), 2)
+  s, b = jnp.ones(c), jnp.zeros(c)
+  if fused:
+    fns = [lambda f: norm.group_norm(x.replace(feats=f), 8, s, b, activation=jax.nn.silu).feats,
+           lambda f: norm.batch_norm(x.replace(feats=f), s, b, activation=jax.nn.silu).feats]
+  else:
+    fns = [lambda f: norm.activation(norm.group_norm(x.replace(feats=f), 8, s, b), jax.nn.silu).feats]
+  for fn in fns:
+    ad_checkpoint.print_saved_residuals(fn, x.feats)
+    kept = [line for line in capsys.readouterr().out.splitlines() if f"[{x.capacity},{c}]" in line]
+    if fused:
+      assert len(kept) == 1 and "from the argument" in kept[0], kept
+    else:
+      assert len(kept) >= 4, kept
 
 
 def test_group_norm_empty_batch_item_is_finite():

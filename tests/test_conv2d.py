@@ -643,7 +643,7 @@ def test_pallas_interpret_matches_xla():
       loss = (jnp.sum(s.feats ** 2) + jnp.sum(y.feats ** 2) + jnp.sum(z.feats * jnp.arange(2.0))
               + jnp.sum(jnp.sin(u.feats)))
       return loss, (s.feats, y.feats, z.feats, u.feats)
-    return jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True)(x.feats, w, b, ws, wi, wt)
+    return jax.jit(jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True))(x.feats, w, b, ws, wi, wt)
 
   (_, outs_p), grads_p = run("pallas")
   (_, outs_x), grads_x = run("xla")

@@ -340,7 +340,7 @@ def test_pallas_interpret_matches_xla():
                                   precision="highest")
       return jnp.sum(y.feats ** 2) + jnp.sum(z.feats * jnp.arange(2.0)) + jnp.sum(jnp.sin(u.feats)), (y.feats, z.feats,
                                                                                                       u.feats)
-    return jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True)(x.feats, w, b, wi, wt)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True))(x.feats, w, b, wi, wt)
 
   (_, outs_p), grads_p = run("pallas")
   (_, outs_x), grads_x = run("xla")

@@ -259,14 +259,6 @@ def _check_groups(channels: int, num_groups: int) -> int:
   return channels // num_groups
 
 
-def _group_moments(x: SparseTensor, num_groups: int):
-  """(mean, var) float32 [batch_size, G] of `group_statistics`, from the item one-hot's sums."""
-  check_sparse_tensor(x)
-  _check_groups(x.num_channels, num_groups)
-  one_hot = per_item.item_one_hot(x)  # sums per item as matmuls, not scatter-adds (see per_item.py)
-  return _group_stats(x.feats, one_hot, num_groups)
-
-
 def _rows_of(one_hot: jax.Array) -> jax.Array:
   """bool [capacity]: the valid rows (a padding row's one-hot row is zero)."""
   return jnp.sum(one_hot, axis=1) > 0
@@ -297,7 +289,10 @@ def _group_normalised(feats, one_hot, mean, inv_std, num_groups):
 def group_statistics(x: SparseTensor, num_groups: int):
   """(mean, var), float32 [batch_size, num_groups]: over the channels of each group and the valid rows of
   each batch item. Batch items without valid rows get mean 0, var 0."""
-  return _group_moments(x, num_groups)
+  check_sparse_tensor(x)
+  _check_groups(x.num_channels, num_groups)
+  # Sums per item as one-hot matmuls, not scatter-adds (see per_item.py).
+  return _group_stats(x.feats, per_item.item_one_hot(x), int(num_groups))
 
 
 def group_norm(x: SparseTensor, num_groups: int, scale=None, bias=None, *, epsilon: float = 1e-6,

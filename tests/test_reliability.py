@@ -476,6 +476,7 @@ _FEATS = np.ones((2, 3), np.float32)
      "out_capacity"),
     (lambda: norm.batch_norm(_small(), mean=jnp.zeros(3), var=jnp.asarray([1.0, -1.0, 1.0])), ValueError, "var"),
     (lambda: norm.group_norm(_small(), 1.0), TypeError, "num_groups"),
+    (lambda: norm.group_norm(_small(), 1, activation="silu"), TypeError, "activation"),
     (lambda: serialize.encode_morton(jnp.asarray([[1024, 0, 0]]), 10), ValueError, "xyz"),
     (lambda: serialize.encode_morton(jnp.asarray([[-1024, 0, 0]]), 10), ValueError, "xyz"),
     (lambda: serialize.encode_morton(jnp.asarray([[1.0, 0, 0]]), 10), TypeError, "xyz"),

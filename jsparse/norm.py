@@ -196,18 +196,6 @@ def _activation_grad(g, xhat, scale, bias, activation):
   return act_vjp(g)[0]
 
 
-def _after_cotangent(g_y, *residuals):
-  """The residuals, held back until the cotangent g_y exists (for the recomputation in a backward pass).
-
-  Without it XLA may fuse the activation's derivative into the forward pass and keep it as a [rows, C] mask
-  until the backward (measured: five such masks, 133 MB, in MinkUNet's fp16 training step; docs/perf_notes.md).
-  The barrier holds one element of g_y rather than g_y, because a barrier materialises its operands, and g_y is
-  often an expression better fused into its readers (a concat's slice, a residual add's ReLU backward).
-  """
-  first = lax.slice(g_y, (0,) * g_y.ndim, tuple(min(1, d) for d in g_y.shape))
-  return lax.optimization_barrier((first, *residuals))[1:]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _batch_norm_train(feats, num, scale, bias, epsilon, activation, out_dtype, impl):
   return _batch_norm_train_fwd(feats, num, scale, bias, epsilon, activation, out_dtype, impl)[0]
@@ -223,7 +211,10 @@ def _batch_norm_train_fwd(feats, num, scale, bias, epsilon, activation, out_dtyp
 def _batch_norm_train_bwd(epsilon, activation, out_dtype, impl, res, cotangents):
   feats, num, scale, bias, n, mean, inv_std = res
   g_y, g_mean, g_var = cotangents
-  feats, mean, inv_std = _after_cotangent(g_y, feats, mean, inv_std)
+  # Tied to the cotangent, the recomputation below cannot run before the backward: otherwise XLA fuses the
+  # activation's derivative into the forward pass and keeps it as a [rows, C] mask until here (measured: five
+  # such masks, 133 MB, in MinkUNet's fp16 training step; docs/perf_notes.md).
+  g_y, feats, mean, inv_std = lax.optimization_barrier((g_y, feats, mean, inv_std))
   valid = _valid(feats, num)[:, None]
   # Padding rows may hold anything (a nan there would reach sum_gx through 0 * nan): they become zeros first.
   xhat = jnp.where(valid, (feats.astype(jnp.float32) - mean) * inv_std, 0)
@@ -348,7 +339,8 @@ def _group_norm_unit_fwd(feats, one_hot, scale, bias, num_groups, epsilon, activ
 
 def _group_norm_unit_bwd(num_groups, epsilon, activation, out_dtype, res, g_y):
   feats, one_hot, scale, bias, mean, inv_std = res
-  feats, mean, inv_std = _after_cotangent(g_y, feats, mean, inv_std)
+  # As in batch norm's backward: tied to the cotangent, the recomputation stays in the backward pass.
+  g_y, feats, mean, inv_std = lax.optimization_barrier((g_y, feats, mean, inv_std))
   cap, c = feats.shape
   group_size = c // num_groups
   valid = _rows_of(one_hot)[:, None]

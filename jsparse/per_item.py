@@ -32,17 +32,40 @@ def item_one_hot(x: SparseTensor) -> jax.Array:
   return jax.nn.one_hot(item, x.batch_size, dtype=jnp.float32)  # index -1: a zero row
 
 
+# Rows per chunk in the first stage of the per-item sums (see _sum_rows).
+SUM_CHUNK_ROWS = 512
+
+
+def _in_chunks(a: jax.Array, rows: int) -> jax.Array:
+  """[capacity, ...] as [chunks, rows, ...], zero rows appended to fill the last chunk."""
+  pad = -a.shape[0] % rows
+  if pad:
+    a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+  return a.reshape((a.shape[0] // rows, rows) + a.shape[1:])
+
+
 def _sum_rows(one_hot: jax.Array, values: jax.Array) -> jax.Array:
   """[batch_size, ...]: per item, the float32 sum of its rows of values; a non-finite value reaches only its
-  own item's sum (see the module docstring)."""
-  nan = jnp.isnan(values)
+  own item's sum (see the module docstring).
+
+  Two stages: per chunk of SUM_CHUNK_ROWS rows, then over the chunks. As one product over all rows XLA
+  reduces hundreds of thousands of rows into batch_size x (a few dozen) outputs with little parallelism:
+  42-89 GB/s on an H200, most of group norm's time in the generative decoder (docs/perf_notes.md).
+  """
+  cap, tail, batch_size = values.shape[0], values.shape[1:], one_hot.shape[1]
+  flat = values.reshape(cap, -1)
+  nan = jnp.isnan(flat)
   # One product over [finite values | "+inf or NaN" | "-inf or NaN"]: the one-hot is read once.
-  operand = jnp.stack([jnp.where(jnp.isfinite(values), values, 0), ((values == jnp.inf) | nan).astype(jnp.float32),
-                       ((values == -jnp.inf) | nan).astype(jnp.float32)], axis=-1)
-  product = jnp.tensordot(one_hot, operand, axes=(0, 0), precision=lax.Precision.HIGHEST)
-  up, down = product[..., 1] > 0, product[..., 2] > 0
+  operand = jnp.concatenate([jnp.where(jnp.isfinite(flat), flat, 0), ((flat == jnp.inf) | nan).astype(jnp.float32),
+                             ((flat == -jnp.inf) | nan).astype(jnp.float32)], axis=1)
+  rows = max(1, min(SUM_CHUNK_ROWS, cap))
+  partial = jnp.einsum("krb,krx->kbx", _in_chunks(one_hot, rows), _in_chunks(operand, rows),
+                       precision=lax.Precision.HIGHEST)
+  # The barrier keeps the two stages apart: XLA's simplifier may otherwise fold a reduce of a reduce into one.
+  finite, up, down = jnp.split(jnp.sum(lax.optimization_barrier(partial), axis=0), 3, axis=1)
+  up, down = up > 0, down > 0
   non_finite = jnp.where(up & down, jnp.nan, jnp.where(up, jnp.inf, jnp.where(down, -jnp.inf, 0.0)))
-  return product[..., 0] + non_finite
+  return (finite + non_finite).reshape((batch_size,) + tail)
 
 
 def _gather_rows(one_hot: jax.Array, table: jax.Array) -> jax.Array:
@@ -102,5 +125,6 @@ def per_row(one_hot: jax.Array, table: jax.Array) -> jax.Array:
 
 
 def count_per_item(one_hot: jax.Array) -> jax.Array:
-  """float32 [batch_size]: the number of valid rows of each item."""
-  return jnp.sum(one_hot, axis=0)
+  """float32 [batch_size]: the number of valid rows of each item (two stages, as in _sum_rows)."""
+  rows = max(1, min(SUM_CHUNK_ROWS, one_hot.shape[0]))
+  return jnp.sum(lax.optimization_barrier(jnp.sum(_in_chunks(one_hot, rows), axis=1)), axis=0)

@@ -2,9 +2,12 @@
 
 Every op against its dense reference (values and gradients), padding rows kept empty through a chain of ops,
 determinism of a chain, and bad arguments of every family raising the documented error type. Shapes come from
-a small fixed set and every tensor has one capacity, so the examples share compilations.
+a small fixed set and every tensor has one capacity, so the examples share compilations; the computations are
+jitted once at module scope (geometry static), so that an example compiles a few programs, not each op eagerly.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +55,9 @@ def _padding_rows_empty(t: jsparse.SparseTensor) -> None:
   assert np.all(np.asarray(t.coords)[num:] == -1), "padding rows must hold coordinates -1"
 
 
-@FEW
-@given(seed=st.integers(0, 2**16), shape=SHAPES, ks=st.sampled_from([1, 3]), dilation=st.sampled_from([1, 2]))
-def test_submconv_values_and_gradients_match_dense(seed, shape, ks, dilation):
-  x, rng = _tensor(seed, shape, 3)
-  w = jnp.asarray(rng.standard_normal((ks, ks, ks, 3, 4)).astype(np.float32))
-  b = jnp.asarray(rng.standard_normal(4).astype(np.float32))
-  probe = jnp.where(x.valid_mask()[:, None], jnp.asarray(rng.standard_normal((CAPACITY, 4)), jnp.float32), 0)
+@functools.partial(jax.jit, static_argnames="dilation")
+def _submconv_sparse_and_dense_value_and_grads(x, w, b, probe, dilation):
+  """((loss, out), gradients w.r.t. feats, w, b) of the sparse submconv and of the dense reference."""
 
   def sparse_loss(feats, w, b):
     y = jsparse.submconv3d(x.replace(feats=feats), w, b, dilation=dilation, implementation=XLA,
@@ -69,11 +68,48 @@ def test_submconv_values_and_gradients_match_dense(seed, shape, ks, dilation):
     y = dense_submconv_at_sites(x, feats, w, b, dilation=dilation)
     return jnp.sum(y * probe), y
 
-  (_, ys), gs = jax.value_and_grad(sparse_loss, argnums=(0, 1, 2), has_aux=True)(x.feats, w, b)
-  (_, yd), gd = jax.value_and_grad(dense_loss, argnums=(0, 1, 2), has_aux=True)(x.feats, w, b)
+  return (jax.value_and_grad(sparse_loss, argnums=(0, 1, 2), has_aux=True)(x.feats, w, b),
+          jax.value_and_grad(dense_loss, argnums=(0, 1, 2), has_aux=True)(x.feats, w, b))
+
+
+@FEW
+@given(seed=st.integers(0, 2**16), shape=SHAPES, ks=st.sampled_from([1, 3]), dilation=st.sampled_from([1, 2]))
+def test_submconv_values_and_gradients_match_dense(seed, shape, ks, dilation):
+  x, rng = _tensor(seed, shape, 3)
+  w = jnp.asarray(rng.standard_normal((ks, ks, ks, 3, 4)).astype(np.float32))
+  b = jnp.asarray(rng.standard_normal(4).astype(np.float32))
+  probe = jnp.where(x.valid_mask()[:, None], jnp.asarray(rng.standard_normal((CAPACITY, 4)), jnp.float32), 0)
+  ((_, ys), gs), ((_, yd), gd) = _submconv_sparse_and_dense_value_and_grads(x, w, b, probe, dilation)
   assert rel_err(ys, yd) < 1e-5
   for a, r in zip(gs, gd):
     assert rel_err(a, r) < 1e-5
+
+
+@functools.partial(jax.jit, static_argnames=("stride", "padding"))
+def _strided_sparse_and_dense(x, w, stride, padding):
+  """The sparse strided conv, the dense conv, and the dense grid's positions whose receptive field holds a site."""
+  ks = w.shape[0]
+  y = jsparse.sparse_conv3d(x, w, stride=stride, padding=padding, out_capacity=4 * CAPACITY, implementation=XLA,
+                            precision="highest")
+  dense = _dense_conv(x.todense(), w, stride, padding, 1)
+  occupied = _dense_conv(x.replace(feats=jnp.ones_like(x.feats[:, :1])).todense(), jnp.ones((ks, ks, ks, 1, 1)),
+                         stride, padding, 1)[..., 0] > 0
+  return y, dense, occupied
+
+
+@functools.partial(jax.jit, static_argnames=("stride", "padding"))
+def _strided_sparse_and_dense_grads(x, w, y, probe, stride, padding):
+  """Gradients w.r.t. feats and w of the sparse conv and of the dense conv read at y's sites, through probe."""
+
+  def sparse_loss(feats, w):
+    out = jsparse.sparse_conv3d(x.replace(feats=feats), w, stride=stride, padding=padding,
+                                out_capacity=4 * CAPACITY, implementation=XLA, precision="highest")
+    return jnp.sum(out.feats * probe)
+
+  def dense_loss(feats, w):
+    return jnp.sum(_at_sites(_dense_conv(x.replace(feats=feats).todense(), w, stride, padding, 1), y) * probe)
+
+  return jax.grad(sparse_loss, argnums=(0, 1))(x.feats, w), jax.grad(dense_loss, argnums=(0, 1))(x.feats, w)
 
 
 @FEW
@@ -84,28 +120,15 @@ def test_strided_conv_values_sites_and_gradients_match_dense(seed, shape, ks, st
   lax.conv_general_dilated with explicit padding there, and the dense output is zero everywhere else."""
   x, rng = _tensor(seed, shape, 2)
   w = jnp.asarray(rng.standard_normal((ks, ks, ks, 2, 3)).astype(np.float32))
-  y = jsparse.sparse_conv3d(x, w, stride=stride, padding=padding, out_capacity=4 * CAPACITY, implementation=XLA,
-                            precision="highest")
+  y, dense, occupied = _strided_sparse_and_dense(x, w, stride, padding)
   _padding_rows_empty(y)
-  dense = _dense_conv(x.todense(), w, stride, padding, 1)
-  occupied = _dense_conv(x.replace(feats=jnp.ones_like(x.feats[:, :1])).todense(), jnp.ones((ks, ks, ks, 1, 1)),
-                         stride, padding, 1)[..., 0] > 0
   sites = np.argwhere(np.asarray(occupied))
   got = np.asarray(y.coords)[: int(y.num)]
   np.testing.assert_array_equal(np.asarray(sorted(map(tuple, got.tolist()))), sites.reshape(-1, 4))
   assert rel_err(y.feats, _at_sites(dense, y)) < 1e-5
   assert np.all(np.asarray(dense)[~np.asarray(occupied)] == 0)
   probe = jnp.asarray(rng.standard_normal((4 * CAPACITY, 3)), jnp.float32)
-
-  def sparse_loss(feats, w):
-    out = jsparse.sparse_conv3d(x.replace(feats=feats), w, stride=stride, padding=padding,
-                                out_capacity=4 * CAPACITY, implementation=XLA, precision="highest")
-    return jnp.sum(out.feats * probe)
-
-  def dense_loss(feats, w):
-    return jnp.sum(_at_sites(_dense_conv(x.replace(feats=feats).todense(), w, stride, padding, 1), y) * probe)
-
-  for a, r in zip(jax.grad(sparse_loss, argnums=(0, 1))(x.feats, w), jax.grad(dense_loss, argnums=(0, 1))(x.feats, w)):
+  for a, r in zip(*_strided_sparse_and_dense_grads(x, w, y, probe, stride, padding)):
     assert rel_err(a, r) < 1e-5
 
 
@@ -115,14 +138,21 @@ def test_transposed_conv_children_match_dense(seed, shape):
   """Each valid site c spawns its 8 children 2c + t with x[c] @ w[t]: lax.conv_transpose with kernel == stride."""
   x, rng = _tensor(seed, shape, 3)
   w = jnp.asarray(rng.standard_normal((2, 2, 2, 3, 2)).astype(np.float32))
-  y = jsparse.sparse_conv_transpose3d(x, w, stride=2, out_capacity=8 * CAPACITY, implementation=XLA,
-                                      precision="highest")
+  y, dense_at_sites = _transposed_sparse_and_dense(x, w)
   _padding_rows_empty(y)
   assert int(y.num) == 8 * int(x.num)
+  assert rel_err(y.feats, dense_at_sites) < 1e-5
+
+
+@jax.jit
+def _transposed_sparse_and_dense(x, w):
+  """The sparse transposed conv (kernel == stride 2) and the dense lax.conv_transpose read at its sites."""
+  y = jsparse.sparse_conv_transpose3d(x, w, stride=2, out_capacity=8 * CAPACITY, implementation=XLA,
+                                      precision="highest")
   # The docstring's equivalence: lax.conv_transpose with the kernel flipped (child t gets w[t]).
   dense = lax.conv_transpose(x.todense(), jnp.flip(w, (0, 1, 2)), (2, 2, 2), "VALID",
                              dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision=lax.Precision.HIGHEST)
-  assert rel_err(y.feats, _at_sites(dense, y)) < 1e-5
+  return y, _at_sites(dense, y)
 
 
 @FEW
@@ -133,23 +163,24 @@ def test_chain_keeps_padding_rows_empty_and_is_deterministic(seed, shape, dtype)
   x, rng = _tensor(seed, shape, 4, dtype=dtype)
   ws = [jnp.asarray(rng.standard_normal(s).astype(dtype) * 0.3) for s in [(3, 3, 3, 4, 4), (2, 2, 2, 4, 6),
                                                                            (2, 2, 2, 6, 4)]]
-
-  @jax.jit
-  def chain(x):
-    stages = [jsparse.submconv3d(x, ws[0], implementation=XLA)]
-    stages.append(norm.batch_norm(stages[-1], activation=jax.nn.relu))
-    stages.append(jsparse.sparse_conv3d(stages[-1], ws[1], stride=2, out_capacity=CAPACITY, implementation=XLA))
-    stages.append(jsparse.sparse_max_pool3d(stages[-1], 1, 1, out_capacity=CAPACITY))
-    stages.append(norm.group_norm(stages[-1], 2))
-    stages.append(jsparse.sparse_inverse_conv3d(stages[-1], ws[2], like=stages[1], stride=2, implementation=XLA))
-    return stages
-
-  first, second = chain(x), chain(x)
+  first, second = _chain(x, ws), _chain(x, ws)
   for a, b in zip(first, second):
     _padding_rows_empty(a)
     np.testing.assert_array_equal(np.asarray(a.feats), np.asarray(b.feats))
     np.testing.assert_array_equal(np.asarray(a.coords), np.asarray(b.coords))
     assert np.all(np.isfinite(np.asarray(a.feats, np.float32)))
+
+
+@jax.jit
+def _chain(x, ws):
+  """The chain's output after every stage (jitted once: examples of the same shape and dtype share it)."""
+  stages = [jsparse.submconv3d(x, ws[0], implementation=XLA)]
+  stages.append(norm.batch_norm(stages[-1], activation=jax.nn.relu))
+  stages.append(jsparse.sparse_conv3d(stages[-1], ws[1], stride=2, out_capacity=CAPACITY, implementation=XLA))
+  stages.append(jsparse.sparse_max_pool3d(stages[-1], 1, 1, out_capacity=CAPACITY))
+  stages.append(norm.group_norm(stages[-1], 2))
+  stages.append(jsparse.sparse_inverse_conv3d(stages[-1], ws[2], like=stages[1], stride=2, implementation=XLA))
+  return stages
 
 
 _BAD_STATIC = [2.5, "3", True, None, -1, 0]

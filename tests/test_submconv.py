@@ -1,4 +1,6 @@
 """submconv3d against the dense convolution (XLA path) and the Pallas kernels against the XLA path."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,17 @@ from hypothesis import strategies as st
 import jsparse
 from jsparse.neighbors import kernel_offsets
 from reference import SUBMCONV_CASES as CASES
+from pallas_kernels.gemm_plan import masked_plan, masked_plan_reference, pair_lists, pair_lists_reference
 from reference import dense_submconv_at_sites, numpy_neighbor_map, random_sparse, random_weights, rel_err
+
+# The plan and pair-list kernels and their XLA references, each jitted once here: every hypothesis example
+# (its own shapes) then compiles two programs instead of dispatching some forty ops eagerly, each an XLA
+# compilation of its own. Kernel and reference stay separate programs, so neither is fused into the other.
+_masked_plan_interpret = jax.jit(functools.partial(masked_plan, interpret=True), static_argnums=2)
+_masked_plan_reference = jax.jit(masked_plan_reference, static_argnums=2)
+_pair_lists_interpret = jax.jit(functools.partial(pair_lists, interpret=True), static_argnums=1,
+                                static_argnames="chunk_rows")
+_pair_lists_reference = jax.jit(pair_lists_reference, static_argnums=1)
 
 # (spatial_shape, batch, kernel_size, dilation, cin, cout, bias)
 @pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
@@ -116,7 +128,7 @@ def test_pallas_algorithms_interpret_match_xla(algorithm):
 
 
 def test_masked_plan_and_pair_lists():
-  from pallas_kernels.gemm_plan import gray_rank, masked_plan, pair_lists
+  from pallas_kernels.gemm_plan import gray_rank
 
   # Gray-code ranks: consecutive ranks' masks differ in one bit.
   n = jnp.arange(1 << 12, dtype=jnp.int32)
@@ -126,7 +138,8 @@ def test_masked_plan_and_pair_lists():
   x = random_sparse(rng, (8, 7, 6), 1, batch_size=2, density=0.25, pad=11)
   nbr = jsparse.neighbor_map(x, 3, implementation="xla").nbr
   num = int(x.num)
-  plan = masked_plan(nbr, x.num, 16, interpret=True)
+  # Checked on host copies: indexing the device arrays with each block's / offset's count compiles a slice each.
+  plan = jax.tree.map(np.asarray, _masked_plan_interpret(nbr, x.num, 16))
   order = np.asarray(plan.order)
   assert sorted(order.tolist()) == list(range(x.capacity)) and np.all(order[:num] < num)
   nbr_np = np.asarray(nbr)
@@ -145,7 +158,7 @@ def test_masked_plan_and_pair_lists():
     for j, v in enumerate(offsets):
       want = np.where((lane_rows >= 0) & (lane_rows < num), nbr_np[np.maximum(lane_rows, 0), v], -1)
       np.testing.assert_array_equal(block_rows[blk, j], want)
-  pairs = pair_lists(nbr, interpret=True)
+  pairs = jax.tree.map(np.asarray, _pair_lists_interpret(nbr, False))
   for v in range(nbr.shape[1]):
     count = int(pairs.counts[v])
     np.testing.assert_array_equal(np.asarray(pairs.rows[v, :count]), np.nonzero(has[:, v])[0])
@@ -159,13 +172,11 @@ def test_masked_plan_and_pair_lists():
 def test_masked_plan_kernel_matches_xla_reference(cap, v, fill, num_frac, block_m, seed):
   """The plan kernel (interpret mode) builds exactly the XLA reference's plan: order, used-first offsets
   (unused ones after, ascending), counts and gathered rows, for any fill, V (powers of two or not) and num."""
-  from pallas_kernels.gemm_plan import masked_plan, masked_plan_reference
-
   rng = np.random.default_rng(seed)
   nbr = np.where(rng.random((cap, v)) < fill, rng.integers(0, cap, (cap, v)), -1).astype(np.int32)
   num = jnp.asarray([int(num_frac * cap)], jnp.int32)
-  got = masked_plan(jnp.asarray(nbr), num, block_m, interpret=True)
-  want = masked_plan_reference(jnp.asarray(nbr), num, block_m)
+  got = _masked_plan_interpret(jnp.asarray(nbr), num, block_m)
+  want = _masked_plan_reference(jnp.asarray(nbr), num, block_m)
   for name, a, b in zip(got._fields, got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
@@ -177,12 +188,10 @@ def test_pair_lists_kernel_matches_xla_reference(cap, v, fill, mirrored, chunk_r
   """The pair-list kernels (interpret mode) build exactly the XLA reference's lists: the same rows, sources and
   counts, the same -1 padding, for any capacity (0, and not a multiple of the chunk), fill and V, full or
   mirrored (the reference's mirrored form reads the first (V+1)//2 columns of any map)."""
-  from pallas_kernels.gemm_plan import pair_lists, pair_lists_reference
-
   rng = np.random.default_rng(seed)
   nbr = jnp.asarray(np.where(rng.random((cap, v)) < fill, rng.integers(0, max(cap, 1), (cap, v)), -1), jnp.int32)
-  got = pair_lists(nbr, mirrored, interpret=True, chunk_rows=chunk_rows)
-  want = pair_lists_reference(nbr, mirrored)
+  got = _pair_lists_interpret(nbr, mirrored, chunk_rows=chunk_rows)
+  want = _pair_lists_reference(nbr, mirrored)
   assert got.mirrored == want.mirrored == (mirrored and v > 1)
   for name, a, b in zip(got._fields, got, want):
     assert a.shape == b.shape and a.dtype == b.dtype, name
@@ -192,14 +201,12 @@ def test_pair_lists_kernel_matches_xla_reference(cap, v, fill, mirrored, chunk_r
 def test_pair_lists_kernel_on_a_submanifold_map_and_bad_input():
   """A real submanifold map (3x3x3 and 5x5x5, padding rows past num), mirrored and full, under jit; and bad
   arguments named in the error."""
-  from pallas_kernels.gemm_plan import pair_lists, pair_lists_reference
-
   x = random_sparse(np.random.default_rng(12), (9, 8, 7), 1, batch_size=2, density=0.3, pad=21)
   for ks in (3, 5):
     nbr = jsparse.neighbor_map(x, ks, implementation="xla").nbr
     for mirrored in (False, True):
-      got = jax.jit(pair_lists, static_argnums=1, static_argnames="interpret")(nbr, mirrored, interpret=True)
-      want = pair_lists_reference(nbr, mirrored)
+      got = _pair_lists_interpret(nbr, mirrored)
+      want = _pair_lists_reference(nbr, mirrored)
       for name, a, b in zip(got._fields, got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} k{ks} mirrored={mirrored}")
   nbr = jnp.zeros((10, 27), jnp.int32)
@@ -534,14 +541,16 @@ def test_mirrored_pair_lists(v_kernel):
   full, half = pair_lists(nbr, interpret=True), pair_lists(nbr, mirrored=True, interpret=True)
   assert not full.mirrored and half.mirrored and half.rows.shape == ((v + 1) // 2, x.capacity)
   np.testing.assert_array_equal(np.asarray(half.counts), np.asarray(full.counts))
-  # Offset V-1-u holds offset u's pairs swapped: the same set of (row, source) pairs.
+  # Offset V-1-u holds offset u's pairs swapped: the same set of (row, source) pairs. (Compared on host copies:
+  # slicing the device arrays at each offset's count compiles a slice per count.)
+  full_np, half_np = jax.tree.map(np.asarray, full), jax.tree.map(np.asarray, half)
   for u in range(v):
     stored = min(u, v - 1 - u)
-    count = int(full.counts[u])
-    rows, srcs = np.asarray(half.rows[stored, :count]), np.asarray(half.sources[stored, :count])
+    count = int(full_np.counts[u])
+    rows, srcs = half_np.rows[stored, :count], half_np.sources[stored, :count]
     if u != stored:
       rows, srcs = srcs, rows
-    want = sorted(zip(np.asarray(full.rows[u, :count]).tolist(), np.asarray(full.sources[u, :count]).tolist()))
+    want = sorted(zip(full_np.rows[u, :count].tolist(), full_np.sources[u, :count].tolist()))
     assert sorted(zip(rows.tolist(), srcs.tolist())) == want
   dy = jnp.asarray(rng.standard_normal((x.capacity, 5)), jnp.float32)
   dy = jnp.where(x.valid_mask()[:, None], dy, 0)

@@ -264,26 +264,17 @@ def _rows_of(one_hot: jax.Array) -> jax.Array:
   return jnp.sum(one_hot, axis=1) > 0
 
 
-def _group_sums(one_hot: jax.Array, values: jax.Array, num_groups: int) -> jax.Array:
-  """float32 [batch_size, G]: per item, the sum of values [capacity, C] over its rows and each group's channels.
-  Per channel first and over the group's channels after, on the small [batch_size, C] sums: a sum over a
-  group's few channels inside every row is a short-row reduction, slow in XLA (docs/perf_notes.md)."""
-  per_channel = per_item.sum_per_item(one_hot, values)
-  return per_channel.reshape(per_channel.shape[0], num_groups, -1).sum(axis=-1)
-
-
 def _group_stats(feats: jax.Array, one_hot: jax.Array, num_groups: int):
   """(mean, biased var) float32 [batch_size, G] over each item's valid rows and each group's channels: a pass for
   the means, then one over the rows centred on them (float32 sums of squares about zero cancel badly)."""
   cap, c = feats.shape
   group_size = c // num_groups
   valid = _rows_of(one_hot)
-  f = jnp.where(valid[:, None], feats.astype(jnp.float32), 0)
+  f = jnp.where(valid[:, None], feats.astype(jnp.float32), 0).reshape(cap, num_groups, group_size)
   denom = jnp.maximum(per_item.count_per_item(one_hot) * group_size, 1.0)[:, None]
-  mean = _group_sums(one_hot, f, num_groups) / denom
-  centred = f.reshape(cap, num_groups, group_size) - per_item.per_row(one_hot, mean)[..., None]
-  centred = jnp.where(valid[:, None], centred.reshape(cap, c), 0)
-  var = _group_sums(one_hot, centred * centred, num_groups) / denom
+  mean = per_item.sum_per_item(one_hot, jnp.sum(f, axis=-1)) / denom
+  centred = jnp.where(valid[:, None, None], f - per_item.per_row(one_hot, mean)[..., None], 0)
+  var = per_item.sum_per_item(one_hot, jnp.sum(centred * centred, axis=-1)) / denom
   return mean, var
 
 
@@ -355,18 +346,14 @@ def _group_norm_unit_bwd(num_groups, epsilon, activation, out_dtype, res, g_y):
   valid = _rows_of(one_hot)[:, None]
   xhat = _group_normalised(feats, one_hot, mean, inv_std, num_groups)
   g = jnp.where(valid, _activation_grad(g_y.astype(jnp.float32), xhat, scale, bias, activation), 0)
-  # One pass over the rows for every sum: per item and channel, those of g and of g * xhat. The affine
-  # parameters' gradients add them over the items; the (item, group) means below add them over a group's
-  # channels (times scale: those of g_hat = g * scale).
-  sums = per_item.sum_per_item(one_hot, jnp.concatenate([g, g * xhat], axis=1))
-  sum_g, sum_gx = jnp.sum(sums[:, :c], axis=0), jnp.sum(sums[:, c:], axis=0)
+  sum_g, sum_gx = jnp.sum(g, axis=0), jnp.sum(g * xhat, axis=0)
   # d/dx of (x - mean) * inv_std through the item's group mean and variance: the means over each (item, group)
   # of the normalised rows' cotangent and of its product with them.
-  denom = jnp.maximum(per_item.count_per_item(one_hot) * group_size, 1.0)[:, None]
-  scaled = (sums * jnp.tile(scale, 2)).reshape(-1, 2, num_groups, group_size).sum(axis=-1)
-  mean_g, mean_gx = scaled[:, 0] / denom, scaled[:, 1] / denom
   g_hat = (g * scale).reshape(cap, num_groups, group_size)
   xhat = xhat.reshape(cap, num_groups, group_size)
+  denom = jnp.maximum(per_item.count_per_item(one_hot) * group_size, 1.0)[:, None]
+  mean_g = per_item.sum_per_item(one_hot, jnp.sum(g_hat, axis=-1)) / denom
+  mean_gx = per_item.sum_per_item(one_hot, jnp.sum(g_hat * xhat, axis=-1)) / denom
   g_x = per_item.per_row(one_hot, inv_std)[..., None] * (
       g_hat - per_item.per_row(one_hot, mean_g)[..., None] - xhat * per_item.per_row(one_hot, mean_gx)[..., None])
   g_x = jnp.where(valid, g_x.reshape(cap, c), 0).astype(feats.dtype)

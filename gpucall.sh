@@ -28,6 +28,9 @@ for step in "$@"; do
       timeout 150 python3 -m benchmarks.networks --networks decoder --sizes small --dtypes fp16 --modes train --anchors '' --profile --out /tmp/dph > /tmp/dph.log 2>&1; grep -A14 "Per-op" /tmp/dph.log | head -16; cp /tmp/dph/networks.json $OUT/dp_head.json ;;
     gputests)
       timeout 200 python3 -m pytest -q -p no:randomly tests/test_per_item.py tests/test_nn.py tests/test_networks.py -k "per_item or group or decoder" > $OUT/gputests.log 2>&1; tail -3 $OUT/gputests.log ;;
+    ablarge)
+      timeout 330 python3 -m benchmarks.probes.ab_networks .ab/base . --rounds 1 -- --networks decoder \
+        --sizes large --dtypes fp16 --anchors '' --warmup 2 --repeats 5 > $OUT/ablarge.log 2>&1; tail -5 $OUT/ablarge.log ;;
     mask)
       timeout 200 python3 -m pytest -q -p no:randomly tests/test_networks.py -k forward_masks > $OUT/mask.log 2>&1; tail -3 $OUT/mask.log ;;
     gn)

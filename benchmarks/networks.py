@@ -1090,6 +1090,11 @@ def render_profile(rec) -> str:
   return "\n".join(lines) + "\n"
 
 
+def site_count(n: int) -> str:
+  """A site count for a chart label: 3,530 -> "3.5k", 1,071,607 -> "1.07M"."""
+  return f"{n / 1e6:.2f}M" if n >= 100_000 else f"{n / 1e3:.1f}k"
+
+
 def plot_speedups(results, path: str, anchor: str = "spconv", device: str | None = None) -> str:
   """Bar chart of anchor time / jsparse time per network cell (one group per network and size, one bar per
   dtype and mode, each labelled with its value; "n/a" where either side has no time), with the 1x and 2x
@@ -1101,7 +1106,7 @@ def plot_speedups(results, path: str, anchor: str = "spconv", device: str | None
   cells = [(d, m) for d in ("fp16", "tf32") for m in MODES]
   groups = []
   for r in results:
-    key = f"{r['network']}\n{r['size']} ({r['sites'] / 1e6:.2f}M sites, b{r['batch_size']})"
+    key = f"{r['network']}\n{r['size']} ({site_count(r['sites'])} sites, b{r['batch_size']})"
     if key not in [g[0] for g in groups]:
       groups.append((key, {}))
     table = dict(groups)[key]

@@ -165,6 +165,8 @@ def test_speedup_chart_shows_each_ratio(tmp_path, monkeypatch):
   labels = [t.get_text() for t in ax.texts]
   assert labels == ["2.50", "2.50", "n/a", "n/a"]
   assert ax.get_xlabel() and "spconv time / jsparse time" in ax.get_ylabel() and "Test GPU" in ax.get_title()
+  assert [t.get_text() for t in ax.get_xticklabels()] == ["second\nsmall (2.0k sites, b2)"]
+  assert networks.site_count(1_071_607) == "1.07M" and networks.site_count(3530) == "3.5k"
 
 
 @pytest.mark.gpu

@@ -31,6 +31,11 @@ for step in "$@"; do
     ablarge)
       timeout 330 python3 -m benchmarks.probes.ab_networks .ab/base . --rounds 1 -- --networks decoder \
         --sizes large --dtypes fp16 --anchors '' --warmup 2 --repeats 5 > $OUT/ablarge.log 2>&1; tail -5 $OUT/ablarge.log ;;
+    abfused)
+      timeout 420 python3 -m benchmarks.probes.ab_networks .ab/base . --rounds 1 -- --networks decoder \
+        --sizes small,large --dtypes fp16 --modes train --anchors '' --warmup 2 --repeats 5 > $OUT/abfused.log 2>&1; tail -5 $OUT/abfused.log ;;
+    pitest)
+      timeout 100 python3 -m pytest -q -p no:randomly tests/test_per_item.py > $OUT/pitest.log 2>&1; tail -2 $OUT/pitest.log ;;
     mask)
       timeout 200 python3 -m pytest -q -p no:randomly tests/test_networks.py -k forward_masks > $OUT/mask.log 2>&1; tail -3 $OUT/mask.log ;;
     gn)

@@ -27,17 +27,20 @@ def test_per_item_sums_match_numpy(seed):
   np.testing.assert_array_equal(rows[n:], 0)
 
 
+@pytest.mark.parametrize("batch_size", [3, 12])
 @pytest.mark.parametrize("capacity", [per_item.SUM_CHUNK_ROWS, 2 * per_item.SUM_CHUNK_ROWS + 276])
-def test_per_item_sums_over_several_chunks(capacity):
+def test_per_item_sums_over_several_chunks(capacity, batch_size):
   """The sums run per chunk of SUM_CHUNK_ROWS rows, then over the chunks: a capacity of whole chunks and one
   that needs zero rows appended, items interleaved across chunk boundaries, padding rows holding garbage, and
-  +inf / -inf / NaN in item 2 only, which must not reach items 0 and 1 (float64 numpy reference)."""
+  +inf / -inf / NaN in item 2 only, which must not reach the other items (float64 numpy reference); a few
+  items and many."""
   rng = np.random.default_rng(capacity)
   n = capacity - 37
-  items = rng.integers(0, 3, n)
+  items = rng.integers(0, batch_size, n)
   coords = np.zeros((capacity, 4), np.int32)
   coords[:n, 0] = items
-  x = jsparse.SparseTensor(jnp.asarray(coords), jnp.zeros((capacity, 1)), jnp.asarray(n, jnp.int32), (4, 4, 4), 3)
+  x = jsparse.SparseTensor(jnp.asarray(coords), jnp.zeros((capacity, 1)), jnp.asarray(n, jnp.int32), (4, 4, 4),
+                           batch_size)
   one_hot = per_item.item_one_hot(x)
   values = rng.standard_normal((capacity, 5)).astype(np.float32) * 100
   values[n:] = np.nan  # padding: must not count
@@ -45,15 +48,17 @@ def test_per_item_sums_over_several_chunks(capacity):
   values[rows2[0], 0], values[rows2[1], 1], values[rows2[2], 2] = np.inf, -np.inf, np.nan
   values[rows2[3], 3], values[rows2[4], 3] = np.inf, -np.inf  # inf - inf: NaN
   sums = np.asarray(per_item.sum_per_item(one_hot, jnp.asarray(values)))
-  want = np.zeros((3, 5))
+  want = np.zeros((batch_size, 5))
   with np.errstate(invalid="ignore"):  # inf + -inf in the reference
     np.add.at(want, items, values[:n].astype(np.float64))
-  np.testing.assert_allclose(sums[:2], want[:2], rtol=1e-5, atol=1e-3)
+  others = np.arange(batch_size) != 2
+  np.testing.assert_allclose(sums[others], want[others], rtol=1e-5, atol=1e-3)
   np.testing.assert_array_equal(np.isposinf(sums[2]), np.isposinf(want[2]))
   np.testing.assert_array_equal(np.isneginf(sums[2]), np.isneginf(want[2]))
   np.testing.assert_array_equal(np.isnan(sums[2]), np.isnan(want[2]))
   np.testing.assert_allclose(sums[2, 4], want[2, 4], rtol=1e-5)
-  np.testing.assert_array_equal(np.asarray(per_item.count_per_item(one_hot)), np.bincount(items, minlength=3))
+  np.testing.assert_array_equal(np.asarray(per_item.count_per_item(one_hot)),
+                                np.bincount(items, minlength=batch_size))
 
 
 def test_global_pool_gradients_stay_row_sized():

@@ -19,6 +19,8 @@ the same way (a non-finite cotangent of item 1 does not reach item 0's rows).
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -53,7 +55,7 @@ def _sum_rows(one_hot: jax.Array, values: jax.Array) -> jax.Array:
   42-89 GB/s on an H200, most of group norm's time in the generative decoder (docs/perf_notes.md).
   """
   cap, tail, batch_size = values.shape[0], values.shape[1:], one_hot.shape[1]
-  flat = values.reshape(cap, -1)
+  flat = values.reshape(cap, math.prod(tail))  # not -1: a capacity of 0 leaves it undetermined
   nan = jnp.isnan(flat)
   # One product over [finite values | "+inf or NaN" | "-inf or NaN"]: the one-hot is read once.
   operand = jnp.concatenate([jnp.where(jnp.isfinite(flat), flat, 0), ((flat == jnp.inf) | nan).astype(jnp.float32),

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import jsparse
 from jsparse.neighbors import kernel_offsets
-from reference import SUBMCONV_CASES as CASES
 from pallas_kernels.gemm_plan import masked_plan, masked_plan_reference, pair_lists, pair_lists_reference
+from reference import SUBMCONV_CASES as CASES
 from reference import dense_submconv_at_sites, numpy_neighbor_map, random_sparse, random_weights, rel_err
 
 # The plan and pair-list kernels and their XLA references, each jitted once here: every hypothesis example

@@ -920,12 +920,16 @@ def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
     name_bytes[key] = name_bytes.get(key, 0.0) + size / calls
   unattributed = sorted({e["name"] for e in kernels if not meta.get(e["name"]) and not e["name"].startswith(
       MAP_KERNEL_PREFIXES) and not any(p in e["name"] for p in GEMM_NAME_PARTS)})
-  top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:100])
+  top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:300])
   # A kernel's GB/s tells a fusion that moves too many bytes (f32 intermediates) from one that runs slowly.
   top_gbps = {k: name_bytes[k] / (ms * 1e-3) / 1e9 for k, ms in top.items() if ms > 0}
   # GB/s by row: bytes its kernels' instructions read and write (hlo_bytes) over their time.
   gbps = {g: row_bytes.get(g, 0.0) / (ms * 1e-3) / 1e9 for g, ms in rows.items() if ms > 0}
-  return {"ms": rows, "gbps": gbps, "kernels": len(kernels) // calls, "threads": thread_names,
+  # First kernel start to last kernel end, per call: what the kernel total leaves of it is launch gaps and idle time.
+  span = 0.0
+  if kernels:
+    span = (max(e["ts"] + e.get("dur", 0.0) for e in kernels) - min(e["ts"] for e in kernels)) / 1e3 / calls
+  return {"ms": rows, "gbps": gbps, "kernels": len(kernels) // calls, "span_ms": span, "threads": thread_names,
           "unattributed": unattributed[:30], "top_kernels": top, "top_kernel_gbps": top_gbps}
 
 

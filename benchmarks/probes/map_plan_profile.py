@@ -33,7 +33,8 @@ def main(argv=None):
     compiled = jax.jit(map_and_forward_plan).lower(x).compile()
     prof = networks.profile_jax(compiled, (x,), args.calls, tempfile.mkdtemp())
     total = sum(prof["ms"].values())
-    print(f"== RES {res}: {len(coords):,} sites, {prof['kernels']} kernels, {total:.4f} ms of kernels per call")
+    print(f"== RES {res}: {len(coords):,} sites, {prof['kernels']} kernels, {total:.4f} ms of kernels per call, "
+          f"{prof['span_ms']:.4f} ms from first kernel start to last kernel end")
     for name, ms in list(prof["top_kernels"].items())[:args.top]:
       print(f"  {ms:8.4f}  {name}")
 

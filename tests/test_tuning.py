@@ -700,3 +700,18 @@ def test_a_registered_algorithm_is_usable_by_name_in_tables_and_by_the_tuner(mon
   assert tuning.ConfigTable.from_json(text).get(key) == cfg
   cands = pass_config.candidates("weight_grad", x.capacity, CIN, COUT, 27, jnp.float32, jsparse.WeightLayout.DHWIO)
   assert any(type(c) is Traced for c in cands) and any(type(c) is Masked for c in cands)
+
+
+def test_weight_grad_default_split_aims_at_more_programs_for_narrow_layers():
+  """The default weight-gradient split: about 16 programs per SM where both sides have <= 64 channels (measured
+  faster at 1M sites, docs/perf_notes.md), about 8 for wider layers, and never under 8 row steps per program."""
+  from pallas_kernels.tiling import gpu_num_sms
+  from pallas_kernels.weight_grad_config import default_config
+
+  sms = gpu_num_sms()
+  for c, per_sm in ((16, 16), (64, 16), (96, 8), (256, 8)):
+    cfg = default_config(1 << 20, c, c, 27, jnp.float16)
+    programs = 27 * -(-c // cfg.block_m) * -(-c // cfg.block_n) * cfg.split
+    assert per_sm * sms <= programs < per_sm * sms + 27 * 4, (c, programs)
+  small = default_config(3000, 16, 16, 27, jnp.float16)
+  assert small.split == max(1, 3000 // (8 * small.block_k))

@@ -16,8 +16,8 @@ NARROW_PROGRAMS_PER_SM = 16
 
 def programs_per_sm(cin: int, cout: int) -> int:
   """Programs per SM the default split aims at: 16 for narrow layers, whose few (offset, tile) programs are each
-  a long walk over the sites (1.1-1.2x faster than 8 at 1M sites, C 16-64, H200), else 8 (wider layers have
-  more tiles, and their float32 partial sums grow with the split)."""
+  a long walk over the sites, else 8 (wider layers have more tiles, and their float32 partial sums grow with the
+  split). Measurements: docs/perf_notes.md, "weight-gradient defaults and candidates"."""
   return NARROW_PROGRAMS_PER_SM if max(cin, cout) <= NARROW_CHANNELS else 8
 
 

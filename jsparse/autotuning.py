@@ -42,10 +42,13 @@ def median_ms(fn: Callable, args, warmup: int, repeats: int, inner: int = 4) -> 
   return 1e3 * float(np.median(times))
 
 
-def pass_function(pass_name: str, cfg: PassConfig, precision, weight_layout: WeightLayout, groups: int = 1):
+def pass_function(pass_name: str, cfg: PassConfig, precision, weight_layout: WeightLayout, groups: int = 1,
+                  input_grad_flips: bool = True):
   """A jitted f(PassInputs) running one pass with `cfg` exactly as the convolution runs it (`run_pass`);
-  plans and pair lists are inputs, built outside as the neighbour cache holds them."""
-  options = RunOptions(precision, not dispatch.on_gpu(), weight_layout, groups)  # off the GPU: the logic, not the speed
+  plans and pair lists are inputs, built outside as the neighbour cache holds them. input_grad_flips: as the
+  maps' (`ConvMaps.input_grad_flips`)."""
+  # Off the GPU: the logic, not the speed.
+  options = RunOptions(precision, not dispatch.on_gpu(), weight_layout, groups, input_grad_flips)
   return jax.jit(lambda inputs: run_pass(pass_name, cfg, inputs, options))
 
 
@@ -104,8 +107,8 @@ def tune_call(call: ConvCall, passes=PASSES, warmup: int = 2, repeats: int = 10,
         else:
           inputs = PassInputs(g, w, *maps.input_grad_map(), plan=plan)
       try:
-        ms = median_ms(pass_function(pass_name, cfg, call.precision, call.weight_layout, call.groups), (inputs,),
-                       warmup, repeats)
+        fn = pass_function(pass_name, cfg, call.precision, call.weight_layout, call.groups, maps.input_grad_flips)
+        ms = median_ms(fn, (inputs,), warmup, repeats)
       except Exception as e:  # a config that fails to compile (e.g. out of shared memory) is skipped
         if log:
           log(f"  {pass_name} {cfg}: failed ({type(e).__name__}: {str(e)[:120]})")

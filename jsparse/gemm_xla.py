@@ -53,25 +53,28 @@ def submconv_xla(feats: jax.Array, w: jax.Array, bias: jax.Array | None, nbr: ja
   return jnp.where(valid[:, None], out, 0).astype(feats.dtype)
 
 
-def transposed_weight(w, weight_layout: WeightLayout, groups: int = 1):
-  """The input gradient's weight: [V, Cout/groups, Cin] (DHWIO, flattened) with W'_v = W_{V-1-v}^T per group."""
+def transposed_weight(w, weight_layout: WeightLayout, groups: int = 1, flip_offsets: bool = True):
+  """The input gradient's weight: [V, Cout/groups, Cin] (DHWIO, flattened) with W'_v = W_{V-1-v}^T per group
+  (W_v^T without flip_offsets)."""
+  flip = (lambda a: jnp.flip(a, 0)) if flip_offsets else (lambda a: a)
   if groups == 1:
     w_t = jnp.transpose(w, (1, 0, 2)) if weight_layout.cout_major else jnp.swapaxes(w, 1, 2)
-    return jnp.flip(w_t, 0)
+    return flip(w_t)
   if weight_layout.cout_major:  # [G, Cout/G, V, Cin/G] -> [V, Cout/G, G, Cin/G]
     cout, v, cin_g = w.shape
     w_t = jnp.transpose(w.reshape(groups, cout // groups, v, cin_g), (2, 1, 0, 3))
   else:  # [V, Cin/G, G, Cout/G] -> [V, Cout/G, G, Cin/G]
     v, cin_g, cout = w.shape
     w_t = jnp.transpose(w.reshape(v, cin_g, groups, cout // groups), (0, 3, 2, 1))
-  return jnp.flip(w_t.reshape(v, w_t.shape[1], groups * cin_g), 0)
+  return flip(w_t.reshape(v, w_t.shape[1], groups * cin_g))
 
 
-def input_grad_xla(g, w, t_map, t_num, *, precision, weight_layout: WeightLayout, groups: int = 1):
-  """dx[j] = sum_v g[t_map[j, v]] @ W_{V-1-v}^T (per group): the forward over the transposed map with the
-  flipped, transposed weight."""
-  return submconv_xla(g, transposed_weight(w, weight_layout, groups), None, t_map, t_num, precision=precision,
-                      groups=groups)
+def input_grad_xla(g, w, t_map, t_num, *, precision, weight_layout: WeightLayout, groups: int = 1,
+                   flip_offsets: bool = True):
+  """dx[j] = sum_v g[t_map[j, v]] @ W_{V-1-v}^T (per group) over a submanifold map, or W_v^T over a transposed
+  map without flip_offsets (gather_gemm.conv_input_grad): the forward over that map with the transposed weight."""
+  return submconv_xla(g, transposed_weight(w, weight_layout, groups, flip_offsets), None, t_map, t_num,
+                      precision=precision, groups=groups)
 
 
 def weight_grad_xla(feats, g, nbr, num, *, precision, weight_layout: WeightLayout, groups: int = 1):

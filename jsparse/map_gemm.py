@@ -9,9 +9,11 @@ config is `run_pass`, which the tuner and benchmarks/kernels.py call too.
 The Pallas path is three bilinear GEMMs over one map, each a custom_vjp whose backward is the other two (and
 itself), so gradients of any order run the same kernels:
   forward       y = F(x, W)      y[i] = sum_v x[nbr[i, v]] @ W_v (+ bias)
-  input grad   dx = T(g, W)     dx[j] = sum_v g[t[j, v]] @ W_{V-1-v}^T  (t: the transposed map)
+  input grad   dx = T(g, W)     dx[j] = sum_v g[t[j, v]] @ W_v^T  (t: the transposed map, t[j, v] = i iff nbr[i, v] = j)
   weight grad  dW = G(x, g)   dW_v = sum_i x[nbr[i, v]]^T g[i]
-with vjp F = (T(h, W), G(x, h)), vjp T = (F(h, W), G(h, g)), vjp G = (T(g, H), F(x, H)).
+with vjp F = (T(h, W), G(x, h)), vjp T = (F(h, W), G(h, g)), vjp G = (T(g, H), F(x, H)). A submanifold map is
+its own transpose with the offsets reversed (nbr[j, V-1-v] = i iff nbr[i, v] = j), so its input gradient reads
+nbr itself with W_{V-1-v}^T at offset v (`RunOptions.input_grad_flips`): no transposed copy is made.
 """
 from __future__ import annotations
 
@@ -124,8 +126,9 @@ class ConvMaps(NamedTuple):
   """The integer arrays a map-GEMM reads (no gradients flow into them).
 
   nbr: int32 [M, V], the input row output i reads at offset v, or -1; num: valid output rows.
-  transposed: int32 [rows of feats, V] with transposed[j, V-1-v] = i iff nbr[i, v] = j, the input gradient's
-    map, and num_in the valid input rows; None for a submanifold map, which is its own transpose.
+  transposed: int32 [rows of feats, V] with transposed[j, v] = i iff nbr[i, v] = j (a strided convolution's
+    `inv`), the input gradient's map, and num_in the valid input rows; None for a submanifold map, which is its
+    own transpose with the offsets reversed (`input_grad_flips`).
   plans: {block_m: MaskedPlan} already built for nbr; pairs: PairLists already built (else built on demand).
   """
 
@@ -146,6 +149,12 @@ class ConvMaps(NamedTuple):
   def input_grad_map(self) -> tuple[jax.Array, jax.Array]:
     """(map, valid rows) the input gradient runs over: the transposed map, or a submanifold map itself."""
     return (self.nbr, self.num) if self.transposed is None else (self.transposed, self.num_in)
+
+  @property
+  def input_grad_flips(self) -> bool:
+    """Whether the input gradient reads offset v of its map with W_{V-1-v} (a submanifold map, which is its own
+    transpose with the offsets reversed) rather than W_v (a transposed map)."""
+    return self.transposed is None
 
   def input_grad_plan(self, block_m: int, interpret: bool = False) -> gemm_plan.MaskedPlan:
     """The input gradient's masked plan (over the transposed map; a submanifold map's own plan)."""
@@ -265,7 +274,8 @@ def map_gemm(feats: jax.Array, weight: jax.Array, bias: jax.Array | None, maps: 
                        maps.plan(cfgs[0].tiles.block_m, interpret) if cfgs[0].uses_plan else None,
                        maps.input_grad_plan(cfgs[1].tiles.block_m, interpret) if cfgs[1].uses_plan else None,
                        maps.pair_lists(interpret) if cfgs[2].uses_plan else None)
-  options = _Options(cfgs, RunOptions(spec.precision, spec.implementation.interpret, layout, spec.groups))
+  options = _Options(cfgs, RunOptions(spec.precision, spec.implementation.interpret, layout, spec.groups,
+                                      maps.input_grad_flips))
   return _forward(feats, weight, bias, arrays, options)
 
 

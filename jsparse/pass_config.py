@@ -54,12 +54,14 @@ class PassInputs(NamedTuple):
 
 class RunOptions(NamedTuple):
   """How every pass of one convolution runs: matmul precision, interpret mode, the weight's layout, the
-  feature groups (feature_group_count)."""
+  feature groups (feature_group_count), and whether the input gradient reads offset v of its map with the
+  weight of offset V-1-v (a submanifold map, `map_gemm.ConvMaps.input_grad_flips`)."""
 
   precision: object
   interpret: bool
   weight_layout: WeightLayout
   groups: int = 1
+  input_grad_flips: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +87,7 @@ class Explicit:
     if pass_name == "forward":
       return gemm_xla.submconv_xla(p.lhs, p.rhs, p.bias, p.nbr, p.num, **kw)
     if pass_name == "input_grad":
-      return gemm_xla.input_grad_xla(p.lhs, p.rhs, p.nbr, p.num, **kw)
+      return gemm_xla.input_grad_xla(p.lhs, p.rhs, p.nbr, p.num, flip_offsets=o.input_grad_flips, **kw)
     return gemm_xla.weight_grad_xla(p.lhs, p.rhs, p.nbr, p.num, **kw)
 
 
@@ -130,7 +132,8 @@ class Implicit:
     if pass_name == "forward":
       return gather_gemm.conv_forward(p.lhs, p.rhs, p.nbr, p.num, p.bias, plan=p.plan, **kw)
     if pass_name == "input_grad":
-      return gather_gemm.conv_input_grad(p.lhs, p.rhs, p.nbr, p.num, plan=p.plan, **kw)
+      return gather_gemm.conv_input_grad(p.lhs, p.rhs, p.nbr, p.num, plan=p.plan, flip_offsets=o.input_grad_flips,
+                                         **kw)
     # With pair lists the map is not passed: the backward pass then keeps the lists alive, not the map too.
     return weight_grad.weight_grad(p.lhs, p.rhs, p.nbr if p.pairs is None else None, pairs=p.pairs,
                                    out_dtype=p.lhs.dtype, **kw)

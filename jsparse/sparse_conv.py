@@ -5,9 +5,9 @@ Maps. Every op here is a gather-GEMM over an int32 map between two coordinate se
 - `nbr` [out_capacity, V]: nbr[i, v] = the input row read by output i at kernel offset v, or -1;
 - `inv` [in_capacity, V]: inv[j, v] = the output row that reads input j at offset v, or -1 (for a strided
   convolution each (j, v) feeds at most one output, since o*stride = position + padding - offset*dilation).
-A strided convolution's forward runs over `nbr` and its input gradient over `inv` (flipped: the GEMM kernel
-reads offset V-1-v with the transposed weight). The inverse convolution is the same op with the two maps
-swapped, so one op (jsparse.map_gemm) serves submanifold, strided, inverse and transposed convolutions.
+A strided convolution's forward runs over `nbr` and its input gradient over `inv` (offset v with the
+transposed weight of offset v). The inverse convolution is the same op with the two maps swapped, so one op
+(jsparse.map_gemm) serves submanifold, strided, inverse and transposed convolutions.
 
 Output coordinates (jit-friendly): every valid input proposes, per kernel offset, the output it would
 feed (where the stride divides and the output is inside the grid). XLA: the proposals are sorted and
@@ -424,7 +424,7 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
                      "with this out_capacity")
   else:
     check_same_sites("sparse_conv3d", "cache (a PairMap)", cache.in_coords, cache.in_num, x.coords, x.num)
-  maps = ConvMaps(cache.nbr, cache.out_num, jnp.flip(cache.inv, 1), x.num)
+  maps = ConvMaps(cache.nbr, cache.out_num, cache.inv, x.num)
   feats = conv_map_gemm(x.feats, weight, w, b, maps, spec)
   out = cache.output(feats, x)
   return (out, cache.overflow) if with_overflow else out
@@ -518,7 +518,7 @@ def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike | Compressed2to4,
                     grid=geom.out_shape)
   inv, nbr = _inverse_maps(y, like, geom)
   # The forward map of the inverse is the transposed map of the convolution, and vice versa.
-  feats = conv_map_gemm(y.feats, weight, w, b, ConvMaps(inv, like.num, jnp.flip(nbr, 1), y.num), spec)
+  feats = conv_map_gemm(y.feats, weight, w, b, ConvMaps(inv, like.num, nbr, y.num), spec)
   return like.replace(feats=feats, overflow=like.overflow | y.overflow)
 
 
@@ -673,7 +673,7 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
                       "output_padding 0, dilation 1); this transposed convolution has "
                       + _describe(names=_TRANSPOSE_ARGUMENTS), **_sizes(geom, names=_TRANSPOSE_ARGUMENTS))
     out_coords, out_num, nbr, inv, overflow = _transpose_map(x, geom, out_capacity, implementation, True)
-    feats = conv_map_gemm(x.feats, weight, w, b, ConvMaps(nbr, out_num, jnp.flip(inv, 1), x.num), spec)
+    feats = conv_map_gemm(x.feats, weight, w, b, ConvMaps(nbr, out_num, inv, x.num), spec)
     out = SparseTensor(out_coords, feats, out_num, geom.out_shape, x.batch_size, overflow=x.overflow | overflow)
   return (out, overflow) if with_overflow else out
 
@@ -708,7 +708,7 @@ def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity
     nbr = jnp.full((out_capacity, t_count), -1, jnp.int32).at[jnp.arange(out_capacity), child].set(
         jnp.where(filled, parent, -1))
     inv = _scatter_transpose(nbr, x.capacity)
-    feats = map_gemm(x.feats, w, b, ConvMaps(nbr, out_num, jnp.flip(inv, 1), x.num), spec)
+    feats = map_gemm(x.feats, w, b, ConvMaps(nbr, out_num, inv, x.num), spec)
   else:
     # All children of every row in one matmul (no zero-padded gather), then pick the kept ones.
     groups = spec.groups

@@ -92,16 +92,17 @@ def _mac_kernel(ops: DepthwiseOperands, o_ref, *, num_rows, num_offsets, k_group
   plgpu.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=out_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("weight_axes", "flip_offsets", "groups", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("weight_axes", "flip_offsets", "groups", "config", "interpret", "name"))
 def group_mac(x, weight, nbr, num, bias=None, *, weight_axes: str = "vkn", flip_offsets: bool = False,
-              groups: int = 1, config: TileConfig | None = None, interpret: bool = False):
+              groups: int = 1, config: TileConfig | None = None, interpret: bool = False, name: str = "depthwise"):
   """out[i, n] = sum_v sum_r x[nbr[i, v], group(n) K/G + r] W_v[r, n] (+ bias) for i < num, zero rows after.
 
   x: [R_x, K]; nbr: int32 [M, V] (-1 = none); num: int32 scalar; bias: [N] or None.
   weight: W_v for every offset, axes named by weight_axes (a permutation of "vkn", as gather_gemm), holding one
     group's K and all N ([V, K/G, N], a forward) or all K and one group's N ([V, K, N/G], an input gradient).
-  flip_offsets: W_v is the matrix stored for offset V-1-v (the input gradient's read).
+  flip_offsets: W_v is the matrix stored for offset V-1-v (the input gradient's read of a submanifold map).
   groups: feature groups G; output column n belongs to group n // (N/G).
+  name: the launch's name in profiles ("depthwise_t" for input gradients).
   config: block_m rows x block_n columns per program; split > 1 splits the offsets (float32 partial sums).
   Returns [M, N] in x's dtype, accumulated in float32.
   """
@@ -131,7 +132,7 @@ def group_mac(x, weight, nbr, num, bias=None, *, weight_axes: str = "vkn", flip_
       grid=(pl.cdiv(m, cfg.block_m), pl.cdiv(n_dim, cfg.block_n), split),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
-      name="depthwise_t" if flip_offsets else "depthwise",
+      name=name,
   )(ops)
   return sum_split(out, bias, num, x.dtype)
 
@@ -144,12 +145,15 @@ def conv_forward(x, weight, nbr, num, bias=None, *, config: TileConfig, interpre
 
 
 def conv_input_grad(g, weight, t_map, t_num, *, config: TileConfig, interpret: bool = False,
-                    weight_layout: WeightLayout | str = WeightLayout.DHWIO, groups: int = 1):
-  """A grouped convolution's input gradient over the transposed map: the weight read in place, its Cin/G axis
-  as the output columns within a group and its Cout axis as the reduction."""
+                    weight_layout: WeightLayout | str = WeightLayout.DHWIO, groups: int = 1,
+                    flip_offsets: bool = True):
+  """A grouped convolution's input gradient over the map t_map: the weight read in place, its Cin/G axis as the
+  output columns within a group and its Cout axis as the reduction. flip_offsets: offset v of t_map reads the
+  weight of offset V-1-v (a submanifold map, its own transpose with the offsets reversed), else offset v's (a
+  transposed map, t_map[j, v] = i iff nbr[i, v] = j)."""
   axes = "kvn" if WeightLayout.of(weight_layout).cout_major else "vnk"
-  return group_mac(g, weight, t_map, t_num, weight_axes=axes, flip_offsets=True, groups=groups, config=config,
-                   interpret=interpret)
+  return group_mac(g, weight, t_map, t_num, weight_axes=axes, flip_offsets=flip_offsets, groups=groups,
+                   config=config, interpret=interpret, name="depthwise_t")
 
 
 def _weight_grad_kernel(ops: DepthwiseOperands, o_ref, *, num_rows, k_group, n_group, n_dim, block_m, block_n,

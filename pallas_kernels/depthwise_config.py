@@ -97,5 +97,5 @@ class Depthwise:
     if pass_name == "forward":
       return depthwise.conv_forward(p.lhs, p.rhs, p.nbr, p.num, p.bias, **kw)
     if pass_name == "input_grad":
-      return depthwise.conv_input_grad(p.lhs, p.rhs, p.nbr, p.num, **kw)
+      return depthwise.conv_input_grad(p.lhs, p.rhs, p.nbr, p.num, flip_offsets=o.input_grad_flips, **kw)
     return depthwise.weight_grad(p.lhs, p.rhs, p.nbr, p.num, out_dtype=p.lhs.dtype, **kw)

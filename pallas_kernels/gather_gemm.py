@@ -1,8 +1,9 @@
 """Implicit GEMM with the gather fused in: out[i] = sum_v x[nbr[i, v]] @ W_v (+ bias).
 
 One kernel serves two passes of a convolution: the forward (x the input features, W_v offset v's [Cin, Cout]
-matrix) and the input gradient (x the output gradient over the transposed map, W_v offset V-1-v's matrix
-transposed: `flip_offsets`). It reads W_v out of a weight stored in any axis order (`weight_axes`), so both
+matrix) and the input gradient (x the output gradient over the transposed map, W_v offset v's matrix
+transposed; over a submanifold map, its own transpose with the offsets reversed, offset V-1-v's: `flip_offsets`).
+It reads W_v out of a weight stored in any axis order (`weight_axes`), so both
 weight layouts serve both passes; `conv_forward` / `conv_input_grad` pick the read per layout.
 
 The reduction runs over (offset, channel chunk) steps flattened into one loop so that Triton pipelines the
@@ -63,14 +64,16 @@ def conv_forward(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = No
 
 def conv_input_grad(g, weight, t_map, t_num, *, plan: MaskedPlan | None = None, config: TileConfig, precision=None,
                     interpret: bool = False, weight_layout: WeightLayout | str = WeightLayout.DHWIO,
-                    groups: int = 1):
-  """The input gradient of a convolution: dx[j] = sum_v g[t_map[j, v]] @ W_{V-1-v}^T over the transposed map
-  (for a submanifold map, the map itself), W_v [Cin, Cout] as in `conv_forward`.
+                    groups: int = 1, flip_offsets: bool = True):
+  """The input gradient of a convolution: dx[j] = sum_v g[t_map[j, v]] @ W_{V-1-v}^T over a submanifold map
+  (flip_offsets: its own transpose with the offsets reversed), or sum_v g[t_map[j, v]] @ W_v^T over a transposed
+  map (t_map[j, v] = i iff nbr[i, v] = j; flip_offsets=False), W_v [Cin, Cout] as in `conv_forward`.
 
   DHWIO is read K-contiguous in place; ODHWI straight or through a [V, Cin, Cout] copy as
   `reads_weight_k_major` picks (the mirror of the forward's rule).
   """
-  kw = dict(plan=plan, config=config, precision=precision, interpret=interpret, flip_offsets=True, groups=groups)
+  kw = dict(plan=plan, config=config, precision=precision, interpret=interpret, flip_offsets=flip_offsets,
+            groups=groups, name="gather_gemm_t")
   if not WeightLayout.of(weight_layout).cout_major:
     return gather_gemm(g, weight, t_map, t_num, weight_axes="vnk", **kw)
   if reads_weight_k_major(t_map.shape[0], config, g.dtype):
@@ -177,17 +180,17 @@ def _gather_gemm_kernel(ops: GatherGemmOperands, o_ref, *, num_rows, num_offsets
 
 
 @functools.partial(jax.jit, static_argnames=("weight_axes", "flip_offsets", "skip_empty", "config", "precision",
-                                             "interpret", "groups"))
+                                             "interpret", "groups", "name"))
 def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = None, weight_axes: str = "vkn",
                 flip_offsets: bool = False, skip_empty: bool = True, config: TileConfig | None = None,
-                precision=None, interpret: bool = False, groups: int = 1):
+                precision=None, interpret: bool = False, groups: int = 1, name: str = "gather_gemm"):
   """out[i] = sum_v x[nbr[i, v]] @ W_v (+ bias) for i < num, zero rows for i >= num.
 
   x: [R, K] rows to gather (nbr entries index them; -1 = none).
   weight: W_v for every offset, its axes named by weight_axes, a permutation of "vkn" (offset, reduction,
     output column): "vkn" = [V, K, N] (W_v = weight[v]), "vnk" = [V, N, K] (W_v = weight[v]^T), "nvk" =
     [N, V, K], ... A K-contiguous read ("..k") is what tensor cores want.
-  flip_offsets: W_v is the matrix stored for offset V-1-v (the input gradient's read).
+  flip_offsets: W_v is the matrix stored for offset V-1-v (the input gradient's read of a submanifold map).
   nbr: int32 [M, V]; num: int32 scalar (rows >= num are written as zeros); bias: [N] or None.
   plan: a `gemm_plan.masked_plan(nbr, num, config.block_m)`: rows in its order, each block looping only over
     the offsets its rows use. None: every block loops over every offset (skipping unused ones if skip_empty).
@@ -196,6 +199,7 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
   groups: feature groups: output columns [j N/G, (j+1) N/G) sum over x's columns [j K/G, (j+1) K/G) only. The
     weight then holds one group's K and all N ([V, K/G, N], the forward's) or all K and one group's N
     ([V, K, N/G], the input gradient's), told apart by its shape; tiles cover one group's K and N.
+  name: the launch's name in profiles ("gather_gemm_t" for input gradients).
   Returns [M, N] in x's dtype, accumulated in float32.
   """
   m, num_offsets = nbr.shape
@@ -237,6 +241,6 @@ def gather_gemm(x, weight, nbr, num, bias=None, *, plan: MaskedPlan | None = Non
             (num_blocks, groups * pl.cdiv(n_group, cfg.block_n), split)),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
-      name="gather_gemm_t" if flip_offsets else "gather_gemm",
+      name=name,
   )(ops)
   return sum_split(out, bias, num, x.dtype)

@@ -465,3 +465,27 @@ def test_jitted_down_up_chain_uses_the_carried_map():
   assert rel_err(jax.jit(net)(x, wd, ws, wu), eager) < 1e-5
   g = jax.jit(jax.grad(lambda *a: jnp.sum(net(*a) ** 2), argnums=(1, 2, 3)))(x, wd, ws, wu)
   assert all(np.isfinite(np.asarray(a)).all() for a in g)
+
+
+@pytest.mark.parametrize("algorithm", ["explicit", "masked", "implicit_splitk"])
+def test_every_algorithm_reads_the_transposed_maps_unflipped(algorithm):
+  """The input gradient of strided, inverse and transposed convolutions runs over the transposed map as it is
+  (t[j, v] = i iff nbr[i, v] = j, offset v with W_v^T): every algorithm's gradients equal JAX's autodiff of the
+  XLA path, an anisotropic kernel and stride included (a reversed offset order would pair the wrong weights)."""
+  rng = np.random.default_rng(13)
+  x = random_sparse(rng, (7, 6, 5), 3, batch_size=2, density=0.35, pad=3)
+  w, wi, wt = _w(rng, (3, 2, 1, 3, 4)), _w(rng, (3, 2, 1, 4, 2)), _w(rng, (2, 1, 3, 3, 2))
+  cot = jnp.asarray(rng.standard_normal((x.capacity, 2)).astype(np.float32))
+
+  def run(impl, algo):
+    def f(feats, w, wi, wt):
+      xx = x.replace(feats=feats)
+      kw = dict(implementation=impl, precision="highest", algorithm=algo)
+      y = sparse_conv3d(xx, w, stride=(2, 1, 2), padding=(1, 0, 0), out_capacity=x.capacity, **kw)
+      z = sparse_inverse_conv3d(y, wi, like=xx, stride=(2, 1, 2), padding=(1, 0, 0), **kw)
+      u = sparse_conv_transpose3d(xx, wt, stride=(1, 2, 1), out_capacity=x.capacity * 4, **kw)
+      return jnp.sum(z.feats * cot) + jnp.sum(jnp.sin(u.feats))
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(x.feats, w, wi, wt)
+
+  for a, r in zip(run("pallas", algorithm), run("xla", "auto")):
+    assert rel_err(a, r) < 1e-5

@@ -418,9 +418,9 @@ def test_autotune_tunes_an_odhwi_convolution_with_its_layout(monkeypatch):
     seen.append(("candidates", pass_name, weight_layout))
     return list(WG_CANDIDATES if pass_name == "weight_grad" else GEMM_CANDIDATES)
 
-  def pass_fn(pass_name, cfg, precision, weight_layout, groups=1):
+  def pass_fn(pass_name, cfg, precision, weight_layout, groups=1, input_grad_flips=True):
     seen.append((pass_name, weight_layout))
-    return real_pass_fn(pass_name, cfg, precision, weight_layout, groups)
+    return real_pass_fn(pass_name, cfg, precision, weight_layout, groups, input_grad_flips)
 
   monkeypatch.setattr(pass_config, "candidates", cands)
   monkeypatch.setattr(autotuning, "pass_function", pass_fn)

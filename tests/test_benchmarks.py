@@ -244,3 +244,36 @@ def test_kernels_batch_norm_workloads_agree():
     assert len(got) == len(want) >= 2
     for g, w in zip(got, want):
       assert rel_err(g, w) < 1e-5
+
+
+def test_ab_networks_sets_each_sides_environment(monkeypatch, capsys):
+  """ab_networks: --base-env / --head-env reach only their side's process (a tree compared with itself under
+  other XLA flags), the tree goes first on PYTHONPATH, and the table pairs the two sides' cells."""
+  import os
+  import subprocess
+  import sys
+
+  from benchmarks.probes import ab_networks
+
+  seen = []
+
+  def fake_run(cmd, cwd, env, check):
+    out_dir = cmd[cmd.index("--out") + 1]
+    seen.append((env.get("XLA_FLAGS"), env["PYTHONPATH"]))
+    ms = 2.0 if env.get("XLA_FLAGS") else 4.0
+    result = {"results": [{"network": "second", "size": "small", "dtype": "fp16",
+                           "jsparse": {"train": {"median_ms": ms, "peak_bytes": 2**20}}}]}
+    with open(f"{out_dir}/networks.json", "w") as f:
+      json.dump(result, f)
+    return subprocess.CompletedProcess(cmd, 0)
+
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.setattr(ab_networks.subprocess, "run", fake_run)
+  monkeypatch.setattr(sys, "argv", ["ab", ".", ".", "--rounds", "1", "--head-env", "XLA_FLAGS=--a=1", "--",
+                                    "--networks", "second"])
+  ab_networks.main()
+  here = os.path.abspath(".")
+  assert seen == [(None, here), ("--a=1", here)]
+  assert "| second small fp16 train | 4.00 | 2.00 | 0.500 | 1 | 1 |" in capsys.readouterr().out
+  with pytest.raises(ValueError, match="NAME=VALUE"):
+    ab_networks.env_pairs(["novalue"])

@@ -8,6 +8,12 @@ Machines of one pool differ by several percent, so a change is measured against 
 
 Each round runs `benchmarks.networks` once per tree in a fresh process (PYTHONPATH pointing at the tree), and the
 table at the end gives each cell's median over rounds for both trees and their ratio.
+
+`--base-env` / `--head-env NAME=VALUE` (repeatable) set environment variables for one side only, so one tree can
+be compared with itself under other XLA flags:
+
+  python -m benchmarks.probes.ab_networks . . --head-env XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 -- \
+      --networks second,decoder --sizes small --dtypes fp16 --anchors ''
 """
 import argparse
 import json
@@ -18,8 +24,19 @@ import sys
 import tempfile
 
 
-def run_tree(tree: str, argv: list[str], out_dir: str) -> dict:
-  env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+def env_pairs(items: list[str]) -> dict[str, str]:
+  """{"NAME": "VALUE"} of NAME=VALUE strings (the value may hold '=')."""
+  out = {}
+  for item in items:
+    name, sep, value = item.partition("=")
+    if not sep or not name:
+      raise ValueError(f"expected NAME=VALUE, got {item!r}")
+    out[name] = value
+  return out
+
+
+def run_tree(tree: str, argv: list[str], out_dir: str, extra_env: dict[str, str] | None = None) -> dict:
+  env = {**os.environ, "PYTHONPATH": os.path.abspath(tree), **(extra_env or {})}
   cmd = [sys.executable, "-m", "benchmarks.networks", *argv, "--out", out_dir]
   subprocess.run(cmd, cwd=os.path.abspath(tree), env=env, check=True)
   with open(os.path.join(out_dir, "networks.json")) as f:
@@ -38,13 +55,16 @@ def main():
   ap.add_argument("base")
   ap.add_argument("head")
   ap.add_argument("--rounds", type=int, default=2)
+  ap.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE", help="environment, base only")
+  ap.add_argument("--head-env", action="append", default=[], metavar="NAME=VALUE", help="environment, head only")
   own, argv = (sys.argv[1:], []) if "--" not in sys.argv else (
       sys.argv[1:sys.argv.index("--")], sys.argv[sys.argv.index("--") + 1:])
   args = ap.parse_args(own)
   times = {"base": {}, "head": {}}
+  envs = {"base": env_pairs(args.base_env), "head": env_pairs(args.head_env)}
   for _ in range(args.rounds):
     for name, tree in (("base", args.base), ("head", args.head)):
-      for cell, value in run_tree(tree, argv, tempfile.mkdtemp()).items():
+      for cell, value in run_tree(tree, argv, tempfile.mkdtemp(), envs[name]).items():
         times[name].setdefault(cell, []).append(value)
   print("| cell | base ms | head ms | head / base | base MB | head MB |\n|---|---|---|---|---|---|")
   for cell in sorted(set(times["base"]) & set(times["head"])):

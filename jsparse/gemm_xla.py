@@ -56,17 +56,22 @@ def submconv_xla(feats: jax.Array, w: jax.Array, bias: jax.Array | None, nbr: ja
 def transposed_weight(w, weight_layout: WeightLayout, groups: int = 1, flip_offsets: bool = True):
   """The input gradient's weight: [V, Cout/groups, Cin] (DHWIO, flattened) with W'_v = W_{V-1-v}^T per group
   (W_v^T without flip_offsets)."""
-  flip = (lambda a: jnp.flip(a, 0)) if flip_offsets else (lambda a: a)
   if groups == 1:
     w_t = jnp.transpose(w, (1, 0, 2)) if weight_layout.cout_major else jnp.swapaxes(w, 1, 2)
-    return flip(w_t)
+  else:
+    w_t = _grouped_transpose(w, weight_layout, groups)
+  return jnp.flip(w_t, 0) if flip_offsets else w_t
+
+
+def _grouped_transpose(w, weight_layout: WeightLayout, groups: int):
+  """[V, Cout/groups, Cin]: each group's block of the flattened weight transposed."""
   if weight_layout.cout_major:  # [G, Cout/G, V, Cin/G] -> [V, Cout/G, G, Cin/G]
     cout, v, cin_g = w.shape
     w_t = jnp.transpose(w.reshape(groups, cout // groups, v, cin_g), (2, 1, 0, 3))
   else:  # [V, Cin/G, G, Cout/G] -> [V, Cout/G, G, Cin/G]
     v, cin_g, cout = w.shape
     w_t = jnp.transpose(w.reshape(v, cin_g, groups, cout // groups), (0, 3, 2, 1))
-  return flip(w_t.reshape(v, w_t.shape[1], groups * cin_g))
+  return w_t.reshape(v, w_t.shape[1], groups * cin_g)
 
 
 def input_grad_xla(g, w, t_map, t_num, *, precision, weight_layout: WeightLayout, groups: int = 1,

@@ -2,9 +2,9 @@
 
 One kernel serves two passes of a convolution: the forward (x the input features, W_v offset v's [Cin, Cout]
 matrix) and the input gradient (x the output gradient over the transposed map, W_v offset v's matrix
-transposed; over a submanifold map, its own transpose with the offsets reversed, offset V-1-v's: `flip_offsets`).
-It reads W_v out of a weight stored in any axis order (`weight_axes`), so both
-weight layouts serve both passes; `conv_forward` / `conv_input_grad` pick the read per layout.
+transposed; over a submanifold map, its own transpose with the offsets reversed, offset V-1-v's:
+`flip_offsets`). It reads W_v out of a weight stored in any axis order (`weight_axes`), so both weight layouts
+serve both passes; `conv_forward` / `conv_input_grad` pick the read per layout.
 
 The reduction runs over (offset, channel chunk) steps flattened into one loop so that Triton pipelines the
 loads across offsets. With a masked plan (`gemm_plan.masked_plan`) a block loops only over the offsets its

@@ -294,9 +294,20 @@ def test_gpu_batch_norm_pallas_matches_xla(c, dtype):
   ambiguous[:n] = np.abs(z) < 1e-5 * (1 + np.abs(np.asarray(bias)))
   assert ambiguous.mean() < 1e-4
   g_x, g_x_xla = (np.where(ambiguous, 0, np.asarray(a, np.float32)) for a in (grads[0], grads_x[0]))
-  for got, want in [(y, y_x), (g_x, g_x_xla), *zip(grads[1:], grads_x[1:])]:
+  for got, want in [(y, y_x), (g_x, g_x_xla)]:
     assert np.all(np.isfinite(np.asarray(got, np.float32)))
     assert rel_err(got, want) < tol
+  # The scale and bias gradients sum over every row, ambiguous ones included: each such entry adds dy * x_hat
+  # (scale) or dy (bias) on one path and nothing on the other, so each channel may differ by up to their sum
+  # (one entry moved the scale gradient's error to 2.3e-4, H200, c 96, float32).
+  x_hat = np.zeros((cap, c))
+  x_hat[:n] = (f - f.mean(0)) / np.sqrt(f.var(0) + 1e-5)
+  w = np.asarray(w_y, np.float64)
+  for got, want, per_entry in [(grads[1], grads_x[1], w * x_hat), (grads[2], grads_x[2], w)]:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.all(np.isfinite(got))
+    flip_bound = np.sum(np.abs(np.where(ambiguous, per_entry, 0)), axis=0)
+    assert np.all(np.abs(got - want) <= tol * np.linalg.norm(want) / np.sqrt(c) + flip_bound)
 
 
 def test_batch_norm_modules_pass_the_implementation_on():

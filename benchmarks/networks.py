@@ -32,6 +32,8 @@ import dataclasses
 import functools
 import glob
 import gzip
+import hashlib
+import inspect
 import json
 import math
 import os
@@ -251,10 +253,44 @@ def decoder_inputs(w: Workload, seed: int, latent_channels: int = 8) -> Inputs:
   return Inputs(coords, feats, coarse.shape[1:], w.batch_size, targets)
 
 
-def make_inputs(w: Workload, seed: int = 0) -> Inputs:
+def make_inputs(w: Workload, seed: int = 0, cache_dir: str | None = None) -> Inputs:
+  """The workload's inputs; with cache_dir, read from (or first written to) a .npz there, so that the processes
+  of an A/B (benchmarks/probes/ab_networks.py) or the calls of a session ray-cast each scan once."""
+  if cache_dir is None:
+    return _generate_inputs(w, seed)
+  path = os.path.join(cache_dir, f"{w.network if w.network == 'decoder' else 'lidar'}_{w.size}_b{w.batch_size}"
+                      f"_r{w.resolution}_s{seed}_{_inputs_version()}.npz")
+  if os.path.exists(path):
+    with np.load(path) as z:
+      targets = [z[f"target{i}"] for i in range(int(z["num_targets"]))]
+      return Inputs(z["coords"], z["feats"], tuple(int(v) for v in z["spatial_shape"]), int(z["batch_size"]),
+                    targets)
+  inp = _generate_inputs(w, seed)
+  os.makedirs(cache_dir, exist_ok=True)
+  partial = f"{path}.{os.getpid()}.npz"  # written whole, then renamed: a concurrent reader never sees half a file
+  np.savez(partial, coords=inp.coords, feats=inp.feats, spatial_shape=np.asarray(inp.spatial_shape),
+           batch_size=inp.batch_size, num_targets=len(inp.targets),
+           **{f"target{i}": t for i, t in enumerate(inp.targets)})
+  os.replace(partial, path)
+  return inp
+
+
+def _generate_inputs(w: Workload, seed: int) -> Inputs:
   if w.network == "decoder":
     return decoder_inputs(w, seed)
   return lidar_inputs(dataclasses.replace(w, network="lidar"), seed)
+
+
+@functools.lru_cache(maxsize=1)
+def _inputs_version() -> str:
+  """A digest of the code that draws the inputs (jsparse.shapes and the two input functions here, not the rest of
+  this file, so the trees of an A/B share a cache), so that inputs drawn by other code are never read."""
+  digest = hashlib.sha1()
+  with open(jsparse.shapes.__file__, "rb") as f:
+    digest.update(f.read())
+  for fn in (lidar_inputs, decoder_inputs):
+    digest.update(inspect.getsource(fn).encode())
+  return digest.hexdigest()[:12]
 
 
 # ---- per-op attribution ----------------------------------------------------------------------------------
@@ -985,7 +1021,7 @@ def run(args) -> dict:
   for net, size in progress_bar(jobs, "networks", unit="network"):
     w = workload(net, size)
     t0 = time.perf_counter()
-    inp = make_inputs(w, args.seed)
+    inp = make_inputs(w, args.seed, args.inputs_cache)
     gen_s = time.perf_counter() - t0
     print(f"== {w.name}: {len(inp.coords)} input sites, batch {w.batch_size}, grid {inp.spatial_shape} "
           f"(inputs {gen_s:.1f} s)", flush=True)
@@ -1154,6 +1190,9 @@ def parse_args(argv=None):
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--inputs-cache", default=None, metavar="DIR",
+                  help="keep the generated inputs as .npz files in DIR and read them from there next time (the "
+                       "LiDAR scans of the large size take about 20 s to ray-cast)")
   ap.add_argument("--buckets-per-octave", type=int, default=None,
                   help="capacity buckets per power of two for jsparse's static row counts (round_capacity's "
                        "steps_per_octave; default: the library's)")

@@ -277,3 +277,18 @@ def test_ab_networks_sets_each_sides_environment(monkeypatch, capsys):
   assert "| second small fp16 train | 4.00 | 2.00 | 0.500 | 1 | 1 |" in capsys.readouterr().out
   with pytest.raises(ValueError, match="NAME=VALUE"):
     ab_networks.env_pairs(["novalue"])
+
+
+def test_ab_networks_shares_one_inputs_cache_where_the_tree_supports_it(tmp_path):
+  """Both trees' processes get the same --inputs-cache; a tree whose networks.py predates the option, or an argv
+  that names its own cache, is left as it is."""
+  from benchmarks.probes import ab_networks
+
+  old = tmp_path / "old"
+  (old / "benchmarks").mkdir(parents=True)
+  (old / "benchmarks" / "networks.py").write_text('ap.add_argument("--seed")\n')
+  argv = ["--networks", "second"]
+  assert ab_networks.with_inputs_cache(".", argv, "/c") == argv + ["--inputs-cache", "/c"]
+  assert ab_networks.with_inputs_cache(str(old), argv, "/c") == argv
+  own = argv + ["--inputs-cache", "/mine"]
+  assert ab_networks.with_inputs_cache(".", own, "/c") == own

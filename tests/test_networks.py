@@ -52,6 +52,33 @@ def test_inputs_are_row_major(name):
   assert made.coords.flags.c_contiguous
 
 
+@pytest.mark.parametrize("name", ["second", "decoder"])
+def test_inputs_cache_returns_the_generated_inputs(name, tmp_path, monkeypatch):
+  """--inputs-cache: the first call writes what it generated, the next reads the same arrays without generating,
+  and inputs drawn by other code (another version digest) are not read."""
+  w = networks.workload(name, "tiny")
+  fresh = networks.make_inputs(w, 3)
+  first = networks.make_inputs(w, 3, str(tmp_path))
+  assert len(list(tmp_path.glob("*.npz"))) == 1
+
+  def no_generation(*args):
+    raise AssertionError("generated again")
+
+  monkeypatch.setattr(networks, "_generate_inputs", no_generation)
+  second = networks.make_inputs(w, 3, str(tmp_path))
+  for got in (first, second):
+    np.testing.assert_array_equal(got.coords, fresh.coords)
+    np.testing.assert_array_equal(got.feats, fresh.feats)
+    assert got.spatial_shape == tuple(fresh.spatial_shape) and got.batch_size == fresh.batch_size
+    assert len(got.targets) == len(fresh.targets)
+    for a, b in zip(got.targets, fresh.targets):
+      np.testing.assert_array_equal(a, b)
+  assert second.coords.flags.c_contiguous and second.coords.dtype == np.int32
+  monkeypatch.setattr(networks, "_inputs_version", lambda: "other")
+  with pytest.raises(AssertionError, match="generated again"):
+    networks.make_inputs(w, 3, str(tmp_path))
+
+
 def test_probe_is_a_function_of_the_coordinates():
   coords = jnp.asarray(np.random.default_rng(1).integers(0, 50, (30, 4)), jnp.int32)
   p = networks.probe(jnp, coords, 5)

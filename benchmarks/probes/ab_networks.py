@@ -10,7 +10,8 @@ Each round runs `benchmarks.networks` once per tree in a fresh process (PYTHONPA
 table at the end gives each cell's median over rounds for both trees and their ratio.
 
 `--base-env` / `--head-env NAME=VALUE` (repeatable) set environment variables for one side only, so one tree can
-be compared with itself under other XLA flags:
+be compared with itself under other XLA flags. Both processes read one set of inputs (`--inputs-cache`, where
+the tree's networks.py has it):
 
   python -m benchmarks.probes.ab_networks . . --head-env XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 -- \
       --networks second,decoder --sizes small --dtypes fp16 --anchors ''
@@ -33,6 +34,14 @@ def env_pairs(items: list[str]) -> dict[str, str]:
       raise ValueError(f"expected NAME=VALUE, got {item!r}")
     out[name] = value
   return out
+
+
+def with_inputs_cache(tree: str, argv: list[str], cache_dir: str) -> list[str]:
+  """argv plus --inputs-cache cache_dir where the tree's networks.py has that option and argv names none, so
+  every process of the A/B reads the inputs the first one drew (ray-casting the large scans takes ~20 s)."""
+  with open(os.path.join(tree, "benchmarks", "networks.py")) as f:
+    supported = '"--inputs-cache"' in f.read()
+  return argv + ["--inputs-cache", cache_dir] if supported and "--inputs-cache" not in argv else argv
 
 
 def run_tree(tree: str, argv: list[str], out_dir: str, extra_env: dict[str, str] | None = None) -> dict:
@@ -62,9 +71,11 @@ def main():
   args = ap.parse_args(own)
   times = {"base": {}, "head": {}}
   envs = {"base": env_pairs(args.base_env), "head": env_pairs(args.head_env)}
+  inputs_cache = tempfile.mkdtemp()
   for _ in range(args.rounds):
     for name, tree in (("base", args.base), ("head", args.head)):
-      for cell, value in run_tree(tree, argv, tempfile.mkdtemp(), envs[name]).items():
+      tree_argv = with_inputs_cache(tree, argv, inputs_cache)
+      for cell, value in run_tree(tree, tree_argv, tempfile.mkdtemp(), envs[name]).items():
         times[name].setdefault(cell, []).append(value)
   print("| cell | base ms | head ms | head / base | base MB | head MB |\n|---|---|---|---|---|---|")
   for cell in sorted(set(times["base"]) & set(times["head"])):

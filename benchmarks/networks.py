@@ -24,6 +24,9 @@ compiled program (arguments + outputs + temporaries, XLA's buffer assignment), s
 torch.cuda.max_memory_allocated over one call.
 
   python -m benchmarks.networks --networks second,minkunet --sizes small --dtypes fp16,tf32 --out DIR
+
+`--inputs-cache DIR` keeps the generated inputs as .npz files and reads them back in later processes (the large
+LiDAR scans take about 20 s to ray-cast); benchmarks/probes/ab_networks.py shares one such cache between its trees.
 """
 from __future__ import annotations
 

@@ -130,6 +130,8 @@ class ConvMaps(NamedTuple):
     `inv`), the input gradient's map, and num_in the valid input rows; None for a submanifold map, which is its
     own transpose with the offsets reversed (`input_grad_flips`).
   plans: {block_m: MaskedPlan} already built for nbr; pairs: PairLists already built (else built on demand).
+  classes, transposed_classes: uint8 [rows] classes of nbr's / transposed's rows for their plans' row order
+    (`gemm_plan.masked_plan(row_classes=...)`), or None (order by neighbour masks).
   """
 
   nbr: jax.Array
@@ -138,13 +140,15 @@ class ConvMaps(NamedTuple):
   num_in: jax.Array | None = None
   plans: dict | None = None
   pairs: gemm_plan.PairLists | None = None
+  classes: jax.Array | None = None
+  transposed_classes: jax.Array | None = None
 
   def plan(self, block_m: int, interpret: bool = False) -> gemm_plan.MaskedPlan:
     """The forward's masked plan for blocks of block_m rows (built, where missing, by the plan kernel, run in
     Pallas' interpret mode if asked)."""
     if self.plans and block_m in self.plans:
       return self.plans[block_m]
-    return gemm_plan.masked_plan(self.nbr, self.num, block_m, interpret=interpret)
+    return gemm_plan.masked_plan(self.nbr, self.num, block_m, row_classes=self.classes, interpret=interpret)
 
   def input_grad_map(self) -> tuple[jax.Array, jax.Array]:
     """(map, valid rows) the input gradient runs over: the transposed map, or a submanifold map itself."""
@@ -160,7 +164,8 @@ class ConvMaps(NamedTuple):
     """The input gradient's masked plan (over the transposed map; a submanifold map's own plan)."""
     if self.transposed is None:
       return self.plan(block_m, interpret)
-    return gemm_plan.masked_plan(self.transposed, self.num_in, block_m, interpret=interpret)
+    return gemm_plan.masked_plan(self.transposed, self.num_in, block_m, row_classes=self.transposed_classes,
+                                 interpret=interpret)
 
   def pair_lists(self, interpret: bool = False) -> gemm_plan.PairLists:
     """The weight gradient's pair lists (mirrored, half the offsets, for a submanifold map; built, where missing,
@@ -247,8 +252,7 @@ def with_plans(feats: jax.Array, weight: jax.Array, maps: ConvMaps, spec: ConvSp
   plans = dict(maps.plans or {})
   for cfg in wanted:
     if cfg.uses_plan and cfg.tiles.block_m not in plans:
-      plans[cfg.tiles.block_m] = gemm_plan.masked_plan(maps.nbr, maps.num, cfg.tiles.block_m,
-                                                       interpret=spec.implementation.interpret)
+      plans[cfg.tiles.block_m] = maps.plan(cfg.tiles.block_m, spec.implementation.interpret)
   return maps._replace(plans=plans)
 
 

@@ -8,6 +8,10 @@ Maps. Every op here is a gather-GEMM over an int32 map between two coordinate se
 A strided convolution's forward runs over `nbr` and its input gradient over `inv` (offset v with the
 transposed weight of offset v). The inverse convolution is the same op with the two maps swapped, so one op
 (jsparse.map_gemm) serves submanifold, strided, inverse and transposed convolutions.
+The masked plan of a map over input rows (a strided convolution's transposed map, the inverse convolution's
+forward map) orders its rows by `input_classes` (position modulo the stride) rather than by neighbour mask: an
+8-bit sort key that the map's masks follow, read from the coordinates instead of the map. A transposed
+convolution's input feeds every offset whose output is inside the grid, so its rows are one class.
 
 Output coordinates (jit-friendly): every valid input proposes, per kernel offset, the output it would
 feed (where the stride divides and the output is inside the grid). XLA: the proposals are sorted and
@@ -63,6 +67,7 @@ from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_sa
 from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
 from pallas_kernels import occupancy_sites, unique_keys
+from pallas_kernels.gemm_plan import MAX_ROW_CLASSES
 from pallas_kernels.tiling import dot_precision
 from pallas_kernels.weight_layout import WeightLayout
 
@@ -102,6 +107,20 @@ class Geometry(KernelGeometry):
 
   in_shape: tuple[int, int, int]
   out_shape: tuple[int, int, int]
+
+
+def input_classes(coords: jax.Array, geom: KernelGeometry) -> jax.Array | None:
+  """uint8 [rows]: each input row's class for the masked plan of a map over the input rows (`gemm_plan.
+  masked_plan(row_classes=...)`): its position plus padding modulo the stride, per axis. An input at p feeds
+  offset a exactly when (p + padding - a * dilation) is a multiple of the stride, and every site it feeds is
+  an output site, so rows of one class use the same offsets except at the grid's faces. None when the strides
+  make more classes than the plan's 8-bit key holds."""
+  if math.prod(geom.stride) >= MAX_ROW_CLASSES:
+    return None
+  classes = jnp.zeros(coords.shape[:1], jnp.int32)
+  for axis, (s, p) in enumerate(zip(geom.stride, geom.padding)):
+    classes = classes * s + jnp.remainder(coords[:, 1 + axis] + p, s)
+  return classes.astype(jnp.uint8)
 
 
 # The sizes that describe a geometry in error messages, in the order of the ops' arguments.
@@ -424,7 +443,8 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
                      "with this out_capacity")
   else:
     check_same_sites("sparse_conv3d", "cache (a PairMap)", cache.in_coords, cache.in_num, x.coords, x.num)
-  maps = ConvMaps(cache.nbr, cache.out_num, cache.inv, x.num)
+  maps = ConvMaps(cache.nbr, cache.out_num, cache.inv, x.num,
+                  transposed_classes=input_classes(x.coords, cache.geom))
   feats = conv_map_gemm(x.feats, weight, w, b, maps, spec)
   out = cache.output(feats, x)
   return (out, cache.overflow) if with_overflow else out
@@ -518,7 +538,8 @@ def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike | Compressed2to4,
                     grid=geom.out_shape)
   inv, nbr = _inverse_maps(y, like, geom)
   # The forward map of the inverse is the transposed map of the convolution, and vice versa.
-  feats = conv_map_gemm(y.feats, weight, w, b, ConvMaps(inv, like.num, nbr, y.num), spec)
+  maps = ConvMaps(inv, like.num, nbr, y.num, classes=input_classes(like.coords, geom))
+  feats = conv_map_gemm(y.feats, weight, w, b, maps, spec)
   return like.replace(feats=feats, overflow=like.overflow | y.overflow)
 
 
@@ -673,7 +694,9 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
                       "output_padding 0, dilation 1); this transposed convolution has "
                       + _describe(names=_TRANSPOSE_ARGUMENTS), **_sizes(geom, names=_TRANSPOSE_ARGUMENTS))
     out_coords, out_num, nbr, inv, overflow = _transpose_map(x, geom, out_capacity, implementation, True)
-    feats = conv_map_gemm(x.feats, weight, w, b, ConvMaps(nbr, out_num, inv, x.num), spec)
+    # An input row feeds every offset whose output lies inside the grid: one class (module docstring, Maps).
+    maps = ConvMaps(nbr, out_num, inv, x.num, transposed_classes=jnp.zeros(x.capacity, jnp.uint8))
+    feats = conv_map_gemm(x.feats, weight, w, b, maps, spec)
     out = SparseTensor(out_coords, feats, out_num, geom.out_shape, x.batch_size, overflow=x.overflow | overflow)
   return (out, overflow) if with_overflow else out
 

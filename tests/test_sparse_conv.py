@@ -489,3 +489,62 @@ def test_every_algorithm_reads_the_transposed_maps_unflipped(algorithm):
 
   for a, r in zip(run("pallas", algorithm), run("xla", "auto")):
     assert rel_err(a, r) < 1e-5
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_input_classes_fix_the_transposed_map_masks(case):
+  """Rows of one `input_classes` class feed the same offsets wherever all their proposals lie inside the output
+  grid (the property that makes the class a good plan order), and every class's canonical offsets are the
+  stride rule's: (position + padding - offset * dilation) divisible by the stride."""
+  from jsparse.sparse_conv import geometry, input_classes
+
+  shape, batch, ks, st, pad, dil = case[:6]
+  rng = np.random.default_rng(21)
+  x = random_sparse(rng, shape, 2, batch_size=batch, density=0.4, pad=6)
+  pm = pair_map(x, ks, st, pad, dil, implementation="xla")
+  geom = geometry(shape, ks, st, pad, dil)
+  classes = np.asarray(input_classes(x.coords, geom))
+  inv, num = np.asarray(pm.inv), int(x.num)
+  coords = np.asarray(x.coords)[:num, 1:]
+  offsets = geom.offsets()  # [V, 3]: a * dilation
+  moved = coords[:, None, :] + np.asarray(geom.padding) - offsets[None]  # [rows, V, 3]
+  divides = np.all(moved % np.asarray(geom.stride) == 0, axis=2)
+  out = moved // np.asarray(geom.stride)
+  inside = np.all((out >= 0) & (out < np.asarray(geom.out_shape)), axis=2)
+  np.testing.assert_array_equal(inv[:num] >= 0, divides & inside)  # the rule the classes rest on
+  interior = np.all(inside | ~divides, axis=1)
+  for c in np.unique(classes[:num]):
+    rows = np.nonzero((classes[:num] == c) & interior)[0]
+    if len(rows):
+      masks = inv[rows] >= 0
+      assert np.all(masks == masks[0]), (c, len(rows))
+  assert classes.dtype == np.uint8 and classes[:num].max() < np.prod(geom.stride)
+
+
+def test_class_ordered_plans_match_the_reference_and_cover_every_pair():
+  """masked_plan with row classes: the kernel builds the reference's plan (interpret mode), valid rows come
+  first grouped by class in their original order, and every pair of the map is in its block's lists."""
+  from jsparse.sparse_conv import geometry, input_classes
+  from pallas_kernels.gemm_plan import masked_plan, masked_plan_reference
+
+  rng = np.random.default_rng(5)
+  x = random_sparse(rng, (12, 10, 9), 2, batch_size=2, density=0.5, pad=40)
+  geom = geometry(x.spatial_shape, 3, 2, 1, 1)
+  pm = pair_map(x, 3, 2, 1, 1, implementation="xla")
+  t_map, classes = pm.inv, input_classes(x.coords, geom)
+  for block in (16, 64):
+    got = masked_plan(t_map, x.num, block, row_classes=classes, interpret=True)
+    want = masked_plan_reference(t_map, x.num, block, row_classes=classes)
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    num, order = int(x.num), np.asarray(got.order)
+    c = np.asarray(classes)[order[:num]]
+    assert np.all(np.diff(c.astype(np.int32)) >= 0) and sorted(order[:num]) == list(range(num))
+    for k in np.unique(c):  # stable: within a class, rows in their original order
+      assert np.all(np.diff(order[:num][c == k]) > 0)
+    tm = np.asarray(t_map)
+    for b in range(got.block_counts.shape[0]):
+      listed = set(np.asarray(got.block_offsets)[b, :int(got.block_counts[b])])
+      rows = order[b * block:(b + 1) * block]
+      rows = rows[rows < num]
+      assert set(np.nonzero(np.any(tm[rows] >= 0, axis=0))[0]) <= listed

@@ -7,24 +7,32 @@ per site: a LiDAR backbone's grids have tens of millions of output sites for abo
 map costs a few tens of bytes per input row (``fits``), and the sorted order of the sites is just their order in
 it.
 
+Both kernels run over lanes (j, t), ``per_row`` lanes an input row j (``Lanes``): an input proposes only at the
+offsets congruent to its position plus padding modulo the stride (its class), so lane t serves the t-th offset
+of row j's class. A 3^3 kernel of stride 2 needs 8 lanes a row instead of 27, a 2^3 kernel of stride 2 one
+instead of 8.
+
 1. ``mark_occupancy``:
-   * ``occupancy_mark``, flat over pairs ``p = j*V + v``: every valid proposal stores 1 into the byte of its
-     site (int8 [G], G = batch_size * |output grid|, zeroed first). All writers of a byte store the same
-     value, so plain stores in any order give the same map: no atomics.
+   * ``occupancy_mark``: every valid proposal stores 1 into the byte of its site (int8 [G], G = batch_size *
+     |output grid|, zeroed first). All writers of a byte store the same value, so plain stores in any order
+     give the same map: no atomics.
    * XLA: the bytes packed 32 to an int32 word, and the exclusive prefix sum of the words' bit counts. The
      rank of site k among the occupied sites, which is its output row, is then
      ``prefix[k >> 5] + popcount(word[k >> 5] & ((1 << (k & 31)) - 1))``; ``count`` is the total.
-2. ``occupied_sites``, ``occupancy_lookup`` flat over pairs: each valid proposal computes its site's rank and
-   stores ``inv[p]`` (contiguous), ``out_keys[rank] = key`` (every proposal of a site stores the same key)
-   and ``nbr[rank, v] = j`` (an output reads at most one input per offset). Ranks past ``out_capacity`` are
-   dropped, which keeps exactly the out_capacity smallest sites, as the other paths do on overflow.
+2. ``occupied_sites``, ``occupancy_lookup``: each valid proposal (j, v) computes its site's rank and
+   stores ``inv[j, v]`` (the rest of inv is -1 from the start), ``out_keys[rank] = key`` (every proposal of a
+   site stores the same key) and ``nbr[rank, v] = j`` (an output reads at most one input per offset). Ranks
+   past ``out_capacity`` are dropped, which keeps exactly the out_capacity smallest sites, as the other paths
+   do on overflow.
 
 Nothing here can overflow except ``out_capacity`` (the caller compares ``count`` with it), and the result
 equals unique_keys.py's and the XLA sort's exactly.
 """
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import math
 from typing import NamedTuple
 
@@ -36,9 +44,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.hash_table import linear_key
 from pallas_kernels.out_struct import out_struct, same_vma
-from pallas_kernels.unique_keys import BIG, ProposalGeometry, check_coords, proposal_operands, proposal_site
+from pallas_kernels.unique_keys import BIG, ProposalGeometry, check_coords, proposal_operands, proposal_site_at
 
-__all__ = ["Occupancy", "fits", "mark_occupancy", "occupied_sites"]
+__all__ = ["Lanes", "Occupancy", "fits", "lanes_for", "mark_occupancy", "occupied_sites"]
 
 # Bytes of occupancy map allowed per input row: the map is a transient of the forward pass, and at 96 bytes a
 # row it stays below the [capacity, V] int32 inverse map the search writes anyway for a 3^3 kernel (108 bytes a
@@ -46,9 +54,38 @@ __all__ = ["Occupancy", "fits", "mark_occupancy", "occupied_sites"]
 # proposal: 12-24 bytes per proposal, up to 8 proposals a row for a 3^3 kernel of stride 2).
 BYTES_PER_ROW = 96
 WORD_BITS = 32
-# Pairs per program of both kernels and their warps: each lane does a few loads and stores, no loop.
+# Lanes per program of both kernels and their warps: each lane does a few loads and stores, no loop.
 BLOCK_PAIRS = 1024
 NUM_WARPS = 4
+# Largest class table (classes x offsets per class) the kernels take; strides with more classes use one class.
+MAX_CLASS_TABLE = 4096
+
+
+class Lanes(NamedTuple):
+  """Static: how lanes map to proposals. Lane p serves input row j = p // per_row and offset
+  ``table[c * per_row + p % per_row]`` (-1: none), c being row j's class, its position plus padding modulo
+  ``class_stride`` per axis, numbered (rx * sy + ry) * sz + rz."""
+
+  class_stride: tuple[int, int, int]
+  per_row: int
+  table: tuple[int, ...]
+
+
+def lanes_for(geometry: ProposalGeometry) -> Lanes:
+  """The offsets grouped by their residue modulo the stride (an input proposes only at its class's offsets);
+  one class holding every offset where the strides make more than MAX_CLASS_TABLE entries."""
+  nv = len(geometry.offsets)
+  groups = collections.defaultdict(list)
+  for v, off in enumerate(geometry.offsets):
+    groups[tuple(d % s for d, s in zip(off, geometry.stride))].append(v)
+  per_row = max((len(g) for g in groups.values()), default=0)
+  if math.prod(geometry.stride) * per_row > MAX_CLASS_TABLE:
+    return Lanes((1, 1, 1), nv, tuple(range(nv)))
+  table = []
+  for residue in itertools.product(*(range(s) for s in geometry.stride)):
+    offsets = groups.get(residue, [])
+    table += offsets + [-1] * (per_row - len(offsets))
+  return Lanes(tuple(geometry.stride), per_row, tuple(table))
 
 
 class Occupancy(NamedTuple):
@@ -76,39 +113,55 @@ def fits(capacity: int, geometry: ProposalGeometry, batch_size: int) -> bool:
   return 0 < sites < 2**31 - WORD_BITS and sites <= BYTES_PER_ROW * capacity
 
 
-def _site_key(num, coords_ref, offs_ref, p, in_range, *, nv, geometry, batch_size):
-  """(key, ok): the linear key of pair p's proposed site, and whether that proposal exists (a row outside the
-  batch proposes nothing, as in unique_keys.py, so no key addresses outside the map)."""
-  site, exists = proposal_site(num, coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry,
-                               batch_size=batch_size)
-  return linear_key(site, geometry.out_shape), exists
+def _lane_proposal(num, coords_ref, offs_ref, table_ref, p, in_range, *, lanes: Lanes, geometry, batch_size):
+  """(j, v, key, ok) of lanes p: input row, offset (0 where none), the linear key of the proposed site, and
+  whether that proposal exists (a row outside the batch proposes nothing, as in unique_keys.py, so no key
+  addresses outside the map)."""
+  j = lax.div(p, jnp.int32(lanes.per_row))
+  row_ok = in_range & (j < num)
+  cls = jnp.zeros_like(p)
+  for axis, s in enumerate(lanes.class_stride):
+    if s > 1:
+      pos = plgpu.load(coords_ref.at[j * 4 + 1 + axis], mask=row_ok, other=0)
+      r = lax.rem(pos + geometry.padding[axis], jnp.int32(s))
+      cls = cls * s + jnp.where(r < 0, r + s, r)
+  v = plgpu.load(table_ref.at[cls * lanes.per_row + (p - j * lanes.per_row)], mask=row_ok, other=-1)
+  has_offset = row_ok & (v >= 0)
+  v = jnp.maximum(v, 0)
+  site, ok = proposal_site_at(num, coords_ref, offs_ref, j, v, has_offset, geometry=geometry,
+                              batch_size=batch_size)
+  return j, v, linear_key(site, geometry.out_shape), ok
 
 
-def _mark_kernel(num_ref, coords_ref, offs_ref, occ_in_ref, occ_ref, *, block, num_pairs, nv, geometry,
-                 batch_size, spare):
+def _mark_kernel(num_ref, coords_ref, offs_ref, table_ref, occ_in_ref, occ_ref, *, block, num_lanes, lanes,
+                 geometry, batch_size, spare):
   del occ_in_ref  # aliased with occ_ref
   p = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
-  key, ok = _site_key(num_ref[0], coords_ref, offs_ref, p, p < num_pairs, nv=nv, geometry=geometry,
-                      batch_size=batch_size)
+  _, _, key, ok = _lane_proposal(num_ref[0], coords_ref, offs_ref, table_ref, p, p < num_lanes, lanes=lanes,
+                                 geometry=geometry, batch_size=batch_size)
   plgpu.store(occ_ref.at[jnp.where(ok, key, spare)], jnp.ones((block,), jnp.int8), mask=ok)
 
 
-def _lookup_kernel(num_ref, coords_ref, offs_ref, words_ref, prefix_ref, keys_in_ref, nbr_in_ref, inv_ref, keys_ref,
-                   nbr_ref, *, block, num_pairs, nv, geometry, batch_size, out_capacity, spare):
-  del keys_in_ref, nbr_in_ref  # aliased with keys_ref, nbr_ref
+def _lookup_kernel(num_ref, coords_ref, offs_ref, table_ref, words_ref, prefix_ref, inv_in_ref, keys_in_ref,
+                   nbr_in_ref, inv_ref, keys_ref, nbr_ref, *, block, num_lanes, nv, lanes, geometry, batch_size,
+                   out_capacity, spare_inv, spare_keys):
+  del inv_in_ref, keys_in_ref, nbr_in_ref  # aliased with inv_ref, keys_ref, nbr_ref
   p = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
-  in_range = p < num_pairs
-  key, ok = _site_key(num_ref[0], coords_ref, offs_ref, p, in_range, nv=nv, geometry=geometry,
-                      batch_size=batch_size)
+  j, v, key, ok = _lane_proposal(num_ref[0], coords_ref, offs_ref, table_ref, p, p < num_lanes, lanes=lanes,
+                                 geometry=geometry, batch_size=batch_size)
   word_index = jnp.where(ok, lax.shift_right_logical(key, jnp.int32(5)), 0)
   word = plgpu.load(words_ref.at[word_index], mask=ok, other=0)
   below = word & (jnp.left_shift(jnp.int32(1), key & (WORD_BITS - 1)) - 1)  # the bits of smaller sites
   rank = plgpu.load(prefix_ref.at[word_index], mask=ok, other=0) + lax.population_count(below)
   kept = ok & (rank < out_capacity)
-  plgpu.store(inv_ref.at[p], jnp.where(kept, rank, -1), mask=in_range)  # contiguous: pairs are [capacity, V]
-  plgpu.store(keys_ref.at[jnp.where(kept, rank, spare)], key, mask=kept)
-  j = lax.div(p, jnp.int32(nv))
-  plgpu.store(nbr_ref.at[jnp.where(kept, rank * nv + (p - j * nv), spare * nv)], j, mask=kept)
+  plgpu.store(inv_ref.at[jnp.where(kept, j * nv + v, spare_inv)], rank, mask=kept)
+  plgpu.store(keys_ref.at[jnp.where(kept, rank, spare_keys)], key, mask=kept)
+  plgpu.store(nbr_ref.at[jnp.where(kept, rank * nv + v, spare_keys * nv)], j, mask=kept)
+
+
+def _lane_operands(coords, num, geometry: ProposalGeometry, lanes: Lanes):
+  """proposal_operands plus the class table (int32 [classes * per_row])."""
+  return (*proposal_operands(coords, num, geometry), jnp.asarray(lanes.table, jnp.int32))
 
 
 def _spare(interpret: bool) -> int:
@@ -140,19 +193,20 @@ def mark_occupancy(coords, num, *, geometry: ProposalGeometry, batch_size: int,
   capacity, nv = _check(coords, geometry, batch_size)
   num_words = -(-grid_sites(geometry, batch_size) // WORD_BITS)
   occupied = jnp.zeros((num_words * WORD_BITS + _spare(interpret),), jnp.int8)
-  num_pairs = capacity * nv
-  if num_pairs:
-    num_arr, coords_flat, offs_flat = proposal_operands(coords, num, geometry)
+  lanes = lanes_for(geometry)
+  num_lanes = capacity * lanes.per_row
+  if num_lanes:
+    operands = _lane_operands(coords, num, geometry, lanes)
     occupied = pl.pallas_call(
-        functools.partial(_mark_kernel, block=BLOCK_PAIRS, num_pairs=num_pairs, nv=nv, geometry=geometry,
+        functools.partial(_mark_kernel, block=BLOCK_PAIRS, num_lanes=num_lanes, lanes=lanes, geometry=geometry,
                           batch_size=batch_size, spare=num_words * WORD_BITS * _spare(interpret)),
-        out_shape=out_struct(occupied.shape, jnp.int8, num_arr, coords_flat),
-        grid=(pl.cdiv(num_pairs, BLOCK_PAIRS),),
-        input_output_aliases={3: 0},
+        out_shape=out_struct(occupied.shape, jnp.int8, *operands),
+        grid=(pl.cdiv(num_lanes, BLOCK_PAIRS),),
+        input_output_aliases={4: 0},
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="occupancy_mark",
-    )(*same_vma(num_arr, coords_flat, offs_flat, occupied))
+    )(*same_vma(*operands, occupied))
   bits = occupied[:num_words * WORD_BITS].reshape(num_words, WORD_BITS).astype(jnp.int32)
   # Distinct powers of two: their int32 sum is their bitwise or (bit 31 included, in two's complement).
   words = jnp.sum(jnp.left_shift(bits, jnp.arange(WORD_BITS, dtype=jnp.int32)), axis=1, dtype=jnp.int32)
@@ -183,22 +237,23 @@ def occupied_sites(coords, num, occupancy: Occupancy, *, out_capacity: int, geom
   spare = _spare(interpret)
   out_keys = jnp.full((out_capacity + spare,), BIG, jnp.int32)
   nbr = jnp.full(((out_capacity + spare) * nv,), -1, jnp.int32)
-  num_pairs = capacity * nv
-  if num_pairs == 0 or out_capacity == 0:
-    return (out_keys[:out_capacity], jnp.full((capacity, nv), -1, jnp.int32),
+  inv = jnp.full((capacity * nv + spare,), -1, jnp.int32)  # the lanes store only the proposals that exist
+  lanes = lanes_for(geometry)
+  num_lanes = capacity * lanes.per_row
+  if num_lanes == 0 or out_capacity == 0:
+    return (out_keys[:out_capacity], inv[:capacity * nv].reshape(capacity, nv),
             nbr[:out_capacity * nv].reshape(out_capacity, nv))
-  operands = (*proposal_operands(coords, num, geometry), occupancy.words, occupancy.prefix, out_keys, nbr)
+  operands = (*_lane_operands(coords, num, geometry, lanes), occupancy.words, occupancy.prefix, inv, out_keys, nbr)
   inv, out_keys, nbr = pl.pallas_call(
-      functools.partial(_lookup_kernel, block=BLOCK_PAIRS, num_pairs=num_pairs, nv=nv, geometry=geometry,
-                        batch_size=batch_size, out_capacity=out_capacity, spare=out_capacity * spare),
-      out_shape=(out_struct((num_pairs,), jnp.int32, *operands), out_struct(out_keys.shape, jnp.int32, *operands),
-                 out_struct(nbr.shape, jnp.int32, *operands)),
-      grid=(pl.cdiv(num_pairs, BLOCK_PAIRS),),
-      input_output_aliases={5: 1, 6: 2},
+      functools.partial(_lookup_kernel, block=BLOCK_PAIRS, num_lanes=num_lanes, nv=nv, lanes=lanes,
+                        geometry=geometry, batch_size=batch_size, out_capacity=out_capacity,
+                        spare_inv=capacity * nv * spare, spare_keys=out_capacity * spare),
+      out_shape=tuple(out_struct(a.shape, jnp.int32, *operands) for a in (inv, out_keys, nbr)),
+      grid=(pl.cdiv(num_lanes, BLOCK_PAIRS),),
+      input_output_aliases={6: 0, 7: 1, 8: 2},
       compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
       interpret=interpret,
       name="occupancy_lookup",
   )(*same_vma(*operands))
-  if spare:
-    out_keys, nbr = out_keys[:out_capacity], nbr[:out_capacity * nv]
-  return out_keys, inv.reshape(capacity, nv), nbr.reshape(out_capacity, nv)
+  return (out_keys[:out_capacity], inv[:capacity * nv].reshape(capacity, nv),
+          nbr[:out_capacity * nv].reshape(out_capacity, nv))

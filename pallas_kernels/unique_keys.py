@@ -76,7 +76,7 @@ from pallas_kernels.kth_smallest import kth_smallest_if_over
 from pallas_kernels.out_struct import out_struct, same_vma
 
 __all__ = ["ProposalGeometry", "ProposalTable", "check_coords", "dedupe_proposals", "output_sites", "proposal_site",
-           "proposal_operands", "proposals_per_site", "default_table_size"]
+           "proposal_site_at", "proposal_operands", "proposals_per_site", "default_table_size"]
 
 BIG = int(np.iinfo(np.int32).max)  # sort key of an empty entry (site keys are < 2**31 - 1)
 
@@ -131,10 +131,16 @@ def default_table_size(capacity: int, geometry: ProposalGeometry, batch_size: in
 
 def proposal_site(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: ProposalGeometry, batch_size: int):
   """Output site (batch, ox, oy, oz) fed by input row j = p // V at offset v = p % V, and whether it exists
-  (as the XLA path's sparse_conv._proposals: a row whose batch lies outside [0, batch_size) proposes nothing, so
-  that no key leaves the grid). coords flattened [capacity*4], offsets [V*3]."""
+  (``proposal_site_at``)."""
   j = lax.div(p, jnp.int32(nv))
-  v = p - j * nv
+  return proposal_site_at(num, coords_ref, offs_ref, j, p - j * nv, in_range, geometry=geometry,
+                          batch_size=batch_size)
+
+
+def proposal_site_at(num, coords_ref, offs_ref, j, v, in_range, *, geometry: ProposalGeometry, batch_size: int):
+  """Output site (batch, ox, oy, oz) fed by input row j at offset v, and whether it exists (as the XLA path's
+  sparse_conv._proposals: a row whose batch lies outside [0, batch_size) proposes nothing, so that no key leaves
+  the grid). coords flattened [capacity*4], offsets [V*3]; lanes outside in_range read nothing."""
   exists = in_range & (j < num)
   base = j * 4
   batch = plgpu.load(coords_ref.at[base], mask=exists, other=0)

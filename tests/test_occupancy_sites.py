@@ -47,7 +47,8 @@ def _check_against_reference(coords, num, geom, batch, out_capacity):
 
 @pytest.mark.parametrize(
     "in_shape,batch,num,capacity,kernel_size,stride,padding,dilation",
-    OUTPUT_SITE_CASES + [((41, 16, 14), 2, 300, 320, (3, 1, 1), 2, 0, 1)],  # + a LiDAR backbone's last down
+    OUTPUT_SITE_CASES + [((41, 16, 14), 2, 300, 320, (3, 1, 1), 2, 0, 1),  # + a LiDAR backbone's last down
+                         ((40, 36, 38), 2, 200, 210, (3, 3, 3), 17, 1, 1)],  # 17^3 classes: one class of all
 )
 def test_occupied_sites_match_numpy(in_shape, batch, num, capacity, kernel_size, stride, padding, dilation):
   rng = np.random.default_rng(num * 7 + capacity)
@@ -58,6 +59,35 @@ def test_occupied_sites_match_numpy(in_shape, batch, num, capacity, kernel_size,
   # Exact, spare, too few rows (the smallest keys are kept), one and none.
   for out_capacity in (count, count + 9, count // 2, 1, 0):
     _check_against_reference(coords, num, geom, batch, out_capacity)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_lanes_serve_exactly_the_offsets_an_input_proposes_at(data):
+  # Any offsets (negative, dilated, kernel < stride), strides and paddings per axis, inputs at any position
+  # (negative ones included): the class table's offsets for a row are exactly those where (c + padding - d) is
+  # a multiple of the stride on every axis, each offset is in one class, and a row needs per_row lanes.
+  stride = tuple(data.draw(st.lists(st.integers(1, 20), min_size=3, max_size=3)))
+  padding = tuple(data.draw(st.lists(st.integers(0, 4), min_size=3, max_size=3)))
+  offsets = tuple(tuple(o) for o in data.draw(st.lists(st.lists(st.integers(-6, 6), min_size=3, max_size=3),
+                                                       min_size=1, max_size=30, unique_by=tuple)))
+  geom = unique_keys.ProposalGeometry(offsets, stride, padding, (8, 8, 8))
+  lanes = occupancy_sites.lanes_for(geom)
+  assert len(lanes.table) % lanes.per_row == 0
+  classes = np.asarray(lanes.table).reshape(-1, lanes.per_row)
+  if np.prod(stride) * unique_keys.proposals_per_site(geom) > occupancy_sites.MAX_CLASS_TABLE:
+    # Too many classes for the table: one class, every row runs every offset.
+    assert lanes == occupancy_sites.Lanes((1, 1, 1), len(offsets), tuple(range(len(offsets))))
+    return
+  assert lanes.class_stride == stride and lanes.per_row == unique_keys.proposals_per_site(geom)
+  assert sorted(v for v in lanes.table if v >= 0) == list(range(len(offsets)))
+  offs = np.asarray(offsets)
+  for c in data.draw(st.lists(st.lists(st.integers(-50, 50), min_size=3, max_size=3), min_size=1, max_size=8)):
+    shifted = np.asarray(c) + np.asarray(padding) - offs
+    proposes = set(np.nonzero(np.all(shifted % np.asarray(stride) == 0, axis=1))[0].tolist())
+    r = (np.asarray(c) + np.asarray(padding)) % np.asarray(stride)
+    cls = (r[0] * stride[1] + r[1]) * stride[2] + r[2]
+    assert set(int(v) for v in classes[cls] if v >= 0) == proposes
 
 
 @settings(max_examples=25, deadline=None)

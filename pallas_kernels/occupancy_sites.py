@@ -159,6 +159,22 @@ def _lookup_kernel(num_ref, coords_ref, offs_ref, table_ref, words_ref, prefix_r
   plgpu.store(nbr_ref.at[jnp.where(kept, rank * nv + v, spare_keys * nv)], j, mask=kept)
 
 
+def _bytes_of(quads: jax.Array) -> jax.Array:
+  """int8 [4n]: the bytes of int32 [n], in memory order (little-endian on the CPU and the GPU)."""
+  return lax.bitcast_convert_type(quads, jnp.int8).reshape(-1)
+
+
+def _pack_words(occupied: jax.Array) -> jax.Array:
+  """int32 [W]: the 0/1 bytes int8 [32 W] packed, byte b of each group of 32 into bit b. Read as int32 [W, 8]
+  quads, which XLA reduces faster than 32 bytes a word; a quad's four 0/1 bytes (at bits 0, 8, 16, 24) fold into
+  its low four bits."""
+  quads = lax.bitcast_convert_type(occupied.reshape(-1, WORD_BITS // 4, 4), jnp.int32)
+  nibbles = (quads | (quads >> 7) | (quads >> 14) | (quads >> 21)) & 0xF
+  # Distinct bits: their int32 sum is their bitwise or (bit 31 included, in two's complement).
+  return jnp.sum(jnp.left_shift(nibbles, 4 * jnp.arange(WORD_BITS // 4, dtype=jnp.int32)), axis=1,
+                 dtype=jnp.int32)
+
+
 def _lane_operands(coords, num, geometry: ProposalGeometry, lanes: Lanes):
   """proposal_operands plus the class table (int32 [classes * per_row])."""
   return (*proposal_operands(coords, num, geometry), jnp.asarray(lanes.table, jnp.int32))
@@ -192,7 +208,9 @@ def mark_occupancy(coords, num, *, geometry: ProposalGeometry, batch_size: int,
   coords = jnp.asarray(coords, jnp.int32)
   capacity, nv = _check(coords, geometry, batch_size)
   num_words = -(-grid_sites(geometry, batch_size) // WORD_BITS)
-  occupied = jnp.zeros((num_words * WORD_BITS + _spare(interpret),), jnp.int8)
+  # Zeroed as int32 (four bytes an element, and the interpret-mode spare byte padded to four): XLA's int8 fill
+  # of a LiDAR grid ran at 0.84 TB/s on an H200.
+  occupied = _bytes_of(jnp.zeros((num_words * WORD_BITS // 4 + _spare(interpret),), jnp.int32))
   lanes = lanes_for(geometry)
   num_lanes = capacity * lanes.per_row
   if num_lanes:
@@ -207,10 +225,8 @@ def mark_occupancy(coords, num, *, geometry: ProposalGeometry, batch_size: int,
         interpret=interpret,
         name="occupancy_mark",
     )(*same_vma(*operands, occupied))
-  bits = occupied[:num_words * WORD_BITS].reshape(num_words, WORD_BITS).astype(jnp.int32)
-  # Distinct powers of two: their int32 sum is their bitwise or (bit 31 included, in two's complement).
-  words = jnp.sum(jnp.left_shift(bits, jnp.arange(WORD_BITS, dtype=jnp.int32)), axis=1, dtype=jnp.int32)
-  per_word = jnp.sum(bits, axis=1, dtype=jnp.int32)
+  words = _pack_words(occupied[:num_words * WORD_BITS])
+  per_word = lax.population_count(words)
   ends = jnp.cumsum(per_word, dtype=jnp.int32)
   return Occupancy(words, ends - per_word, ends[-1])
 

@@ -61,6 +61,17 @@ def test_occupied_sites_match_numpy(in_shape, batch, num, capacity, kernel_size,
     _check_against_reference(coords, num, geom, batch, out_capacity)
 
 
+def test_packed_words_are_the_bytes_bits():
+  # Byte b of each group of 32 is bit b of its word: random maps, an all-ones word (bit 31, the sign) and an
+  # all-zeros one; the ranks the lookup computes rest on this.
+  rng = np.random.default_rng(5)
+  occupied = (rng.random((40, 32)) < 0.3).astype(np.int8)
+  occupied[3], occupied[7] = 1, 0
+  words = np.asarray(occupancy_sites._pack_words(jnp.asarray(occupied.reshape(-1))))
+  expect = (occupied.astype(np.int64) << np.arange(32)).sum(axis=1)
+  np.testing.assert_array_equal(words.view(np.uint32), expect.astype(np.uint32))
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_lanes_serve_exactly_the_offsets_an_input_proposes_at(data):

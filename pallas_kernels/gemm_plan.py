@@ -87,6 +87,8 @@ def _row_order(nbr: jax.Array, num: jax.Array, row_classes: jax.Array | None = N
   cap, v = nbr.shape
   valid = jnp.arange(cap, dtype=jnp.int32) < num
   if row_classes is not None:  # an 8-bit key: one radix pass of the sort instead of four, no read of the map
+    if jnp.shape(row_classes) != (cap,):  # broadcasting would give every row one class, or a 2-D order
+      raise ValueError(f"row_classes must have shape ({cap},), one class per map row, got {jnp.shape(row_classes)}")
     key = jnp.where(valid, row_classes.astype(jnp.uint8), jnp.uint8(MAX_ROW_CLASSES))
     return jnp.argsort(key, stable=True).astype(jnp.int32)
   has = (nbr >= 0) & valid[:, None]

@@ -157,6 +157,28 @@ def test_traced_num_compiles_once():
   assert f._cache_size() == 1
 
 
+def test_lanes_of_rows_below_the_padding_read_their_class_table_row():
+  # Negative offsets with strides above 1 (a rule the module takes, though no jsparse op builds one) and valid
+  # rows at positions outside the grid: position + padding is negative for some rows that still propose, so a
+  # row's class must be the non-negative residue (lax.rem keeps the sign). The class tests elsewhere only see
+  # rows inside the grid and offsets >= 0, where a negative residue never proposes.
+  offsets = tuple(tuple(-a * d for a, d in zip(o, (1, 2, 1))) for o in np.ndindex(3, 3, 3))
+  geom = unique_keys.ProposalGeometry(offsets, (2, 3, 2), (1, 0, 2), (5, 4, 5))
+  rng = np.random.default_rng(8)
+  num, capacity, batch = 150, 160, 2
+  coords = np.stack([rng.integers(0, batch, capacity)] + [rng.integers(-7, 12, capacity) for _ in range(3)],
+                    axis=1).astype(np.int32)
+  coords = np.unique(coords[:num], axis=0)
+  num = len(coords)
+  coords = np.concatenate([coords[rng.permutation(num)], rng.integers(-99, 99, (capacity - num, 4))]).astype(np.int32)
+  count = ref_output_sites(coords, num, geom, 0)[2]
+  proposes = np.any(ref_output_sites(coords, num, geom, count)[1][:num] >= 0, axis=1)
+  below = np.any(coords[:num, 1:] + np.asarray(geom.padding) < 0, axis=1)
+  assert np.sum(proposes & below) > 10  # the case under test: rows below the padding that propose
+  for out_capacity in (count, count // 2):
+    _check_against_reference(coords, num, geom, batch, out_capacity)
+
+
 def test_rows_with_a_bad_batch_index_propose_nothing():
   # A valid row whose batch index lies outside [0, batch_size) must not address outside the map.
   geom = _conv_geometry((2, 2, 2), 2, 0, 1, (4, 4, 4))

@@ -548,3 +548,16 @@ def test_class_ordered_plans_match_the_reference_and_cover_every_pair():
       rows = order[b * block:(b + 1) * block]
       rows = rows[rows < num]
       assert set(np.nonzero(np.any(tm[rows] >= 0, axis=0))[0]) <= listed
+
+
+def test_masked_plan_rejects_row_classes_not_one_per_row():
+  """row_classes must be [capacity], one class per map row: a length-1 array broadcast silently (every row one
+  class) and a [capacity, 1] one failed inside the plan kernel with a mask-shape message."""
+  from pallas_kernels.gemm_plan import masked_plan, masked_plan_reference
+
+  nbr = jnp.asarray(np.random.default_rng(0).integers(-1, 5, (10, 4)), jnp.int32)
+  for classes in (jnp.zeros((11,), jnp.uint8), jnp.zeros((1,), jnp.uint8), jnp.zeros((10, 1), jnp.uint8)):
+    with pytest.raises(ValueError, match="row_classes"):
+      masked_plan(nbr, jnp.int32(7), 4, row_classes=classes, interpret=True)
+    with pytest.raises(ValueError, match="row_classes"):
+      masked_plan_reference(nbr, jnp.int32(7), 4, row_classes=classes)

@@ -75,6 +75,10 @@ from pallas_kernels.out_struct import out_struct, same_vma
 __all__ = ["neighbor_map_hashed", "table_size_for", "EMPTY"]
 
 EMPTY = -1
+# Bound on a flat (row, offset) pair count: a kernel's last block computes lane indices past the count (blocks
+# of up to MAX_BLOCK lanes), which must stay below 2**31 too.
+MAX_BLOCK = 2**16
+MAX_PAIRS = 2**31 - MAX_BLOCK
 
 # murmur3 fmix32 multipliers, as wrapped int32 (int32 multiplication wraps like uint32).
 _M1 = np.int32(np.uint32(0x85EBCA6B).astype(np.int64) - (1 << 32))
@@ -460,10 +464,11 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
     return jnp.full((capacity, nv), -1, jnp.int32), jnp.asarray(False)
 
   for name, val in (("block_rows", block_rows), ("block_pairs", block_pairs)):
-    if val < 1 or val & (val - 1):
-      raise ValueError(f"{name} must be a power of two, got {val}")
-  if capacity * nv >= 2**31:
-    raise ValueError("capacity * len(offsets) must be < 2**31 (flat int32 pair index)")
+    if val < 1 or val & (val - 1) or val > MAX_BLOCK:
+      raise ValueError(f"{name} must be a power of two up to {MAX_BLOCK}, got {val}")
+  if capacity * nv > MAX_PAIRS:
+    raise ValueError(f"capacity * len(offsets) must be at most {MAX_PAIRS} (flat int32 pair index), got "
+                     f"{capacity} * {nv}")
   if max_probes is not None and max_probes < 1:
     raise ValueError(f"max_probes must be >= 1, got {max_probes}")
   tsize = table_size_for(capacity) if table_size is None else int(table_size)

@@ -70,8 +70,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.hash_table import (EMPTY, KeySlots, SiteRefs, insert_absent_loop, linear_key, probe_loop,
-                                      table_size_for)
+from pallas_kernels.hash_table import (EMPTY, MAX_BLOCK, MAX_PAIRS, KeySlots, SiteRefs, insert_absent_loop,
+                                      linear_key, probe_loop, table_size_for)
 from pallas_kernels.kth_smallest import kth_smallest_if_over
 from pallas_kernels.out_struct import out_struct, same_vma
 
@@ -234,11 +234,12 @@ def check_coords(coords, geometry: ProposalGeometry, batch_size: int, **blocks: 
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}")
   for name, block in blocks.items():
-    if block < 1 or block & (block - 1):
-      raise ValueError(f"{name} must be a power of two, got {block}")
+    if block < 1 or block & (block - 1) or block > MAX_BLOCK:
+      raise ValueError(f"{name} must be a power of two up to {MAX_BLOCK}, got {block}")
   capacity, nv = int(coords.shape[0]), len(geometry.offsets)
-  if capacity * nv >= 2**31:
-    raise ValueError("capacity * len(offsets) must be < 2**31 (flat int32 pair index)")
+  if capacity * nv > MAX_PAIRS:
+    raise ValueError(f"capacity * len(offsets) must be at most {MAX_PAIRS} (flat int32 pair index), got "
+                     f"{capacity} * {nv}")
   return capacity, nv
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks.workloads import sphere_shell_coords
 from pallas_kernels import unique_keys
-from pallas_kernels.hash_table import EMPTY, _home, neighbor_map_hashed
+from pallas_kernels.hash_table import EMPTY, MAX_BLOCK, MAX_PAIRS, _home, neighbor_map_hashed
 
 
 def _cube(k=3, dilation=1):
@@ -185,6 +185,22 @@ def test_bad_arguments():
     neighbor_map_hashed(c, 0, spatial_shape=(4, 4, 4), offsets=OFFS_333, table_size=8)
   with pytest.raises(ValueError):
     neighbor_map_hashed(c, 0, spatial_shape=(4, 4, 4), offsets=OFFS_333, block_pairs=100)
+  with pytest.raises(ValueError, match="block_pairs must be a power of two up to"):
+    neighbor_map_hashed(c, 0, spatial_shape=(4, 4, 4), offsets=OFFS_333, block_pairs=2 * MAX_BLOCK)
+
+
+def test_pair_counts_leave_room_for_the_last_blocks_lanes():
+  # A kernel's last block computes lane indices up to a block past the pair count, so a count within a block
+  # of 2**31 would wrap int32 lane indices (shapes only: nothing is allocated).
+  one_offset = ((0, 0, 0),)
+  geom = unique_keys.ProposalGeometry(one_offset, (2, 2, 2), (0, 0, 0), (4, 4, 4))
+  assert unique_keys.check_coords(jax.ShapeDtypeStruct((MAX_PAIRS, 4), jnp.int32), geom, 1) == (MAX_PAIRS, 1)
+  too_many = jax.ShapeDtypeStruct((2**31 - 100, 4), jnp.int32)
+  with pytest.raises(ValueError, match="flat int32 pair index"):
+    unique_keys.check_coords(too_many, geom, 1)
+  query = functools.partial(neighbor_map_hashed, spatial_shape=(4, 4, 4), offsets=one_offset)
+  with pytest.raises(ValueError, match="flat int32 pair index"):
+    jax.eval_shape(query, too_many, 1)
 
 
 # ------------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ equals unique_keys.py's and the XLA sort's exactly.
 """
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import math
@@ -44,7 +43,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.hash_table import linear_key
 from pallas_kernels.out_struct import out_struct, same_vma
-from pallas_kernels.unique_keys import BIG, ProposalGeometry, check_coords, proposal_operands, proposal_site_at
+from pallas_kernels.unique_keys import (BIG, ProposalGeometry, check_coords, offsets_by_residue, proposal_operands,
+                                        proposal_site_at)
 
 __all__ = ["Lanes", "Occupancy", "fits", "lanes_for", "mark_occupancy", "occupied_sites"]
 
@@ -75,9 +75,7 @@ def lanes_for(geometry: ProposalGeometry) -> Lanes:
   """The offsets grouped by their residue modulo the stride (an input proposes only at its class's offsets);
   one class holding every offset where the strides make more than MAX_CLASS_TABLE entries."""
   nv = len(geometry.offsets)
-  groups = collections.defaultdict(list)
-  for v, off in enumerate(geometry.offsets):
-    groups[tuple(d % s for d, s in zip(off, geometry.stride))].append(v)
+  groups = offsets_by_residue(geometry)
   per_row = max((len(g) for g in groups.values()), default=0)
   if math.prod(geometry.stride) * per_row > MAX_CLASS_TABLE:
     return Lanes((1, 1, 1), nv, tuple(range(nv)))
@@ -208,8 +206,8 @@ def mark_occupancy(coords, num, *, geometry: ProposalGeometry, batch_size: int,
   coords = jnp.asarray(coords, jnp.int32)
   capacity, nv = _check(coords, geometry, batch_size)
   num_words = -(-grid_sites(geometry, batch_size) // WORD_BITS)
-  # Zeroed as int32 (four bytes an element, and the interpret-mode spare byte padded to four): XLA's int8 fill
-  # of a LiDAR grid ran at 0.84 TB/s on an H200.
+  # Zeroed as int32 (four bytes an element, the interpret-mode spare byte padded to four): XLA fills int8 arrays
+  # far below bandwidth (docs/perf_notes.md, thirteenth session).
   occupied = _bytes_of(jnp.zeros((num_words * WORD_BITS // 4 + _spare(interpret),), jnp.int32))
   lanes = lanes_for(geometry)
   num_lanes = capacity * lanes.per_row

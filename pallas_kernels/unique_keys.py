@@ -76,7 +76,7 @@ from pallas_kernels.kth_smallest import kth_smallest_if_over
 from pallas_kernels.out_struct import out_struct, same_vma
 
 __all__ = ["ProposalGeometry", "ProposalTable", "check_coords", "dedupe_proposals", "output_sites", "proposal_site",
-           "proposal_site_at", "proposal_operands", "proposals_per_site", "default_table_size"]
+           "proposal_site_at", "proposal_operands", "offsets_by_residue", "proposals_per_site", "default_table_size"]
 
 BIG = int(np.iinfo(np.int32).max)  # sort key of an empty entry (site keys are < 2**31 - 1)
 
@@ -110,12 +110,18 @@ class ProposalTable(NamedTuple):
   overflow: jax.Array
 
 
+def offsets_by_residue(geometry: ProposalGeometry) -> dict[tuple[int, int, int], list[int]]:
+  """{residue: offset indices}: an input proposes at offset d only when d is congruent to (position + padding)
+  modulo the stride on every axis, so the offsets an input can use are one residue's group."""
+  groups = collections.defaultdict(list)
+  for v, off in enumerate(geometry.offsets):
+    groups[tuple(d % s for d, s in zip(off, geometry.stride))].append(v)
+  return groups
+
+
 def proposals_per_site(geometry: ProposalGeometry) -> int:
-  """Most offsets whose proposals from one input site are valid: an offset counts only when it is
-  congruent to (position + padding) modulo the stride on every axis, so group the offsets by residue."""
-  residues = collections.Counter(
-      tuple(d % s for d, s in zip(off, geometry.stride)) for off in geometry.offsets)
-  return max(residues.values(), default=0)
+  """Most offsets whose proposals from one input site are valid (the largest residue group)."""
+  return max((len(g) for g in offsets_by_residue(geometry).values()), default=0)
 
 
 def default_table_size(capacity: int, geometry: ProposalGeometry, batch_size: int) -> int:

@@ -175,6 +175,27 @@ def test_only_the_ranked_coordinates_read_the_occupancy():
   assert neighbors._ranking_occupancy(y) is pm.occupancy
 
 
+def test_pool_and_2d_outputs_read_their_occupancy():
+  # Pools build their output through the same pair map, and a 2D convolution runs on the lifted 3D grid (leading
+  # extent 1): both outputs read the occupancy map, and their maps (dilated, anisotropic) equal the XLA maps.
+  rng = np.random.default_rng(7)
+  sites = np.argwhere(rng.random((2, 9, 8, 7)) < 0.25).astype(np.int32)
+  x = jsparse.SparseTensor.from_coords(sites, np.ones((len(sites), 1), np.float32), (9, 8, 7), 2)
+  pts = np.argwhere(rng.random((2, 13, 11)) < 0.3).astype(np.int32)
+  x2 = jsparse.SparseTensor.from_coords(pts, np.ones((len(pts), 2), np.float32), (13, 11), 2)
+  w2 = jnp.ones((3, 2, 2, 2), jnp.float32)
+  outputs = [jsparse.sparse_max_pool3d(x, 2, implementation="pallas"),
+             jsparse.sparse_avg_pool3d(x, (3, 1, 2), (2, 1, 2), (1, 0, 0), implementation="pallas"),
+             jsparse.sparse_conv2d(x2, w2, stride=(2, 1), padding=(1, 0), implementation="pallas")]
+  for y in outputs:
+    assert neighbors._ranking_occupancy(y) is not None
+    for ks, dil in (((3, 3, 3), (1, 1, 1)), ((1, 5, 3), (1, 2, 3))):
+      got = neighbors.build_neighbor_map(y, ks, dil, jsparse.dispatch.resolve("pallas")).nbr
+      want = neighbors.build_neighbor_map(y, ks, dil, jsparse.dispatch.resolve("xla")).nbr
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+      assert int(jnp.sum(want >= 0)) > int(y.num)  # real neighbours besides the centres
+
+
 def test_downsampled_network_matches_xla():
   # sparse_conv3d (the occupancy search) then two submconv3d on its output (the occupancy map) then the inverse
   # convolution, under jit: values and every gradient equal the XLA path's.

@@ -172,7 +172,14 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
          f"[0, {x.batch_size}), each axis in [0, extent) of {tuple(x.spatial_shape)}); their neighbours would be "
          "wrong", rows=outside)
   offsets = _offsets(kernel_size, dilation)
-  if impl.is_pallas:
+  occupancy = _ranking_occupancy(x) if impl.is_pallas else None
+  if occupancy is not None:
+    from pallas_kernels.occupancy_neighbors import neighbor_map_from_occupancy
+
+    nbr = neighbor_map_from_occupancy(x.coords, x.num, occupancy, spatial_shape=x.spatial_shape,
+                                      batch_size=x.batch_size, offsets=offsets, interpret=impl.interpret)
+    overflow = jnp.zeros((), bool)
+  elif impl.is_pallas:
     from pallas_kernels.hash_table import neighbor_map_hashed
 
     nbr, overflow = neighbor_map_hashed(
@@ -191,6 +198,18 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
   report(overflow, "neighbor_map: the neighbour hash table overflowed (a probe ran past its bound); the map is "
          "invalid", error=RuntimeError)
   return cache
+
+
+def _ranking_occupancy(x: SparseTensor):
+  """The occupancy map whose ranks are x's rows, when x's coordinates are the output of a site search that used
+  one (`PairMap.occupancy`; the same array, checked statically), else None."""
+  from jsparse.sparse_conv import PairMap
+
+  for entry in x.caches.values():
+    if (isinstance(entry, PairMap) and entry.occupancy is not None and entry.out_coords is x.coords
+        and entry.geom.out_shape == tuple(x.spatial_shape) and entry.batch_size == x.batch_size):
+      return entry.occupancy
+  return None
 
 
 def with_maps(x: SparseTensor, kernel_size: Size3 = 3, *more_kernel_sizes: Size3, dilation: Size3 = 1,

@@ -215,6 +215,9 @@ class PairMap:
   overflow: bool scalar, True if more output sites existed than out_capacity (then the map holds the
     out_capacity smallest-keyed ones). Outside jit, building such a map raises ValueError instead. The Pallas
     site search also sets it if its hash table ran past a probe bound (then the map is unreliable).
+  occupancy: the occupancy map of the output grid when the Pallas search used one (`occupancy_sites`), else
+    None. Output row i is the site of rank i in it, so a submanifold map on the output reads its ranks instead
+    of building a hash table (`neighbors.build_neighbor_map`).
   """
 
   out_coords: jax.Array
@@ -226,6 +229,7 @@ class PairMap:
   overflow: jax.Array
   geom: Geometry = dataclasses.field(metadata=dict(static=True))
   batch_size: int = dataclasses.field(metadata=dict(static=True))
+  occupancy: occupancy_sites.Occupancy | None = None
 
   @property
   def out_capacity(self) -> int:
@@ -266,16 +270,17 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   """
   out_capacity = check_capacity(out_capacity, "out_capacity")
   geom = geometry(x.spatial_shape, kernel_size, stride, padding, dilation)
-  out_coords, out_num, nbr, inv, overflow = _site_search(
+  out_coords, out_num, nbr, inv, overflow, occupancy = _site_search(
       x.coords, x.num, x.batch_size, _proposal_geometry(geom), out_capacity, implementation, check=check, op=op)
-  return PairMap(out_coords, out_num, nbr, inv, x.coords, x.num, overflow, geom, x.batch_size)
+  return PairMap(out_coords, out_num, nbr, inv, x.coords, x.num, overflow, geom, x.batch_size, occupancy)
 
 
 def _site_search(coords, num, batch_size: int, rule: unique_keys.ProposalGeometry, out_capacity,
                  implementation: str | None, *, check: bool, op: str):
-  """(out_coords, out_num, nbr, inv, overflow): the distinct proposals of `rule` (every valid row of coords
-  and every offset) as sorted output sites, and both maps (module docstring). The strided and the general
-  transposed convolution differ only in their rule."""
+  """(out_coords, out_num, nbr, inv, overflow, occupancy): the distinct proposals of `rule` (every valid row of
+  coords and every offset) as sorted output sites, both maps (module docstring), and the occupancy map that
+  ranked them (None where the search used none). The strided and the general transposed convolution differ only
+  in their rule."""
   wide = _check_keys(batch_size, rule.out_shape) == 2
   impl = dispatch.resolve(implementation)
   if check:
@@ -283,6 +288,7 @@ def _site_search(coords, num, batch_size: int, rule: unique_keys.ProposalGeometr
     report(outside > 0, f"{op}: x has {{rows}} valid rows whose batch index lies outside [0, batch_size="
            f"{batch_size}); they feed no output site", rows=outside)
   dense = impl.is_pallas and not wide and occupancy_sites.fits(coords.shape[0], rule, batch_size)
+  occupancy = None
   if dense:
     occupancy = occupancy_sites.mark_occupancy(coords, num, geometry=rule, batch_size=batch_size,
                                                interpret=impl.interpret)
@@ -311,7 +317,7 @@ def _site_search(coords, num, batch_size: int, rule: unique_keys.ProposalGeometr
     overflow = overflow | table_overflow
   else:
     out_coords, out_num, nbr, inv = _compact(keys, ok, flat, first, count, rule.out_shape, batch_size, out_capacity)
-  return out_coords, out_num, nbr, inv, overflow
+  return out_coords, out_num, nbr, inv, overflow, occupancy
 
 
 # The two stages are jitted separately (the host reads the count in between when out_capacity is None):
@@ -626,7 +632,7 @@ def transpose_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 2, paddin
 def _transpose_map(x: SparseTensor, geom: TransposeGeometry, out_capacity, implementation, check: bool):
   scaled = x.coords * jnp.asarray((1,) + geom.stride, jnp.int32)  # rows past x.num are never read
   return _site_search(scaled, x.num, x.batch_size, geom.proposal_rule(), out_capacity, implementation, check=check,
-                      op="sparse_conv_transpose3d")
+                      op="sparse_conv_transpose3d")[:5]  # a transposed convolution's output carries no maps
 
 
 def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,

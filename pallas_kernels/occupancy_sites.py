@@ -46,7 +46,7 @@ from pallas_kernels.out_struct import out_struct, same_vma
 from pallas_kernels.unique_keys import (BIG, ProposalGeometry, check_coords, offsets_by_residue, proposal_operands,
                                         proposal_site_at)
 
-__all__ = ["Lanes", "Occupancy", "fits", "lanes_for", "mark_occupancy", "occupied_sites"]
+__all__ = ["Lanes", "Occupancy", "fits", "lanes_for", "mark_occupancy", "occupied_sites", "site_rank"]
 
 # Bytes of occupancy map allowed per input row: the map is a transient of the forward pass, and at 96 bytes a
 # row it stays below the [capacity, V] int32 inverse map the search writes anyway for a 3^3 kernel (108 bytes a
@@ -140,6 +140,17 @@ def _mark_kernel(num_ref, coords_ref, offs_ref, table_ref, occ_in_ref, occ_ref, 
   plgpu.store(occ_ref.at[jnp.where(ok, key, spare)], jnp.ones((block,), jnp.int8), mask=ok)
 
 
+def site_rank(words_ref, prefix_ref, key, ok):
+  """(rank, occupied) of the sites with linear `key` on lanes `ok`: the number of occupied sites of smaller key,
+  and whether the site's own bit is set (False off `ok`)."""
+  word_index = jnp.where(ok, lax.shift_right_logical(key, jnp.int32(5)), 0)
+  word = plgpu.load(words_ref.at[word_index], mask=ok, other=0)
+  bit = key & (WORD_BITS - 1)
+  below = word & (jnp.left_shift(jnp.int32(1), bit) - 1)  # the bits of smaller sites
+  rank = plgpu.load(prefix_ref.at[word_index], mask=ok, other=0) + lax.population_count(below)
+  return rank, ok & ((lax.shift_right_logical(word, bit) & 1) == 1)
+
+
 def _lookup_kernel(num_ref, coords_ref, offs_ref, table_ref, words_ref, prefix_ref, inv_in_ref, keys_in_ref,
                    nbr_in_ref, inv_ref, keys_ref, nbr_ref, *, block, num_lanes, nv, lanes, geometry, batch_size,
                    out_capacity, spare_inv, spare_keys):
@@ -147,10 +158,7 @@ def _lookup_kernel(num_ref, coords_ref, offs_ref, table_ref, words_ref, prefix_r
   p = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
   j, v, key, ok = _lane_proposal(num_ref[0], coords_ref, offs_ref, table_ref, p, p < num_lanes, lanes=lanes,
                                  geometry=geometry, batch_size=batch_size)
-  word_index = jnp.where(ok, lax.shift_right_logical(key, jnp.int32(5)), 0)
-  word = plgpu.load(words_ref.at[word_index], mask=ok, other=0)
-  below = word & (jnp.left_shift(jnp.int32(1), key & (WORD_BITS - 1)) - 1)  # the bits of smaller sites
-  rank = plgpu.load(prefix_ref.at[word_index], mask=ok, other=0) + lax.population_count(below)
+  rank, _ = site_rank(words_ref, prefix_ref, key, ok)  # every proposed site is occupied
   kept = ok & (rank < out_capacity)
   plgpu.store(inv_ref.at[jnp.where(kept, j * nv + v, spare_inv)], rank, mask=kept)
   plgpu.store(keys_ref.at[jnp.where(kept, rank, spare_keys)], key, mask=kept)

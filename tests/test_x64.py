@@ -189,6 +189,7 @@ def test_kernels_lower_without_64_bit_integers_under_x64(monkeypatch):
     def loss(feats, w, coords, num):
       x = jsparse.SparseTensor(coords, feats, num, grid, 2)
       y = sparse_conv3d(jsparse.submconv3d(x, w), w, stride=2, padding=1, out_capacity=800)  # 800 < sites: cut
+      y = jsparse.submconv3d(y, w)  # on a small grid its map reads the search's occupancy map (occupancy_query)
       half = x.replace(feats=feats.astype(jnp.float16))
       grouped = jsparse.submconv3d(half, w[:, :, :, :c // 2].astype(jnp.float16), feature_group_count=2)
       depthwise = jsparse.submconv3d(half, w[:, :, :, :1].astype(jnp.float16), feature_group_count=c)
@@ -201,7 +202,8 @@ def test_kernels_lower_without_64_bit_integers_under_x64(monkeypatch):
             "bn_grad_sums"}
   hashed = {"unique_insert", "unique_mark", "unique_lookup"}
   # grid: the site search's kernels (the hash table's with the cut, unique_kth_smallest, on narrow keys).
-  searches = {(16, 16, 16): {"occupancy_mark", "occupancy_lookup"}, (512, 512, 512): hashed | {"unique_kth_smallest"},
+  searches = {(16, 16, 16): {"occupancy_mark", "occupancy_lookup", "occupancy_query"},
+              (512, 512, 512): hashed | {"unique_kth_smallest"},
               (3000, 3000, 3000): hashed}
   for grid, search in searches.items():
     with jax.enable_x64(True):

@@ -14,8 +14,9 @@ multiply an inf of item 1 by item 0's one-hot zero, and 0 * inf = NaN would reac
 one-hot rows are all zero, would poison every item the same way). So the product runs over the values with
 their non-finite entries zeroed, next to two 0/1 flag columns ("+inf or NaN", "-inf or NaN") in the same
 product (the one-hot is read once), which count each item's non-finite entries; adding +inf, -inf or NaN back
-where the counts say so gives what a sum over the item's own rows gives. The gradients keep the items apart
-the same way (a non-finite cotangent of item 1 does not reach item 0's rows).
+where the counts say so gives what a sum over the item's own rows gives. The two counts share one flag column
+(see _sum_rows), so the product's operand is twice the values' width, not three times. The gradients keep the
+items apart the same way (a non-finite cotangent of item 1 does not reach item 0's rows).
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def item_one_hot(x: SparseTensor) -> jax.Array:
 
 # Rows per chunk in the first stage of the per-item sums (see _sum_rows).
 SUM_CHUNK_ROWS = 512
+# Weight of a "-inf or NaN" entry in the flag column ("+inf or NaN" weighs 1): a chunk's flag sum
+# n_up + FLAG_DOWN * n_down is exact in float32 and decodes uniquely while a chunk has fewer than FLAG_DOWN rows.
+FLAG_DOWN = 4096.0
 
 
 def _in_chunks(a: jax.Array, rows: int) -> jax.Array:
@@ -55,18 +59,22 @@ def _sum_rows(one_hot: jax.Array, values: jax.Array) -> jax.Array:
   42-89 GB/s on an H200, most of group norm's time in the generative decoder (docs/perf_notes.md).
   """
   cap, tail, batch_size = values.shape[0], values.shape[1:], one_hot.shape[1]
-  flat = values.reshape(cap, math.prod(tail))  # not -1: a capacity of 0 leaves it undetermined
+  width = math.prod(tail)
+  flat = values.reshape(cap, width)  # not -1: a capacity of 0 leaves it undetermined
   nan = jnp.isnan(flat)
-  # One product over [finite values | "+inf or NaN" | "-inf or NaN"]: the one-hot is read once.
-  operand = jnp.concatenate([jnp.where(jnp.isfinite(flat), flat, 0), ((flat == jnp.inf) | nan).astype(jnp.float32),
-                             ((flat == -jnp.inf) | nan).astype(jnp.float32)], axis=1)
+  flags = ((flat == jnp.inf) | nan).astype(jnp.float32) + FLAG_DOWN * ((flat == -jnp.inf) | nan).astype(jnp.float32)
+  # One product over [finite values | flags]: the one-hot is read once.
+  operand = jnp.concatenate([jnp.where(jnp.isfinite(flat), flat, 0), flags], axis=1)
   rows = max(1, min(SUM_CHUNK_ROWS, cap))
   partial = jnp.einsum("krb,krx->kbx", _in_chunks(one_hot, rows), _in_chunks(operand, rows),
                        precision=lax.Precision.HIGHEST)
   # The barrier keeps the two stages apart whatever XLA's simplifier does with a reduce of a reduce (a safeguard;
   # the variant without it was not measured).
-  finite, up, down = jnp.split(jnp.sum(lax.optimization_barrier(partial), axis=0), 3, axis=1)
-  up, down = up > 0, down > 0
+  partial = lax.optimization_barrier(partial)
+  finite = jnp.sum(partial[..., :width], axis=0)
+  flag_sums = partial[..., width:]  # per chunk: the counts decode exactly there, not after summing the chunks
+  down = jnp.any(flag_sums >= FLAG_DOWN, axis=0)
+  up = jnp.any(jnp.mod(flag_sums, FLAG_DOWN) > 0, axis=0)
   non_finite = jnp.where(up & down, jnp.nan, jnp.where(up, jnp.inf, jnp.where(down, -jnp.inf, 0.0)))
   return (finite + non_finite).reshape((batch_size,) + tail)
 

@@ -61,6 +61,37 @@ def test_per_item_sums_over_several_chunks(capacity, batch_size):
                                 np.bincount(items, minlength=batch_size))
 
 
+def test_non_finite_counts_decode_per_chunk():
+  """The flag column holds n_up + FLAG_DOWN * n_down per chunk: a chunk whose every row is +inf must read as +inf
+  (not as a -inf count), +inf and -inf of one item in different chunks as NaN, and the chunk size must keep the
+  encoding exact (float32 integers below 2**24)."""
+  chunk = per_item.SUM_CHUNK_ROWS
+  assert chunk < per_item.FLAG_DOWN and per_item.FLAG_DOWN * (chunk + 1) < 2**24
+  capacity, batch_size = 3 * chunk, 2
+  items = np.zeros(capacity, np.int64)
+  items[chunk:] = np.arange(2 * chunk) % 2  # chunk 0: item 0 only; chunks 1 and 2: both items
+  coords = np.zeros((capacity, 4), np.int32)
+  coords[:, 0] = items
+  x = jsparse.SparseTensor(jnp.asarray(coords), jnp.zeros((capacity, 1)), jnp.asarray(capacity, jnp.int32),
+                           (4, 4, 4), batch_size)
+  values = np.random.default_rng(9).standard_normal((capacity, 6)).astype(np.float32)
+  values[:chunk, 0] = np.inf  # a whole chunk of +inf: n_up = SUM_CHUNK_ROWS
+  values[chunk + 1, 1], values[2 * chunk + 3, 1] = np.inf, -np.inf  # item 1, two chunks: NaN
+  values[chunk + 2, 2] = np.nan  # item 0: NaN
+  values[:chunk, 3] = -np.inf  # a whole chunk of -inf: item 0's -inf
+  values[chunk, 3] = np.inf  # and a +inf of item 0 in the next chunk: NaN
+  values[2 * chunk + 5, 4] = -np.inf  # item 1: -inf
+  sums = np.asarray(per_item.sum_per_item(per_item.item_one_hot(x), jnp.asarray(values)))
+  want = np.zeros((batch_size, 6))
+  with np.errstate(invalid="ignore"):
+    np.add.at(want, items, values.astype(np.float64))
+  for check in (np.isposinf, np.isneginf, np.isnan):
+    np.testing.assert_array_equal(check(sums), check(want), err_msg=check.__name__)
+  assert np.isposinf(sums[0, 0]) and np.isnan(sums[1, 1]) and np.isneginf(sums[1, 4])
+  finite = np.isfinite(want)
+  np.testing.assert_allclose(sums[finite], want[finite], rtol=1e-5, atol=1e-4)
+
+
 def test_global_pool_gradients_stay_row_sized():
   """global_pool's gradients need O(rows x C) memory, not O(rows x batch x C): a masked max over a
   [rows, batch, C] broadcast (once tried for "max") materialises that array in its gradient."""

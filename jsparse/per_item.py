@@ -38,8 +38,9 @@ def item_one_hot(x: SparseTensor) -> jax.Array:
 # Rows per chunk in the first stage of the per-item sums (see _sum_rows).
 SUM_CHUNK_ROWS = 512
 # Weight of a "-inf or NaN" entry in the flag column ("+inf or NaN" weighs 1): a chunk's flag sum
-# n_up + FLAG_DOWN * n_down is exact in float32 and decodes uniquely while a chunk has fewer than FLAG_DOWN rows.
-FLAG_DOWN = 4096.0
+# n_up + FLAG_DOWN * n_down is exact in float32 and decodes uniquely while a chunk has fewer than FLAG_DOWN rows,
+# and a NaN's flag (FLAG_DOWN + 1) stays exact even where a product rounds its operands to TF32 (11 bits).
+FLAG_DOWN = 1024.0
 
 
 def _in_chunks(a: jax.Array, rows: int) -> jax.Array:

@@ -64,9 +64,10 @@ def test_per_item_sums_over_several_chunks(capacity, batch_size):
 def test_non_finite_counts_decode_per_chunk():
   """The flag column holds n_up + FLAG_DOWN * n_down per chunk: a chunk whose every row is +inf must read as +inf
   (not as a -inf count), +inf and -inf of one item in different chunks as NaN, and the chunk size must keep the
-  encoding exact (float32 integers below 2**24)."""
+  encoding exact (float32 integers below 2**24, a NaN's flag exact in TF32)."""
   chunk = per_item.SUM_CHUNK_ROWS
   assert chunk < per_item.FLAG_DOWN and per_item.FLAG_DOWN * (chunk + 1) < 2**24
+  assert per_item.FLAG_DOWN + 1 <= 2**11  # a NaN's flag is exact in TF32's 11-bit significand too
   capacity, batch_size = 3 * chunk, 2
   items = np.zeros(capacity, np.int64)
   items[chunk:] = np.arange(2 * chunk) % 2  # chunk 0: item 0 only; chunks 1 and 2: both items

@@ -62,8 +62,9 @@ def test_sparse_conv3d_matches_dense(case):
   b = _w(rng, (1, cout))[0] if use_bias else None
   y = sparse_conv3d(x, w, b, stride=st, padding=pad, dilation=dil, out_capacity="exact", precision="highest")
   # Output sites: exactly the positions whose window holds an active input, sorted by key, no duplicates.
-  mask = (x.todense() != 0).any(-1, keepdims=True).astype(jnp.float32)
-  hits = _dense_conv(mask, jnp.ones(ks + (1, 1)), st, pad, dil)[..., 0] > 0
+  # The dense references run jitted: one compilation each instead of one per eager primitive.
+  hits = jax.jit(lambda x: _dense_conv((x.todense() != 0).any(-1, keepdims=True).astype(jnp.float32),
+                                       jnp.ones(ks + (1, 1)), st, pad, dil)[..., 0] > 0)(x)
   n = int(y.num)
   assert y.spatial_shape == hits.shape[1:] and n == int(hits.sum()) and y.capacity == n
   c = np.asarray(y.coords[:n])
@@ -75,7 +76,7 @@ def test_sparse_conv3d_matches_dense(case):
   dense_fn = lambda f, w, bb: _at(_dense_conv(x.replace(feats=f).todense(), w, st, pad, dil) + bb, y)
   sparse_fn = lambda f, w, bb: sparse_conv3d(x.replace(feats=f), w, bb, stride=st, padding=pad, dilation=dil,
                                              out_capacity=n, precision="highest").feats
-  assert rel_err(y.feats, dense_fn(x.feats, w, bb)) < 1e-5
+  assert rel_err(y.feats, jax.jit(dense_fn)(x.feats, w, bb)) < 1e-5
   cot = jnp.asarray(rng.standard_normal((y.capacity, cout)).astype(np.float32))
   _check_grads(sparse_fn, dense_fn, (x.feats, w, bb), cot)
   # Larger static capacity: padding rows are zero and -1.
@@ -107,7 +108,7 @@ def test_inverse_conv_matches_dense_transpose(case):
                                  precision="highest").feats
 
   out = sparse_fn(y.feats, w, b)
-  assert rel_err(out, dense_fn(y.feats, w, b)) < 1e-5
+  assert rel_err(out, jax.jit(dense_fn)(y.feats, w, b)) < 1e-5
   cot = jnp.asarray(rng.standard_normal((x.capacity, c2)).astype(np.float32))
   _check_grads(sparse_fn, dense_fn, (y.feats, w, b), cot)
   # Without the cached map (recomputed by search), and with y's rows shuffled, the result is the same.

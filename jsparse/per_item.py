@@ -12,11 +12,11 @@ other (a sum's gradient is a broadcast and vice versa), so no scatter-add appear
 Batch items stay independent when values are not finite, as in a dense GroupNorm. A plain product would
 multiply an inf of item 1 by item 0's one-hot zero, and 0 * inf = NaN would reach item 0 (padding rows, whose
 one-hot rows are all zero, would poison every item the same way). So the product runs over the values with
-their non-finite entries zeroed, next to two 0/1 flag columns ("+inf or NaN", "-inf or NaN") in the same
-product (the one-hot is read once), which count each item's non-finite entries; adding +inf, -inf or NaN back
-where the counts say so gives what a sum over the item's own rows gives. The two counts share one flag column
-(see _sum_rows), so the product's operand is twice the values' width, not three times. The gradients keep the
-items apart the same way (a non-finite cotangent of item 1 does not reach item 0's rows).
+their non-finite entries zeroed, next to one flag column in the same product (the one-hot is read once) whose
+per-chunk sums count each item's "+inf or NaN" and "-inf or NaN" entries (see _sum_rows); adding +inf, -inf or
+NaN back where the counts say so gives what a sum over the item's own rows gives. The product's operand is so
+twice the values' width. The gradients keep the items apart the same way (a non-finite cotangent of item 1
+does not reach item 0's rows).
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 CPU: the interpret-mode kernel and its XLA form against a numpy dictionary of the sites (hypothesis over grids,
 offsets, batches, padding rows and occupied sites that are not rows), the rule that picks it in
-`build_neighbor_map` (a strided convolution's output, and nothing else), whole convolutions through it against
-the XLA path (values and gradients), and Triton lowering. GPU (``-m gpu``): the kernel on the output of a
-strided convolution of a 1M-site sphere shell against the XLA map.
+`build_neighbor_map` (the output of a strided convolution or pool, and nothing else), whole convolutions
+through it against the XLA path (values and gradients), and Triton lowering. GPU (``-m gpu``): the kernel on
+the output of a strided convolution of a 1M-site sphere shell against the XLA map.
 """
 from __future__ import annotations
 

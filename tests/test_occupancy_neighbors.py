@@ -259,12 +259,22 @@ def test_triton_lowering():
 def test_gpu_map_of_a_strided_output_matches_xla(kernel_size, dilation):
   # A RES 512 sphere shell (1M sites, two items) downsampled by a k3 s2 convolution (the occupancy search), and
   # out_capacity a third short (sites occupied but dropped): the kernel's map equals the XLA map.
-  from jsparse.shapes import sphere_shell_coords
+  check_map_of_a_strided_output(512, kernel_size, dilation)
 
-  pts = sphere_shell_coords(512, 2)
+
+@pytest.mark.parametrize("kernel_size,dilation", [((3, 3, 3), (1, 1, 1)), ((3, 3, 3), (2, 2, 2))])
+def test_map_of_a_strided_output_matches_xla_interpret(kernel_size, dilation):
+  # The GPU test's body on a small shell, so the test itself runs on every machine.
+  check_map_of_a_strided_output(16, kernel_size, dilation)
+
+
+def check_map_of_a_strided_output(res, kernel_size, dilation):
+  from benchmarks.workloads import sphere_shell_coords
+
+  pts = sphere_shell_coords(res, 2)
   rng = np.random.default_rng(6)
   pts = pts[rng.permutation(len(pts))]
-  x = jsparse.SparseTensor.from_coords(pts, np.zeros((len(pts), 1), np.float32), (512,) * 3, 2,
+  x = jsparse.SparseTensor.from_coords(pts, np.zeros((len(pts), 1), np.float32), (res,) * 3, 2,
                                        capacity=len(pts) + 100)
   count = int(pair_map(x, 3, 2, 1, implementation="xla").out_num)
   for out_capacity in (count + 1000, count - count // 3):

@@ -64,6 +64,11 @@ class RunOptions(NamedTuple):
   input_grad_flips: bool = True
 
 
+# The largest gathered operand ([rows, offsets x channels]) for which the tuner times the explicit algorithm: it
+# is written to memory in full, so it is a candidate only where that costs little next to the matmul.
+EXPLICIT_MAX_GATHER_BYTES = 1 << 28
+
+
 @dataclasses.dataclass(frozen=True)
 class Explicit:
   """Gather, then one XLA matmul per pass."""
@@ -79,7 +84,11 @@ class Explicit:
 
   @classmethod
   def candidates(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout, groups: int = 1) -> list:
-    return []
+    """Timed where its gathered operand is small: few rows with wide channels can favour one dense library
+    matmul over every offset's zero rows to the tiled kernels' per-block offset loop."""
+    width = cout if pass_name == "input_grad" else cin
+    gathered = num_rows * num_offsets * width * jnp.dtype(dtype).itemsize
+    return [cls()] if num_offsets > 1 and gathered <= EXPLICIT_MAX_GATHER_BYTES else []
 
   def run(self, pass_name: str, p: PassInputs, o: RunOptions):
     """One pass in plain XLA."""

@@ -224,6 +224,12 @@ def _batch_norm_train_bwd(epsilon, activation, out_dtype, impl, res, cotangents)
                                                          activation=activation, interpret=impl.interpret)
   else:
     sum_g, sum_gx = jnp.sum(g, axis=0), jnp.sum(g * xhat, axis=0)
+  if activation is not None:
+    # The dx pass recomputes the activation's derivative from x behind a barrier: shared with the sums, XLA
+    # wrote it as a [rows, C] mask of its own, one more write and two more reads (docs/perf_notes.md).
+    feats, mean, inv_std, sum_g, sum_gx = lax.optimization_barrier((feats, mean, inv_std, sum_g, sum_gx))
+    xhat = jnp.where(valid, (feats.astype(jnp.float32) - mean) * inv_std, 0)
+    g = jnp.where(valid, _activation_grad(g_y.astype(jnp.float32), xhat, scale, bias, activation), 0)
   # d/dx of (x - mean) * inv_std through the batch mean and variance, plus the statistics' own cotangents.
   g_x = (scale * inv_std) * (g - (sum_g + xhat * sum_gx) / n)
   g_x = g_x + (g_mean + 2.0 * g_var * (xhat / inv_std)) / n

@@ -60,6 +60,23 @@ def test_batch_norm_values_and_gradients(dtype, tol, act):
   assert np.all(np.asarray(got[0][n:]) == 0)
 
 
+def test_batch_norm_backward_recomputes_the_activation_derivative_per_pass():
+  """The dx pass computes ReLU's derivative again behind a barrier, so XLA cannot share one [rows, C] mask
+  between it and the reduction pass (on a GPU it wrote that mask as a pass of its own: docs/perf_notes.md).
+  Without an activation nothing is recomputed."""
+  x = _tensor(np.random.default_rng(1), 50, 3, 4, jnp.float16)
+
+  def program(act):
+    def loss(f):
+      return jnp.sum(norm.batch_norm(x.replace(feats=f), jnp.ones(4), jnp.zeros(4), activation=act).feats)
+    return jax.jit(jax.grad(loss)).lower(x.feats).as_text()
+
+  with_relu, without = program(jax.nn.relu), program(None)
+  # With one mask shared by both passes the program held two such comparisons; now the dx pass has its own.
+  assert with_relu.count("GT") == 3, with_relu.count("GT")
+  assert with_relu.count("optimization_barrier") == without.count("optimization_barrier") + 1
+
+
 def test_batch_norm_statistics_accurate_far_from_zero():
   """One-pass moments about the first row: a mean of 1000 with spread 0.1 keeps its variance (sums about zero
   would cancel it away in float32)."""

@@ -267,8 +267,11 @@ def map_gemm(feats: jax.Array, weight: jax.Array, bias: jax.Array | None, maps: 
   """
   layout = spec.weight_layout
   if not spec.implementation.is_pallas:
-    return submconv_xla(feats, weight, bias, maps.nbr, maps.num, precision=spec.precision, weight_layout=layout,
-                        groups=spec.groups)
+    # Rematerialised: autodiff would keep each layer's gathered [rows, V x Cin] operand (V times its input)
+    # from the forward until its weight gradient; the backward gathers again instead.
+    run = jax.checkpoint(functools.partial(submconv_xla, precision=spec.precision, weight_layout=layout,
+                                           groups=spec.groups))
+    return run(feats, weight, bias, maps.nbr, maps.num)
   m, v = maps.nbr.shape
   _, _, cout = layout.flat_dims(weight)
   _record(ConvCall(m, feats.shape[1], cout, v, jnp.dtype(feats.dtype), maps, spec.precision, layout, spec.groups))

@@ -24,6 +24,7 @@ import re
 from typing import ClassVar, NamedTuple
 
 import jax.numpy as jnp
+from jax import lax
 
 from jsparse import gemm_xla
 from pallas_kernels import depthwise_config, gather_gemm, gather_gemm_config, weight_grad, weight_grad_config
@@ -85,9 +86,11 @@ class Explicit:
   @classmethod
   def candidates(cls, pass_name, num_rows, cin, cout, num_offsets, dtype, weight_layout, groups: int = 1) -> list:
     """Timed where its gathered operand is small: few rows with wide channels can favour one dense library
-    matmul over every offset's zero rows to the tiled kernels' per-block offset loop."""
+    matmul over every offset's zero rows to the tiled kernels' per-block offset loop. The bound holds for the
+    most rows of the shape key's bucket, since a tuned entry serves them all."""
     width = cout if pass_name == "input_grad" else cin
-    gathered = num_rows * num_offsets * width * jnp.dtype(dtype).itemsize
+    bucket_rows = 1 << max(int(num_rows) - 1, 0).bit_length()  # ShapeKey.of's rounding
+    gathered = bucket_rows * num_offsets * width * jnp.dtype(dtype).itemsize
     return [cls()] if num_offsets > 1 and gathered <= EXPLICIT_MAX_GATHER_BYTES else []
 
   def run(self, pass_name: str, p: PassInputs, o: RunOptions):
@@ -97,7 +100,10 @@ class Explicit:
       return gemm_xla.submconv_xla(p.lhs, p.rhs, p.bias, p.nbr, p.num, **kw)
     if pass_name == "input_grad":
       return gemm_xla.input_grad_xla(p.lhs, p.rhs, p.nbr, p.num, flip_offsets=o.input_grad_flips, **kw)
-    return gemm_xla.weight_grad_xla(p.lhs, p.rhs, p.nbr, p.num, **kw)
+    # Tied to the cotangent, the weight gradient's gather cannot be merged with the forward's identical one,
+    # which would keep that [rows, offsets x Cin] operand alive from the forward to the backward.
+    feats, g = lax.optimization_barrier((p.lhs, p.rhs))
+    return gemm_xla.weight_grad_xla(feats, g, p.nbr, p.num, **kw)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -350,13 +350,16 @@ def test_explicit_is_a_candidate_only_where_its_gathered_operand_is_small():
     assert Explicit() in pass_config.candidates(pass_name, 848, 1024, 1024, 27, jnp.float32, layout)
     assert Explicit() not in pass_config.candidates(pass_name, 1 << 20, 64, 64, 27, jnp.float16, layout)
     assert Explicit() not in pass_config.candidates(pass_name, 848, 1024, 1024, 1, jnp.float32, layout)
-  # the bound is on the bytes gathered: the input gradient gathers Cout channels, the other passes Cin
+  # The bound is on the bytes gathered at the most rows of the shape key's bucket (a power of two), since a
+  # tuned entry serves every row count there: the input gradient gathers Cout channels, the other passes Cin.
   limit = pass_config.EXPLICIT_MAX_GATHER_BYTES
-  rows = limit // (27 * 64 * 4)
-  assert Explicit() in pass_config.candidates("forward", rows, 64, 4096, 27, jnp.float32, layout)
-  assert Explicit() not in pass_config.candidates("forward", rows + 1, 64, 4096, 27, jnp.float32, layout)
-  assert Explicit() not in pass_config.candidates("input_grad", rows, 64, 4096, 27, jnp.float32, layout)
-  assert Explicit() in pass_config.candidates("input_grad", rows, 4096, 64, 27, jnp.float32, layout)
+  assert 38000 * 27 * 64 * 4 <= limit < 65536 * 27 * 64 * 4  # 38000 rows fit; their bucket (65536) does not
+  assert Explicit() in pass_config.candidates("forward", 32768, 64, 4096, 27, jnp.float32, layout)
+  assert Explicit() in pass_config.candidates("forward", 20000, 64, 4096, 27, jnp.float32, layout)
+  assert Explicit() not in pass_config.candidates("forward", 32769, 64, 4096, 27, jnp.float32, layout)
+  assert Explicit() not in pass_config.candidates("forward", 38000, 64, 4096, 27, jnp.float32, layout)
+  assert Explicit() not in pass_config.candidates("input_grad", 32768, 64, 4096, 27, jnp.float32, layout)
+  assert Explicit() in pass_config.candidates("input_grad", 32768, 4096, 64, 27, jnp.float32, layout)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -263,7 +263,8 @@ def map_gemm(feats: jax.Array, weight: jax.Array, bias: jax.Array | None, maps: 
 
   weight: flattened in spec.weight_layout ([V, Cin/groups, Cout] or [Cout, V, Cin/groups]) and in feats' dtype;
   bias (Cout,) or None. With spec.groups > 1, output channel block j (of Cout/groups) reads input channel
-  block j only. XLA: gather + one matmul, differentiated by JAX with the gather rematerialised. Pallas: the configs `choose` picks per pass.
+  block j only. XLA: gather + one matmul, differentiated by JAX with the gather rematerialised. Pallas: the
+  configs `choose` picks per pass.
   """
   layout = spec.weight_layout
   if not spec.implementation.is_pallas:

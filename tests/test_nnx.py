@@ -1,4 +1,6 @@
 """jsparse.nnx (flax.nnx modules) against their jsparse.nn (flax.linen) twins and dense references, on the CPU."""
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,9 +21,17 @@ DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 
 
 def perturb(tree, seed=1, scale=0.3):
-  """Noise on every leaf (zero-initialised biases and unit scales are exercised too); numpy, nothing compiles."""
+  """Noise on every leaf (zero-initialised biases and unit scales are exercised too); numpy, nothing compiles
+  (an eager jnp add would compile one program per leaf shape and dtype)."""
   rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda l: l + jnp.asarray(scale * rng.standard_normal(l.shape), l.dtype), tree)
+  return jax.tree.map(lambda l: jnp.asarray(np.asarray(l) + np.asarray(scale * rng.standard_normal(l.shape), l.dtype),
+                                            l.dtype), tree)
+
+
+def linen_init(module, *args, **kwargs):
+  """module.init(KEY, *args, **kwargs) as one jitted program (eagerly, every op of the initialisers and of the
+  forward compiles on its own)."""
+  return jax.jit(functools.partial(module.init, **kwargs))(KEY, *args)
 
 
 def assert_trees_close(a, b, tol):
@@ -109,11 +119,11 @@ def test_conv_layers_match_linen(name, dtype):
     call_linen = lambda m, v, t: m.apply(v, t, like=x)  # noqa: E731
     call_nnx = lambda m, t: m(t, like=x)  # noqa: E731
   linen = make_linen(dtype)
-  variables = perturb(linen.init(KEY, *((y,) if inputs == "inverse" else (x,)),
+  variables = perturb(linen_init(linen, *((y,) if inputs == "inverse" else (x,)),
                                  **({"like": x} if inputs == "inverse" else {})))
   model = make_nnx(dtype, nnx.Rngs(0))
   nnx.update(model, snnx.linen_to_nnx(variables, model))
-  out_capacity = call_nnx(model, inp).capacity
+  out_capacity = nnx.eval_shape(call_nnx, model, inp).capacity  # static: the shapes alone give it
   cot = jnp.asarray(rng.standard_normal((out_capacity, model.out_features)), jnp.float32)
   yn, gn, gxn = nnx_value_and_grads(model, inp, cot, call_nnx)
   yl, gl, gxl = linen_value_and_grads(linen, variables, inp, cot, call_linen)
@@ -142,6 +152,7 @@ def test_strided_conv_defaults_are_linen_ones():
     assert params["padding"].default == "SAME"
 
 
+@functools.partial(jax.jit, static_argnums=(3, 4))
 def _dense_same_conv_at(x, kernel, bias, strides, dilation, sites):
   """nn.Conv's "SAME" convolution of x.todense() in float32, read at the rows of `sites`."""
   from jax import lax
@@ -166,9 +177,9 @@ def test_same_padding_conv_and_inverse_match_linen(kernel_size, strides, dilatio
                             dtype=dtype, param_dtype=dtype)
   up_l = snn.SparseInverseConv3d(5, kernel_size, strides, kernel_dilation=dilation, dtype=dtype,
                                  param_dtype=dtype)
-  v_down = perturb(down_l.init(KEY, x))
-  y_l = down_l.apply(v_down, x)
-  v_up = perturb(up_l.init(KEY, y_l, like=x), seed=2)
+  v_down = perturb(linen_init(down_l, x))
+  y_l = jax.jit(down_l.apply)(v_down, x)
+  v_up = perturb(linen_init(up_l, y_l, like=x), seed=2)
   down = snnx.SparseConv3d(3, 4, kernel_size, strides, kernel_dilation=dilation, out_capacity=x.capacity,
                            dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
   up = snnx.SparseInverseConv3d(4, 5, kernel_size, strides, kernel_dilation=dilation, dtype=dtype,
@@ -188,8 +199,8 @@ def test_same_padding_conv_and_inverse_match_linen(kernel_size, strides, dilatio
   assert_trees_close(gn, gl, tol)
   y = down(x)
   assert y.spatial_shape == y_l.spatial_shape and int(y.num) == int(y_l.num) > 0
-  dense = _dense_same_conv_at(x, v_down["params"]["kernel"], v_down["params"]["bias"], st,
-                              (dilation,) * 3 if isinstance(dilation, int) else dilation, y)
+  dense = _dense_same_conv_at(x, v_down["params"]["kernel"], v_down["params"]["bias"], tuple(st),
+                              (dilation,) * 3 if isinstance(dilation, int) else tuple(dilation), y)
   assert rel_err(y.feats.astype(jnp.float32), dense) <= max(tol, 1e-5)
 
   # The pair: down then back up onto x, gradients through both.
@@ -224,10 +235,10 @@ def test_valid_and_int_padding_keep_the_grid():
   x = random_sparse(np.random.default_rng(3), (7, 6, 5), 3, batch_size=2, density=0.35, pad=6)
   for padding, expect in (("VALID", (3, 3, 2)), ((1, 0, 1), (4, 3, 3))):
     linen = snn.SparseConv3d(4, 2, 2, padding=padding, out_capacity=x.capacity)
-    v = perturb(linen.init(KEY, x))
+    v = perturb(linen_init(linen, x))
     model = snnx.SparseConv3d(3, 4, 2, 2, padding=padding, out_capacity=x.capacity, rngs=nnx.Rngs(0))
     nnx.update(model, snnx.linen_to_nnx(v, model))
-    y, y_l = model(x), linen.apply(v, x)
+    y, y_l = model(x), jax.jit(linen.apply)(v, x)
     assert y.spatial_shape == y_l.spatial_shape == expect
     assert rel_err(y.feats, y_l.feats) <= 1e-6
 
@@ -286,7 +297,7 @@ def test_norm_layers_match_linen(name, dtype):
   x = random_sparse(rng, (5, 6, 4), 8, batch_size=3, pad=7)
   x = x.replace(feats=(2.0 + 1.5 * x.feats).astype(dtype))
   linen, model = NORMS[name][0](dtype), NORMS[name][1](dtype, nnx.Rngs(0))
-  variables = perturb(linen.init(KEY, x))
+  variables = perturb(linen_init(linen, x))
   if "batch_stats" in variables:  # valid running statistics: a positive variance
     variables["batch_stats"]["var"] = jnp.abs(variables["batch_stats"]["var"]) + 0.5
   nnx.update(model, snnx.linen_to_nnx(variables, model))
@@ -416,11 +427,11 @@ def test_resnet_block_matches_linen_in_training_mode():
 
 def test_conversion_errors_name_the_problem():
   x = random_sparse(np.random.default_rng(0), (4, 4, 4), 3, pad=2)
-  variables = snn.SubMConv3d(4).init(KEY, x)
+  variables = linen_init(snn.SubMConv3d(4), x)
   with pytest.raises(ValueError, match=r"shape \(3, 3, 3, 3, 4\) where the nnx model has \(3, 3, 3, 5, 4\)"):
     snnx.linen_to_nnx(variables, snnx.SubMConv3d(5, 4, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="missing bias"):
-    snnx.linen_to_nnx(snn.SubMConv3d(4, use_bias=False).init(KEY, x), snnx.SubMConv3d(3, 4, rngs=nnx.Rngs(0)))
+    snnx.linen_to_nnx(linen_init(snn.SubMConv3d(4, use_bias=False), x), snnx.SubMConv3d(3, 4, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="unexpected bias"):
     snnx.linen_to_nnx(variables, snnx.SubMConv3d(3, 4, use_bias=False, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="collections.*'cache'"):
@@ -571,7 +582,7 @@ def test_sequential_matches_linen_values_gradients_and_statistics(dtype):
   x = random_sparse(np.random.default_rng(4), (7, 6, 5), 3, batch_size=2, density=0.35, pad=6)
   x = x.replace(feats=x.feats.astype(dtype))
   linen, model = _linen_and_nnx_sequentials(dtype)
-  variables = linen.init(KEY, x, use_running_average=False, deterministic=True)
+  variables = linen_init(linen, x, use_running_average=False, deterministic=True)
   assert set(variables["params"]) == {"layers_0", "layers_1", "layers_4", "layers_7"}
   variables = {"params": perturb(variables["params"]), "batch_stats": variables["batch_stats"]}
   nnx.update(model, snnx.linen_to_nnx(variables, model))
@@ -586,7 +597,8 @@ def test_sequential_matches_linen_values_gradients_and_statistics(dtype):
   assert yn.dtype == jnp.dtype(dtype)
   assert rel_err(yn, yl) <= tol and rel_err(gxn, gxl) <= tol
   assert_trees_close(gn, gl, tol)
-  _, updated = linen.apply(variables, x, use_running_average=False, deterministic=True, mutable=["batch_stats"])
+  _, updated = jax.jit(lambda v, t: linen.apply(v, t, use_running_average=False, deterministic=True,
+                                                mutable=["batch_stats"]))(variables, x)
   # The nnx training pass above moved the running averages in place, by the same step.
   assert_trees_close(snnx.nnx_to_linen(model)["batch_stats"], updated["batch_stats"], 1e-5)
   assert not np.allclose(np.asarray(model.layers_1.mean[...]), 0)
@@ -595,14 +607,14 @@ def test_sequential_matches_linen_values_gradients_and_statistics(dtype):
   model.eval()
   assert model.layers_3.deterministic and model.layers_1.use_running_average
   y_eval = nnx.jit(lambda m, t: m(t))(model, x)
-  y_eval_l = linen.apply({"params": variables["params"], "batch_stats": updated["batch_stats"]}, x,
-                         use_running_average=True, deterministic=True)
+  eval_l = jax.jit(lambda v, t: linen.apply(v, t, use_running_average=True, deterministic=True))
+  y_eval_l = eval_l({"params": variables["params"], "batch_stats": updated["batch_stats"]}, x)
   assert rel_err(y_eval.feats, y_eval_l.feats) <= tol
   assert float(jnp.max(jnp.abs(y_eval.feats.astype(jnp.float32)))) > 0
   assert np.all(np.asarray(y_eval.feats[int(y_eval.num):]) == 0)
   # nnx -> linen: the nnx parameters drive the linen model to the same eval output.
   back = snnx.nnx_to_linen(model)
-  y_back = linen.apply(back, x, use_running_average=True, deterministic=True)
+  y_back = eval_l(back, x)
   assert rel_err(y_back.feats, y_eval.feats) <= tol
 
 

@@ -89,8 +89,7 @@ class Explicit:
     matmul over every offset's zero rows to the tiled kernels' per-block offset loop. The bound holds for the
     most rows of the shape key's bucket, since a tuned entry serves them all."""
     width = cout if pass_name == "input_grad" else cin
-    bucket_rows = 1 << max(int(num_rows) - 1, 0).bit_length()  # ShapeKey.of's rounding
-    gathered = bucket_rows * num_offsets * width * jnp.dtype(dtype).itemsize
+    gathered = row_bucket(num_rows) * num_offsets * width * jnp.dtype(dtype).itemsize
     return [cls()] if num_offsets > 1 and gathered <= EXPLICIT_MAX_GATHER_BYTES else []
 
   def run(self, pass_name: str, p: PassInputs, o: RunOptions):
@@ -217,6 +216,11 @@ def describe(cfg: PassConfig) -> str:
 _KEY_RE = re.compile(r"(forward|input_grad|weight_grad)/n(\d+)/ci(\d+)/co(\d+)/v(\d+)(?:/g(\d+))?/(\w+)")
 
 
+def row_bucket(num_rows: int) -> int:
+  """The rows of a shape key's bucket: num_rows rounded up to a power of two."""
+  return 1 << max(int(num_rows) - 1, 0).bit_length()
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class ShapeKey:
   """The bucket a tuned config applies to: the pass, rows rounded up to a power of two, exact channels,
@@ -234,9 +238,8 @@ class ShapeKey:
   @classmethod
   def of(cls, pass_name: str, num_rows: int, cin: int, cout: int, num_offsets: int, dtype,
          groups: int = 1) -> "ShapeKey":
-    rows = 1 << max(int(num_rows) - 1, 0).bit_length()
-    return cls(check_pass(pass_name), rows, int(cin), int(cout), int(num_offsets), jnp.dtype(dtype).name,
-               int(groups))
+    return cls(check_pass(pass_name), row_bucket(num_rows), int(cin), int(cout), int(num_offsets),
+               jnp.dtype(dtype).name, int(groups))
 
   @classmethod
   def parse(cls, text) -> "ShapeKey":

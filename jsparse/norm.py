@@ -188,12 +188,14 @@ def _normalise(feats, valid, mean, inv_std, scale, bias, activation):
   return jnp.where(valid[:, None], y, 0)
 
 
-def _activation_grad(g, xhat, scale, bias, activation):
-  """g pulled back through activation(xhat * scale + bias), recomputing the pre-activation instead of storing it."""
-  if activation is None:
-    return g
-  _, act_vjp = jax.vjp(activation, xhat * scale + bias)
-  return act_vjp(g)[0]
+def _activation_grad(g_y, xhat, valid, scale, bias, activation):
+  """float32 g_y pulled back through activation(xhat * scale + bias), recomputing the pre-activation instead of
+  storing it; zero at the rows that are not valid."""
+  g = g_y.astype(jnp.float32)
+  if activation is not None:
+    _, act_vjp = jax.vjp(activation, xhat * scale + bias)
+    g = act_vjp(g)[0]
+  return jnp.where(valid, g, 0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -216,9 +218,14 @@ def _batch_norm_train_bwd(epsilon, activation, out_dtype, impl, res, cotangents)
   # such masks, 133 MB, in MinkUNet's fp16 training step; docs/perf_notes.md).
   g_y, feats, mean, inv_std = lax.optimization_barrier((g_y, feats, mean, inv_std))
   valid = _valid(feats, num)[:, None]
-  # Padding rows may hold anything (a nan there would reach sum_gx through 0 * nan): they become zeros first.
-  xhat = jnp.where(valid, (feats.astype(jnp.float32) - mean) * inv_std, 0)
-  g = jnp.where(valid, _activation_grad(g_y.astype(jnp.float32), xhat, scale, bias, activation), 0)
+
+  def pulled_back(feats, mean, inv_std):
+    """(xhat, g) float32 [rows, C]: the normalised rows and dy pulled back through the activation. Padding rows
+    may hold anything (a nan there would reach sum_gx through 0 * nan): they become zeros first."""
+    xhat = jnp.where(valid, (feats.astype(jnp.float32) - mean) * inv_std, 0)
+    return xhat, _activation_grad(g_y, xhat, valid, scale, bias, activation)
+
+  xhat, g = pulled_back(feats, mean, inv_std)
   if impl.is_pallas:  # one read of x and dy for both sums
     sum_g, sum_gx = channel_moments.normalised_grad_sums(feats, g_y, num, mean, inv_std, scale, bias,
                                                          activation=activation, interpret=impl.interpret)
@@ -228,8 +235,7 @@ def _batch_norm_train_bwd(epsilon, activation, out_dtype, impl, res, cotangents)
     # The dx pass recomputes the activation's derivative from x behind a barrier: shared with the sums, XLA
     # wrote it as a [rows, C] mask of its own, one more write and two more reads (docs/perf_notes.md).
     feats, mean, inv_std, sum_g, sum_gx = lax.optimization_barrier((feats, mean, inv_std, sum_g, sum_gx))
-    xhat = jnp.where(valid, (feats.astype(jnp.float32) - mean) * inv_std, 0)
-    g = jnp.where(valid, _activation_grad(g_y.astype(jnp.float32), xhat, scale, bias, activation), 0)
+    xhat, g = pulled_back(feats, mean, inv_std)
   # d/dx of (x - mean) * inv_std through the batch mean and variance, plus the statistics' own cotangents.
   g_x = (scale * inv_std) * (g - (sum_g + xhat * sum_gx) / n)
   g_x = g_x + (g_mean + 2.0 * g_var * (xhat / inv_std)) / n
@@ -359,7 +365,7 @@ def _group_norm_unit_bwd(num_groups, epsilon, activation, out_dtype, res, g_y):
     float32 [capacity, C] array that the passes then read (docs/perf_notes.md)."""
     f = feats.astype(jnp.float32).reshape(cap, num_groups, group_size)
     xhat = jnp.where(valid, ((f - row_mean) * row_inv_std).reshape(cap, c), 0)
-    return xhat, jnp.where(valid, _activation_grad(g_y.astype(jnp.float32), xhat, scale, bias, activation), 0)
+    return xhat, _activation_grad(g_y, xhat, valid, scale, bias, activation)
 
   xhat, g = pulled_back(g_y, feats)
   sum_g, sum_gx = jnp.sum(g, axis=0), jnp.sum(g * xhat, axis=0)

@@ -14,7 +14,7 @@ multiply an inf of item 1 by item 0's one-hot zero, and 0 * inf = NaN would reac
 one-hot rows are all zero, would poison every item the same way). So the product runs over the values with
 their non-finite entries zeroed, next to one flag column in the same product (the one-hot is read once) whose
 per-chunk sums count each item's "+inf or NaN" and "-inf or NaN" entries (see _sum_rows); adding +inf, -inf or
-NaN back where the counts say so gives what a sum over the item's own rows gives. The product's operand is so
+NaN back where the counts say so gives what a sum over the item's own rows gives. The product's operand is thus
 twice the values' width. The gradients keep the items apart the same way (a non-finite cotangent of item 1
 does not reach item 0's rows).
 """

@@ -261,23 +261,6 @@ def test_group_norm_with_activation_values_and_gradients(dtype, tol, act):
   assert np.all(np.asarray(grads[0][n:]) == 0)
 
 
-def test_group_norm_backward_recomputes_its_rows_per_pass():
-  """group_norm's backward recomputes x-hat and the activation's derivative behind a barrier before its group
-  sums and before its dx pass, so XLA cannot write one float32 [rows, C] cotangent for all three passes to read
-  (docs/perf_notes.md). Its barriers: one tying it to the cotangent, those two, and three in the per-item sums
-  and counts; the forward's are the same in both programs."""
-  coords = np.stack([np.zeros(40), np.arange(40) % 4, np.arange(40) // 4 % 4, np.arange(40) // 16], 1)
-  x = jsparse.SparseTensor.from_coords(coords.astype(np.int32), np.ones((40, 8), np.float16), (4, 4, 4), 1,
-                                       capacity=48)
-
-  def loss(f):
-    return jnp.sum(norm.group_norm(x.replace(feats=f), 2, jnp.ones(8), jnp.zeros(8), activation=jax.nn.silu).feats)
-
-  backward = jax.jit(jax.grad(loss)).lower(x.feats).as_text().count("optimization_barrier")
-  forward = jax.jit(loss).lower(x.feats).as_text().count("optimization_barrier")
-  assert backward - forward == 6, (backward, forward)
-
-
 def test_group_norm_modules_fuse_the_activation():
   """SparseGroupNorm(activation=silu), linen and nnx, equals silu applied after the plain module (values and the
   input gradient), with the same parameter tree."""

@@ -104,7 +104,7 @@ BLOCK_PLAN_WARPS = 4
 
 
 def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int, *, row_classes: jax.Array | None = None,
-                interpret: bool = False) -> MaskedPlan:
+                num_warps: int = BLOCK_PLAN_WARPS, interpret: bool = False) -> MaskedPlan:
   """The MaskedPlan of map `nbr` (int32 [capacity, V]) with `num` (int32 [1]) valid rows, in blocks of block_m
   rows: the row order by XLA's sort, each block's offsets and rows by `_block_plan_kernel`.
 
@@ -112,6 +112,7 @@ def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int, *, row_classes: ja
     class use the same offsets but for a few (a strided convolution's transposed map: an input row's offsets
     follow from its position modulo the stride). Rows are then ordered by class instead of by their masks.
     Any classes give a correct plan; good ones only make it as tight as the masks' order.
+  num_warps: warps of each block-plan program (a tuning knob; the plan is the same).
   """
   cap, v = nbr.shape
   num = jnp.asarray(num, jnp.int32).reshape(1)
@@ -127,7 +128,7 @@ def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int, *, row_classes: ja
       out_shape=(out_struct((num_blocks, v), jnp.int32, nbr), out_struct((num_blocks,), jnp.int32, nbr),
                  out_struct((num_blocks, v, block_m), jnp.int32, nbr)),
       grid=(num_blocks,),
-      compiler_params=plgpu.CompilerParams(num_warps=BLOCK_PLAN_WARPS, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="masked_plan_blocks",
   )(order, nbr, num)
@@ -193,9 +194,10 @@ def _used_first(used: jax.Array) -> jax.Array:
                  dtype=jnp.int32)
 
 
-# Map entries one pair-list program holds as a [rows, offsets] int32 tile: 8192 over 4 warps is 64 registers a
-# thread, leaving room for the prefix sums and slots without spilling (so V 125 gets 64-row chunks, V 27 256).
-PAIR_LIST_TILE_ELEMENTS = 8192
+# Map entries one pair-list program holds as a [rows, offsets] int32 tile: 2048, so V 27 gets 64-row chunks and
+# a mirrored V 27 (14 lists) 128. Larger tiles ran slower on 1M-row maps (`benchmarks/probes/plan_kernels.py`,
+# docs/perf_notes.md).
+PAIR_LIST_TILE_ELEMENTS = 2048
 # Warps of a pair-list program (one tile of loads, a column prefix sum, two transposed stores).
 PAIR_LIST_WARPS = 4
 
@@ -220,7 +222,7 @@ def _with_mirrored_counts(counts: jax.Array, num_offsets: int) -> jax.Array:
 
 
 def pair_lists(nbr: jax.Array, mirrored: bool = False, *, interpret: bool = False,
-               chunk_rows: int | None = None) -> PairLists:
+               chunk_rows: int | None = None, num_warps: int = PAIR_LIST_WARPS) -> PairLists:
   """PairLists of `nbr` (int32 [capacity, V]); mirrored=True (only for a submanifold map: see PairLists) stores
   half the offsets.
 
@@ -228,7 +230,7 @@ def pair_lists(nbr: jax.Array, mirrored: bool = False, *, interpret: bool = Fals
   counts each chunk's rows with a neighbour per offset, XLA turns those into each chunk's start in every list,
   and the second writes every slot of the lists once, as a stable partition (rows with a neighbour in row
   order, then the others as -1). `interpret=True` runs the kernels on the CPU. Equal, bit for bit, to
-  `pair_lists_reference`.
+  `pair_lists_reference`. num_warps: warps of each program (a tuning knob; the lists are the same).
   """
   nbr = jnp.asarray(nbr)
   if nbr.ndim != 2:
@@ -247,7 +249,7 @@ def pair_lists(nbr: jax.Array, mirrored: bool = False, *, interpret: bool = Fals
   num_chunks = -(-cap // chunk)
   width = max(2, pl.next_power_of_2(lists))
   params = dict(chunk=chunk, num_lists=lists, width=width)
-  compiler_params = plgpu.CompilerParams(num_warps=PAIR_LIST_WARPS, num_stages=1)
+  compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
   chunk_counts = pl.pallas_call(
       functools.partial(_chunk_counts_kernel, **params),
       out_shape=out_struct((num_chunks, lists), jnp.int32, nbr),

@@ -18,7 +18,7 @@ from jax import lax
 
 from jsparse._types import ArrayLike
 from jsparse.neighbors import lookup_keys, sorted_site_keys
-from jsparse.sparse_tensor import SparseTensor, check_sparse_tensor, site_keys
+from jsparse.sparse_tensor import SparseTensor, check_sparse_tensor, int32_values, site_keys
 
 MODES = ("trilinear", "nearest")
 
@@ -85,11 +85,12 @@ def gather_sites(values: jax.Array, rows: ArrayLike) -> jax.Array:
 def lookup_rows(x: SparseTensor, query, ok=None) -> jax.Array:
   """Row index of each query site in x, or -1 where absent. Jit-able.
 
-  query: int [..., 4] (batch, x, y, z); ok: optional bool [...] (False forces -1; out-of-grid queries are
-  -1 anyway). Sorts x's linear keys once, then binary-searches every query key (neighbors.lookup_keys).
+  query: integer [..., 4] (batch, x, y, z) (TypeError otherwise); ok: optional bool [...] (False forces -1;
+  out-of-grid queries are -1 anyway). Sorts x's linear keys once, then binary-searches every query key
+  (neighbors.lookup_keys).
   """
   check_sparse_tensor(x)
-  query = jnp.asarray(query, jnp.int32)
+  query = int32_values(query, "query")  # clipped, not wrapped: a wide out-of-grid query stays out of the grid
   lead = query.shape[:-1]
   q = query.reshape(-1, 4)
   limits = jnp.asarray((min(x.batch_size, 2**31 - 1),) + tuple(x.spatial_shape), jnp.int32)  # batch ids are int32
@@ -139,7 +140,7 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   if vs.shape not in ((), (3,)) or org.shape not in ((), (3,)):
     raise ValueError(f"voxel_size and origin must be scalars or 3 values, got shapes {vs.shape} and {org.shape}")
   n = points.shape[0]
-  b = jnp.zeros((n,), jnp.int32) if batch is None else jnp.asarray(batch).astype(jnp.int32)
+  b = jnp.zeros((n,), jnp.int32) if batch is None else int32_values(batch, "batch")
   if b.shape != (n,):
     raise ValueError(f"batch must be [P={n}], got shape {b.shape}")
   if x.capacity == 0:  # nothing to gather from

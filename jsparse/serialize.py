@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse.sparse_tensor import SparseTensor, as_int, check_sparse_tensor, site_keys
+from jsparse.sparse_tensor import SparseTensor, as_int, check_sparse_tensor, int32_values, site_keys
 
 MAX_BITS = 10  # bits per axis of a one-word (int32) key
 MAX_WIDE_BITS = 21  # bits per axis of a key in words (coordinates < sparse_tensor.MAX_EXTENT)
@@ -44,10 +44,8 @@ def num_words(bits: int) -> int:
 
 
 def _integers(name: str, value) -> jax.Array:
-  value = jnp.asarray(value)
-  if not jnp.issubdtype(value.dtype, jnp.integer):
-    raise TypeError(f"{name} must be integers, got dtype {value.dtype}")
-  return value
+  # int32 by clipping, not wrapping: a wide value past 2**31 stays out of range instead of aliasing a valid key.
+  return int32_values(value, name)
 
 
 def _check_in_range(name: str, inside: jax.Array, limit: str) -> None:

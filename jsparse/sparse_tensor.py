@@ -44,6 +44,26 @@ def as_int(value, name: str, minimum: int | None = None) -> int:
   return out
 
 
+_INT32 = np.iinfo(np.int32)
+
+
+def int32_values(value, name: str) -> jax.Array:
+  """An integer array (coordinates, batch ids, keys) as int32 without wrapping: entries past int32's range are
+  clipped to its ends, where they stay outside every grid (extents, batch sizes and key ranges are below
+  2**31 - 1), rather than wrapping onto a valid value (int64 2**32 + 1 -> 1) as a plain cast does, also the
+  implicit one of jnp.asarray without x64. TypeError naming `name` for non-integer dtypes (no truncation)."""
+  if not isinstance(value, jax.Array):  # host data: clip before JAX sees it
+    value = np.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.integer):
+    raise TypeError(f"{name} must be integers, got dtype {value.dtype}")
+  if jnp.iinfo(value.dtype).max > _INT32.max:
+    xp = np if isinstance(value, np.ndarray) else jnp
+    value = xp.minimum(value, _INT32.max)
+    if jnp.iinfo(value.dtype).min < _INT32.min:
+      value = xp.maximum(value, _INT32.min)
+  return jnp.asarray(value.astype(np.int32))
+
+
 def check_sparse_tensor(x, name: str = "x") -> None:
   """Raises TypeError unless x is a SparseTensor (a dense array passed by mistake fails here, clearly)."""
   if not isinstance(x, SparseTensor):

@@ -27,8 +27,9 @@ from jax import lax
 
 from jsparse._types import ArrayLike
 from jsparse.sampling import gather_sites
-from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_spatial_shape, check_capacity, check_sparse_tensor,
-                                   key_width, report, resolve_capacity, round_capacity, site_keys, wide_divmod)
+from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_int, as_spatial_shape, check_capacity,
+                                   check_sparse_tensor, int32_values, key_width, report, resolve_capacity,
+                                   round_capacity, site_keys, wide_divmod)
 
 REDUCTIONS = ("mean", "sum", "max", "first")
 DEDUPS = ("numpy", "xla")
@@ -247,7 +248,7 @@ def _batch_ids(batch, n, batch_size):
   if batch is None:
     b = jnp.zeros((n,), jnp.int32)
   else:
-    b = jnp.asarray(batch).astype(jnp.int32)
+    b = int32_values(batch, "batch")  # clipped, not wrapped: an id past 2**31 stays outside and is dropped
     if b.shape != (n,):
       raise ValueError(f"batch must be [N={n}] integer batch ids, got shape {b.shape}")
   return b
@@ -316,8 +317,9 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
     p = p.astype(np.float64)
   n = p.shape[0]
   vs = _as_vec3(voxel_size, "voxel_size")
-  if np.any(vs <= 0):
-    raise ValueError(f"voxel_size must be positive, got {voxel_size!r}")
+  # NaN passes a `<= 0` test and quantises every point to garbage: ask for finite values.
+  if not np.all(np.isfinite(vs) & (vs > 0)):
+    raise ValueError(f"voxel_size must be positive and finite, got {voxel_size!r}")
   # Column by column: numpy reduces a column far faster than axis 0 of an [N, 3] array. min and max
   # propagate NaN and inf, so these passes also check that every coordinate is finite.
   columns = [p[:, axis] for axis in range(3)]
@@ -326,6 +328,8 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
   if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
     raise ValueError(f"{int((~np.isfinite(p)).any(axis=1).sum())} points have non-finite coordinates")
   org = lo if origin is None else _as_vec3(origin, "origin")
+  if not np.all(np.isfinite(org)):
+    raise ValueError(f"origin must be finite, got {origin!r}")
   # The voxel index is monotone in the coordinate, so the extreme points give its range exactly.
   grid_lo, grid_hi = np.floor((lo - org) / vs), np.floor((hi - org) / vs)
   if spatial_shape is None:
@@ -404,9 +408,9 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   """
   _check_reduce(reduce)
   spatial_shape = as_spatial_shape(spatial_shape)
-  batch_size = int(batch_size)
+  batch_size = as_int(batch_size, "batch_size", minimum=1)  # no silent truncation of 2.7 to 2
   width = _check_key_range(batch_size, spatial_shape)
-  capacity = int(capacity)
+  capacity = as_int(capacity, "capacity", minimum=0)
   p = jnp.asarray(points)
   if p.ndim != 2 or p.shape[1] != 3:
     raise ValueError(f"points must be [N, 3], got shape {p.shape}")

@@ -567,3 +567,61 @@ def test_empty_inputs():
                               capacity=8)
   assert int(t2.num) == 0 and not bool(overflow)
   assert np.all(np.asarray(grid_sample(t2, np.ones((2, 3), np.float32))) == 0)
+
+
+# ---- review: non-finite grid parameters, wide integers, truncated sizes ---------------------------------
+
+@pytest.mark.parametrize("kwargs", [dict(voxel_size=np.nan), dict(voxel_size=np.inf),
+                                    dict(voxel_size=[0.25, np.nan, 0.25]), dict(origin=[0.0, np.nan, 0.0]),
+                                    dict(origin=np.inf)])
+def test_voxelize_rejects_non_finite_voxel_size_and_origin(kwargs):
+  # A NaN voxel size or origin made every quantised index NaN, which passed the range check (NaN < 0 is
+  # False) and cast to garbage voxels: 20 points in one voxel, no error.
+  pts = np.random.default_rng(0).random((20, 3))
+  kwargs = {"voxel_size": 0.25, "origin": 0.0, **kwargs}
+  name = "voxel_size" if not np.all(np.isfinite(kwargs["voxel_size"])) else "origin"
+  with pytest.raises(ValueError, match=name):
+    voxelize(pts, spatial_shape=(4, 4, 4), **kwargs)
+
+
+def test_voxelize_jit_static_sizes_must_be_ints():
+  pts = np.random.default_rng(0).random((20, 3))
+  for kwargs in (dict(batch_size=2.7), dict(capacity=64.9), dict(capacity=True)):
+    with pytest.raises(TypeError, match=next(iter(kwargs))):
+      voxelize_jit(pts, voxel_size=0.25, origin=0.0, spatial_shape=(4, 4, 4), **{"capacity": 64, **kwargs})
+
+
+def test_voxelize_jit_wide_or_float_batch_ids():
+  pts = np.array([[0.1, 0.1, 0.1], [0.6, 0.6, 0.6]])
+  # Batch id 2**32 wrapped to 0 in the int32 cast and joined batch item 0; it lies outside [0, 1): dropped.
+  x, overflow = voxelize_jit(pts, voxel_size=0.5, origin=0.0, spatial_shape=(2, 2, 2), capacity=8,
+                             batch=np.array([0, 2**32], np.int64))
+  assert int(x.num) == 1 and not bool(overflow)
+  np.testing.assert_array_equal(np.asarray(x.coords[0]), [0, 0, 0, 0])
+  with pytest.raises(TypeError, match="batch"):
+    voxelize_jit(pts, voxel_size=0.5, origin=0.0, spatial_shape=(2, 2, 2), capacity=8, batch=np.array([0.0, 0.7]))
+
+
+def test_serialize_wide_integers_are_not_wrapped_onto_valid_keys():
+  # int64 coordinates past 2**31 became int32 by wrapping (2**32 + 1 -> 1) and got a valid key.
+  for xyz in (np.array([[2**32 + 1, 0, 0]], np.int64), np.array([[1, 2, 3]], np.uint64) + np.uint64(2**32)):
+    for encode in (serialize.encode_morton, serialize.encode_hilbert):
+      with pytest.raises(ValueError, match="out of range"):
+        encode(xyz, 10)
+  with pytest.raises(ValueError, match="batch"):
+    serialize.fold_batch(np.array([2**32], np.int64), np.array([5]), 10)
+  with pytest.raises(ValueError, match="keys"):
+    serialize.fold_batch(np.array([0]), np.array([2**32 + 5], np.int64), 10)
+  # In range, wide dtypes give the int32 inputs' keys.
+  xyz = np.array([[1, 2, 3], [1023, 0, 511]])
+  np.testing.assert_array_equal(np.asarray(serialize.encode_morton(xyz.astype(np.int64))),
+                                np.asarray(serialize.encode_morton(xyz.astype(np.int32))))
+
+
+def test_lookup_rows_wide_and_float_queries():
+  t = SparseTensor.from_coords(np.array([[0, 1, 1, 1]]), np.ones((1, 2), np.float32), (4, 4, 4))
+  # Batch 2**32 wrapped to 0 and found row 0; x 2**32 + 1 wrapped to 1.
+  q = np.array([[2**32, 1, 1, 1], [0, 2**32 + 1, 1, 1], [0, 1, 1, 1], [-2**40, 1, 1, 1]], np.int64)
+  np.testing.assert_array_equal(np.asarray(lookup_rows(t, q)), [-1, -1, 0, -1])
+  with pytest.raises(TypeError, match="query"):
+    lookup_rows(t, np.array([[0, 1.7, 1.2, 1.9]]))

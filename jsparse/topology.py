@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jsparse import per_item
@@ -291,14 +293,21 @@ def child_labels(coarse: SparseTensor, fine: SparseTensor, stride: Size3 = 2) ->
   return lookup_rows(fine, query, ok) >= 0
 
 
+def check_rate(rate, what: str = "rate") -> float:
+  """A dropout rate as a Python float in [0, 1]: Python and numpy reals pass (np.float32(0.5) too); bools,
+  strings, NaN and values outside [0, 1] raise ValueError naming `what`."""
+  if not isinstance(rate, numbers.Real) or isinstance(rate, (bool, np.bool_)) or not 0.0 <= rate <= 1.0:
+    raise ValueError(f"{what} must be a number in [0, 1], got {rate!r}")
+  return float(rate)
+
+
 def dropout(x: SparseTensor, rate: float, *, rng: jax.Array | None = None,
             deterministic: bool = False) -> SparseTensor:
   """flax's nn.Dropout on the features: each entry is zeroed with probability `rate` and the rest scaled by
   1 / (1 - rate). deterministic=True (or rate 0) returns x unchanged; rng (a jax.random key) is required
   otherwise. Padding rows stay zero; the coordinates and maps are x's."""
   check_sparse_tensor(x)
-  if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0.0 <= rate <= 1.0:
-    raise ValueError(f"rate must be a number in [0, 1], got {rate!r}")
+  rate = check_rate(rate)
   if deterministic or rate == 0.0:
     return x
   if rate == 1.0:

@@ -295,3 +295,22 @@ def test_empty_tensors():
   np.testing.assert_array_equal(np.asarray(g), [[1.0, 1.0], [0.0, 0.0]])
   assert jsparse.broadcast_per_item(empty, jnp.ones((1, 3))).feats.shape == (0, 3)
   assert jsparse.child_labels(jsparse.sparse_max_pool3d(empty, 2, out_capacity=0), empty).shape == (0, 8)
+
+
+def test_dropout_takes_numpy_rates():
+  # np.float32(0.5) is a number in [0, 1], but the isinstance(rate, (int, float)) check refused it with
+  # "rate must be a number in [0, 1]".
+  x, _ = _pair(14, channels=8)
+  for rate in (np.float32(0.5), np.float16(0.5), np.int64(0)):
+    y = jsparse.dropout(x, rate, rng=jax.random.key(0))
+    expected = x if float(rate) == 0 else jsparse.dropout(x, 0.5, rng=jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(y.feats), np.asarray(expected.feats))
+  for rate in (np.float32(1.5), np.nan, np.bool_(True), True, "0.5"):
+    with pytest.raises(ValueError, match="rate"):
+      jsparse.dropout(x, rate, rng=jax.random.key(0))
+  from jsparse import nnx as snnx
+  from flax import nnx
+  module = snnx.SparseDropout(np.float32(0.5), rngs=nnx.Rngs(dropout=0))
+  assert module.rate == 0.5 and isinstance(module.rate, float)
+  with pytest.raises(ValueError, match="rate"):
+    snnx.SparseDropout(np.float32(2.0), rngs=nnx.Rngs(dropout=0))

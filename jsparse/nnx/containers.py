@@ -13,6 +13,7 @@ from flax import nnx
 
 from jsparse import layer_rules as rules
 from jsparse.sparse_tensor import SparseTensor
+from jsparse.topology import check_rate
 
 __all__ = ["Sequential", "SparseDropout", "TensorFn", "ToDense"]
 
@@ -93,9 +94,8 @@ class SparseDropout(nnx.Module):
 
   def __init__(self, rate: float, *, deterministic: bool = False, rng_collection: str = "dropout",
                rngs: nnx.Rngs | nnx.RngStream | None = None):
-    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0.0 <= rate <= 1.0:
-      raise ValueError(f"SparseDropout: rate must be a number in [0, 1], got {rate!r}")
-    self.rate, self.deterministic, self.rng_collection = float(rate), deterministic, rng_collection
+    rate = check_rate(rate, "SparseDropout: rate")
+    self.rate, self.deterministic, self.rng_collection = rate, deterministic, rng_collection
     if isinstance(rngs, nnx.Rngs):
       self.rngs = rngs[rng_collection].fork()
     elif isinstance(rngs, nnx.RngStream):

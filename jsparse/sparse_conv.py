@@ -718,6 +718,12 @@ def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity
       raise ValueError(f"mask must be bool [capacity={x.capacity}, {t_count}], got {mask.dtype} {mask.shape}")
     keep = keep & mask
   count = jnp.sum(keep, dtype=jnp.int32)
+  if x.capacity == 0:
+    # No rows to read from, but the output may still have (padding) rows: give x one padding row, so the parent
+    # gathers below have something to index (the feats' pad keeps the gradient's [0, C] shape).
+    x = SparseTensor(jnp.full((1, 4), -1, jnp.int32), jnp.pad(x.feats, ((0, 1), (0, 0))), x.num, x.spatial_shape,
+                     x.batch_size, overflow=x.overflow)
+    keep = jnp.zeros((1, t_count), bool)
   if out_capacity is None or out_capacity == EXACT:
     out_capacity = resolve_capacity(out_capacity, count, "out_capacity", "children")
   overflow = count > out_capacity

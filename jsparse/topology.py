@@ -157,6 +157,8 @@ def _union_sites(a_coords, a_num, b_coords, b_num, spatial_shape, batch_size: in
   keys_a, keys_b = _masked_keys(a), _masked_keys(b)
   merged = lax.sort(tuple(jnp.concatenate([ka, kb]) for ka, kb in zip(keys_a, keys_b)), num_keys=len(keys_a))
   merged = merged if isinstance(merged, tuple) else (merged,)
+  if merged[0].shape[0] == 0:  # two capacity-0 tensors: one empty key, so the gathers below have a row to read
+    merged = tuple(jnp.full((1,), _BIG, w.dtype) for w in merged)
   empty, new = jnp.ones(merged[0].shape, bool), jnp.zeros(merged[0].shape, bool)
   for w in merged:  # a key starts a run when a word differs from the previous key's; empty keys are _BIG
     empty = empty & (w == _BIG)

@@ -196,3 +196,32 @@ def test_capacity_zero_grouped(op, impl):
                                            feature_group_count=groups)
 
   _check_value_and_grads(fn, _tensor(0, 0, channels=4), w, b, out_rows=0)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("out_capacity", [None, 8])
+def test_capacity_zero_into_more_output_rows(impl, out_capacity):
+  """A capacity-0 input (from_coords(..., capacity="exact") of no sites) into ops whose output has rows: the
+  generative transposed convolution (default bucket of 128 rows, or 8) and union / add gathered from the empty
+  arrays and failed with JAX's 'Slice size at index 0 in gather op is out of range'."""
+  x = _tensor(0, 0)
+  w, b = _params((2, 2, 2))
+  fn = _ops(impl, out_capacity=out_capacity)["sparse_conv_transpose3d"][0]
+  rows = jsparse.round_capacity(0) if out_capacity is None else out_capacity
+  _check_value_and_grads(fn, x, w, b, out_rows=rows)
+  mask = jnp.zeros((0, 8), bool)
+  y = jsparse.sparse_conv_transpose3d(x, w, b, stride=2, mask=mask, out_capacity=out_capacity, implementation=impl)
+  assert y.feats.shape == (rows, COUT) and int(y.num) == 0
+  other = _tensor(5, 2)
+  for a, c in ((x, x), (x, other), (other, x)):
+    for op in (jsparse.add, jsparse.multiply):
+      out = op(a, c, capacity=out_capacity)
+      assert out.feats.shape == (rows, CIN) and int(out.num) == int(a.num) + int(c.num) - (a is c) * int(a.num)
+    a_u, c_u = jsparse.union(a, c, capacity=out_capacity)
+    dense = np.asarray(a.todense()) + np.asarray(c.todense())
+    np.testing.assert_array_equal(np.asarray(jsparse.add(a, c, capacity=out_capacity).todense()), dense)
+    grads = jax.grad(lambda fa, fc: jnp.sum(jsparse.add(a.replace(feats=fa), c.replace(feats=fc),
+                                                         capacity=out_capacity).feats ** 2), argnums=(0, 1))(
+                                                             a.feats, c.feats)
+    for grad, t in zip(grads, (a, c)):  # one of the two is empty: the sum's gradient is 2 * the other's feats
+      np.testing.assert_array_equal(np.asarray(grad), 2 * np.asarray(t.feats))

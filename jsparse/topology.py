@@ -25,6 +25,7 @@ from jax import lax
 
 from jsparse import per_item
 from jsparse._types import ArrayLike, Capacity, Size3
+from jsparse.gemm_xla import gather_rows
 from jsparse.neighbors import lift_triple, lookup_keys, sorted_site_keys
 from jsparse.sampling import lookup_rows
 from jsparse.sparse_tensor import (
@@ -123,7 +124,7 @@ def select(x: SparseTensor, mask: ArrayLike, *, capacity: Capacity = None,
   capacity = x.capacity if capacity is None else resolve_capacity(capacity, count, "capacity", "kept rows")
   overflow = _finish("select", "kept rows", count, capacity, with_overflow)
   rows, back = _compaction(keep, capacity)  # the output row of each kept input row is its rank
-  coords = jnp.where((rows >= 0)[:, None], x.coords[jnp.maximum(rows, 0)], -1)
+  coords = gather_rows(x.coords, rows, -1)  # -1 past the kept rows; also from a capacity-0 x
   out = SparseTensor(coords, gather_injective(x.feats, rows, back), jnp.minimum(count, capacity), x.spatial_shape,
                      x.batch_size, overflow=x.overflow | overflow, spatial_ndim=x.spatial_ndim)
   return (out, overflow) if with_overflow else out

@@ -225,3 +225,6 @@ def test_capacity_zero_into_more_output_rows(impl, out_capacity):
                                                              a.feats, c.feats)
     for grad, t in zip(grads, (a, c)):  # one of the two is empty: the sum's gradient is 2 * the other's feats
       np.testing.assert_array_equal(np.asarray(grad), 2 * np.asarray(t.feats))
+  y = jsparse.select(x, jnp.zeros((0,), bool), capacity=out_capacity)  # also gathered from the empty coords
+  assert y.coords.shape == (rows if out_capacity else 0, 4) and int(y.num) == 0
+  np.testing.assert_array_equal(np.asarray(y.coords), -1)

@@ -1,5 +1,7 @@
 """Window and global pooling (jsparse/pool.py): values and gradients against dense reduce_window references,
 half precision, ties, both gradient routes, and no scatter in the backward pass."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,6 +99,27 @@ def test_max_pool_ties_send_each_gradient_to_one_input():
         assert f[first, c] == f[rows, c].max()
         if ks == st_:  # disjoint windows: the gradient of (i, c) sits exactly on the first winner
           assert gi[first, c] == cot[i, c]
+
+
+def test_max_pool_propagates_nan_to_its_window_only():
+  """A NaN input makes its window's max NaN in that channel, as a dense reduce_window max does, and leaves every
+  other window and channel as without it. (XLA's CPU max reduction dropped the NaN for 128 windows of 8.)"""
+  coords = np.array([[0, i // 16, i // 4 % 4, i % 4] for i in range(128)] +
+                    [[1, i // 16, i // 4 % 4, i % 4] for i in range(128)], np.int32)
+  feats = np.random.default_rng(0).standard_normal((256, 4)).astype(np.float32)
+  clean = jsparse.SparseTensor.from_coords(coords, feats, (8, 4, 4), 2)
+  dirty_feats = feats.copy()
+  dirty_feats[0, 0] = np.nan  # site (0, 0, 0, 0): window 0 of item 0, channel 0
+  dirty = clean.replace(feats=jnp.asarray(dirty_feats))
+  eager = functools.partial(jsparse.sparse_max_pool3d, kernel_size=2, stride=2, out_capacity=128)
+  for fn in (eager, jax.jit(eager)):
+    want = np.array(fn(clean).feats)
+    y = fn(dirty)
+    got = np.asarray(y.feats)
+    first = int(np.flatnonzero((np.asarray(y.coords) == [0, 0, 0, 0]).all(1))[0])
+    assert np.isnan(got[first, 0])
+    want[first, 0] = np.nan
+    np.testing.assert_array_equal(got, want)
 
 
 @settings(max_examples=6, deadline=None)

@@ -224,12 +224,15 @@ def group_count(module: str, channels: int, num_groups, group_size) -> int:
   if (num_groups is None) == (group_size is None):
     raise ValueError(f"{module}: set exactly one of num_groups and group_size (got num_groups={num_groups}, "
                      f"group_size={group_size})")
+  for name, value in (("num_groups", num_groups), ("group_size", group_size)):
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+      raise ValueError(f"{module}: {name} must be a positive int, got {value!r}")
   if group_size is not None:
-    if not isinstance(group_size, int) or group_size <= 0 or channels % group_size:
+    if channels % group_size:
       raise ValueError(f"{module}: the number of channels ({channels}) must be divisible by group_size "
                        f"({group_size})")
     return channels // group_size
-  if not isinstance(num_groups, int) or num_groups <= 0 or channels % num_groups:
+  if channels % num_groups:
     raise ValueError(f"{module}: the number of channels ({channels}) must be divisible by num_groups ({num_groups})")
   return num_groups
 

@@ -506,6 +506,11 @@ def test_bad_input_errors():
     snn.SparseGroupNorm(num_groups=None, group_size=4).init(KEY, x6)
   with pytest.raises(ValueError, match="exactly one of num_groups and group_size"):
     snn.SparseGroupNorm(num_groups=2, group_size=3).init(KEY, x6)
+  for bad in (0, -2, 2.0, True):
+    with pytest.raises(ValueError, match=r"num_groups must be a positive int"):
+      snn.SparseGroupNorm(num_groups=bad).init(KEY, x6)
+    with pytest.raises(ValueError, match=r"group_size must be a positive int"):
+      snn.SparseGroupNorm(num_groups=None, group_size=bad).init(KEY, x6)
   with pytest.raises(ValueError, match="divisible by num_groups"):
     norm.group_norm(x6, 4)
   with pytest.raises(ValueError, match="scale must have shape"):

@@ -56,11 +56,10 @@ def _window_max(feats, nbr, inv, disjoint: bool):
 
 def _window_max_fwd(feats, nbr, inv, disjoint):
   windows = gather_rows(feats, nbr, -jnp.inf)
-  winner = jnp.argmax(windows, axis=1)  # [M, C], first max on ties, the first NaN where there is one
-  # The winner's value, not jnp.max: XLA's CPU max reduction can drop a NaN (it returned the finite max of a
-  # [128, 8, C] window set), while argmax always picks it, so the value and the gradient's route agree.
-  out = jnp.take_along_axis(windows, winner[:, None, :], axis=1)[:, 0]
-  winner = winner.astype(_offset_dtype(nbr.shape[1]))
+  winner = jnp.argmax(windows, axis=1).astype(_offset_dtype(nbr.shape[1]))  # [M, C], first max (or NaN) on ties
+  # XLA's CPU max reduction can drop a NaN (it returned the finite max of a [128, 8, C] window set), so a NaN
+  # is put back explicitly: a sibling reduction of the same windows, which the GPU fuses with the other two.
+  out = jnp.where(jnp.any(jnp.isnan(windows), axis=1), jnp.nan, jnp.max(windows, axis=1)).astype(feats.dtype)
   return out, (winner, nbr, inv, jnp.zeros((0,), feats.dtype))
 
 

@@ -182,7 +182,7 @@ def test_masked_plan_kernel_matches_xla_reference(cap, v, fill, num_frac, block_
 
 
 @settings(max_examples=16, deadline=None)
-@given(cap=st.integers(0, 600), v=st.sampled_from([1, 8, 27]), fill=st.floats(0.0, 1.0), mirrored=st.booleans(),
+@given(cap=st.integers(0, 600), v=st.sampled_from([1, 8, 27, 125]), fill=st.floats(0.0, 1.0), mirrored=st.booleans(),
        chunk_rows=st.sampled_from([None, 32, 64, 256]), seed=st.integers(0, 2**16))
 def test_pair_lists_kernel_matches_xla_reference(cap, v, fill, mirrored, chunk_rows, seed):
   """The pair-list kernels (interpret mode) build exactly the XLA reference's lists: the same rows, sources and

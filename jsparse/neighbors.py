@@ -14,8 +14,8 @@ from jsparse._types import Size3
 from jsparse.map_gemm import ConvMaps
 from jsparse.size_errors import SizeError, sizes_in_rank
 from pallas_kernels import gemm_plan
-from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_int, check_sparse_tensor, report, rows_outside_grid,
-                                   site_keys)
+from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_int, check_distinct_sites, check_sparse_tensor, report,
+                                   rows_outside_grid, site_keys)
 
 
 def as_triple(value, name: str) -> tuple[int, int, int]:
@@ -171,6 +171,7 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
   report(outside > 0, "neighbor_map: x has {rows} valid rows whose coordinates lie outside the grid (batch in "
          f"[0, {x.batch_size}), each axis in [0, extent) of {tuple(x.spatial_shape)}); their neighbours would be "
          "wrong", rows=outside)
+  check_distinct_sites("neighbor_map", x.coords, x.num)
   offsets = _offsets(kernel_size, dilation)
   occupancy = _ranking_occupancy(x) if impl.is_pallas else None
   if occupancy is not None:

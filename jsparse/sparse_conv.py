@@ -61,9 +61,9 @@ from jsparse._types import ArrayLike, Capacity, PrecisionLike, Size3
 from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
 from jsparse.neighbors import as_triple, check_dilation, lift_triple, lookup_keys, sorted_site_keys
 from jsparse.size_errors import SizeError, sizes_in_rank
-from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_same_sites, check_sparse_tensor,
-                                   check_spatial_ndim, key_width, report, resolve_capacity, rows_outside_grid,
-                                   site_keys, sites_of_keys)
+from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_distinct_sites, check_same_sites,
+                                   check_sparse_tensor, check_spatial_ndim, key_width, report, resolve_capacity,
+                                   rows_outside_grid, site_keys, sites_of_keys)
 from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
 from pallas_kernels import occupancy_sites, unique_keys
@@ -287,6 +287,7 @@ def _site_search(coords, num, batch_size: int, rule: unique_keys.ProposalGeometr
     outside = rows_outside_grid(coords, num, batch_size)
     report(outside > 0, f"{op}: x has {{rows}} valid rows whose batch index lies outside [0, batch_size="
            f"{batch_size}); they feed no output site", rows=outside)
+    check_distinct_sites(op, coords, num)
   dense = impl.is_pallas and not wide and occupancy_sites.fits(coords.shape[0], rule, batch_size)
   occupancy = None
   if dense:

@@ -133,6 +133,28 @@ def rows_outside_grid(coords, num, batch_size: int, spatial_shape: tuple[int, ..
   return jnp.sum(valid & jnp.any((checked < 0) | (checked >= upper), axis=1), dtype=jnp.int32)
 
 
+def repeated_rows(coords, num) -> jax.Array:
+  """int32 scalar: the valid rows (index < num) whose coordinates equal an earlier valid row's (one sort of the
+  rows). Only a tensor built without from_coords' checks can hold one."""
+  valid = jnp.arange(coords.shape[0], dtype=jnp.int32) < num
+  # lexsort's last key is the primary one: valid rows first, then by the columns in order.
+  order = jnp.lexsort(tuple(coords[:, k] for k in reversed(range(coords.shape[1]))) + (~valid,))
+  rows, ok = coords[order], valid[order]
+  same = jnp.all(rows[1:] == rows[:-1], axis=1) & ok[1:] & ok[:-1]
+  return jnp.sum(same, dtype=jnp.int32)
+
+
+def check_distinct_sites(op: str, coords, num) -> None:
+  """Reports (`report`) valid rows that repeat a site: a map built over them would pair one row's neighbours
+  with the other's (the submanifold map's symmetry, which the Pallas gradients use, breaks). Concrete
+  coordinates are checked (ValueError); traced ones only inside `error_checks()`, since the check is a sort."""
+  if coords.shape[0] < 2 or (is_traced(coords, num) and not _ERROR_CHECKS.value):
+    return
+  repeats = repeated_rows(coords, num)
+  report(repeats > 0, f"{op}: x has {{rows}} valid rows that repeat an earlier row's coordinates; sites must be "
+         "distinct (SparseTensor.from_coords checks this, a directly built tensor is not checked)", rows=repeats)
+
+
 def check_same_sites(op: str, what: str, coords, num, like_coords, like_num, hint: str = "") -> None:
   """Reports (`report`) that `what` (a map or tensor with coords/num) is on other sites than the input.
 

@@ -582,3 +582,30 @@ def test_neighbor_map_reports_rows_outside_the_grid(implementation, row):
   with jsparse.error_checks():
     err, _ = checkify.checkify(jax.jit(lambda t: jsparse.neighbor_map(t, 3, implementation=implementation).nbr))(x)
   assert err.get() is None
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_maps_report_rows_that_repeat_a_site(implementation):
+  """A repeated site (only a tensor built without from_coords' checks can hold one) breaks the submanifold map's
+  symmetry, which the Pallas gradients use, and a strided search would pair both rows with one output: the
+  neighbour map and the strided convolution report it, ValueError eagerly and through checkify under jit inside
+  error_checks(); padding rows (all -1) never count, and a distinct tensor passes."""
+  from jax.experimental import checkify
+
+  coords = np.array([[0, 1, 1, 1], [0, 2, 1, 1], [0, 3, 3, 3], [1, 2, 1, 1]], np.int32)
+  x = SparseTensor.from_coords(coords, np.ones((4, 4), np.float32), (4, 4, 4), 2, capacity=8)
+  bad = x.replace(coords=x.coords.at[2].set(jnp.asarray([0, 1, 1, 1], jnp.int32)))
+  w = jnp.ones((3, 3, 3, 4, 2), jnp.float32)
+  ops = {"neighbor_map": lambda t: jsparse.neighbor_map(t, 3, implementation=implementation).nbr,
+         "sparse_conv3d": lambda t: jsparse.sparse_conv3d(t, w, stride=2, out_capacity=8,
+                                                          implementation=implementation).feats}
+  for name, op in ops.items():
+    op(x)  # distinct sites (and 4 padding rows of -1): no report
+    with pytest.raises(ValueError, match="1 valid rows that repeat an earlier row's coordinates"):
+      op(bad)
+    assert jax.jit(op)(bad).shape[0] == 8  # plain jit: not checked, no cost
+    with jsparse.error_checks():
+      err, _ = checkify.checkify(jax.jit(op))(bad)
+      assert "repeat an earlier row's coordinates" in str(err.get()), name
+      err, _ = checkify.checkify(jax.jit(op))(x)
+      assert err.get() is None, name

@@ -171,6 +171,16 @@ def test_voxelize_cpu_benchmark_smoke(capsys):
   assert "compilations" in out and "2000" in out
 
 
+def test_row_order_probe_smoke(capsys):
+  """The row-order probe builds a plan per order on a tiny shell, and every order's forward matches XLA's (any
+  row order gives a correct plan; the fills differ)."""
+  from benchmarks.probes import row_order
+  assert row_order.main(["--smoke", "--dtypes", "tf32", "--tiles", "4"]) == 0
+  rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| smoke")]
+  assert [r[4].strip() for r in rows] == ["gray", "tile4"]
+  assert all(float(r[8]) < 1e-5 and 0 < float(r[5]) <= 1 for r in rows)
+
+
 def test_merge_results_appends_runs_once(tmp_path):
   """A run's files go into the merged file under their names (JSON parsed, text as is), date and commit from the
   JSON meta; merging the same run again replaces it; a chart or other file is refused by name."""

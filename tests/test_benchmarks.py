@@ -179,6 +179,10 @@ def test_row_order_probe_smoke(capsys):
   rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| smoke")]
   assert [r[4].strip() for r in rows] == ["gray", "tile4"]
   assert all(float(r[8]) < 1e-5 and 0 < float(r[5]) <= 1 for r in rows)
+  assert row_order.main(["--model", "--smoke", "--tiles", "4"]) == 0  # the traffic model: fills and estimates
+  rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| smoke")]
+  assert [r[3].strip() for r in rows] == ["gray", "tile4"]
+  assert all(float(r[6]) <= float(r[5]) <= float(r[7]) for r in rows)  # between x once and every pair
 
 
 def test_merge_results_appends_runs_once(tmp_path):

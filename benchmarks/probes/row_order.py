@@ -2,6 +2,7 @@
 
     python -m benchmarks.probes.row_order [--inputs shell256,shell512,lidar] [--dtypes fp16,tf32]
                                           [--tiles 16,32,64] [--repeats 10]
+    python -m benchmarks.probes.row_order --model [--inputs ...]   # the CPU traffic model only (numpy)
 
 The masked plan orders rows by the Gray-code rank of their neighbour bitmask (`gemm_plan._row_order`), which
 fills blocks well (few offsets per block) but scatters each block's rows over the whole input: the rows a block
@@ -16,6 +17,9 @@ library picks for the shape (`map_gemm.choose`: the shipped table or the heurist
 against the XLA forward. The order is swapped in by replacing `gemm_plan._row_order` while the plan is built
 (a probe-only patch: any row order gives a correct plan). Off the GPU it runs a tiny shell in interpret mode
 (`--smoke`), checking the harness only.
+
+--model prints, per order, the block fill and a model's estimate of the forward's gather traffic from HBM
+(`gather_traffic`): no kernel runs, so it works anywhere.
 """
 from __future__ import annotations
 
@@ -72,6 +76,43 @@ def orders(coords: np.ndarray, nbr: np.ndarray, num: int, tiles) -> dict[str, np
   return {k: v.astype(np.int32) for k, v in out.items()}
 
 
+def gather_traffic(nbr: np.ndarray, order: np.ndarray, row_bytes: int, block_m: int = 128,
+                   l2_bytes: float = 50e6, mean_gathers: int = 13) -> float:
+  """A model's bytes of x read from HBM by one forward in plan order `order`: blocks run in plan order, a
+  window of K consecutive blocks shares L2 (K blocks' gathers, at `mean_gathers` rows a row, fill it), and an
+  input row is read once per window that gathers it. A model to rank orders by, not a measurement."""
+  window = max(1, int(l2_bytes // (block_m * mean_gathers * row_bytes)))
+  win = (np.arange(len(order)) // block_m) // window
+  src = nbr[order]
+  used = src >= 0
+  w = np.broadcast_to(win[:, None], src.shape)[used]
+  return len(np.unique(src[used].astype(np.int64) * (int(win.max()) + 1) + w)) * row_bytes
+
+
+def block_fill(nbr: np.ndarray, order: np.ndarray, pairs: int, block_m: int = 128) -> float:
+  """Real pairs / (rows x offsets the blocks loop over) of a plan in `order`."""
+  has = nbr[order] >= 0
+  pad = -len(order) % block_m
+  has = np.pad(has, ((0, pad), (0, 0))).reshape(-1, block_m, has.shape[1])
+  return pairs / (int(has.any(1).sum()) * block_m)
+
+
+def model(names, tiles) -> None:
+  print("| input | C | order | block fill | model: float32 gather GB a layer | x once | every pair |")
+  print("|---|---|---|---|---|---|---|")
+  for name in names:
+    coords, shape, batch = load(name)
+    x = jsparse.SparseTensor.from_coords(coords, np.zeros((len(coords), 1), np.float32), spatial_shape=shape,
+                                         batch_size=batch, capacity="exact")
+    nbr = np.asarray(jax.jit(lambda t: jsparse.neighbor_map(t, 3, 1).nbr)(x))
+    n = int(np.asarray(x.num).reshape(-1)[0])
+    pairs, row_bytes = int((nbr[:n] >= 0).sum()), 4 * CHANNELS[name]
+    for oname, order in orders(np.asarray(x.coords), nbr, n, tiles).items():
+      gb = gather_traffic(nbr, order, row_bytes) / 1e9
+      print(f"| {name} | {CHANNELS[name]} | {oname} | {block_fill(nbr, order, pairs):.3f} | {gb:.2f} | "
+            f"{n * row_bytes / 1e9:.2f} | {pairs * row_bytes / 1e9:.2f} |", flush=True)
+
+
 @contextlib.contextmanager
 def row_order(order: np.ndarray):
   """gemm_plan builds its plans with `order` while inside."""
@@ -90,10 +131,14 @@ def main(argv=None) -> int:
   ap.add_argument("--tiles", default="16,32,64")
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--smoke", action="store_true", help="a tiny shell (interpret mode off the GPU)")
+  ap.add_argument("--model", action="store_true", help="the CPU traffic model only (no kernels)")
   args = ap.parse_args(argv)
+  tiles = [int(t) for t in args.tiles.split(",")] if args.tiles else []
+  if args.model:
+    model(["smoke"] if args.smoke else args.inputs.split(","), tiles)
+    return 0
   on_gpu = dispatch.on_gpu()
   names = ["smoke"] if args.smoke or not on_gpu else args.inputs.split(",")
-  tiles = [int(t) for t in args.tiles.split(",")] if args.tiles else []
   layout = WeightLayout.of("ODHWI")
   print(f"device: {jax.devices()[0].device_kind}")
   print("| input | dtype | C | order | block fill | forward ms | vs gray | max abs err vs XLA |")

@@ -18,7 +18,7 @@ from jax import lax
 
 from jsparse._types import ArrayLike
 from jsparse.neighbors import lookup_keys, sorted_site_keys
-from jsparse.sparse_tensor import SparseTensor, check_sparse_tensor, int32_values, site_keys
+from jsparse.sparse_tensor import SparseTensor, check_sparse_tensor, int32_values, site_keys, world_frame
 
 MODES = ("trilinear", "nearest")
 
@@ -111,8 +111,8 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   in voxel units), with the module's convention: voxel (i, j, k) covers [i, i+1)^3 of u, centre at +0.5, as
   `voxelize` with the same voxel_size and origin. mode "nearest": the voxel floor(u), the one voxelize puts
   the point in; "trilinear": the blend of the 8 voxels whose centres surround u (scipy's
-  map_coordinates(x.todense(), u - 0.5, order=1, mode="constant", cval=0)). Inactive or out-of-grid voxels
-  count as zero.
+  map_coordinates(x.todense(), u - 0.5, order=1, mode="grid-constant", cval=0), which jax.scipy's
+  mode="constant" also computes). Inactive or out-of-grid voxels count as zero; voxel_size must be positive.
   Batch of each point: the leading axis for [B, P, 3] points (B must equal x.batch_size), else `batch`
   ([P] ints, default 0).
   Jit-able; differentiable with respect to x.feats (both modes, no scatter-add: `gather_sites`) and points
@@ -135,10 +135,7 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
     return out.reshape(bsz, p, -1)
   if points.ndim != 2 or points.shape[1] != 3:
     raise ValueError(f"points must be [P, 3] or [B, P, 3], got shape {points.shape}")
-  vs = jnp.asarray(voxel_size, points.dtype)
-  org = jnp.asarray(origin, points.dtype)
-  if vs.shape not in ((), (3,)) or org.shape not in ((), (3,)):
-    raise ValueError(f"voxel_size and origin must be scalars or 3 values, got shapes {vs.shape} and {org.shape}")
+  vs, org = world_frame(voxel_size, origin, points.dtype)
   n = points.shape[0]
   b = jnp.zeros((n,), jnp.int32) if batch is None else int32_values(batch, "batch")
   if b.shape != (n,):

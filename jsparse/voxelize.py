@@ -27,9 +27,9 @@ from jax import lax
 
 from jsparse._types import ArrayLike
 from jsparse.sampling import gather_sites
-from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_int, as_spatial_shape, check_capacity,
+from jsparse.sparse_tensor import (MAX_EXTENT, MAX_KEYS, SparseTensor, as_int, as_spatial_shape, check_capacity,
                                    check_sparse_tensor, int32_values, key_width, report, resolve_capacity,
-                                   round_capacity, site_keys, wide_divmod)
+                                   round_capacity, site_keys, wide_divmod, world_frame)
 
 REDUCTIONS = ("mean", "sum", "max", "first")
 DEDUPS = ("numpy", "xla")
@@ -333,6 +333,11 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
   # The voxel index is monotone in the coordinate, so the extreme points give its range exactly.
   grid_lo, grid_hi = np.floor((lo - org) / vs), np.floor((hi - org) / vs)
   if spatial_shape is None:
+    # int() of an infinite extent (a tiny voxel_size) raised OverflowError; a huge one was misreported as points
+    # outside the grid it had just inferred (grid_hi + 1 rounds to grid_hi past 2**53).
+    if not np.all(grid_hi + 1 < MAX_EXTENT):
+      raise ValueError(f"the points span {(grid_hi + 1).tolist()} voxels per axis at voxel_size={vs.tolist()}: "
+                       "the inferred spatial_shape must be below 2**21 per axis (a larger voxel_size?)")
     spatial_shape = tuple(max(int(s), 1) for s in grid_hi + 1)
   spatial_shape = as_spatial_shape(spatial_shape)
   if n and (np.any(grid_lo < 0) or np.any(grid_hi >= np.array(spatial_shape))):
@@ -396,7 +401,8 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   with return_index=True (point_rows int32 [N]: each point's row, -1 for points dropped or past capacity).
 
   spatial_shape, capacity, batch_size, reduce are static; origin is required (no data-dependent default)
-  and voxel_size/origin may be traced. batch_size * X * Y * Z must be < 2**62, each extent < 2**21
+  and voxel_size/origin may be traced (concrete ones are checked: voxel_size positive and finite, origin
+  finite; ValueError). batch_size * X * Y * Z must be < 2**62, each extent < 2**21
   (ValueError); grids of 2**31 sites or more key voxels by two int32 words.
   overflow is a bool scalar, True when more voxels were occupied than `capacity` (the voxels with the
   largest keys are dropped); the tensor carries it too (`jsparse.overflowed`), and under jit
@@ -417,11 +423,12 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   n = p.shape[0]
   if not jnp.issubdtype(p.dtype, jnp.floating):
     p = p.astype(jnp.float32)
-  vs = jnp.broadcast_to(jnp.asarray(voxel_size, p.dtype), (3,))
-  org = jnp.broadcast_to(jnp.asarray(origin, p.dtype), (3,))
+  vs, org = world_frame(voxel_size, origin, p.dtype)  # a concrete voxel_size <= 0 mirrored or dropped every point
   # The voxel index is piecewise constant in the points: stop_gradient keeps NaN-free zero cotangents.
   idx = jnp.floor((lax.stop_gradient(p) - org) / vs)
-  shape = jnp.asarray(spatial_shape, p.dtype)
+  # Extents compared in float32 at least: in float16 an extent of 2049 rounds to 2048 and dropped voxel 2048.
+  compare = jnp.promote_types(p.dtype, jnp.float32)
+  idx, shape = idx.astype(compare), jnp.asarray(spatial_shape, compare)
   b = _batch_ids(batch, n, batch_size)
   inside = jnp.all((idx >= 0) & (idx < shape), axis=1) & (b >= 0) & (b < batch_size)
   idx = jnp.where(inside[:, None], idx, 0).astype(jnp.int32)
@@ -450,8 +457,7 @@ def voxel_centres(x: SparseTensor, *, voxel_size: ArrayLike = 1.0,
   back); padding rows hold 0. The batch id of row i is x.coords[i, 0]. Jit-compatible.
   """
   check_sparse_tensor(x)
-  vs = jnp.broadcast_to(jnp.asarray(voxel_size, jnp.float32), (3,))
-  org = jnp.broadcast_to(jnp.asarray(origin, jnp.float32), (3,))
+  vs, org = world_frame(voxel_size, origin, jnp.float32)
   valid = x.valid_mask()
   pts = org + (x.coords[:, 1:].astype(jnp.float32) + 0.5) * vs
   return jnp.where(valid[:, None], pts, 0.0), valid

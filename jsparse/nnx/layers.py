@@ -320,6 +320,12 @@ class SparseBatchNorm(_Affine):
     self.use_running_average, self.momentum, self.epsilon = use_running_average, momentum, epsilon
     self.axis_name, self.axis_index_groups, self.activation = axis_name, axis_index_groups, activation
 
+  def set_view(self, use_running_average: bool | None = None) -> None:
+    """What `nnx.view(model, use_running_average=...)` sets (as nnx.BatchNorm's): without it the view left this
+    layer training, on batch statistics that move the running averages, beside the flax layers it did switch."""
+    if use_running_average is not None:
+      self.use_running_average = use_running_average
+
   def __call__(self, x: SparseTensor, use_running_average: bool | None = None) -> SparseTensor:
     """Normalised x; the argument, when given, overrides the module's use_running_average."""
     use_ra = self.use_running_average if use_running_average is None else use_running_average

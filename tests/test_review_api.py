@@ -1,0 +1,113 @@
+"""Regressions from an adversarial review of the non-convolution API (normalisation, sampling, voxelize, nnx):
+each test failed before its fix. Small inputs, numpy / dense references."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jsparse
+import jsparse.nnx as snnx
+from jsparse.sampling import grid_sample
+from jsparse.voxelize import voxel_centres, voxelize, voxelize_jit
+
+
+def _grid_tensor(channels=2):
+  coords = np.argwhere(np.ones((2, 2, 2, 2), bool))  # every site of two 2x2x2 items
+  feats = np.arange(len(coords) * channels, dtype=np.float32).reshape(-1, channels) ** 1.5
+  return jsparse.SparseTensor.from_coords(coords, feats, (2, 2, 2), capacity=len(coords) + 3)
+
+
+# ---- nnx.view switches SparseBatchNorm as it switches nnx.BatchNorm ------------------------------------------
+
+
+def test_nnx_view_puts_sparse_batch_norm_in_eval_mode():
+  # SparseBatchNorm had no set_view: nnx.view(model, use_running_average=True) switched the flax layers beside
+  # it and left it training on batch statistics (moving its running averages), or raised "Unused keys" alone.
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.bn = snnx.SparseBatchNorm(2, rngs=rngs)
+      self.head = nnx.BatchNorm(2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(self.bn(x).feats)
+
+  x = _grid_tensor()
+  model = Model(nnx.Rngs(0))
+  model.bn.mean[...] = jnp.asarray([1.0, -2.0])
+  model.bn.var[...] = jnp.asarray([4.0, 0.25])
+  model.bn.scale[...] = jnp.asarray([0.5, 2.0])
+  view = nnx.view(model, use_running_average=True)
+  assert view.bn.use_running_average and view.head.use_running_average
+  out = view.bn(x)
+  f = np.asarray(x.feats, np.float64)
+  want = (f - [1.0, -2.0]) / np.sqrt(np.array([4.0, 0.25]) + 1e-5) * [0.5, 2.0] * np.asarray(x.valid_mask())[:, None]
+  np.testing.assert_allclose(np.asarray(out.feats), want, rtol=1e-5, atol=1e-5)
+  view(x)
+  np.testing.assert_array_equal(np.asarray(model.bn.mean[...]), [1.0, -2.0])  # eval reads, never moves them
+  np.testing.assert_array_equal(np.asarray(model.bn.var[...]), [4.0, 0.25])
+  alone = nnx.view(snnx.SparseBatchNorm(2, rngs=nnx.Rngs(0)), use_running_average=True)  # raised ValueError
+  assert alone.use_running_average
+  assert not nnx.view(alone, use_running_average=False).use_running_average
+
+
+# ---- voxel_size / origin are checked wherever points meet voxels -------------------------------------------
+
+
+def test_voxelize_jit_rejects_a_non_positive_voxel_size():
+  # voxelize raises for voxel_size <= 0 but voxelize_jit took it: -1 mirrored these points onto voxels
+  # (2, 2, 2) and (0, 1, 3) of the grid without a flag, 0 dropped them all.
+  pts = np.array([[-2.5, -2.5, -2.5], [-0.5, -1.5, -3.5]], np.float32)
+  kw = dict(origin=0.0, spatial_shape=(4, 4, 4), capacity=8)
+  for bad in (-1.0, 0.0, np.nan, (1.0, -1.0, 1.0)):
+    with pytest.raises(ValueError, match="voxel_size"):
+      voxelize_jit(pts, voxel_size=bad, **kw)
+    with pytest.raises(ValueError, match="voxel_size"):
+      jax.jit(lambda p, bad=bad: voxelize_jit(p, voxel_size=bad, **kw)[0].feats)(pts)  # a constant under jit
+  with pytest.raises(ValueError, match="voxel_size"):  # 1e-8 is 0 in the points' float16
+    voxelize_jit(pts.astype(np.float16), voxel_size=1e-8, **kw)
+  for bad in (np.inf, None, (0.0, 0.0)):
+    with pytest.raises(ValueError, match="origin"):
+      voxelize_jit(pts, voxel_size=1.0, **{**kw, "origin": bad})
+  with pytest.raises(ValueError, match="voxel_size"):  # was a broadcasting error naming no argument
+    voxelize_jit(pts, voxel_size=(1.0, 2.0), **kw)
+  # Traced sizes are not checked and still quantise as voxelize does.
+  good = pts + 4.0
+  x, _ = jax.jit(lambda p, vs: voxelize_jit(p, voxel_size=vs, **kw))(good, jnp.float32(1.0))
+  ref = voxelize(good, voxel_size=1.0, origin=0.0, spatial_shape=(4, 4, 4), capacity=8)
+  np.testing.assert_array_equal(np.asarray(x.coords), np.asarray(ref.coords))
+
+
+def test_grid_sample_and_voxel_centres_reject_a_bad_voxel_size():
+  x = _grid_tensor()
+  pts = np.array([[-0.5, -0.5, -0.5]], np.float32)
+  # A voxel_size of -1 read voxel (0, 0, 0) for a point outside the grid.
+  for mode in ("nearest", "trilinear"):
+    with pytest.raises(ValueError, match="voxel_size"):
+      grid_sample(x, pts, mode, voxel_size=-1.0)
+  with pytest.raises(ValueError, match="origin"):
+    grid_sample(x, pts, origin=np.nan)
+  with pytest.raises(ValueError, match="voxel_size"):
+    voxel_centres(x, voxel_size=(1.0, 2.0))
+  with pytest.raises(ValueError, match="voxel_size"):
+    voxel_centres(x, voxel_size=0.0)
+  np.testing.assert_array_equal(np.asarray(grid_sample(x, pts, "nearest", voxel_size=1.0)), [[0.0, 0.0]])
+
+
+def test_voxelize_inferred_grid_too_large_names_voxel_size():
+  # With spatial_shape inferred, an infinite extent raised OverflowError from int(), and a huge finite one was
+  # reported as points outside the grid it had just inferred.
+  for pts, vs in ((np.array([[0.0, 0, 0], [1e300, 0, 0]]), 1e-10), (np.array([[0.0, 0, 0], [1e20, 0, 0]]), 1.0)):
+    with np.errstate(over="ignore"), pytest.raises(ValueError, match=r"voxel_size.*2\*\*21"):
+      voxelize(pts, voxel_size=vs)
+
+
+def test_voxelize_jit_half_precision_points_keep_the_last_voxel():
+  # The grid extents were compared in the points' dtype: in float16 an extent of 2049 rounds to 2048, so a point
+  # of voxel 2048 (inside the grid) was dropped without a flag, where voxelize keeps it.
+  pts = np.array([[2048.0, 0.5, 0.5], [10.0, 0.5, 0.5]], np.float16)
+  kw = dict(voxel_size=1.0, origin=0.0, spatial_shape=(2049, 1, 1))
+  x, overflow = voxelize_jit(pts, capacity=4, **kw)
+  ref = voxelize(pts, capacity=4, **kw)
+  assert int(x.num) == int(ref.num) == 2 and not bool(overflow)
+  np.testing.assert_array_equal(np.asarray(x.coords), np.asarray(ref.coords))

@@ -45,6 +45,8 @@ def _check_affine(name: str, value, channels: int):
 def activation(x: SparseTensor, fn: Callable[[jax.Array], jax.Array]) -> SparseTensor:
   """`fn` applied to the features of the valid rows; padding rows stay zero even where fn(0) != 0."""
   check_sparse_tensor(x)
+  if not callable(fn):
+    raise TypeError(f"fn must be a callable (e.g. jax.nn.relu), got {fn!r}")
   return x.replace(feats=jnp.where(_mask(x), fn(x.feats), 0).astype(x.dtype))
 
 

@@ -105,7 +105,8 @@ def lookup_rows(x: SparseTensor, query, ok=None) -> jax.Array:
 
 def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", batch: ArrayLike | None = None, *,
                 voxel_size: ArrayLike = 1.0, origin: ArrayLike = 0.0) -> jax.Array:
-  """Samples x's features at points: [P, 3] -> [P, C], or [B, P, 3] -> [B, P, C].
+  """Samples x's features at points: [P, D] -> [P, C], or [B, P, D] -> [B, P, C], D = x.spatial_ndim (3, or 2 /
+  1 for a 2D / 1D tensor, sampled bilinearly / linearly over its own axes).
 
   Points are in world units, u = (points - origin) / voxel_size in voxel units (the defaults: points already
   in voxel units), with the module's convention: voxel (i, j, k) covers [i, i+1)^3 of u, centre at +0.5, as
@@ -117,6 +118,7 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   ([P] ints, default 0).
   Jit-able; differentiable with respect to x.feats (both modes, no scatter-add: `gather_sites`) and points
   (trilinear; piecewise linear, so the gradient jumps where u - 0.5 is an integer).
+  voxel_size and origin: scalars or D values.
   """
   check_sparse_tensor(x)
   if mode not in MODES:
@@ -124,6 +126,17 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   points = jnp.asarray(points)
   if not jnp.issubdtype(points.dtype, jnp.floating):
     points = points.astype(jnp.float32)
+  ndim = x.spatial_ndim
+  if ndim < 3:
+    if points.ndim not in (2, 3) or points.shape[-1] != ndim:
+      raise ValueError(f"points of a {ndim}D SparseTensor must be [P, {ndim}] or [B, P, {ndim}], got shape "
+                       f"{points.shape}")
+    vs, org = world_frame(voxel_size, origin, points.dtype, ndim)
+    # The lifted axes (extent 1) are sampled at their one voxel's centre, where the blend gives that voxel
+    # weight 1: 3-value points at 0 there halved every value.
+    u = (points - org) / vs
+    lifted = jnp.concatenate([jnp.full(u.shape[:-1] + (3 - ndim,), 0.5, u.dtype), u], axis=-1)
+    return grid_sample(x.replace(spatial_ndim=3), lifted, mode, batch)
   if points.ndim == 3:
     if points.shape[0] != x.batch_size:
       raise ValueError(f"points [B, P, 3] needs B == batch_size={x.batch_size}, got {points.shape}")

@@ -64,8 +64,8 @@ def int32_values(value, name: str) -> jax.Array:
   return jnp.asarray(value.astype(np.int32))
 
 
-def world_frame(voxel_size, origin, dtype) -> tuple[jax.Array, jax.Array]:
-  """(voxel_size, origin) as [3] arrays of `dtype` (each given as a scalar or 3 values).
+def world_frame(voxel_size, origin, dtype, ndim: int = 3) -> tuple[jax.Array, jax.Array]:
+  """(voxel_size, origin) as [ndim] arrays of `dtype` (each given as a scalar or ndim values).
 
   ValueError naming the argument for another shape, and, where the value is concrete (also a constant under
   jit), for a voxel_size that is not positive and finite in `dtype` or an origin that is not finite: a negative
@@ -74,17 +74,17 @@ def world_frame(voxel_size, origin, dtype) -> tuple[jax.Array, jax.Array]:
   out = []
   for name, value in (("voxel_size", voxel_size), ("origin", origin)):
     if value is None:
-      raise ValueError(f"{name} must be a scalar or 3 values, got None")
+      raise ValueError(f"{name} must be a scalar or {ndim} values, got None")
     a = jnp.asarray(value, dtype)
-    if a.shape not in ((), (3,)):
-      raise ValueError(f"{name} must be a scalar or 3 values, got shape {a.shape}")
+    if a.shape not in ((), (ndim,)):
+      raise ValueError(f"{name} must be a scalar or {ndim} values, got shape {a.shape}")
     if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(value)):
       # On the host (jnp values are traced under jit even when constant), after the cast: 1e-8 is 0 in float16.
       host = np.asarray(np.asarray(value, np.float64).astype(jnp.dtype(dtype)), np.float64)
       if not np.all(np.isfinite(host) & ((host > 0) if name == "voxel_size" else True)):
         what = "positive and finite" if name == "voxel_size" else "finite"
         raise ValueError(f"{name} must be {what} (in {jnp.dtype(dtype).name}), got {value!r}")
-    out.append(jnp.broadcast_to(a, (3,)))
+    out.append(jnp.broadcast_to(a, (ndim,)))
   return out[0], out[1]
 
 

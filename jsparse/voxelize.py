@@ -354,6 +354,7 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
     raise ValueError(f"negative batch id {int(b.min())}")
   if batch_size is None:
     batch_size = int(b.max()) + 1 if n else 1
+  batch_size = as_int(batch_size, "batch_size", minimum=1)
   if n and b.max() >= batch_size:
     raise ValueError(f"batch id {int(b.max())} >= batch_size={batch_size}")
   _check_key_range(batch_size, spatial_shape)

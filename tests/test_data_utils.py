@@ -405,6 +405,46 @@ def test_grid_sample_trilinear_matches_dense():
   assert np.all(np.asarray(grid_sample(t, np.full((1, 3), np.nan, np.float32))) == 0)
 
 
+@pytest.mark.parametrize("ndim", [2, 1])
+def test_grid_sample_on_2d_and_1d_tensors_blends_over_their_own_axes(ndim):
+  """A 2D / 1D tensor takes [P, 2] / [P, 1] points and blends bilinearly / linearly (scipy on its dense grid),
+  values and gradients with respect to the points; 3-value points are refused (they blended across the lifted
+  depth-1 axis, halving every value sampled at 0 there)."""
+  rng = np.random.default_rng(ndim)
+  shape = (6, 7)[:ndim] if ndim == 2 else (9,)
+  full = np.stack(np.meshgrid(*[np.arange(n) for n in shape], indexing="ij"), -1).reshape(-1, ndim)
+  sites = full[rng.random(len(full)) < 0.5]
+  coords = np.concatenate([rng.integers(0, 2, (len(sites), 1)), sites], 1).astype(np.int32)
+  coords = np.unique(coords, axis=0)
+  t = SparseTensor.from_coords(coords, rng.standard_normal((len(coords), 2)).astype(np.float32), shape,
+                                       batch_size=2)
+  pts = rng.uniform(-1.0, max(shape) + 1.0, (60, ndim)).astype(np.float32)
+  batch = rng.integers(0, 2, 60)
+  vs, org = 0.5, -0.25  # world units: u = (p - org) / vs
+
+  def reference(p):
+    dense = t.todense()  # (B, *shape, C)
+    u = (p - org) / vs - 0.5
+    return jnp.stack([jnp.stack([jax.scipy.ndimage.map_coordinates(dense[b, ..., c], list(q[:, None]), order=1,
+                                                                   mode="constant", cval=0.0)[0]
+                                 for c in range(2)]) for q, b in zip(u, batch)])
+
+  got = jax.jit(lambda p: grid_sample(t, p, batch=batch, voxel_size=vs, origin=org))(pts)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(reference(pts)), rtol=1e-5, atol=1e-5)
+  probe = jnp.asarray(rng.standard_normal((60, 2)), jnp.float32)
+  g = jax.grad(lambda p: jnp.sum(grid_sample(t, p, batch=batch, voxel_size=vs, origin=org) * probe))(pts)
+  g_ref = jax.grad(lambda p: jnp.sum(reference(p) * probe))(pts)
+  np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-4)
+  near = grid_sample(t, pts, "nearest", batch=batch, voxel_size=vs, origin=org)
+  dense = np.asarray(t.todense())
+  cell = np.floor((pts - org) / vs).astype(int)
+  inside = np.all((cell >= 0) & (cell < np.array(shape)), axis=1)
+  want = np.array([dense[(b, *c)] if ok else np.zeros(2) for b, c, ok in zip(batch, cell, inside)])
+  np.testing.assert_array_equal(np.asarray(near), want)
+  with pytest.raises(ValueError, match=f"points of a {ndim}D SparseTensor"):
+    grid_sample(t, np.zeros((3, 3), np.float32))
+
+
 def test_grid_sample_nearest():
   t = _sample_tensor(1)
   rng = np.random.default_rng(1)

@@ -111,3 +111,17 @@ def test_voxelize_jit_half_precision_points_keep_the_last_voxel():
   ref = voxelize(pts, capacity=4, **kw)
   assert int(x.num) == int(ref.num) == 2 and not bool(overflow)
   np.testing.assert_array_equal(np.asarray(x.coords), np.asarray(ref.coords))
+
+
+def test_bad_batch_size_and_activation_are_named():
+  """voxelize(batch_size=0) says batch_size must be >= 1 (it blamed batch id 0), a float batch_size is refused as
+  voxelize_jit's is, and norm.activation with a non-callable names fn (it failed with "'int' object is not
+  callable")."""
+  pts = np.zeros((2, 3), np.float32)
+  with pytest.raises(ValueError, match="batch_size"):
+    voxelize(pts, voxel_size=1.0, batch_size=0)
+  with pytest.raises(TypeError, match="batch_size"):
+    voxelize(pts, voxel_size=1.0, batch_size=2.0)
+  x = jsparse.SparseTensor.from_coords(np.zeros((1, 4), np.int32), np.ones((1, 2), np.float32), (2, 2, 2))
+  with pytest.raises(TypeError, match="fn must be a callable"):
+    jsparse.norm.activation(x, 3)

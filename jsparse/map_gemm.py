@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jsparse import dispatch, tuning
 from jsparse._types import PrecisionLike
@@ -72,10 +73,11 @@ class ConvSpec:
 
 
 def check_groups(groups) -> int:
-  """`groups` (feature_group_count) if it is a positive int, else ValueError naming the argument."""
-  if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+  """`groups` (feature_group_count) as a Python int if it is a positive integer (numpy ones included, as every
+  other size), else ValueError naming the argument."""
+  if isinstance(groups, (bool, np.bool_)) or not isinstance(groups, (int, np.integer)) or groups < 1:
     raise ValueError(f"feature_group_count must be a positive int, got {groups!r}")
-  return groups
+  return int(groups)
 
 
 def _check_real(name: str, value: jax.Array) -> None:

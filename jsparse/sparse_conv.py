@@ -158,6 +158,12 @@ def geometry(spatial_shape, kernel_size, stride=1, padding=0, dilation=1) -> Geo
   ks, st, pad, dil = kernel_arguments(kernel_size, stride, padding, dilation)
   in_shape = tuple(int(s) for s in spatial_shape)
   out = tuple((n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(in_shape, ks, st, pad, dil))
+  # The site search computes position + padding and offset * dilation in int32: past it they wrap, and sites
+  # would be dropped without a word.
+  if any(n - 1 + p > _BIG or d * (k - 1) > _BIG or s > _BIG for n, k, s, p, d in zip(in_shape, ks, st, pad, dil)):
+    raise SizeError(_describe() + " on spatial_shape={in_shape}: the padded grid, the dilated kernel and the stride "
+                    "must each stay below 2**31", kernel_size=ks, stride=st, padding=pad, dilation=dil,
+                    in_shape=in_shape)
   if min(out) <= 0:
     raise SizeError(_describe() + " on spatial_shape={in_shape} gives an empty output grid {out}: the dilated "
                     "kernel does not fit in the padded input", kernel_size=ks, stride=st, padding=pad, dilation=dil,
@@ -596,6 +602,12 @@ def transpose_geometry(spatial_shape, kernel_size, stride=2, padding=0, output_p
               for n, k, s, p, q, d in zip(in_shape, ks, st, pad, out_pad, dil))
   geom = TransposeGeometry(kernel_size=ks, stride=st, padding=pad, dilation=dil, output_padding=out_pad,
                            in_shape=in_shape, out_shape=out)
+  # The site search computes position * stride + offset * dilation and - padding in int32 (as `geometry`).
+  if any((n - 1) * s + d * (k - 1) > _BIG or max(s, p) > _BIG
+         for n, k, s, p, d in zip(in_shape, ks, st, pad, dil)):
+    raise SizeError(_describe(names=_TRANSPOSE_ARGUMENTS) + " on spatial_shape={in_shape}: the strided grid with "
+                    "the dilated kernel, the stride and the padding must each stay below 2**31",
+                    **_sizes(geom, names=_TRANSPOSE_ARGUMENTS), in_shape=in_shape)
   if min(out) <= 0:
     raise SizeError(_describe(names=_TRANSPOSE_ARGUMENTS) + " on spatial_shape={in_shape} gives an empty output "
                     "grid {out}: padding is too large", **_sizes(geom, names=_TRANSPOSE_ARGUMENTS), in_shape=in_shape,

@@ -54,13 +54,11 @@ def load(name: str):
 
 
 def gray_key(nbr: np.ndarray, num: int) -> np.ndarray:
-  """The library's row key (Gray rank of the neighbour bitmask), in numpy."""
+  """The library's row key (`gemm_plan.gray_rank` of the neighbour bitmask), valid rows first."""
   bits = min(nbr.shape[1], 31)
-  mask = ((nbr[:, :bits] >= 0) * (1 << np.arange(bits, dtype=np.int64))).sum(1)
-  n = mask.copy()
-  for shift in (1, 2, 4, 8, 16):
-    n ^= n >> shift
-  return np.where(np.arange(len(n)) < num, n, np.iinfo(np.int64).max)
+  mask = ((nbr[:, :bits] >= 0) * (1 << np.arange(bits, dtype=np.int64))).sum(1).astype(np.int32)
+  rank = np.asarray(gemm_plan.gray_rank(jnp.asarray(mask))).astype(np.int64)
+  return np.where(np.arange(len(rank)) < num, rank, np.iinfo(np.int64).max)
 
 
 def orders(coords: np.ndarray, nbr: np.ndarray, num: int, tiles) -> dict[str, np.ndarray]:
@@ -68,8 +66,8 @@ def orders(coords: np.ndarray, nbr: np.ndarray, num: int, tiles) -> dict[str, np
   gray = gray_key(nbr, num)
   out = {"gray": np.argsort(gray, kind="stable")}
   valid = np.arange(len(gray)) < num
+  c = np.maximum(coords, 0).astype(np.int64)
   for t in tiles:
-    c = np.maximum(coords, 0).astype(np.int64)
     extent = c[:, 1:].max(0) // t + 1
     tile = ((c[:, 0] * extent[0] + c[:, 1] // t) * extent[1] + c[:, 2] // t) * extent[2] + c[:, 3] // t
     out[f"tile{t}"] = np.lexsort((gray, np.where(valid, tile, np.iinfo(np.int64).max)))

@@ -45,8 +45,19 @@ class MaskedPlan(NamedTuple):
   block_offsets: jax.Array  # int32 [num_blocks, V]: per block, the offsets used, then the unused ones
   block_counts: jax.Array  # int32 [num_blocks]: how many of block_offsets[b] are used
   # int32 [num_blocks, V, block_m]: block_rows[b, j, l] = nbr[order[b * block_m + l], block_offsets[b, j]]
-  # (-1: no neighbour, or a lane past the valid rows)
+  # (-1: no neighbour, or a lane past the valid rows) for j < block_counts[b]. The slots of unused offsets
+  # (j >= block_counts[b], all -1 by definition) are not written, so they hold whatever the buffer held: the
+  # GEMMs never read them, and `used_rows()` gives the array with them set to -1.
   block_rows: jax.Array
+
+  def used_rows(self) -> jax.Array:
+    """block_rows with the unused offsets' slots set to -1 (what a plan's consumer may read, made comparable)."""
+    j = jnp.arange(self.block_rows.shape[1], dtype=jnp.int32)
+    return jnp.where(j[None, :, None] < self.block_counts[:, None, None], self.block_rows, -1)
+
+  def comparable(self) -> "MaskedPlan":
+    """This plan with `used_rows()` for block_rows: two plans of one map compare equal field by field."""
+    return self._replace(block_rows=self.used_rows())
 
 
 class PairLists(NamedTuple):
@@ -157,7 +168,9 @@ def _block_plan_kernel(order_ref, nbr_ref, num_ref, offsets_ref, counts_ref, row
   slot = jnp.where(used > 0, used_before, count + cols - used_before)
   plgpu.store(offsets_ref.at[b, slot], cols, mask=col_ok)
   plgpu.store(counts_ref.at[b], count)
-  plgpu.store(rows_ref.at[b, slot[:, None], lanes[None, :]], tile.T, mask=col_ok[:, None])
+  # Only the used offsets' rows: an unused offset's are all -1 and no GEMM reads them, and on a plan whose blocks
+  # use few of the V offsets (class-ordered transposed maps above all) most of the kernel's writes went there.
+  plgpu.store(rows_ref.at[b, slot[:, None], lanes[None, :]], tile.T, mask=(used > 0)[:, None])
 
 
 def masked_plan_reference(nbr: jax.Array, num: jax.Array, block_m: int,

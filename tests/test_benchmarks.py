@@ -306,3 +306,32 @@ def test_ab_networks_shares_one_inputs_cache_where_the_tree_supports_it(tmp_path
   assert ab_networks.with_inputs_cache(str(old), argv, "/c") == argv
   own = argv + ["--inputs-cache", "/mine"]
   assert ab_networks.with_inputs_cache(".", own, "/c") == own
+
+
+def test_kernel_timeline_keeps_launches_apart():
+  """The timeline probe's rows: one per launch position, in launch order, each with the median duration over the
+  calls, its HLO op name and result shape, so two sorts of different sizes stay two rows; events out of order
+  are sorted by start, and a trace that does not split into whole calls is refused."""
+  import jax
+  import jax.numpy as jnp
+
+  from benchmarks.probes import kernel_timeline
+
+  text = jax.jit(lambda a: jnp.sort(a * 2)).lower(jnp.zeros((1000,), jnp.float32)).compile().as_text()
+  shapes = kernel_timeline.result_shapes(text)
+  # The entry's sort by its HLO name and by the kernel-name form ('.' as '_').
+  assert shapes["sort.0"].startswith("f32[1000]") and shapes["sort_0"] == shapes["sort.0"]
+  meta = {"sort_1": "jit(f)/op:subm/sort", "fusion_2": "jit(f)/op:subm/mul"}
+  shapes = {"sort_1": "s32[1179648]{0}", "fusion_2": "f32[8]{0}"}
+  events = []
+  for call, (d_sort, d_mul) in enumerate([(10.0, 1.0), (30.0, 2.0), (20.0, 9.0)]):
+    t = 1000.0 * call
+    events += [{"name": "fusion_2", "ts": t + 50, "dur": d_mul}, {"name": "sort_1", "ts": t, "dur": d_sort}]
+  rows = kernel_timeline.per_launch(events, 3, meta, shapes)
+  assert [(r["name"], r["us"], r["shape"]) for r in rows] == [("sort_1", 20.0, "s32[1179648]{0}"),
+                                                               ("fusion_2", 2.0, "f32[8]{0}")]
+  assert rows[0]["op"] == "jit(f)/op:subm/sort"
+  assert kernel_timeline.family("masked_plan_blocks__3") == "masked_plan_blocks"
+  assert kernel_timeline.family("loop_select_fusion_12") == "loop_select_fusion"
+  with pytest.raises(RuntimeError, match="not one launch sequence"):
+    kernel_timeline.per_launch(events[:-1], 3, meta, shapes)

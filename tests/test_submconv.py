@@ -139,7 +139,8 @@ def test_masked_plan_and_pair_lists():
   nbr = jsparse.neighbor_map(x, 3, implementation="xla").nbr
   num = int(x.num)
   # Checked on host copies: indexing the device arrays with each block's / offset's count compiles a slice each.
-  plan = jax.tree.map(np.asarray, _masked_plan_interpret(nbr, x.num, 16))
+  plan = _masked_plan_interpret(nbr, x.num, 16)
+  plan = jax.tree.map(np.asarray, plan.comparable())
   order = np.asarray(plan.order)
   assert sorted(order.tolist()) == list(range(x.capacity)) and np.all(order[:num] < num)
   nbr_np = np.asarray(nbr)
@@ -175,7 +176,7 @@ def test_masked_plan_kernel_matches_xla_reference(cap, v, fill, num_frac, block_
   rng = np.random.default_rng(seed)
   nbr = np.where(rng.random((cap, v)) < fill, rng.integers(0, cap, (cap, v)), -1).astype(np.int32)
   num = jnp.asarray([int(num_frac * cap)], jnp.int32)
-  got = _masked_plan_interpret(jnp.asarray(nbr), num, block_m)
+  got = _masked_plan_interpret(jnp.asarray(nbr), num, block_m).comparable()
   want = _masked_plan_reference(jnp.asarray(nbr), num, block_m)
   for name, a, b in zip(got._fields, got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
@@ -249,6 +250,40 @@ def test_pallas_kernels_direct_edge_shapes():
   dw = weight_grad(x, dy, nbr, config=cfg, precision="highest", interpret=True)
   ref_dw = jnp.einsum("mvk,mn->vkn", gathered, dy, precision="highest")
   assert rel_err(dw, ref_dw) < 1e-6
+
+
+def test_masked_gemm_never_reads_the_plans_unused_slots():
+  """The plan kernel leaves block_rows[b, j] unwritten for j >= block_counts[b]: a masked GEMM over a plan whose
+  unused slots hold real row indices (the worst garbage: rows that would add wrong products) gives the answer of
+  the clean plan and of the dense reference, split or not."""
+  from pallas_kernels.gather_gemm import gather_gemm
+  from pallas_kernels.tiling import TileConfig
+
+  rng = np.random.default_rng(11)
+  m, v, k, n, num = 200, 27, 24, 40, 181
+  # A map where most blocks use few offsets: each row reaches 1-4 of the 27.
+  nbr = np.full((m, v), -1, np.int32)
+  for i in range(num):
+    cols = rng.choice(v, size=rng.integers(1, 5), replace=False)
+    nbr[i, cols] = rng.integers(0, num, size=len(cols))
+  nbr = jnp.asarray(nbr)
+  x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+  w = jnp.asarray(rng.standard_normal((v, k, n)).astype(np.float32))
+  plan = _masked_plan_interpret(nbr, jnp.asarray([num], jnp.int32), 32)
+  j = np.arange(v)[None, :, None]
+  unused = j >= np.asarray(plan.block_counts)[:, None, None]
+  assert unused.any()
+  poisoned = plan._replace(block_rows=jnp.asarray(np.where(unused, rng.integers(0, num, plan.block_rows.shape),
+                                                           np.asarray(plan.block_rows)), jnp.int32))
+  gathered = jnp.where(nbr[..., None] >= 0, x[jnp.maximum(nbr, 0)], 0)
+  ref = jnp.einsum("mvk,vkn->mn", gathered, w, precision="highest")
+  ref = jnp.where((jnp.arange(m) < num)[:, None], ref, 0)
+  for split in (1, 3):
+    cfg = TileConfig(block_m=32, block_n=16, block_k=16, split=split)
+    outs = [gather_gemm(x, w, nbr, num, plan=p, config=cfg, precision="highest", interpret=True)
+            for p in (plan, poisoned)]
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+    assert rel_err(outs[1], ref) < 1e-6
 
 
 def test_float32_weight_grad_bf16_split_is_tf32_accurate():

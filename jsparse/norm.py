@@ -47,7 +47,9 @@ def activation(x: SparseTensor, fn: Callable[[jax.Array], jax.Array]) -> SparseT
   check_sparse_tensor(x)
   if not callable(fn):
     raise TypeError(f"fn must be a callable (e.g. jax.nn.relu), got {fn!r}")
-  return x.replace(feats=jnp.where(_mask(x), fn(x.feats), 0).astype(x.dtype))
+  mask = _mask(x)
+  # fn sees zeros on padding rows: a NaN or inf left there would give a NaN derivative (0 * NaN) in the backward.
+  return x.replace(feats=jnp.where(mask, fn(jnp.where(mask, x.feats, 0)), 0).astype(x.dtype))
 
 
 # ---- batch norm ------------------------------------------------------------------------------------------
@@ -260,7 +262,9 @@ def layer_norm(x: SparseTensor, scale=None, bias=None, *, epsilon: float = 1e-6,
   c = x.num_channels
   _check_affine("scale", scale, c)
   _check_affine("bias", bias, c)
-  f = x.feats.astype(jnp.float32)
+  # Padding rows are zeroed first: a non-finite value there (a tensor built directly) would otherwise give NaN
+  # derivatives in the backward, which the scale and bias gradients sum over every row.
+  f = jnp.where(_mask(x), x.feats.astype(jnp.float32), 0)
   mean = jnp.mean(f, axis=-1, keepdims=True)
   var = jnp.mean(jnp.square(f - mean), axis=-1, keepdims=True)
   return _finish(x, (f - mean) * lax.rsqrt(var + epsilon), scale, bias, dtype)

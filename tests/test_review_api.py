@@ -125,3 +125,46 @@ def test_bad_batch_size_and_activation_are_named():
   x = jsparse.SparseTensor.from_coords(np.zeros((1, 4), np.int32), np.ones((1, 2), np.float32), (2, 2, 2))
   with pytest.raises(TypeError, match="fn must be a callable"):
     jsparse.norm.activation(x, 3)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "group_norm", "batch_norm", "activation_silu", "layer_norm_gelu"])
+def test_non_finite_padding_rows_leave_values_and_gradients_finite(op):
+  """A directly built tensor may hold anything in its padding rows (the API promises they are ignored): NaN and
+  inf there must reach neither the valid rows' values nor any gradient (features, scale, bias). layer_norm and a
+  smooth activation gave NaN scale / bias gradients and NaN padding-row gradients (0 * NaN in their backward)."""
+  from jsparse import norm
+
+  rng = np.random.default_rng(3)
+  cap, num, c = 12, 7, 4
+  coords = np.zeros((cap, 4), np.int32)
+  coords[:num, 1] = np.arange(num)
+  feats = rng.standard_normal((cap, c)).astype(np.float32)
+  feats[num:] = [np.nan, np.inf, -np.inf, 1e38]
+  x = jsparse.SparseTensor(jnp.asarray(coords), jnp.asarray(feats), jnp.asarray(num, jnp.int32), (8, 1, 1), 1)
+  clean = x.replace(feats=jnp.where(x.valid_mask()[:, None], x.feats, 0))
+  scale0, bias0 = jnp.asarray(rng.standard_normal(c), jnp.float32), jnp.asarray(rng.standard_normal(c), jnp.float32)
+
+  def apply(t, scale, bias):
+    if op == "layer_norm":
+      return norm.layer_norm(t, scale, bias)
+    if op == "group_norm":
+      return norm.group_norm(t, 2, scale, bias)
+    if op == "batch_norm":
+      return norm.batch_norm(t, scale, bias)
+    if op == "layer_norm_gelu":
+      return norm.activation(norm.layer_norm(t), jax.nn.gelu)
+    return norm.activation(t, jax.nn.silu)
+
+  def loss(f, scale, bias, base):
+    y = apply(base.replace(feats=f), scale, bias)
+    return jnp.sum(y.feats * jnp.arange(1, c + 1, dtype=jnp.float32)), y.feats
+
+  (value, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x.feats, scale0, bias0, x)
+  (value_c, y_c), grads_c = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(clean.feats, scale0, bias0,
+                                                                                     clean)
+  assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(y)))
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y_c), rtol=1e-6, atol=1e-6)
+  for g, g_c in zip(grads, grads_c):
+    assert np.all(np.isfinite(np.asarray(g))), op
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_c), rtol=1e-5, atol=1e-6)
+  assert np.all(np.asarray(grads[0])[num:] == 0)

@@ -400,6 +400,11 @@ class SparseTensor:
     n = coords.shape[0]
     if feats_arr.shape[0] != n:
       raise ValueError(f"feats has {feats_arr.shape[0]} rows but coords has {n}: they must match")
+    if n and coords.dtype.kind == "u" and coords.max() > np.iinfo(np.int64).max:
+      # Named as given: the int64 cast below would report such a coordinate as a wrapped negative value.
+      row = int(np.argmax((coords > np.iinfo(np.int64).max).any(axis=1)))
+      raise ValueError(f"coordinate {_user_row(coords[row], ndim)} in row {row} is outside every grid (coordinates "
+                       f"and batch ids must be below 2**31)")
     coords = coords.astype(np.int64)
     if n and coords.min() < 0:
       bad = np.argwhere(coords < 0)[0]

@@ -168,3 +168,16 @@ def test_non_finite_padding_rows_leave_values_and_gradients_finite(op):
     assert np.all(np.isfinite(np.asarray(g))), op
     np.testing.assert_allclose(np.asarray(g), np.asarray(g_c), rtol=1e-5, atol=1e-6)
   assert np.all(np.asarray(grads[0])[num:] == 0)
+
+
+def test_from_coords_names_a_huge_unsigned_coordinate_as_given():
+  """uint64 coordinates at or above 2**63 were reported as wrapped negative values ("negative coordinate ...
+  -9223372036854775808"); the error now quotes the value the caller passed. Below 2**63 the grid check speaks."""
+  coords = np.array([[0, 1, 2, 3], [0, 2**63 + 5, 0, 0]], np.uint64)
+  with pytest.raises(ValueError, match=r"coordinate \[0, 9223372036854775813, 0, 0\] in row 1 is outside every grid"):
+    jsparse.SparseTensor.from_coords(coords, np.zeros((2, 1), np.float32), (8, 8, 8))
+  coords[1, 1] = 2**40
+  with pytest.raises(ValueError, match=r"coordinate \[0, 1099511627776, 0, 0\] in row 1 is outside"):
+    jsparse.SparseTensor.from_coords(coords, np.zeros((2, 1), np.float32), (8, 8, 8))
+  y = jsparse.SparseTensor.from_coords(np.array([[0, 1, 2, 3]], np.uint64), np.ones((1, 1), np.float32), (8, 8, 8))
+  assert np.asarray(y.coords)[0].tolist() == [0, 1, 2, 3]

@@ -81,11 +81,18 @@ def world_frame(voxel_size, origin, dtype, ndim: int = 3) -> tuple[jax.Array, ja
     if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(value)):
       # On the host (jnp values are traced under jit even when constant), after the cast: 1e-8 is 0 in float16.
       host = np.asarray(np.asarray(value, np.float64).astype(jnp.dtype(dtype)), np.float64)
-      if not np.all(np.isfinite(host) & ((host > 0) if name == "voxel_size" else True)):
-        what = "positive and finite" if name == "voxel_size" else "finite"
-        raise ValueError(f"{name} must be {what} (in {jnp.dtype(dtype).name}), got {value!r}")
+      check_frame_values(name, host, value, f" (in {jnp.dtype(dtype).name})")
     out.append(jnp.broadcast_to(a, (ndim,)))
   return out[0], out[1]
+
+
+def check_frame_values(name: str, host: np.ndarray, given, where: str = "") -> None:
+  """The world frame's rule, in one place: ValueError unless `host` (the float64 values of argument `name`,
+  "voxel_size" or "origin", as `given`) is finite, and positive for a voxel_size. NaN passes a `<= 0` test, and
+  a negative, zero or NaN size mirrors, drops or zeroes points silently."""
+  if not np.all(np.isfinite(host) & ((host > 0) if name == "voxel_size" else True)):
+    what = "positive and finite" if name == "voxel_size" else "finite"
+    raise ValueError(f"{name} must be {what}{where}, got {given!r}")
 
 
 def check_sparse_tensor(x, name: str = "x") -> None:

@@ -28,8 +28,8 @@ from jax import lax
 from jsparse._types import ArrayLike
 from jsparse.sampling import gather_sites
 from jsparse.sparse_tensor import (MAX_EXTENT, MAX_KEYS, SparseTensor, as_int, as_spatial_shape, check_capacity,
-                                   check_sparse_tensor, int32_values, key_width, report, resolve_capacity,
-                                   round_capacity, site_keys, wide_divmod, world_frame)
+                                   check_frame_values, check_sparse_tensor, int32_values, key_width, report,
+                                   resolve_capacity, round_capacity, site_keys, wide_divmod, world_frame)
 
 REDUCTIONS = ("mean", "sum", "max", "first")
 DEDUPS = ("numpy", "xla")
@@ -317,9 +317,7 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
     p = p.astype(np.float64)
   n = p.shape[0]
   vs = _as_vec3(voxel_size, "voxel_size")
-  # NaN passes a `<= 0` test and quantises every point to garbage: ask for finite values.
-  if not np.all(np.isfinite(vs) & (vs > 0)):
-    raise ValueError(f"voxel_size must be positive and finite, got {voxel_size!r}")
+  check_frame_values("voxel_size", vs, voxel_size)
   # Column by column: numpy reduces a column far faster than axis 0 of an [N, 3] array. min and max
   # propagate NaN and inf, so these passes also check that every coordinate is finite.
   columns = [p[:, axis] for axis in range(3)]
@@ -328,8 +326,7 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
   if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
     raise ValueError(f"{int((~np.isfinite(p)).any(axis=1).sum())} points have non-finite coordinates")
   org = lo if origin is None else _as_vec3(origin, "origin")
-  if not np.all(np.isfinite(org)):
-    raise ValueError(f"origin must be finite, got {origin!r}")
+  check_frame_values("origin", org, origin)
   # The voxel index is monotone in the coordinate, so the extreme points give its range exactly.
   grid_lo, grid_hi = np.floor((lo - org) / vs), np.floor((hi - org) / vs)
   if spatial_shape is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import re
 import statistics
 import tempfile
@@ -78,10 +79,12 @@ def main(argv=None):
   ap.add_argument("--dtype", default="fp16", choices=list(networks.DTYPES))
   ap.add_argument("--mode", default="train", choices=["inference", "train"])
   ap.add_argument("--calls", type=int, default=5)
-  ap.add_argument("--groups", default="maps,conv: other", help="comma-separated prefixes of profile groups")
+  ap.add_argument("--groups", default="maps,conv: other",
+                  help="comma-separated prefixes of the profile groups to print ('' for all)")
   ap.add_argument("--min-us", type=float, default=5.0, help="hide launches shorter than this")
   ap.add_argument("--impl", default=None)
   ap.add_argument("--inputs-cache", default=None, help="read / write the inputs here (networks.make_inputs)")
+  ap.add_argument("--out", default=None, help="also write every launch (all groups) to this JSON file")
   args = ap.parse_args(argv)
   w = networks.workload(args.network, args.size)
   inp = networks.make_inputs(w, cache_dir=args.inputs_cache)
@@ -94,6 +97,10 @@ def main(argv=None):
   fn = train if args.mode == "train" else inference
   compiled = jax.jit(fn).lower(p, x).compile()
   rows = launches(compiled, (p, x), args.calls)
+  if args.out:  # every launch, whatever --groups prints: a later question about another op needs no new run
+    with open(args.out, "w") as f:
+      json.dump({"network": args.network, "size": args.size, "dtype": args.dtype, "mode": args.mode,
+                 "device": jax.devices()[0].device_kind, "sites": int(len(inp.coords)), "launches": rows}, f)
   prefixes = tuple(g.strip() for g in args.groups.split(",") if g.strip())
   print(f"== {args.network}/{args.size} {args.dtype} {args.mode}: {len(inp.coords):,} input sites, "
         f"{len(rows)} launches a call, {sum(r['us'] for r in rows) / 1e3:.3f} ms of kernels "
@@ -102,7 +109,7 @@ def main(argv=None):
   by_group, by_family = collections.Counter(), collections.Counter()
   for i, r in enumerate(rows):
     by_group[r["group"]] += r["us"]
-    if not r["group"].startswith(prefixes):
+    if prefixes and not r["group"].startswith(prefixes):
       continue
     by_family[(r["group"], family(r["name"]))] += r["us"]
     if r["us"] >= args.min_us:

@@ -94,7 +94,8 @@ class NeighborCache:
   kernel_size: tuple[int, int, int] = dataclasses.field(metadata=dict(static=True))
   dilation: tuple[int, int, int] = dataclasses.field(metadata=dict(static=True))
   # Work plans for the Pallas GEMMs (see pallas_kernels/gemm_plan.py): the default block size's built with the
-  # map, others added by the convolutions that read them. Under jit, plans nothing uses are dropped by XLA.
+  # map, others added by the convolutions that read them. Under jit, plans nothing uses are dropped by XLA. A
+  # plan's block_rows leaves its unused slots unwritten (whatever memory held): compare plans by `comparable()`.
   plans: dict = dataclasses.field(default_factory=dict)  # block_m -> MaskedPlan
   pairs: Any = None  # PairLists for the weight gradient, or None
   num: Any = None  # int32 scalar: valid rows of the coordinates the map was built on

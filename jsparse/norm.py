@@ -157,7 +157,9 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
   # numpy, not jnp: inside jit a jnp comparison of even a concrete array is traced and cannot be tested.
   if not isinstance(var, jax.core.Tracer) and np.any(np.asarray(var) < 0):
     raise ValueError(f"var must be >= 0 (running variances are), got {var}")
-  y = (x.feats.astype(jnp.float32) - mean) * lax.rsqrt(jnp.asarray(var, jnp.float32) + epsilon)
+  # Padding rows zeroed first, as in layer_norm: a non-finite value there would give NaN derivatives.
+  f = jnp.where(_mask(x), x.feats.astype(jnp.float32), 0)
+  y = (f - mean) * lax.rsqrt(jnp.asarray(var, jnp.float32) + epsilon)
   if activation is not None:
     if scale is not None:
       y = y * jnp.asarray(scale, jnp.float32)

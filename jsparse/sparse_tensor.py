@@ -410,8 +410,8 @@ class SparseTensor:
     if n and coords.dtype.kind == "u" and coords.max() > np.iinfo(np.int64).max:
       # Named as given: the int64 cast below would report such a coordinate as a wrapped negative value.
       row = int(np.argmax((coords > np.iinfo(np.int64).max).any(axis=1)))
-      raise ValueError(f"coordinate {_user_row(coords[row], ndim)} in row {row} is outside every grid (coordinates "
-                       f"and batch ids must be below 2**31)")
+      raise ValueError(f"coordinate {_user_row(coords[row], ndim)} in row {row} is outside every grid (extents are "
+                       f"below 2**21 and batch ids below 2**31)")
     coords = coords.astype(np.int64)
     if n and coords.min() < 0:
       bad = np.argwhere(coords < 0)[0]
@@ -657,6 +657,8 @@ def key_width(batch_size: int, spatial_shape: Sequence[int]) -> int:
   ValueError naming batch_size and spatial_shape when batch_size * X * Y * Z >= 2**62 or an extent >= 2**21.
   """
   batch_size = as_int(batch_size, "batch_size", minimum=1)
+  if batch_size > _INT32.max:  # batch ids are int32 coordinates: a larger one would wrap onto another item
+    raise ValueError(f"batch_size must be below 2**31 (batch ids are int32), got {batch_size}")
   shape = as_spatial_shape(spatial_shape)
   total = batch_size * math.prod(shape)
   if max(shape) >= MAX_EXTENT:

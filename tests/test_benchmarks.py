@@ -333,5 +333,11 @@ def test_kernel_timeline_keeps_launches_apart():
   assert rows[0]["op"] == "jit(f)/op:subm/sort"
   assert kernel_timeline.family("masked_plan_blocks__3") == "masked_plan_blocks"
   assert kernel_timeline.family("loop_select_fusion_12") == "loop_select_fusion"
+  assert kernel_timeline.family("input_fusion_1_2") == "input_fusion"
   with pytest.raises(RuntimeError, match="not one launch sequence"):
     kernel_timeline.per_launch(events[:-1], 3, meta, shapes)
+  swapped = [dict(e, name="other") if e["ts"] == 2000.0 else e for e in events]  # call 3 launched another kernel
+  with pytest.raises(RuntimeError, match="not the same kernel"):
+    kernel_timeline.per_launch(swapped, 3, meta, shapes)
+  with pytest.raises(ValueError, match="calls must be >= 1"):
+    kernel_timeline.per_launch(events, 0, meta, shapes)

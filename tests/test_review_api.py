@@ -127,7 +127,8 @@ def test_bad_batch_size_and_activation_are_named():
     jsparse.norm.activation(x, 3)
 
 
-@pytest.mark.parametrize("op", ["layer_norm", "group_norm", "batch_norm", "activation_silu", "layer_norm_gelu"])
+@pytest.mark.parametrize("op", ["layer_norm", "group_norm", "batch_norm", "activation_silu", "layer_norm_gelu",
+                                "batch_norm_running", "batch_norm_running_silu", "batch_norm_axis_name"])
 def test_non_finite_padding_rows_leave_values_and_gradients_finite(op):
   """A directly built tensor may hold anything in its padding rows (the API promises they are ignored): NaN and
   inf there must reach neither the valid rows' values nor any gradient (features, scale, bias). layer_norm and a
@@ -144,7 +145,17 @@ def test_non_finite_padding_rows_leave_values_and_gradients_finite(op):
   clean = x.replace(feats=jnp.where(x.valid_mask()[:, None], x.feats, 0))
   scale0, bias0 = jnp.asarray(rng.standard_normal(c), jnp.float32), jnp.asarray(rng.standard_normal(c), jnp.float32)
 
+  mean0, var0 = jnp.asarray(rng.standard_normal(c), jnp.float32), jnp.asarray(rng.random(c) + 0.5, jnp.float32)
+
   def apply(t, scale, bias):
+    if op == "batch_norm_running":  # frozen statistics (use_running_average)
+      return norm.batch_norm(t, scale, bias, mean=mean0, var=var0)
+    if op == "batch_norm_running_silu":
+      return norm.batch_norm(t, scale, bias, mean=mean0, var=var0, activation=jax.nn.silu)
+    if op == "batch_norm_axis_name":  # data-parallel statistics, one device here (vmap of one item)
+      one = jax.tree.map(lambda a: a[None], t)
+      out = jax.vmap(lambda u: norm.batch_norm(u, scale, bias, axis_name="d"), axis_name="d")(one)
+      return jax.tree.map(lambda a: a[0], out)
     if op == "layer_norm":
       return norm.layer_norm(t, scale, bias)
     if op == "group_norm":
@@ -181,3 +192,15 @@ def test_from_coords_names_a_huge_unsigned_coordinate_as_given():
     jsparse.SparseTensor.from_coords(coords, np.zeros((2, 1), np.float32), (8, 8, 8))
   y = jsparse.SparseTensor.from_coords(np.array([[0, 1, 2, 3]], np.uint64), np.ones((1, 1), np.float32), (8, 8, 8))
   assert np.asarray(y.coords)[0].tolist() == [0, 1, 2, 3]
+
+
+def test_batch_ids_past_int32_are_refused():
+  """Batch ids are int32 coordinates: a batch id of 2**31 was stored as -2**31, and 2**40 with batch_size=2**40+1
+  became batch 0 (the grid check allows 2**62 sites), silently. Both now raise a ValueError."""
+  f = np.zeros((1, 1), np.float32)
+  with pytest.raises(ValueError, match="batch_size must be below 2\\*\\*31"):
+    jsparse.SparseTensor.from_coords(np.array([[2**31, 0, 0, 0]], np.int64), f, (1, 1, 1))
+  with pytest.raises(ValueError, match="batch_size must be below 2\\*\\*31"):
+    jsparse.SparseTensor.from_coords(np.array([[2**40, 0, 0, 0]], np.int64), f, (1, 1, 1), batch_size=2**40 + 1)
+  y = jsparse.SparseTensor.from_coords(np.array([[2**31 - 2, 0, 0, 0]], np.int64), f, (1, 1, 1))
+  assert int(np.asarray(y.coords)[0, 0]) == 2**31 - 2 and y.batch_size == 2**31 - 1

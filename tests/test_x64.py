@@ -126,7 +126,9 @@ def test_maps_under_x64_match_x32(implementation):
 
   def maps():
     nbr = jsparse.neighbor_map(small, 3, implementation=implementation)
-    cache = (nbr.nbr, nbr.overflow) + tuple(nbr.plans.values()) + ((nbr.pairs,) if nbr.pairs is not None else ())
+    # comparable(): a plan's unused slots are never written, so only what its GEMMs read is compared.
+    cache = ((nbr.nbr, nbr.overflow) + tuple(p.comparable() for p in nbr.plans.values())
+             + ((nbr.pairs,) if nbr.pairs is not None else ()))
     pairs = [pair_map(t, 3, 2, 1, implementation=implementation) for t in (small, large)]
     cut = jax.jit(lambda t: pair_map(t, 3, 2, 1, 1, 40, check=False, implementation=implementation))(large)
     return cache, pairs, cut

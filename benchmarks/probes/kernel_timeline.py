@@ -34,14 +34,13 @@ def result_shapes(hlo_text: str) -> dict:
 
 def launches(compiled, call_args, calls: int) -> list[dict]:
   """[{name, op, group, shape, us}]: one entry per launch position of a call, us the median over the calls."""
-  trace_dir = tempfile.mkdtemp()
   jax.block_until_ready(compiled(*call_args))
-  jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-  for _ in range(calls):
-    out = compiled(*call_args)
-    jax.block_until_ready(out)  # a gap between calls, so launches split into calls by time
-  jax.profiler.stop_trace()
-  kernels, _ = networks.device_kernel_events(networks._trace_events(trace_dir))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    for _ in range(calls):
+      jax.block_until_ready(compiled(*call_args))  # one call's launches, then the next's
+    jax.profiler.stop_trace()
+    kernels, _ = networks.device_kernel_events(networks._trace_events(trace_dir))
   text = compiled.as_text()
   return per_launch(kernels, calls, networks.hlo_op_names(text), result_shapes(text))
 
@@ -50,6 +49,8 @@ def per_launch(kernels: list[dict], calls: int, meta: dict, shapes: dict) -> lis
   """Trace kernel events of `calls` calls of one program -> one row per launch position (the calls launch the
   same sequence): its kernel name, HLO op name (`meta`), result shape (`shapes`), profile group and median
   duration in us."""
+  if calls < 1:
+    raise ValueError(f"calls must be >= 1, got {calls}")
   kernels = sorted(kernels, key=lambda e: e["ts"])
   per_call = len(kernels) // calls
   if per_call * calls != len(kernels):
@@ -58,6 +59,8 @@ def per_launch(kernels: list[dict], calls: int, meta: dict, shapes: dict) -> lis
   for i in range(per_call):
     events = [kernels[c * per_call + i] for c in range(calls)]
     e = events[0]
+    if any(ev["name"] != e["name"] for ev in events):
+      raise RuntimeError(f"launch {i} is not the same kernel in every call: not one launch sequence per call")
     hlo = e.get("args", {}).get("hlo_op", "")
     op = meta.get(e["name"], "") or meta.get(hlo, "")
     shape = shapes.get(e["name"]) or shapes.get(hlo, "")
@@ -68,7 +71,7 @@ def per_launch(kernels: list[dict], calls: int, meta: dict, shapes: dict) -> lis
 
 def family(name: str) -> str:
   """A kernel's family: its name without the numeric suffixes XLA and Pallas add, CUB's template arguments cut."""
-  name = re.sub(r"(__|_)\d+$", "", name)
+  name = re.sub(r"((__|_)\d+)+$", "", name)
   return name[:48]
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import Phase, given, settings, strategies as st
+from hypothesis import Phase, assume, example, given, settings, strategies as st
 from jax import lax
 
 import jsparse
@@ -323,6 +323,7 @@ INVERSE = settings(max_examples=8, deadline=None, phases=(Phase.explicit, Phase.
 
 
 @INVERSE
+@example(seed=282, ks=1, stride=3, padding=1, dilation=1, implementation="xla")  # reads no site of x (CI, 11-28)
 @given(seed=st.integers(0, 2**16), ks=st.sampled_from([1, 2, 3, 4, (3, 2, 4)]), stride=st.sampled_from([1, 2, 3]),
        padding=st.sampled_from([0, 1]), dilation=st.sampled_from([1, 2]),
        implementation=st.sampled_from(["xla", "pallas"]))
@@ -349,7 +350,9 @@ def test_transposed_map_inverts_the_strided_map(seed, ks, stride, padding, dilat
   read = np.asarray(pm.inv)[:int(x.num)].max(1) >= 0
   assert not bool(overflow)
   assert {s for s, r in zip(x_sites, read) if r} == set(x_sites) & set(row)
-  assert read.any()
+  # A sparse input can have no site where the stride reads (1x1x1, stride 3: only x = 2 mod 3 on each axis):
+  # nothing below would be checked, so such an example is discarded rather than failed.
+  assume(read.any())
   rows = [row[s] for s, r in zip(x_sites, read) if r]
   np.testing.assert_array_equal(np.asarray(nbr)[rows], np.asarray(pm.inv)[:int(x.num)][read])
   # And the other way round: inv_T[y row, v] lands on x's site j exactly where the forward map has nbr[y row, v] = j.

@@ -27,6 +27,12 @@ def _mask(x: SparseTensor) -> jax.Array:
   return x.valid_mask()[:, None]
 
 
+def _valid_feats_f32(x: SparseTensor) -> jax.Array:
+  """x's features in float32 with padding rows zeroed: a non-finite value left there (a tensor built directly)
+  would otherwise give NaN derivatives (0 * NaN) in the backward, which scale and bias gradients sum over."""
+  return jnp.where(_mask(x), x.feats.astype(jnp.float32), 0)
+
+
 def _finish(x: SparseTensor, y: jax.Array, scale, bias, dtype) -> SparseTensor:
   """Applies the affine part, zeros padding rows, casts."""
   if scale is not None:
@@ -157,9 +163,7 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
   # numpy, not jnp: inside jit a jnp comparison of even a concrete array is traced and cannot be tested.
   if not isinstance(var, jax.core.Tracer) and np.any(np.asarray(var) < 0):
     raise ValueError(f"var must be >= 0 (running variances are), got {var}")
-  # Padding rows zeroed first, as in layer_norm: a non-finite value there would give NaN derivatives.
-  f = jnp.where(_mask(x), x.feats.astype(jnp.float32), 0)
-  y = (f - mean) * lax.rsqrt(jnp.asarray(var, jnp.float32) + epsilon)
+  y = (_valid_feats_f32(x) - mean) * lax.rsqrt(jnp.asarray(var, jnp.float32) + epsilon)
   if activation is not None:
     if scale is not None:
       y = y * jnp.asarray(scale, jnp.float32)
@@ -264,9 +268,7 @@ def layer_norm(x: SparseTensor, scale=None, bias=None, *, epsilon: float = 1e-6,
   c = x.num_channels
   _check_affine("scale", scale, c)
   _check_affine("bias", bias, c)
-  # Padding rows are zeroed first: a non-finite value there (a tensor built directly) would otherwise give NaN
-  # derivatives in the backward, which the scale and bias gradients sum over every row.
-  f = jnp.where(_mask(x), x.feats.astype(jnp.float32), 0)
+  f = _valid_feats_f32(x)
   mean = jnp.mean(f, axis=-1, keepdims=True)
   var = jnp.mean(jnp.square(f - mean), axis=-1, keepdims=True)
   return _finish(x, (f - mean) * lax.rsqrt(var + epsilon), scale, bias, dtype)

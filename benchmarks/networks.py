@@ -846,13 +846,24 @@ def op_group(kind: str, kernel: str) -> str:
   return FUSED_ROWS.get(kind, kind)
 
 
+def _as_kernel_names(found) -> dict:
+  """{name: value} of (HLO instruction name, value) pairs, each name also with '.' and '-' as '_': a fusion's
+  kernel is named that way (input_fusion.14 runs as input_fusion_14)."""
+  out = dict(found)
+  out.update({k.replace(".", "_").replace("-", "_"): v for k, v in found})
+  return out
+
+
 def hlo_op_names(hlo_text: str) -> dict:
-  """HLO instruction name -> its metadata op_name (which carries the jax.named_scope path). Keys are also stored
-  with '.' and '-' as '_': a fusion's kernel is named that way (input_fusion.14 runs as input_fusion_14)."""
-  found = re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text, re.M)
-  names = dict(found)
-  names.update({k.replace(".", "_").replace("-", "_"): v for k, v in found})
-  return names
+  """HLO instruction name -> its metadata op_name (which carries the jax.named_scope path). Keys as
+  `_as_kernel_names`."""
+  return _as_kernel_names(re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text, re.M))
+
+
+def hlo_instructions(hlo_text: str) -> dict:
+  """HLO instruction name -> (result shape text, [operand names]). Keys as `_as_kernel_names`."""
+  found = re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) [\w\-]+\(([^)]*)\)", hlo_text, re.M)
+  return _as_kernel_names([(name, (shape, re.findall(r"%([\w.\-]+)", args))) for name, shape, args in found])
 
 
 _HLO_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -874,18 +885,10 @@ def hlo_bytes(hlo_text: str) -> dict:
   """HLO instruction name -> bytes of its operands and result: what a kernel that reads every operand once and
   writes its result moves (XLA's own 'bytes accessed' model; a gather reads less of its operand than this).
   Keys as hlo_op_names'."""
-  shapes, found = {}, []
-  for name, shape, args in re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) [\w\-]+\(([^)]*)\)", hlo_text,
-                                      re.M):
-    shapes[name] = _shape_bytes(shape)
-    found.append((name, args))
-  out = {}
-  for name, args in found:
-    operands = re.findall(r"%([\w.\-]+)", args)
-    total = shapes[name] + sum(shapes.get(o, 0) for o in operands)
-    out[name] = total
-    out[name.replace(".", "_").replace("-", "_")] = total
-  return out
+  instructions = hlo_instructions(hlo_text)
+  result = {name: _shape_bytes(shape) for name, (shape, _) in instructions.items()}
+  return {name: result[name] + sum(result.get(o, 0) for o in operands)
+          for name, (_, operands) in instructions.items()}
 
 
 def forward_masks(hlo_text: str) -> list[str]:
@@ -931,15 +934,24 @@ def guarded_profile(fn) -> dict:
     return {"error": suite.short_error(e)}
 
 
-def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
-  """ms per call by profile row, from a trace of `calls` calls of a compiled function."""
+def trace_kernels(compiled, call_args, calls: int, trace_dir: str, sync_each: bool = False) -> tuple[list, list]:
+  """(kernel events, GPU thread names) of `calls` calls of a compiled function after one untimed call, traced
+  into trace_dir. sync_each: wait for each call before the next, so that no two calls' kernels overlap (for
+  matching launches call by call; without it the calls queue back to back, as in training)."""
   jax.block_until_ready(compiled(*call_args))
   jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
   for _ in range(calls):
     out = compiled(*call_args)
+    if sync_each:
+      jax.block_until_ready(out)
   jax.block_until_ready(out)
   jax.profiler.stop_trace()
-  kernels, thread_names = device_kernel_events(_trace_events(trace_dir))
+  return device_kernel_events(_trace_events(trace_dir))
+
+
+def profile_jax(compiled, call_args, calls: int, trace_dir: str) -> dict:
+  """ms per call by profile row, from a trace of `calls` calls of a compiled function."""
+  kernels, thread_names = trace_kernels(compiled, call_args, calls, trace_dir)
   text = compiled.as_text()
   meta, sizes = hlo_op_names(text), hlo_bytes(text)
   rows: dict[str, float] = {}

@@ -315,12 +315,15 @@ def test_kernel_timeline_keeps_launches_apart():
   import jax
   import jax.numpy as jnp
 
+  from benchmarks import networks
   from benchmarks.probes import kernel_timeline
 
   text = jax.jit(lambda a: jnp.sort(a * 2)).lower(jnp.zeros((1000,), jnp.float32)).compile().as_text()
-  shapes = kernel_timeline.result_shapes(text)
-  # The entry's sort by its HLO name and by the kernel-name form ('.' as '_').
-  assert shapes["sort.0"].startswith("f32[1000]") and shapes["sort_0"] == shapes["sort.0"]
+  instructions = networks.hlo_instructions(text)
+  # The entry's sort by its HLO name and by the kernel-name form ('.' as '_'), with its operand.
+  shape, operands = instructions["sort.0"]
+  assert shape.startswith("f32[1000]") and instructions["sort_0"] == instructions["sort.0"]
+  assert len(operands) == 1 and instructions[operands[0]][0].startswith("f32[1000]")
   meta = {"sort_1": "jit(f)/op:subm/sort", "fusion_2": "jit(f)/op:subm/mul"}
   shapes = {"sort_1": "s32[1179648]{0}", "fusion_2": "f32[8]{0}"}
   events = []

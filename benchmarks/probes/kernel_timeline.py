@@ -24,25 +24,13 @@ import jax.numpy as jnp
 from benchmarks import networks
 
 
-def result_shapes(hlo_text: str) -> dict:
-  """HLO instruction name -> its result shape text (keys also with '.' and '-' as '_', as kernels are named)."""
-  found = re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ", hlo_text, re.M)
-  shapes = dict(found)
-  shapes.update({k.replace(".", "_").replace("-", "_"): v for k, v in found})
-  return shapes
-
-
 def launches(compiled, call_args, calls: int) -> list[dict]:
   """[{name, op, group, shape, us}]: one entry per launch position of a call, us the median over the calls."""
-  jax.block_until_ready(compiled(*call_args))
   with tempfile.TemporaryDirectory() as trace_dir:
-    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-    for _ in range(calls):
-      jax.block_until_ready(compiled(*call_args))  # one call's launches, then the next's
-    jax.profiler.stop_trace()
-    kernels, _ = networks.device_kernel_events(networks._trace_events(trace_dir))
+    kernels, _ = networks.trace_kernels(compiled, call_args, calls, trace_dir, sync_each=True)
   text = compiled.as_text()
-  return per_launch(kernels, calls, networks.hlo_op_names(text), result_shapes(text))
+  shapes = {name: shape for name, (shape, _) in networks.hlo_instructions(text).items()}
+  return per_launch(kernels, calls, networks.hlo_op_names(text), shapes)
 
 
 def per_launch(kernels: list[dict], calls: int, meta: dict, shapes: dict) -> list[dict]:

@@ -1,10 +1,11 @@
 """Time pallas_kernels.hash_table.neighbor_map_hashed on sphere-shell voxels (GPU).
 
-    python -m benchmarks.bench_hash_table [--res 64 128 256 512] [--repeats 30]
+    python -m benchmarks.bench_hash_table [--res 64 128 256 512] [--lidar small large] [--repeats 30]
         [--block-rows R] [--block-pairs P] [--num-warps W] [--num-warps-build W] [--table-factor F]
 
 Sphere shell at resolution RES (workloads.sphere_shell_coords: 15k, 64k, 252k and 1.03M voxels for 64,
-128, 256, 512), 3x3x3 offsets, batch 0, rows shuffled.
+128, 256, 512), 3x3x3 offsets, batch 0, rows shuffled; with --lidar, also the networks benchmark's LiDAR
+batches (SECOND's grid, `networks.make_inputs`; the ray casting of "large" takes ~20 s).
 Each case is jitted, warmed up, then timed as the median of --repeats device-synchronised calls
 (block_until_ready); 'pipelined' is the mean over --repeats calls issued back to back with one
 sync at the end. Checks the result against a numpy reference once per case.
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import networks
 from benchmarks.suite import time_calls
 from benchmarks.workloads import sphere_shell_coords
 from pallas_kernels.hash_table import neighbor_map_hashed, table_size_for
@@ -84,9 +86,23 @@ def compare_wide(res_list, repeats):
           f"{results['wide'][1]:>11.3f} {check:>6}", flush=True)
 
 
+def cases(res_list, lidar_sizes):
+  """(label, coords int32 [N, 4], spatial_shape) to time: the sphere shells of res_list (rows shuffled), then the
+  networks benchmark's LiDAR batches of lidar_sizes (its SECOND grid; rows in their order there)."""
+  rng = np.random.default_rng(0)
+  for res in res_list:
+    pts = sphere_shell_coords(res)
+    yield res, pts[rng.permutation(len(pts))], (res, res, res)
+  for size in lidar_sizes:
+    inp = networks.make_inputs(networks.workload("second", size))
+    yield f"lidar {size}", inp.coords, tuple(inp.spatial_shape)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--res", type=int, nargs="+", default=[64, 128, 256, 512])
+  ap.add_argument("--lidar", nargs="*", default=[], choices=("tiny", "small", "large"),
+                  help="also the networks benchmark's LiDAR batches of these sizes (large: ~1.07M sites, batch 4)")
   ap.add_argument("--repeats", type=int, default=30)
   # Unset tuning arguments take neighbor_map_hashed's defaults.
   ap.add_argument("--block-rows", type=int)
@@ -109,14 +125,10 @@ def main():
                                          "num_warps_build", "interleave")
           if getattr(args, k) is not None}
   print(f"tuning: {tune or 'defaults'}, table_factor={args.table_factor or 'default'}")
-  print(f"{'RES':>5} {'voxels':>9} {'median ms':>10} {'min ms':>8} {'pipelined':>10} "
+  print(f"{'RES':>11} {'voxels':>9} {'median ms':>10} {'min ms':>8} {'pipelined':>10} "
         f"{'Mpairs/s':>9} {'check':>6}")
-  rng = np.random.default_rng(0)
-  for res in args.res:
-    pts = sphere_shell_coords(res)
-    pts = pts[rng.permutation(len(pts))]
+  for res, pts, shape in cases(args.res, args.lidar):
     n = len(pts)
-    shape = (res, res, res)
     kw = dict(tune)
     if args.table_factor:
       kw["table_size"] = table_size_for(n, args.table_factor)
@@ -138,7 +150,7 @@ def main():
     if not args.no_check:
       ok = (not bool(ovf)) and np.array_equal(np.asarray(nbr), reference(pts, shape, OFFS_333))
       check = "ok" if ok else "FAIL"
-    print(f"{res:>5} {n:>9} {med:>10.3f} {best:>8.3f} {piped:>10.3f} "
+    print(f"{res!s:>11} {n:>9} {med:>10.3f} {best:>8.3f} {piped:>10.3f} "
           f"{n * 27 / med / 1e3:>9.1f} {check:>6}", flush=True)
 
 

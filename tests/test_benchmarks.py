@@ -344,3 +344,39 @@ def test_kernel_timeline_keeps_launches_apart():
     kernel_timeline.per_launch(swapped, 3, meta, shapes)
   with pytest.raises(ValueError, match="calls must be >= 1"):
     kernel_timeline.per_launch(events, 0, meta, shapes)
+
+
+def test_probe_variants_compute_the_same_sums_and_keys():
+  """The two GPU probes time several ways to compute one quantity: each way must give it. Row keys: the
+  plan's Gray-ranked neighbour bitmask, against `gemm_plan._row_order`'s ordering; folded column sums: the
+  plain float32 sums over the valid rows, for folds that do and do not split a row group."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from benchmarks.probes import reduction_shape, row_key
+  from pallas_kernels import gemm_plan
+
+  rng = np.random.default_rng(3)
+  nbr = np.where(rng.random((96, 27)) < 0.4, rng.integers(0, 96, (96, 27)), -1).astype(np.int32)
+  num = jnp.int32(90)
+  keys = [np.asarray(fn(jnp.asarray(nbr), num)) for fn in row_key.VARIANTS.values()]
+  for k in keys[1:]:
+    np.testing.assert_array_equal(k, keys[0])
+  assert (keys[0][90:] == np.iinfo(np.int32).max).all() and len(set(keys[0][:90].tolist())) > 10
+  order = np.asarray(gemm_plan._row_order(jnp.asarray(nbr), jnp.asarray([90], jnp.int32)))
+  np.testing.assert_array_equal(order, np.argsort(keys[0], kind="stable"))
+
+  x = rng.standard_normal((64, 6)).astype(np.float16)
+  shift = jnp.asarray(x[0], jnp.float32)
+  d = np.where(np.arange(64)[:, None] < 61, x.astype(np.float32) - np.asarray(shift), 0)
+  mean, inv_std = jnp.full((6,), 0.1, jnp.float32), jnp.full((6,), 0.9, jnp.float32)
+  xhat = np.where(np.arange(64)[:, None] < 61, (x.astype(np.float32) - 0.1) * np.float32(0.9), 0)
+  g_y = rng.standard_normal((64, 6)).astype(np.float16)
+  g = np.where(xhat > 0, g_y.astype(np.float32), 0)
+  for fold in (1, 2, 4, 8):
+    s1, s2 = reduction_shape.folded_moments(jnp.asarray(x), jnp.int32(61), shift, fold)
+    np.testing.assert_allclose(s1, d.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s2, (d * d).sum(0), rtol=1e-5, atol=1e-5)
+    sg, sgx = reduction_shape.folded_grad_sums(jnp.asarray(x), jnp.asarray(g_y), jnp.int32(61), mean, inv_std, fold)
+    np.testing.assert_allclose(sg, g.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(sgx, (g * xhat).sum(0), rtol=1e-5, atol=1e-5)

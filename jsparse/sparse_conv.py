@@ -68,6 +68,7 @@ from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
 from pallas_kernels import occupancy_sites, unique_keys
 from pallas_kernels.gemm_plan import MAX_ROW_CLASSES
+from pallas_kernels.hash_table import MAX_PAIRS
 from pallas_kernels.tiling import dot_precision
 from pallas_kernels.weight_layout import WeightLayout
 
@@ -196,6 +197,15 @@ def _proposals(coords, valid, rule: unique_keys.ProposalGeometry, batch_size: in
   return tuple(jnp.where(ok, k, _BIG) for k in keys), ok
 
 
+def _check_pairs(op: str, capacity: int, count: int, what: str) -> None:
+  """ValueError unless capacity * count (the [capacity, count] proposals or children, indexed flat in int32)
+  is at most MAX_PAIRS, the Pallas kernels' bound: past 2**31 the flat index wraps (jnp.nonzero raised JAX's
+  OverflowError, naming none of the op's arguments)."""
+  if capacity * count > MAX_PAIRS:
+    raise ValueError(f"{op}: x.capacity={capacity} rows x {count} {what} = {capacity * count} must be at most "
+                     f"{MAX_PAIRS} (a flat int32 index): lower x's capacity or split the batch")
+
+
 def _scatter_transpose(inv, rows_out: int):
   """nbr [rows_out, V] with nbr[i, v] = j iff inv[j, v] = i (each (i, v) is hit at most once)."""
   cap, v = inv.shape
@@ -305,6 +315,7 @@ def _site_search(coords, num, batch_size: int, rule: unique_keys.ProposalGeometr
                                              interpret=impl.interpret, wide_keys=wide)
     count = proposals.count
   else:
+    _check_pairs(op, coords.shape[0], len(rule.offsets), "kernel offsets")
     keys, ok, flat, first, count = _sorted_proposals(coords, num, rule, batch_size)
   if out_capacity is None or out_capacity == EXACT:
     out_capacity = resolve_capacity(out_capacity, count, "out_capacity", "output sites")
@@ -724,6 +735,7 @@ def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity
   """(output, overflow) of generative upsampling (kernel == stride): every kept child has one parent."""
   st = geom.stride
   t_count = math.prod(st)
+  _check_pairs("sparse_conv_transpose3d", x.capacity, t_count, "children per site (prod(stride))")
   keep = jnp.broadcast_to(x.valid_mask()[:, None], (x.capacity, t_count))
   if mask is not None:
     mask = jnp.asarray(mask)

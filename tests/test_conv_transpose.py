@@ -316,6 +316,27 @@ def test_bad_arguments():
     snnx.SparseConvTranspose3d(2, 2, 2, kernel_size=3, padding="SAME", rngs=nnx.Rngs(0))
 
 
+
+@pytest.mark.parametrize("kernel_size,stride,padding,capacity,implementation", [
+    (4, 4, 0, 2**25 + 8, "xla"), (4, 4, 0, 2**25 + 8, "pallas"),  # generative: capacity * 64 children
+    ((2, 8, 8), (2, 8, 8), 0, 2**24 + 8, "xla"),
+    (3, 2, 1, 2**27, "xla")])  # general: capacity * 27 proposals (the Pallas site search raised already)
+def test_proposals_past_int32_raise_naming_the_capacity(kernel_size, stride, padding, capacity, implementation):
+  # x.capacity * children (or kernel offsets) past 2**31 overflowed the flat int32 index of jnp.nonzero: JAX's
+  # OverflowError about "an argument to a jitted computation", nothing about the op, at trace time. Traced
+  # abstractly (eval_shape): no memory is allocated.
+  ks = as_triple(kernel_size, "kernel_size")
+  x = jsparse.SparseTensor(jax.ShapeDtypeStruct((capacity, 4), jnp.int32),
+                           jax.ShapeDtypeStruct((capacity, 1), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32),
+                           (256, 256, 256), 4)
+  op = lambda x: sparse_conv_transpose3d(x, jnp.zeros(ks + (1, 1)), stride=stride, padding=padding,
+                                         out_capacity=2**20, implementation=implementation)
+  with pytest.raises(ValueError, match=f"capacity={capacity}"):
+    jax.eval_shape(op, x)
+  small = x.replace(coords=jax.ShapeDtypeStruct((2**20, 4), jnp.int32), feats=jax.ShapeDtypeStruct((2**20, 1),
+                                                                                                     jnp.float32))
+  assert jax.eval_shape(op, small).feats.shape == (2**20, 1)
+
 # ---- the inverse relation to the strided convolution --------------------------------------------------------
 
 # Each example compiles its own programs: no shrinking (minutes per failure), the failing example is printed.

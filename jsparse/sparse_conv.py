@@ -772,7 +772,11 @@ def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity
   else:
     # All children of every row in one matmul (no zero-padded gather), then pick the kept ones.
     groups = spec.groups
-    feats_by_group = x.feats.reshape(x.capacity, groups, x.num_channels // groups)  # explicit: capacity may be 0
+    # Padding rows zeroed first: the product reads every row, and a non-finite padding row (x.replace(feats=
+    # jnp.log(x.feats)) makes -inf there) would give the weight gradient 0 * inf = NaN; the Pallas path reads
+    # only parents.
+    valid_feats = jnp.where(x.valid_mask()[:, None], x.feats, 0)
+    feats_by_group = valid_feats.reshape(x.capacity, groups, x.num_channels // groups)  # explicit: capacity may be 0
     if spec.weight_layout.cout_major:  # [Cout, T, Cin/G] -> [G, Cout/G, T, Cin/G]
       subscripts, w_by_group = "jgc,gotc->jtgo", w.reshape(groups, -1, *w.shape[1:])
     else:  # [T, Cin/G, Cout] -> [T, Cin/G, G, Cout/G]

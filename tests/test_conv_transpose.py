@@ -337,6 +337,30 @@ def test_proposals_past_int32_raise_naming_the_capacity(kernel_size, stride, pad
                                                                                                      jnp.float32))
   assert jax.eval_shape(op, small).feats.shape == (2**20, 1)
 
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("kernel_size,padding", [(2, 0), (3, 1)], ids=["generative", "general"])
+def test_non_finite_padding_rows_do_not_reach_the_gradients(kernel_size, padding, implementation):
+  # x.replace(feats=jnp.log(x.feats)) leaves -inf in the padding rows. The generative XLA path multiplied every
+  # row by the weight, so the weight gradient was 0 * inf = NaN there (the Pallas path and the general one read
+  # only valid rows): values and gradients must be those of the clean tensor.
+  rng = np.random.default_rng(19)
+  x = random_sparse(rng, (3, 3, 3), 2, batch_size=2, density=0.4, pad=3)
+  dirty = x.replace(feats=jnp.where(x.valid_mask()[:, None], x.feats, -jnp.inf))
+  w, b = _weights(rng, kernel_size, 2, 3)
+  kw = dict(stride=2, padding=padding, out_capacity=x.capacity * kernel_size ** 3, implementation=implementation,
+            precision="highest")
+
+  def run(t):
+    loss = lambda f, w, b: jnp.sum(jnp.sin(sparse_conv_transpose3d(t.replace(feats=f), w, b, **kw).feats))
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(t.feats, w, b)
+
+  (value, grads), (clean_value, clean_grads) = run(dirty), run(x)
+  assert float(value) == pytest.approx(float(clean_value), rel=1e-6)
+  for name, g, r in zip(("features", "weight", "bias"), grads, clean_grads):
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6, err_msg=name)
+
 # ---- the inverse relation to the strided convolution --------------------------------------------------------
 
 # Each example compiles its own programs: no shrinking (minutes per failure), the failing example is printed.

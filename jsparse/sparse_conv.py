@@ -62,8 +62,8 @@ from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
 from jsparse.neighbors import as_triple, check_dilation, lift_triple, lookup_keys, sorted_site_keys
 from jsparse.size_errors import SizeError, sizes_in_rank
 from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_distinct_sites, check_same_sites,
-                                   check_sparse_tensor, check_spatial_ndim, key_width, report, resolve_capacity,
-                                   rows_outside_grid, site_keys, sites_of_keys)
+                                   check_sparse_tensor, check_spatial_ndim, key_width, outside_grid_mask, report,
+                                   resolve_capacity, rows_outside_grid, site_keys, sites_of_keys)
 from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
 from pallas_kernels import occupancy_sites, unique_keys
@@ -697,7 +697,9 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   spawns its children c*stride + t, t in [0, stride)^3, child t getting x[c] @ weight[t]): output rows are
   ordered by (parent row, child index), and `mask`, None or bool [x.capacity, prod(stride)] with mask[j, t]
   keeping child t of row j (t the C-order index of (a, b, c); rows >= x.num ignored), prunes children for
-  coarse-to-fine generation. Otherwise (`transpose_map`): output rows sorted by linear key, found as a strided
+  coarse-to-fine generation. Valid rows outside x's grid (only a tensor built without from_coords' checks holds
+  one) spawn no children and are reported, as repeated sites are (ValueError outside jit; under jit, checkify
+  inside `error_checks()`). Otherwise (`transpose_map`): output rows sorted by linear key, found as a strided
   convolution's output sites are (implementation "pallas": an occupancy map or the GPU hash table), and `mask`
   must be None.
 
@@ -735,8 +737,18 @@ def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity
   """(output, overflow) of generative upsampling (kernel == stride): every kept child has one parent."""
   st = geom.stride
   t_count = math.prod(st)
-  _check_pairs("sparse_conv_transpose3d", x.capacity, t_count, "children per site (prod(stride))")
-  keep = jnp.broadcast_to(x.valid_mask()[:, None], (x.capacity, t_count))
+  op = "sparse_conv_transpose3d"
+  _check_pairs(op, x.capacity, t_count, "children per site (prod(stride))")
+  # A row outside the grid would spawn children outside the output grid, and a repeated site repeated children:
+  # only a tensor built without from_coords' checks holds either. The former are reported and spawn nothing.
+  outside = outside_grid_mask(x.coords, x.num, x.batch_size, tuple(x.spatial_shape))
+  outside_rows = jnp.sum(outside, dtype=jnp.int32)
+  report(outside_rows > 0, f"{op}: x has {{rows}} valid rows whose coordinates lie outside the grid (batch in "
+         f"[0, {x.batch_size}), each axis in [0, extent) of {tuple(x.spatial_shape)}); they spawn no children",
+         rows=outside_rows)
+  check_distinct_sites(op, x.coords, x.num)
+  parents = x.valid_mask() & ~outside
+  keep = jnp.broadcast_to(parents[:, None], (x.capacity, t_count))
   if mask is not None:
     mask = jnp.asarray(mask)
     if mask.shape != (x.capacity, t_count) or mask.dtype != jnp.bool_:
@@ -748,11 +760,12 @@ def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity
     # gathers below have something to index (the feats' pad keeps the gradient's [0, C] shape).
     x = SparseTensor(jnp.full((1, 4), -1, jnp.int32), jnp.pad(x.feats, ((0, 1), (0, 0))), x.num, x.spatial_shape,
                      x.batch_size, overflow=x.overflow)
+    parents = jnp.zeros((1,), bool)
     keep = jnp.zeros((1, t_count), bool)
   if out_capacity is None or out_capacity == EXACT:
     out_capacity = resolve_capacity(out_capacity, count, "out_capacity", "children")
   overflow = count > out_capacity
-  report(overflow, f"sparse_conv_transpose3d: {{count}} children do not fit in out_capacity={out_capacity}; the "
+  report(overflow, f"{op}: {{count}} children do not fit in out_capacity={out_capacity}; the "
          "children past it were dropped", count=count)
   out_num = jnp.minimum(count, out_capacity)
   (flat,) = jnp.nonzero(keep.reshape(-1), size=out_capacity, fill_value=0)
@@ -775,7 +788,7 @@ def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity
     # Padding rows zeroed first: the product reads every row, and a non-finite padding row (x.replace(feats=
     # jnp.log(x.feats)) makes -inf there) would give the weight gradient 0 * inf = NaN; the Pallas path reads
     # only parents.
-    valid_feats = jnp.where(x.valid_mask()[:, None], x.feats, 0)
+    valid_feats = jnp.where(parents[:, None], x.feats, 0)
     feats_by_group = valid_feats.reshape(x.capacity, groups, x.num_channels // groups)  # explicit: capacity may be 0
     if spec.weight_layout.cout_major:  # [Cout, T, Cin/G] -> [G, Cout/G, T, Cin/G]
       subscripts, w_by_group = "jgc,gotc->jtgo", w.reshape(groups, -1, *w.shape[1:])

@@ -153,15 +153,20 @@ def report(failed, message: str, *, error=ValueError, eager: bool = True, **coun
     raise error(message.format(**{k: "?" if is_traced(v) else int(v) for k, v in counts.items()}))
 
 
-@functools.partial(jax.jit, static_argnames=("batch_size", "spatial_shape"))
-def rows_outside_grid(coords, num, batch_size: int, spatial_shape: tuple[int, ...] | None = None) -> jax.Array:
-  """int32 scalar: the valid rows (index < num) whose batch lies outside [0, batch_size), or, with
-  spatial_shape, any of whose coordinates lies outside [0, extent). Only a tensor built without from_coords'
-  checks can hold one; the map builders report them (`report`)."""
+def outside_grid_mask(coords, num, batch_size: int, spatial_shape: tuple[int, ...] | None = None) -> jax.Array:
+  """bool [rows]: True for the valid rows (index < num) whose batch lies outside [0, batch_size), or, with
+  spatial_shape, any of whose coordinates lies outside [0, extent)."""
   valid = jnp.arange(coords.shape[0], dtype=jnp.int32) < num
   upper = jnp.asarray((batch_size,) + tuple(spatial_shape or ()), jnp.int32)
   checked = coords[:, : upper.shape[0]]
-  return jnp.sum(valid & jnp.any((checked < 0) | (checked >= upper), axis=1), dtype=jnp.int32)
+  return valid & jnp.any((checked < 0) | (checked >= upper), axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("batch_size", "spatial_shape"))
+def rows_outside_grid(coords, num, batch_size: int, spatial_shape: tuple[int, ...] | None = None) -> jax.Array:
+  """int32 scalar: the rows of `outside_grid_mask`. Only a tensor built without from_coords' checks can hold
+  one; the map builders report them (`report`)."""
+  return jnp.sum(outside_grid_mask(coords, num, batch_size, spatial_shape), dtype=jnp.int32)
 
 
 def repeated_rows(coords, num) -> jax.Array:

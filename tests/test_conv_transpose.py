@@ -361,6 +361,66 @@ def test_non_finite_padding_rows_do_not_reach_the_gradients(kernel_size, padding
     assert bool(jnp.all(jnp.isfinite(g))), name
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6, err_msg=name)
 
+def _with_extra_row(x: jsparse.SparseTensor, row, feats_value=1.5) -> jsparse.SparseTensor:
+  """x with one more valid row (at its first padding row), bypassing from_coords' checks as a direct build can."""
+  n = int(x.num)
+  return x.replace(coords=x.coords.at[n].set(jnp.asarray(row, jnp.int32)),
+                   feats=x.feats.at[n].set(feats_value), num=x.num + 1)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("bad_row", [(2, 0, 1, 2), (0, 3, 1, 1), (1, 0, -1, 2)], ids=["batch", "x_past", "y_negative"])
+def test_generative_rows_outside_the_grid_are_reported_and_spawn_nothing(bad_row, implementation):
+  # A directly built tensor (batch_size 2, grid 3^3) with a valid row outside its grid silently spawned children
+  # outside the output grid on both paths. Outside jit: ValueError. Under jit: the row spawns nothing (values and
+  # gradients those of the tensor without it, the row's gradient zero), and inside error_checks() checkify says so.
+  from jax.experimental import checkify
+  rng = np.random.default_rng(23)
+  x = random_sparse(rng, (3, 3, 3), 2, batch_size=2, density=0.4, pad=3)
+  dirty = _with_extra_row(x, bad_row)
+  w, b = _weights(rng, 2, 2, 3)
+  kw = dict(stride=2, out_capacity=x.capacity * 8, implementation=implementation, precision="highest")
+  with pytest.raises(ValueError, match="sparse_conv_transpose3d: x has 1 valid rows whose coordinates lie outside"):
+    sparse_conv_transpose3d(dirty, w, b, **kw)
+
+  def run(t):
+    out = sparse_conv_transpose3d(t, w, b, **kw)
+    loss = lambda f, w, b: jnp.sum(jnp.sin(sparse_conv_transpose3d(t.replace(feats=f), w, b, **kw).feats))
+    return out, jax.value_and_grad(loss, (0, 1, 2))(t.feats, w, b)
+
+  (out, (value, grads)), (clean, (clean_value, clean_grads)) = jax.jit(run)(dirty), jax.jit(run)(x)
+  assert int(out.num) == int(clean.num) == int(x.num) * 8
+  np.testing.assert_array_equal(np.asarray(out.coords), np.asarray(clean.coords))
+  np.testing.assert_allclose(np.asarray(out.feats), np.asarray(clean.feats), rtol=1e-6, atol=1e-6)
+  assert float(value) == pytest.approx(float(clean_value), rel=1e-6)
+  n = int(x.num)
+  assert float(jnp.max(jnp.abs(grads[0][n]))) == 0.0  # the dropped row's gradient
+  np.testing.assert_allclose(np.asarray(grads[0][:n]), np.asarray(clean_grads[0][:n]), rtol=1e-6, atol=1e-6)
+  for name, g, r in zip(("weight", "bias"), grads[1:], clean_grads[1:]):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6, err_msg=name)
+  with jsparse.error_checks():
+    err, _ = jax.jit(checkify.checkify(lambda t: sparse_conv_transpose3d(t, w, b, **kw)))(dirty)
+  assert "1 valid rows whose coordinates lie outside the grid" in (err.get() or "")
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_generative_repeated_sites_are_reported(implementation):
+  # Two valid rows on one site spawned every child twice, silently. Concrete: ValueError; under jit, inside
+  # error_checks(): checkify (the check is a sort, so it is traced only there).
+  from jax.experimental import checkify
+  rng = np.random.default_rng(29)
+  x = random_sparse(rng, (3, 3, 3), 2, batch_size=2, density=0.4, pad=3)
+  dirty = _with_extra_row(x, np.asarray(x.coords[0]))
+  w, b = _weights(rng, 2, 2, 3)
+  kw = dict(stride=2, out_capacity=x.capacity * 8, implementation=implementation)
+  with pytest.raises(ValueError, match="sparse_conv_transpose3d: x has 1 valid rows that repeat"):
+    sparse_conv_transpose3d(dirty, w, b, **kw)
+  with jsparse.error_checks():
+    err, _ = jax.jit(checkify.checkify(lambda t: sparse_conv_transpose3d(t, w, b, **kw)))(dirty)
+  assert "1 valid rows that repeat" in (err.get() or "")
+  sparse_conv_transpose3d(x, w, b, **kw)  # the clean tensor passes
+
+
 # ---- the inverse relation to the strided convolution --------------------------------------------------------
 
 # Each example compiles its own programs: no shrinking (minutes per failure), the failing example is printed.

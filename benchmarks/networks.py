@@ -1017,7 +1017,8 @@ def profile_torch(torch, call, calls: int) -> dict:
       key = f"{group} :: {k.name[:90]}"
       by_name[key] = by_name.get(key, 0.0) + k.duration / 1e3 / calls
       count += 1
-  top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:25])
+  # As many as profile_jax keeps, so both sides' small kernels (map building, plans) can be compared.
+  top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:300])
   return {"ms": rows, "kernels": count // calls, "top_kernels": top}
 
 

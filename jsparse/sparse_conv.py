@@ -63,10 +63,11 @@ from jsparse.neighbors import as_triple, check_dilation, lift_triple, lookup_key
 from jsparse.size_errors import SizeError, sizes_in_rank
 from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_distinct_sites, check_same_sites,
                                    check_sparse_tensor, check_spatial_ndim, key_width, outside_grid_mask, report,
-                                   resolve_capacity, rows_outside_grid, site_keys, sites_of_keys)
+                                   resolve_capacity, site_keys, sites_of_keys)
 from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
 from pallas_kernels import occupancy_sites, unique_keys
+from pallas_kernels.distinct_stores import store_distinct
 from pallas_kernels.gemm_plan import MAX_ROW_CLASSES
 from pallas_kernels.hash_table import MAX_PAIRS
 from pallas_kernels.tiling import dot_precision
@@ -184,7 +185,7 @@ def _proposals(coords, valid, rule: unique_keys.ProposalGeometry, batch_size: in
   """For every input row j and offset v, the linear key of the output it feeds (a tuple of key_width int32
   words, each [cap, V]; _BIG words where there is none) and whether it exists: o = (position + padding -
   offset) / stride must be integral and inside the output grid (`rule`, as the Pallas kernels read it), and the
-  row's batch inside [0, batch_size) (`rows_outside_grid` counts the others)."""
+  row's batch inside [0, batch_size) (`_site_search` moves rows outside the grid out of the batch)."""
   off = jnp.asarray(np.asarray(rule.offsets, np.int32).reshape(-1, 3))  # [V, 3]
   num = coords[:, None, 1:] + jnp.asarray(rule.padding, jnp.int32) - off[None]  # [cap, V, 3]
   st = jnp.asarray(rule.stride, jnp.int32)
@@ -210,9 +211,7 @@ def _scatter_transpose(inv, rows_out: int):
   """nbr [rows_out, V] with nbr[i, v] = j iff inv[j, v] = i (each (i, v) is hit at most once)."""
   cap, v = inv.shape
   src = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[:, None], (cap, v))
-  target = jnp.where(inv >= 0, inv, rows_out + src)  # misses go to distinct rows past the end, dropped
-  return jnp.full((rows_out, v), -1, jnp.int32).at[target, jnp.arange(v)[None, :]].set(
-      src, mode="drop", unique_indices=True)
+  return store_distinct(jnp.full((rows_out, v), -1, jnp.int32), (inv, jnp.arange(v)[None, :]), src, inv >= 0)
 
 
 # ---- pair maps ------------------------------------------------------------------------------------
@@ -277,9 +276,9 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   Output sites (spconv's SparseConv3d rule): every output position, in the same batch item, whose receptive
   field holds at least one valid input. out_capacity: static rows of the output; None: round_capacity of the
   number of output sites, "exact": that number (both count them on the host: outside jit only).
-  check: report an overflow of out_capacity, and valid rows of x whose batch index lies outside [0, batch_size)
-    (they feed no output site, on every implementation), ValueError outside jit, checkify under jit
-    (sparse_tensor.report).
+  check: report an overflow of out_capacity, and valid rows of x whose coordinates lie outside its grid (batch
+    or an axis; they feed no output site, on every implementation, checked or not), ValueError outside jit,
+    checkify under jit (sparse_tensor.report).
   implementation: None (Pallas on a GPU: an occupancy map of the output grid where it is small, else a hash
     table; XLA sort elsewhere), "pallas" or "xla"; same result.
   op: the op named in those reports.
@@ -287,23 +286,33 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   out_capacity = check_capacity(out_capacity, "out_capacity")
   geom = geometry(x.spatial_shape, kernel_size, stride, padding, dilation)
   out_coords, out_num, nbr, inv, overflow, occupancy = _site_search(
-      x.coords, x.num, x.batch_size, _proposal_geometry(geom), out_capacity, implementation, check=check, op=op)
+      x.coords, x.num, x.batch_size, x.spatial_shape, _proposal_geometry(geom), out_capacity, implementation,
+      check=check, op=op)
   return PairMap(out_coords, out_num, nbr, inv, x.coords, x.num, overflow, geom, x.batch_size, occupancy)
 
 
-def _site_search(coords, num, batch_size: int, rule: unique_keys.ProposalGeometry, out_capacity,
-                 implementation: str | None, *, check: bool, op: str):
+def _site_search(coords, num, batch_size: int, spatial_shape: tuple[int, int, int],
+                 rule: unique_keys.ProposalGeometry, out_capacity, implementation: str | None, *, check: bool,
+                 op: str, scale: tuple[int, int, int] | None = None):
   """(out_coords, out_num, nbr, inv, overflow, occupancy): the distinct proposals of `rule` (every valid row of
-  coords and every offset) as sorted output sites, both maps (module docstring), and the occupancy map that
-  ranked them (None where the search used none). The strided and the general transposed convolution differ only
-  in their rule."""
+  coords, each axis times `scale` if given, and every offset) as sorted output sites, both maps (module
+  docstring), and the occupancy map that ranked them (None where the search used none). The strided and the
+  general transposed convolution differ only in their rule and scale. Valid rows outside the grid of
+  (batch_size, spatial_shape) feed no output site."""
   wide = _check_keys(batch_size, rule.out_shape) == 2
   impl = dispatch.resolve(implementation)
+  outside = outside_grid_mask(coords, num, batch_size, tuple(spatial_shape))
   if check:
-    outside = rows_outside_grid(coords, num, batch_size)
-    report(outside > 0, f"{op}: x has {{rows}} valid rows whose batch index lies outside [0, batch_size="
-           f"{batch_size}); they feed no output site", rows=outside)
+    outside_rows = jnp.sum(outside, dtype=jnp.int32)
+    report(outside_rows > 0, f"{op}: x has {{rows}} valid rows whose coordinates lie outside the grid (batch in "
+           f"[0, batch_size={batch_size}), each axis in [0, extent) of {tuple(spatial_shape)}); they feed no "
+           "output site", rows=outside_rows)
     check_distinct_sites(op, coords, num)
+  # Every search below skips rows outside the batch, so rows outside the grid are moved there: a row past an
+  # axis's extent would otherwise propose sites inside it.
+  coords = coords.at[:, 0].set(jnp.where(outside, -1, coords[:, 0]))
+  if scale is not None:
+    coords = coords * jnp.asarray((1,) + tuple(scale), jnp.int32)
   dense = impl.is_pallas and not wide and occupancy_sites.fits(coords.shape[0], rule, batch_size)
   occupancy = None
   if dense:
@@ -654,9 +663,9 @@ def transpose_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 2, paddin
 
 
 def _transpose_map(x: SparseTensor, geom: TransposeGeometry, out_capacity, implementation, check: bool):
-  scaled = x.coords * jnp.asarray((1,) + geom.stride, jnp.int32)  # rows past x.num are never read
-  return _site_search(scaled, x.num, x.batch_size, geom.proposal_rule(), out_capacity, implementation, check=check,
-                      op="sparse_conv_transpose3d")[:5]  # a transposed convolution's output carries no maps
+  return _site_search(x.coords, x.num, x.batch_size, x.spatial_shape, geom.proposal_rule(), out_capacity,
+                      implementation, check=check, op="sparse_conv_transpose3d",
+                      scale=geom.stride)[:5]  # a transposed convolution's output carries no maps
 
 
 def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,

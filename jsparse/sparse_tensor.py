@@ -601,11 +601,12 @@ class SparseTensor:
       return self.replace(spatial_ndim=3).todense().reshape(self.dense_shape)
     x, y, z = self.spatial_shape
     valid = self.valid_mask()
-    # Out-of-range indices make the scatter drop padding rows.
+    # Out-of-range indices make the scatter drop padding rows, and rows outside the grid (taken as written: a
+    # negative coordinate does not wrap to the far end).
     b_idx = jnp.where(valid, self.coords[:, 0], self.batch_size)
     dense = jnp.zeros((self.batch_size, x, y, z, self.num_channels), self.feats.dtype)
     return dense.at[b_idx, self.coords[:, 1], self.coords[:, 2], self.coords[:, 3]].set(
-        self.feats, mode="drop")
+        self.feats, mode="drop", wrap_negative_indices=False)
 
   @property
   def key_width(self) -> int:

@@ -38,6 +38,7 @@ from jsparse.sparse_tensor import (
   site_keys,
   sites_of_keys,
 )
+from pallas_kernels.distinct_stores import store_distinct
 
 __all__ = ["add", "broadcast_per_item", "child_labels", "dropout", "gather_injective", "multiply", "select", "union"]
 
@@ -86,9 +87,7 @@ def _compaction(keep: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
   n = keep.shape[0]
   rank = jnp.cumsum(keep, dtype=jnp.int32) - 1
   rank = jnp.where(keep & (rank < size), rank, -1)
-  everywhere = jnp.arange(n, dtype=jnp.int32)
-  target = jnp.where(rank >= 0, rank, size + everywhere)  # distinct, and out of range where not stored
-  rows = jnp.full((size,), -1, jnp.int32).at[target].set(everywhere, mode="drop", unique_indices=True)
+  rows = store_distinct(jnp.full((size,), -1, jnp.int32), rank, jnp.arange(n, dtype=jnp.int32), rank >= 0)
   return rows, rank
 
 

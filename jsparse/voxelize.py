@@ -30,6 +30,7 @@ from jsparse.sampling import gather_sites
 from jsparse.sparse_tensor import (MAX_EXTENT, MAX_KEYS, SparseTensor, as_int, as_spatial_shape, check_capacity,
                                    check_frame_values, check_sparse_tensor, int32_values, key_width, report,
                                    resolve_capacity, round_capacity, site_keys, wide_divmod, world_frame)
+from pallas_kernels.distinct_stores import store_distinct
 
 REDUCTIONS = ("mean", "sum", "max", "first")
 DEDUPS = ("numpy", "xla")
@@ -140,10 +141,8 @@ def _device_plan(keys, dims) -> _Plan:
   run_index = jnp.where(kept, jnp.cumsum(heads, dtype=jnp.int32) - 1, DROPPED_KEY)
   # Scatters of distinct indices (plain stores, no atomics). The permutation's inverse:
   inverse = jnp.zeros((p,), jnp.int32).at[order].set(run_index, unique_indices=True)
-  # Stream compaction: each run's first row writes its position to slot run_index; the others aim past the
-  # end and are dropped.
-  slot = jnp.where(heads, run_index, p + 1 + rows)
-  starts = jnp.full((p + 1,), jnp.sum(kept, dtype=jnp.int32)).at[slot].set(rows, mode="drop", unique_indices=True)
+  # Stream compaction: each run's first row writes its position to slot run_index.
+  starts = store_distinct(jnp.full((p + 1,), jnp.sum(kept, dtype=jnp.int32)), run_index, rows, heads)
   count = jnp.sum(heads, dtype=jnp.int32)
   voxel_keys = [w[jnp.minimum(starts[:-1], p - 1)] for w in sorted_keys]
   if len(voxel_keys) == 1:

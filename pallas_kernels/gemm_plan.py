@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.distinct_stores import store_distinct
 from pallas_kernels.out_struct import out_struct, same_vma
 
 # Bitmask keys are int32: sort by the first 31 offsets' bits when V is larger (the per-block offset lists
@@ -338,14 +339,13 @@ def pair_lists_reference(nbr: jax.Array, mirrored: bool = False) -> PairLists:
   by_offset = nbr[:, :v].T  # [v, cap]
   has = by_offset >= 0
   rows = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[None, :], (v, cap))
-  # Slot of row i in offset v's list; rows without a neighbour go to distinct slots past the end and are
-  # dropped: unique indices, plain stores.
-  slot = jnp.where(has, jnp.cumsum(has, axis=1, dtype=jnp.int32) - 1, cap + rows)
-  index = (jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32)[:, None], (v, cap)), slot)
+  # Slot of row i in offset v's list, for the rows with a neighbour there (plain stores).
+  slot = jnp.cumsum(has, axis=1, dtype=jnp.int32) - 1
+  index = (jnp.arange(v, dtype=jnp.int32)[:, None], slot)
   empty = jnp.full((v, cap), -1, jnp.int32)
-  lists = empty.at[index].set(rows, mode="drop", unique_indices=True)
-  # The sources are scattered with the same indices rather than gathered back through `lists` (a gather of
+  lists = store_distinct(empty, index, rows, has, axis=1)
+  # The sources are stored with the same indices rather than gathered back through `lists` (a gather of
   # single ints at random rows).
-  sources = empty.at[index].set(by_offset, mode="drop", unique_indices=True)
+  sources = store_distinct(empty, index, by_offset, has, axis=1)
   counts = jnp.sum(has, axis=1, dtype=jnp.int32)
   return PairLists(lists, _with_mirrored_counts(counts, num_offsets), sources)

@@ -72,6 +72,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.hash_table import (EMPTY, MAX_BLOCK, MAX_PAIRS, KeySlots, SiteRefs, insert_absent_loop,
                                       linear_key, probe_loop, table_size_for)
+from pallas_kernels.distinct_stores import store_distinct
 from pallas_kernels.kth_smallest import kth_smallest_if_over
 from pallas_kernels.out_struct import out_struct, same_vma
 
@@ -369,10 +370,8 @@ def _compact_sorted(kept, words, size: int):
   convolution's site search; sorting the whole table held a sort scratch of T pairs)."""
   tsize = kept.shape[0]
   position = jnp.cumsum(kept, dtype=jnp.int32) - 1
-  everywhere = jnp.arange(tsize, dtype=jnp.int32)
-  target = jnp.where(kept, position, size + everywhere)  # distinct, and out of range where dropped
-  slots = jnp.full((size,), tsize, jnp.int32).at[target].set(everywhere, mode="drop", unique_indices=True)
-  packed = [jnp.full((size,), BIG, jnp.int32).at[target].set(w, mode="drop", unique_indices=True) for w in words]
+  slots = store_distinct(jnp.full((size,), tsize, jnp.int32), position, jnp.arange(tsize, dtype=jnp.int32), kept)
+  packed = [store_distinct(jnp.full((size,), BIG, jnp.int32), position, w, kept) for w in words]
   *packed, slots = lax.sort((*packed, slots), num_keys=len(words))
   return tuple(packed), slots
 
@@ -483,11 +482,9 @@ def _output_sites(coords, num, proposals, *, out_capacity, geometry, batch_size,
   num_pairs = capacity * nv
   if num_pairs == 0:
     return out_keys, jnp.full((capacity, nv), -1, jnp.int32), jnp.asarray(False)
-  # Output row of each kept slot (-1 elsewhere); the padding entries (slot T) go to distinct slots past the
-  # end and are dropped, so the scatter's indices are unique (plain stores, no atomics).
-  out_rows = jnp.arange(out_capacity, dtype=jnp.int32)
-  slot_rows = jnp.full((tsize,), -1, jnp.int32).at[jnp.where(out_slots < tsize, out_slots, tsize + out_rows)].set(
-      out_rows, mode="drop", unique_indices=True)
+  # Output row of each kept slot (-1 elsewhere; the padding entries, slot T, store nothing).
+  slot_rows = store_distinct(jnp.full((tsize,), -1, jnp.int32), out_slots,
+                             jnp.arange(out_capacity, dtype=jnp.int32), out_slots < tsize)
 
   grid = pl.cdiv(num_pairs, block_pairs)
   inv, ovf = pl.pallas_call(

@@ -257,10 +257,11 @@ def test_overflow_flag_under_jit_and_error_outside():
       assert nbr[i, v] == table.get((b,) + p, -1)
 
 
-def test_rows_outside_the_batch_are_reported_and_feed_nothing(monkeypatch):
-  """A valid row whose batch index lies outside [0, batch_size): from_coords refuses it, but the constructor and
-  replace(coords=...) do not look (nor can anything under jit). Every site search skips it (XLA sort, occupancy map,
-  hash table: the same output), eagerly it raises ValueError, under jit checkify reports it."""
+def test_rows_outside_the_grid_are_reported_and_feed_nothing(monkeypatch):
+  """A valid row whose batch index lies outside [0, batch_size), or a coordinate outside [0, extent): from_coords
+  refuses it, but the constructor and replace(coords=...) do not look (nor can anything under jit). Every site
+  search skips it (XLA sort, occupancy map, hash table: the same output), eagerly it raises ValueError, under jit
+  checkify reports it. A row past an axis's extent used to feed the output sites it reached (both paths)."""
   from jax.experimental import checkify
 
   from pallas_kernels import occupancy_sites
@@ -271,8 +272,9 @@ def test_rows_outside_the_batch_are_reported_and_feed_nothing(monkeypatch):
   with pytest.raises(ValueError, match="outside batch_size=2"):
     jsparse.SparseTensor.from_coords(np.where(np.arange(num)[:, None] == 0, [2, 0, 0, 0], coords[:num]),
                                      np.asarray(x.feats[:num]), x.spatial_shape, 2)
-  bad_rows = [0, 5, num - 1]
-  coords[bad_rows, 0] = [2, -1, 9]
+  bad_rows = [0, 5, num - 1, 2, 3]
+  coords[bad_rows[:3], 0] = [2, -1, 9]
+  coords[2, 1], coords[3, 2] = 7, -1  # x past its extent 7, y below 0
   bad = x.replace(coords=jnp.asarray(coords))
   keep = np.setdiff1d(np.arange(num), bad_rows)
   good = jsparse.SparseTensor.from_coords(coords[keep], np.asarray(x.feats)[keep], x.spatial_shape, 2)
@@ -286,7 +288,8 @@ def test_rows_outside_the_batch_are_reported_and_feed_nothing(monkeypatch):
                                                               dimension_numbers=DN, precision=HI))):
     ref = op(good, "xla", None)
     for impl in ("xla", "pallas"):
-      with pytest.raises(ValueError, match=r"x has 3 valid rows whose batch index lies outside \[0, batch_size=2\)"):
+      with pytest.raises(ValueError, match=r"x has 5 valid rows whose coordinates lie outside the grid \(batch in "
+                                           r"\[0, batch_size=2\), each axis in \[0, extent\) of \(7, 6, 5\)\)"):
         op(bad, impl, ref.capacity)
     # Under jit: no error, and the output of the tensor without those rows, on every site search.
     for impl, occupancy in (("xla", None), ("pallas", True), ("pallas", False)):
@@ -298,7 +301,7 @@ def test_rows_outside_the_batch_are_reported_and_feed_nothing(monkeypatch):
       assert rel_err(y.feats, _at(dense(good.todense()), ref)) < 1e-5
   with jsparse.error_checks():
     err, _ = jax.jit(checkify.checkify(lambda t: conv(t, "pallas", 256).feats))(bad)
-  assert "3 valid rows whose batch index lies outside" in err.get()
+  assert "5 valid rows whose coordinates lie outside the grid" in err.get()
 
 
 def test_bad_inputs():

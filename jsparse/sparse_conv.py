@@ -184,14 +184,17 @@ def _check_keys(batch_size: int, shape) -> int:
 def _proposals(coords, valid, rule: unique_keys.ProposalGeometry, batch_size: int):
   """For every input row j and offset v, the linear key of the output it feeds (a tuple of key_width int32
   words, each [cap, V]; _BIG words where there is none) and whether it exists: o = (position + padding -
-  offset) / stride must be integral and inside the output grid (`rule`, as the Pallas kernels read it), and the
-  row's batch inside [0, batch_size) (`_site_search` moves rows outside the grid out of the batch)."""
+  offset) / stride must be integral and inside the output grid (`rule`, as the Pallas kernels read it), the
+  row's batch inside [0, batch_size) and, where the rule has an in_shape, its position inside that grid."""
   off = jnp.asarray(np.asarray(rule.offsets, np.int32).reshape(-1, 3))  # [V, 3]
   num = coords[:, None, 1:] + jnp.asarray(rule.padding, jnp.int32) - off[None]  # [cap, V, 3]
   st = jnp.asarray(rule.stride, jnp.int32)
   o = jnp.floor_divide(num, st)
   ok = (num >= 0) & (num - o * st == 0) & (o < jnp.asarray(rule.out_shape, jnp.int32))
   in_batch = (coords[:, 0] >= 0) & (coords[:, 0] < batch_size)
+  if rule.in_shape is not None:
+    in_batch = in_batch & jnp.all((coords[:, 1:] >= 0) & (coords[:, 1:] < jnp.asarray(rule.in_shape, jnp.int32)),
+                                  axis=1)
   ok = jnp.all(ok, axis=-1) & (valid & in_batch)[:, None]
   sites = jnp.concatenate([jnp.broadcast_to(coords[:, None, :1], o.shape[:2] + (1,)), o], axis=-1)
   keys = site_keys(sites, rule.out_shape, _check_keys(batch_size, rule.out_shape))
@@ -298,19 +301,15 @@ def _site_search(coords, num, batch_size: int, spatial_shape: tuple[int, int, in
   coords, each axis times `scale` if given, and every offset) as sorted output sites, both maps (module
   docstring), and the occupancy map that ranked them (None where the search used none). The strided and the
   general transposed convolution differ only in their rule and scale. Valid rows outside the grid of
-  (batch_size, spatial_shape) feed no output site."""
+  (batch_size, spatial_shape) feed no output site (the rule's in_shape; every search skips them)."""
   wide = _check_keys(batch_size, rule.out_shape) == 2
   impl = dispatch.resolve(implementation)
-  outside = outside_grid_mask(coords, num, batch_size, tuple(spatial_shape))
   if check:
-    outside_rows = jnp.sum(outside, dtype=jnp.int32)
+    outside_rows = jnp.sum(outside_grid_mask(coords, num, batch_size, tuple(spatial_shape)), dtype=jnp.int32)
     report(outside_rows > 0, f"{op}: x has {{rows}} valid rows whose coordinates lie outside the grid (batch in "
            f"[0, batch_size={batch_size}), each axis in [0, extent) of {tuple(spatial_shape)}); they feed no "
            "output site", rows=outside_rows)
     check_distinct_sites(op, coords, num)
-  # Every search below skips rows outside the batch, so rows outside the grid are moved there: a row past an
-  # axis's extent would otherwise propose sites inside it.
-  coords = coords.at[:, 0].set(jnp.where(outside, -1, coords[:, 0]))
   if scale is not None:
     coords = coords * jnp.asarray((1,) + tuple(scale), jnp.int32)
   dense = impl.is_pallas and not wide and occupancy_sites.fits(coords.shape[0], rule, batch_size)
@@ -384,7 +383,7 @@ def _sites_of_keys(out_keys, out_shape: tuple[int, int, int], batch_size: int):
 def _proposal_geometry(geom: Geometry) -> unique_keys.ProposalGeometry:
   """The proposal rule of a strided convolution: o = (position + padding - offset) / stride."""
   return unique_keys.ProposalGeometry(tuple(map(tuple, geom.offsets().tolist())), geom.stride, geom.padding,
-                                      geom.out_shape)
+                                      geom.out_shape, geom.in_shape)
 
 
 # The Pallas counterpart of `_compact` (that of `_sorted_proposals` is unique_keys.dedupe_proposals): the sort of
@@ -601,9 +600,11 @@ class TransposeGeometry(KernelGeometry):
   def proposal_rule(self) -> unique_keys.ProposalGeometry:
     """The strided convolution's proposal rule, o = (c + padding - offset) / stride, that gives
     o = j*stride - padding + v*dilation when it reads the input coordinates scaled by the stride (c =
-    j*stride): unit stride, negated padding and offsets. The site search then runs unchanged."""
+    j*stride): unit stride, negated padding and offsets. The site search then runs unchanged. The scaled
+    positions' grid is in_shape x stride (c in [0, X) exactly when c*stride in [0, X*stride))."""
     return unique_keys.ProposalGeometry(tuple(map(tuple, (-self.offsets()).tolist())), (1, 1, 1),
-                                        tuple(-p for p in self.padding), self.out_shape)
+                                        tuple(-p for p in self.padding), self.out_shape,
+                                        tuple(n * s for n, s in zip(self.in_shape, self.stride)))
 
 
 def transpose_geometry(spatial_shape, kernel_size, stride=2, padding=0, output_padding=0,

@@ -88,12 +88,15 @@ class ProposalGeometry(NamedTuple):
   offsets: V (dx, dy, dz) kernel offsets (times the dilation); stride, padding: per axis;
   out_shape: the output grid (X, Y, Z). Proposal of input position c at offset d, per axis:
   o = (c + padding - d) / stride, kept where that is an integer with 0 <= o < out_shape.
+  in_shape: None, or the grid the input positions lie on: a position outside [0, in_shape) on any axis then
+  proposes nothing (a row outside the grid, which only a directly built tensor can hold).
   """
 
   offsets: tuple[tuple[int, int, int], ...]
   stride: tuple[int, int, int]
   padding: tuple[int, int, int]
   out_shape: tuple[int, int, int]
+  in_shape: tuple[int, int, int] | None = None
 
 
 class ProposalTable(NamedTuple):
@@ -146,8 +149,9 @@ def proposal_site(num, coords_ref, offs_ref, p, in_range, *, nv: int, geometry: 
 
 def proposal_site_at(num, coords_ref, offs_ref, j, v, in_range, *, geometry: ProposalGeometry, batch_size: int):
   """Output site (batch, ox, oy, oz) fed by input row j at offset v, and whether it exists (as the XLA path's
-  sparse_conv._proposals: a row whose batch lies outside [0, batch_size) proposes nothing, so that no key leaves
-  the grid). coords flattened [capacity*4], offsets [V*3]; lanes outside in_range read nothing."""
+  sparse_conv._proposals: a row whose batch lies outside [0, batch_size), or a position outside
+  geometry.in_shape, proposes nothing, so that no key leaves the grid). coords flattened [capacity*4], offsets
+  [V*3]; lanes outside in_range read nothing."""
   exists = in_range & (j < num)
   base = j * 4
   batch = plgpu.load(coords_ref.at[base], mask=exists, other=0)
@@ -155,6 +159,8 @@ def proposal_site_at(num, coords_ref, offs_ref, j, v, in_range, *, geometry: Pro
   site = [batch]
   for axis in range(3):
     pos = plgpu.load(coords_ref.at[base + 1 + axis], mask=exists, other=0)
+    if geometry.in_shape is not None:
+      exists = exists & (pos >= 0) & (pos < geometry.in_shape[axis])
     off = plgpu.load(offs_ref.at[v * 3 + axis], mask=in_range, other=0)
     shifted = pos + geometry.padding[axis] - off  # = o * stride for a valid proposal
     stride = geometry.stride[axis]
@@ -264,7 +270,8 @@ def _flags(n: int, *like):
 def _geometry(geometry) -> ProposalGeometry:
   g = ProposalGeometry(*geometry)
   return ProposalGeometry(tuple(tuple(int(d) for d in o) for o in g.offsets),
-                          *(tuple(int(a) for a in t) for t in (g.stride, g.padding, g.out_shape)))
+                          *(tuple(int(a) for a in t) for t in (g.stride, g.padding, g.out_shape)),
+                          None if g.in_shape is None else tuple(int(a) for a in g.in_shape))
 
 
 def dedupe_proposals(coords, num, *, geometry: ProposalGeometry, batch_size: int, interpret=False,

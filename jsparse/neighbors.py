@@ -14,8 +14,8 @@ from jsparse._types import Size3
 from jsparse.map_gemm import ConvMaps
 from jsparse.size_errors import SizeError, sizes_in_rank
 from pallas_kernels import gemm_plan
-from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_int, check_distinct_sites, check_sparse_tensor, report,
-                                   rows_outside_grid, site_keys)
+from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_int, check_distinct_sites, check_inside_grid,
+                                   check_sparse_tensor, report, site_keys)
 
 
 def as_triple(value, name: str) -> tuple[int, int, int]:
@@ -168,10 +168,8 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
   """`neighbor_map` for arguments already validated (a ConvSpec's)."""
   # A row outside the grid has a linear key that can alias another site's (or the hash table's EMPTY), so it
   # would get or give wrong neighbours: only a tensor built without from_coords' checks can hold one.
-  outside = rows_outside_grid(x.coords, x.num, x.batch_size, tuple(x.spatial_shape))
-  report(outside > 0, "neighbor_map: x has {rows} valid rows whose coordinates lie outside the grid (batch in "
-         f"[0, {x.batch_size}), each axis in [0, extent) of {tuple(x.spatial_shape)}); their neighbours would be "
-         "wrong", rows=outside)
+  check_inside_grid("neighbor_map", x.coords, x.num, x.batch_size, x.spatial_shape,
+                    "their neighbours would be wrong")
   check_distinct_sites("neighbor_map", x.coords, x.num)
   offsets = _offsets(kernel_size, dilation)
   occupancy = _ranking_occupancy(x) if impl.is_pallas else None

@@ -61,8 +61,8 @@ from jsparse._types import ArrayLike, Capacity, PrecisionLike, Size3
 from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
 from jsparse.neighbors import as_triple, check_dilation, lift_triple, lookup_keys, sorted_site_keys
 from jsparse.size_errors import SizeError, sizes_in_rank
-from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_distinct_sites, check_same_sites,
-                                   check_sparse_tensor, check_spatial_ndim, key_width, outside_grid_mask, report,
+from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_distinct_sites, check_inside_grid,
+                                   check_same_sites, check_sparse_tensor, check_spatial_ndim, key_width, report,
                                    resolve_capacity, site_keys, sites_of_keys)
 from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
@@ -305,10 +305,7 @@ def _site_search(coords, num, batch_size: int, spatial_shape: tuple[int, int, in
   wide = _check_keys(batch_size, rule.out_shape) == 2
   impl = dispatch.resolve(implementation)
   if check:
-    outside_rows = jnp.sum(outside_grid_mask(coords, num, batch_size, tuple(spatial_shape)), dtype=jnp.int32)
-    report(outside_rows > 0, f"{op}: x has {{rows}} valid rows whose coordinates lie outside the grid (batch in "
-           f"[0, batch_size={batch_size}), each axis in [0, extent) of {tuple(spatial_shape)}); they feed no "
-           "output site", rows=outside_rows)
+    check_inside_grid(op, coords, num, batch_size, spatial_shape, "they feed no output site")
     check_distinct_sites(op, coords, num)
   if scale is not None:
     coords = coords * jnp.asarray((1,) + tuple(scale), jnp.int32)
@@ -751,11 +748,7 @@ def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity
   _check_pairs(op, x.capacity, t_count, "children per site (prod(stride))")
   # A row outside the grid would spawn children outside the output grid, and a repeated site repeated children:
   # only a tensor built without from_coords' checks holds either. The former are reported and spawn nothing.
-  outside = outside_grid_mask(x.coords, x.num, x.batch_size, tuple(x.spatial_shape))
-  outside_rows = jnp.sum(outside, dtype=jnp.int32)
-  report(outside_rows > 0, f"{op}: x has {{rows}} valid rows whose coordinates lie outside the grid (batch in "
-         f"[0, {x.batch_size}), each axis in [0, extent) of {tuple(x.spatial_shape)}); they spawn no children",
-         rows=outside_rows)
+  outside = check_inside_grid(op, x.coords, x.num, x.batch_size, x.spatial_shape, "they spawn no children")
   check_distinct_sites(op, x.coords, x.num)
   parents = x.valid_mask() & ~outside
   keep = jnp.broadcast_to(parents[:, None], (x.capacity, t_count))

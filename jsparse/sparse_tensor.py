@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import operator
 from typing import Any, Sequence
@@ -162,11 +161,15 @@ def outside_grid_mask(coords, num, batch_size: int, spatial_shape: tuple[int, ..
   return valid & jnp.any((checked < 0) | (checked >= upper), axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("batch_size", "spatial_shape"))
-def rows_outside_grid(coords, num, batch_size: int, spatial_shape: tuple[int, ...] | None = None) -> jax.Array:
-  """int32 scalar: the rows of `outside_grid_mask`. Only a tensor built without from_coords' checks can hold
-  one; the map builders report them (`report`)."""
-  return jnp.sum(outside_grid_mask(coords, num, batch_size, spatial_shape), dtype=jnp.int32)
+def check_inside_grid(op: str, coords, num, batch_size: int, spatial_shape: tuple[int, ...],
+                      consequence: str) -> jax.Array:
+  """Reports (`report`) valid rows outside the grid, naming the op and what becomes of them (`consequence`), and
+  returns their `outside_grid_mask`. Only a tensor built without from_coords' checks can hold one."""
+  outside = outside_grid_mask(coords, num, batch_size, tuple(spatial_shape))
+  rows = jnp.sum(outside, dtype=jnp.int32)
+  report(rows > 0, f"{op}: x has {{rows}} valid rows whose coordinates lie outside the grid (batch in [0, "
+         f"batch_size={batch_size}), each axis in [0, extent) of {tuple(spatial_shape)}); {consequence}", rows=rows)
+  return outside
 
 
 def repeated_rows(coords, num) -> jax.Array:

@@ -70,9 +70,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.distinct_stores import store_distinct
 from pallas_kernels.hash_table import (EMPTY, MAX_BLOCK, MAX_PAIRS, KeySlots, SiteRefs, insert_absent_loop,
                                       linear_key, probe_loop, table_size_for)
-from pallas_kernels.distinct_stores import store_distinct
 from pallas_kernels.kth_smallest import kth_smallest_if_over
 from pallas_kernels.out_struct import out_struct, same_vma
 

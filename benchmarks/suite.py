@@ -232,14 +232,20 @@ TUNED: jsparse.ConfigTable | None = None
 TUNED_ROWS: set = set()
 
 
-def bench_jsparse(row, dtype_name, mode, args):
-  """Compiles and times one workload. Returns (result dict, array for the cross-check)."""
+def jsparse_inputs(row, dtype_name, args):
+  """(x, params) of one workload in jsparse's types, from row_inputs."""
   coords, feats, wb = row_inputs(row, args.seed)
-  jdtype, precision, _ = DTYPES[dtype_name]
+  jdtype = DTYPES[dtype_name][0]
   x = jsparse.SparseTensor.from_coords(coords, jnp.asarray(feats, jdtype), spatial_shape=(row.res,) * 3,
                                        batch_size=1, capacity="exact")  # FlexGEMM's N rows, as tuned
   params = [(jnp.asarray(jsparse_weight(w, args.weight_layout), jdtype), jnp.asarray(b, jdtype)) for w, b in wb]
-  fns = jsparse_fns(args.impl, precision, args.algorithm, args.weight_layout)
+  return x, params
+
+
+def bench_jsparse(row, dtype_name, mode, args):
+  """Compiles and times one workload. Returns (result dict, array for the cross-check)."""
+  x, params = jsparse_inputs(row, dtype_name, args)
+  fns = jsparse_fns(args.impl, DTYPES[dtype_name][1], args.algorithm, args.weight_layout)
   res = {}
   if TUNED is not None and args.autotune and (row.name, dtype_name) not in TUNED_ROWS:
     # Like FlexGEMM's Triton autotuning on its first calls: outside the timed region. The train function
@@ -278,8 +284,9 @@ def bench_jsparse(row, dtype_name, mode, args):
 # ---- FlexGEMM ----------------------------------------------------------------------------------------
 
 
-def bench_flexgemm(fg, row, dtype_name, mode, args):
-  """FlexGEMM's masked implicit GEMM + split-K, called the way its tests/submconv/*_benchmark.py call it."""
+def flexgemm_call(fg, row, dtype_name, mode, args):
+  """(call, params): FlexGEMM's masked implicit GEMM + split-K over the row's layers, called the way its
+  tests/submconv/*_benchmark.py call it, and its [(weight, bias)] parameters."""
   torch, flex_gemm = fg
   spconv = flex_gemm.ops.spconv
   from flex_gemm.ops.spconv import SubMConv3dFunction, sparse_submanifold_conv3d
@@ -320,7 +327,13 @@ def bench_flexgemm(fg, row, dtype_name, mode, args):
     h.backward(torch.ones_like(h))
     return h
 
-  call = {"inference": inference, "train": train}[mode]
+  return {"inference": inference, "train": train}[mode], params
+
+
+def bench_flexgemm(fg, row, dtype_name, mode, args):
+  """Times FlexGEMM on one workload. Returns (result dict, array for the cross-check)."""
+  torch = fg[0]
+  call, params = flexgemm_call(fg, row, dtype_name, mode, args)
   sync = lambda _: torch.cuda.synchronize()  # noqa: E731
   for _ in range(args.warmup):  # the first call autotunes FlexGEMM's kernels
     sync(call())

@@ -98,8 +98,40 @@ def test_profile_rows():
   assert networks.op_group("other", "pair_list_counts__1") == "conv: other"
   assert networks.op_group("other", "sort_23_1__1") == "maps: scans and sorts"
   assert networks.op_group("conv", "cumm::conv::main::Ampere_f16") == "conv: GEMM"
+  assert networks.op_group("subm", "void at::native::batch_norm_collect_statistics_kernel") == "bn + relu"
   names = networks.hlo_op_names('  %input_fusion.14 = f16[8]{0} fusion(%p), metadata={op_name="jit(f)/op:bn_relu/x"}\n')
   assert networks._scope_kind(names["input_fusion_14"]) == "bn_relu"
+
+
+def test_torch_profile_rows_count_kernels_no_torch_op_launched():
+  """spconv launches its index generation outside any torch op: those kernels are in the device events but in
+  no CPU event's kernels. Each device kernel is counted once, annotations never."""
+  from types import SimpleNamespace as NS
+  cpu, cuda = "cpu", "cuda"
+
+  def span(start, us):
+    return NS(start=start, elapsed_us=lambda: us)
+
+  subm = NS(name="op:subm", cpu_parent=None)
+  launch = NS(name="cudaLaunchKernel", cpu_parent=subm, device_type=cpu, time_range=span(0, 5),
+              kernels=[NS(name="cumm::conv::main::Ampere", duration=100.0)])
+  events = [
+      subm, launch,
+      NS(name="cumm::conv::main::Ampere", device_type=cuda, time_range=span(10, 100.0)),
+      NS(name="void csrc::sparse::all::ops3d::calc_subm_conv_indices_mask", device_type=cuda,
+         time_range=span(200, 30.0)),
+      NS(name="void cub::DeviceMergeSortMergeKernel", device_type=cuda, time_range=span(240, 10.0)),
+      NS(name="some_other_kernel", device_type=cuda, time_range=span(260, 4.0)),
+      NS(name="op:subm", device_type=cuda, time_range=span(0, 400.0)),  # the range's GPU annotation
+      NS(name="annotated", device_type=cuda, time_range=span(0, 50.0), is_user_annotation=True),
+  ]
+  subm.device_type, subm.time_range, subm.kernels = cpu, span(0, 500), []
+  prof = networks.torch_profile_rows(events, cuda, calls=2)
+  assert prof["ms"] == pytest.approx({"conv: GEMM": 0.05, networks.SPCONV_INDEX_ROW: 0.02,
+                                      networks.NO_TORCH_OP: 0.002})
+  assert prof["kernels"] == 2
+  names = [k.split(" :: ")[1] for k in prof["top_kernels"]]
+  assert names[:2] == ["cumm::conv::main::Ampere", "void csrc::sparse::all::ops3d::calc_subm_conv_indices_mask"]
 
 
 def test_hlo_bytes_count_operands_and_result():

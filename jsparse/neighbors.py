@@ -192,8 +192,7 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
   if impl.is_pallas:
     sizes = plan_block_sizes if plan_block_sizes is not None else (gemm_plan.default_block_m(x.capacity),)
     plans = {int(bm): gemm_plan.masked_plan(nbr, x.num, int(bm), interpret=impl.interpret) for bm in sizes}
-    # A submanifold map is its own mirror image.
-    pairs = gemm_plan.pair_lists(nbr, mirrored=True, interpret=impl.interpret)
+    pairs = ConvMaps(nbr, x.num, plans=plans).pair_lists(impl.interpret)
   cache = NeighborCache(nbr, overflow, kernel_size, dilation, plans, pairs, x.num, x.coords)
   report(overflow, "neighbor_map: the neighbour hash table overflowed (a probe ran past its bound); the map is "
          "invalid", error=RuntimeError)

@@ -257,63 +257,125 @@ def pair_lists(nbr: jax.Array, mirrored: bool = False, *, interpret: bool = Fals
   chunk = pair_list_chunk_rows(lists) if chunk_rows is None else chunk_rows
   if not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
     raise ValueError(f"pair_lists: chunk_rows must be a power of two, got {chunk_rows!r}")
+  width = max(2, pl.next_power_of_2(lists))
+  tile = functools.partial(_map_tile, chunk=chunk, num_lists=lists, width=width)
+  return _partitioned_lists((nbr,), tile, cap, chunk, num_offsets, lists, width, interpret, num_warps)
+
+
+def pair_lists_from_plan(plan: MaskedPlan, mirrored: bool = False, *, interpret: bool = False,
+                         num_warps: int = PAIR_LIST_WARPS) -> PairLists:
+  """PairLists of the map `plan` was built from (`masked_plan(nbr, ...)`), read from the plan instead of the
+  map: a training step that keeps the plan for its input gradient then need not keep the map too, for its
+  weight gradient (the two hold the same row indices, and a map is as large as its plan).
+
+  The same two kernels as `pair_lists`, with the plan's blocks for chunks: each list holds the same pairs as
+  `pair_lists(nbr, mirrored)`'s, and the same counts, but in the plan's processing order (block by block)
+  instead of row order. A weight gradient sums them in any order (float32 accumulation). mirrored=True only
+  for a submanifold map's plan. Equal, bit for bit, to `pair_lists_from_plan_reference`.
+  """
+  num_blocks, num_offsets, block_m = plan.block_rows.shape
+  cap = plan.order.shape[0]
+  if num_blocks != -(-cap // block_m) or plan.block_offsets.shape != (num_blocks, num_offsets):
+    raise ValueError(f"pair_lists_from_plan: plan arrays of mismatched shapes: order {plan.order.shape}, "
+                     f"block_offsets {plan.block_offsets.shape}, block_rows {plan.block_rows.shape}")
+  lists = _num_lists(num_offsets, mirrored)
+  width = max(2, pl.next_power_of_2(lists))
+  tile = functools.partial(_plan_tile, block_m=block_m, num_lists=lists, width=width,
+                           offsets_width=max(2, pl.next_power_of_2(num_offsets)))
+  return _partitioned_lists((plan.order, plan.block_offsets, plan.block_counts, plan.block_rows), tile, cap,
+                            block_m, num_offsets, lists, width, interpret, num_warps)
+
+
+def _partitioned_lists(map_refs: tuple, load_tile, cap: int, chunk: int, num_offsets: int, lists: int,
+                       width: int, interpret: bool, num_warps: int) -> PairLists:
+  """The two pair-list kernels over chunks of `chunk` map rows, which `load_tile(*map_refs)` loads (see
+  `_map_tile`): a count per chunk and list, an XLA scan of those, then every slot of [lists, cap] written once."""
   if cap == 0 or lists == 0:  # nothing to trace a kernel over
     empty = jnp.zeros((lists, cap), jnp.int32)
     return PairLists(empty, jnp.zeros((num_offsets,), jnp.int32), empty)
   num_chunks = -(-cap // chunk)
-  width = max(2, pl.next_power_of_2(lists))
-  params = dict(chunk=chunk, num_lists=lists, width=width)
+  params = dict(load_tile=load_tile, num_lists=lists, width=width)
   compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+  like = map_refs[0]
   chunk_counts = pl.pallas_call(
       functools.partial(_chunk_counts_kernel, **params),
-      out_shape=out_struct((num_chunks, lists), jnp.int32, nbr),
+      out_shape=out_struct((num_chunks, lists), jnp.int32, like),
       grid=(num_chunks,),
       compiler_params=compiler_params,
       interpret=interpret,
       name="pair_list_counts",
-  )(nbr)
+  )(*map_refs)
   # Where each chunk's rows start in every offset's list: a scan over num_chunks x L ints (capacity / chunk
   # rows), small next to the map.
   ends = jnp.cumsum(chunk_counts, axis=0, dtype=jnp.int32)
   starts = ends - chunk_counts
   counts = ends[-1]
-  starts, counts, nbr = same_vma(starts, counts, nbr)
+  starts, counts, *map_refs = same_vma(starts, counts, *map_refs)
   rows, sources = pl.pallas_call(
-      functools.partial(_pair_lists_kernel, **params),
-      out_shape=(out_struct((lists, cap), jnp.int32, nbr), out_struct((lists, cap), jnp.int32, nbr)),
+      functools.partial(_pair_lists_kernel, chunk=chunk, **params),
+      out_shape=(out_struct((lists, cap), jnp.int32, like), out_struct((lists, cap), jnp.int32, like)),
       grid=(num_chunks,),
       compiler_params=compiler_params,
       interpret=interpret,
       name="pair_lists",
-  )(nbr, starts, counts)
+  )(*map_refs, starts, counts)
   return PairLists(rows, _with_mirrored_counts(counts, num_offsets), sources)
 
 
-def _chunk_tile(nbr_ref, *, chunk: int, num_lists: int, width: int):
-  """Chunk c's rows (int32 [chunk]), the offsets (int32 [width]), which of both are real, and the map tile
-  [chunk, width] (whole rows read contiguously; -1 past the capacity and the stored offsets)."""
+def _map_tile(nbr_ref, *, chunk: int, num_lists: int, width: int):
+  """Chunk c of a map: its rows (int32 [chunk]), which of them are real, and the tile [chunk, width] of their
+  entries at the stored offsets (whole rows read contiguously; -1 past the capacity and the stored offsets)."""
   cap = nbr_ref.shape[0]
   rows = pl.program_id(0) * chunk + jnp.arange(chunk, dtype=jnp.int32)
   cols = jnp.arange(width, dtype=jnp.int32)
-  row_ok, col_ok = rows < cap, cols < num_lists
-  tile = plgpu.load(nbr_ref.at[rows[:, None], cols[None, :]], mask=row_ok[:, None] & col_ok[None, :], other=-1)
-  return rows, cols, row_ok, col_ok, tile
+  row_ok = rows < cap
+  tile = plgpu.load(nbr_ref.at[rows[:, None], cols[None, :]], mask=row_ok[:, None] & (cols < num_lists)[None, :],
+                    other=-1)
+  return rows, row_ok, tile
 
 
-def _chunk_counts_kernel(nbr_ref, counts_ref, *, chunk: int, num_lists: int, width: int):
+def _plan_tile(order_ref, offsets_ref, counts_ref, block_rows_ref, *, block_m: int, num_lists: int, width: int,
+               offsets_width: int):
+  """`_map_tile` of a plan's block b: its rows order[b * block_m + l] and their map entries at the stored
+  offsets, read from block_rows at each offset's slot in the block (-1 where the block does not use it)."""
+  b = pl.program_id(0)
+  cap = order_ref.shape[0]
+  lanes = jnp.arange(block_m, dtype=jnp.int32)
+  positions = b * block_m + lanes
+  row_ok = positions < cap
+  rows = plgpu.load(order_ref.at[positions], mask=row_ok, other=-1)
+  slots = jnp.arange(offsets_width, dtype=jnp.int32)
+  offsets = plgpu.load(offsets_ref.at[b, slots], mask=slots < offsets_ref.shape[1], other=-1)
+  used = slots < plgpu.load(counts_ref.at[b])
+  cols = jnp.arange(width, dtype=jnp.int32)
+  # Offset v's slot in this block: the inverse of block_offsets over its used slots.
+  hit = (offsets[None, :] == cols[:, None]) & used[None, :]  # [width, offsets_width]
+  slot = jnp.sum(jnp.where(hit, slots[None, :], 0), axis=1, dtype=jnp.int32)
+  listed = (jnp.max(hit.astype(jnp.int32), axis=1) > 0) & (cols < num_lists)
+  # Each stored offset's lanes are contiguous in block_rows: the tile is read one offset column at a time.
+  tile = plgpu.load(block_rows_ref.at[b, slot[None, :], lanes[:, None]], mask=row_ok[:, None] & listed[None, :],
+                    other=-1)
+  return rows, row_ok, tile
+
+
+def _chunk_counts_kernel(*refs, load_tile, num_lists: int, width: int):
   """counts[c, v]: the rows of chunk c with a neighbour at offset v."""
-  _, cols, _, col_ok, tile = _chunk_tile(nbr_ref, chunk=chunk, num_lists=num_lists, width=width)
+  *map_refs, counts_ref = refs
+  _, _, tile = load_tile(*map_refs)
+  cols = jnp.arange(width, dtype=jnp.int32)
   count = jnp.sum((tile >= 0).astype(jnp.int32), axis=0, dtype=jnp.int32)
-  plgpu.store(counts_ref.at[pl.program_id(0), cols], count, mask=col_ok)
+  plgpu.store(counts_ref.at[pl.program_id(0), cols], count, mask=cols < num_lists)
 
 
-def _pair_lists_kernel(nbr_ref, starts_ref, counts_ref, rows_ref, sources_ref, *, chunk: int, num_lists: int,
-                       width: int):
+def _pair_lists_kernel(*refs, load_tile, chunk: int, num_lists: int, width: int):
   """Chunk c's share of every list: a row with a neighbour at offset v goes to slot starts[c, v] + (rows with
   one before it in the chunk), a row without one to slot counts[v] + (rows without one before it in the map),
   so that the programs together write every slot of [L, capacity] exactly once."""
+  *map_refs, starts_ref, counts_ref, rows_ref, sources_ref = refs
   c = pl.program_id(0)
-  rows, cols, row_ok, col_ok, tile = _chunk_tile(nbr_ref, chunk=chunk, num_lists=num_lists, width=width)
+  rows, row_ok, tile = load_tile(*map_refs)
+  cols = jnp.arange(width, dtype=jnp.int32)
+  col_ok = cols < num_lists
   # Loaded [row, offset] (whole map rows, contiguous), worked on and stored [offset, row] (each offset's slots
   # contiguous): the one transpose runs through shared memory, and the prefix sum runs along the last axis.
   sources = tile.T
@@ -322,7 +384,8 @@ def _pair_lists_kernel(nbr_ref, starts_ref, counts_ref, rows_ref, sources_ref, *
   start = plgpu.load(starts_ref.at[c, cols], mask=col_ok, other=0)
   count = plgpu.load(counts_ref.at[cols], mask=col_ok, other=0)
   lanes = jnp.arange(chunk, dtype=jnp.int32)
-  # Rows without a neighbour before lane l: those of the earlier chunks (c * chunk - start) and of this one.
+  # Rows without a neighbour before lane l: those of the earlier chunks (c * chunk - start; every chunk but the
+  # last is whole) and of this one.
   without_before = (c * chunk - start)[:, None] + (lanes[None, :] - has_before)
   slot = jnp.where(has > 0, start[:, None] + has_before, count[:, None] + without_before)
   ok = col_ok[:, None] & row_ok[None, :]
@@ -333,13 +396,33 @@ def _pair_lists_kernel(nbr_ref, starts_ref, counts_ref, rows_ref, sources_ref, *
 
 def pair_lists_reference(nbr: jax.Array, mirrored: bool = False) -> PairLists:
   """`pair_lists` in plain XLA ops (the tests' reference)."""
-  cap, num_offsets = nbr.shape
+  return _lists_reference(jnp.arange(nbr.shape[0], dtype=jnp.int32), nbr, mirrored)
+
+
+def pair_lists_from_plan_reference(plan: MaskedPlan, mirrored: bool = False) -> PairLists:
+  """`pair_lists_from_plan` in plain XLA ops (the tests' reference): the map's rows in the plan's order,
+  rebuilt from block_rows, partitioned as `pair_lists_reference` partitions a map."""
+  num_blocks, num_offsets, block_m = plan.block_rows.shape
+  slots = jnp.arange(num_offsets, dtype=jnp.int32)
+  used_offsets = jnp.where(slots[None, :] < plan.block_counts[:, None], plan.block_offsets, -1)
+  hit = used_offsets[:, None, :] == slots[None, :, None]  # [block, offset, slot]
+  slot = jnp.sum(jnp.where(hit, slots[None, None, :], 0), axis=2, dtype=jnp.int32)
+  entries = jnp.take_along_axis(plan.block_rows, slot[:, :, None], axis=1)  # [block, offset, lane]
+  entries = jnp.where(jnp.any(hit, axis=2)[:, :, None], entries, -1)
+  entries = jnp.transpose(entries, (0, 2, 1)).reshape(num_blocks * block_m, num_offsets)
+  cap = plan.order.shape[0]
+  return _lists_reference(plan.order, entries[:cap], mirrored)
+
+
+def _lists_reference(rows: jax.Array, entries: jax.Array, mirrored: bool) -> PairLists:
+  """PairLists of map rows `rows` (int32 [cap]) with entries `entries` ([cap, V], in that order)."""
+  cap, num_offsets = entries.shape
   v = _num_lists(num_offsets, mirrored)
   # Offset-major, so that consecutive updates of the scatters below write consecutive slots.
-  by_offset = nbr[:, :v].T  # [v, cap]
+  by_offset = entries[:, :v].T  # [v, cap]
   has = by_offset >= 0
-  rows = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[None, :], (v, cap))
-  # Slot of row i in offset v's list, for the rows with a neighbour there (plain stores).
+  rows = jnp.broadcast_to(rows[None, :], (v, cap))
+  # Slot of each row in offset v's list, for the rows with a neighbour there (plain stores).
   slot = jnp.cumsum(has, axis=1, dtype=jnp.int32) - 1
   index = (jnp.arange(v, dtype=jnp.int32)[:, None], slot)
   empty = jnp.full((v, cap), -1, jnp.int32)

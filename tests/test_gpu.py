@@ -61,6 +61,23 @@ def test_gpu_pair_list_kernels_match_xla_reference(res, kernel_size, pad, mirror
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
+@pytest.mark.parametrize("res,kernel_size,pad,block_m", [(256, 3, 0, 128), (96, 3, 1000, 64), (64, 5, 77, 128)])
+def test_gpu_pair_lists_from_plan_match_xla_reference(res, kernel_size, pad, block_m):
+  """The pair-list kernels over a plan's blocks on the GPU build exactly the XLA reference's lists, over the
+  plan kernel's own plan (unused slots unwritten), and hold the map's pair counts."""
+  from pallas_kernels.gemm_plan import (masked_plan, pair_lists_from_plan, pair_lists_from_plan_reference,
+                                        pair_lists_reference)
+
+  x = shell_tensor(res, 4, jnp.float16, pad=pad)
+  nbr = jsparse.neighbor_map(x, kernel_size).nbr
+  plan = jax.jit(masked_plan, static_argnums=2)(nbr, x.num, block_m)
+  got = jax.jit(pair_lists_from_plan, static_argnums=1)(plan, True)
+  want = jax.jit(pair_lists_from_plan_reference, static_argnums=1)(plan.comparable(), True)
+  for name, a, b in zip(got._fields, got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  np.testing.assert_array_equal(np.asarray(got.counts), np.asarray(pair_lists_reference(nbr, True).counts))
+
+
 @pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_gpu_random_cases_match_xla(case):
   shape, batch, ks, dil, cin, cout, _ = case

@@ -56,6 +56,21 @@ def test_pair_list_kernels_lower(v, mirrored):
   assert len(captured) == 2 and "tt.scan" in captured[1][0]
 
 
+@pytest.mark.parametrize("v,block_m,mirrored", [(27, 128, True), (27, 64, False), (125, 64, True), (1, 64, False)])
+def test_pair_lists_from_plan_lower(v, block_m, mirrored):
+  """The pair-list kernels over a plan's blocks lower (a capacity that is not a multiple of the block)."""
+  from pallas_kernels.gemm_plan import MaskedPlan, pair_lists_from_plan
+  from triton_lowering import capture_triton_modules
+
+  cap, blocks = 3001, -(-3001 // block_m)
+  plan = MaskedPlan(_spec((cap,), jnp.int32), _spec((blocks, v), jnp.int32), _spec((blocks,), jnp.int32),
+                    _spec((blocks, v, block_m), jnp.int32))
+  with capture_triton_modules() as captured:
+    text = lower_for_cuda(lambda *p: pair_lists_from_plan(MaskedPlan(*p), mirrored), *plan)
+  assert "pair_list_counts" in text and "pair_lists" in text
+  assert len(captured) == 2 and "tt.scan" in captured[1][0]
+
+
 def test_explicit_tile_configs_lower():
   x, nbr, num = _spec((4096, 64), jnp.float16), _spec((4096, 27), jnp.int32), _spec((), jnp.int32)
   w, g = _spec((27, 64, 128), jnp.float16), _spec((4096, 128), jnp.float16)

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 import jsparse
 from jsparse.neighbors import kernel_offsets
-from pallas_kernels.gemm_plan import masked_plan, masked_plan_reference, pair_lists, pair_lists_reference
+from pallas_kernels.gemm_plan import (masked_plan, masked_plan_reference, pair_lists, pair_lists_from_plan,
+                                     pair_lists_from_plan_reference, pair_lists_reference)
 from reference import SUBMCONV_CASES as CASES
 from reference import dense_submconv_at_sites, numpy_neighbor_map, random_sparse, random_weights, rel_err
 
@@ -22,6 +23,8 @@ _masked_plan_reference = jax.jit(masked_plan_reference, static_argnums=2)
 _pair_lists_interpret = jax.jit(functools.partial(pair_lists, interpret=True), static_argnums=1,
                                 static_argnames="chunk_rows")
 _pair_lists_reference = jax.jit(pair_lists_reference, static_argnums=1)
+_plan_pair_lists_interpret = jax.jit(functools.partial(pair_lists_from_plan, interpret=True), static_argnums=1)
+_plan_pair_lists_reference = jax.jit(pair_lists_from_plan_reference, static_argnums=1)
 
 # (spatial_shape, batch, kernel_size, dilation, cin, cout, bias)
 @pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
@@ -197,6 +200,75 @@ def test_pair_lists_kernel_matches_xla_reference(cap, v, fill, mirrored, chunk_r
   for name, a, b in zip(got._fields, got, want):
     assert a.shape == b.shape and a.dtype == b.dtype, name
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def _pair_sets(pairs, num_offsets):
+  """{offset: sorted (row, source) pairs} of PairLists, mirrored lists read as the weight gradient reads them."""
+  rows, sources, counts = (np.asarray(a) for a in (pairs.rows, pairs.sources, pairs.counts))
+  out = {}
+  for v in range(num_offsets):
+    stored = v if v < rows.shape[0] else num_offsets - 1 - v
+    r, s = rows[stored, :counts[v]], sources[stored, :counts[v]]
+    out[v] = sorted(zip(r.tolist(), s.tolist()) if stored == v else zip(s.tolist(), r.tolist()))
+  return out
+
+
+@settings(max_examples=16, deadline=None)
+@given(cap=st.integers(1, 400), v=st.sampled_from([1, 8, 27, 40]), fill=st.floats(0.0, 1.0),
+       num_frac=st.floats(0.0, 1.0), block_m=st.sampled_from([16, 64, 128]), seed=st.integers(0, 2**16))
+def test_pair_lists_from_plan_match_reference_and_the_maps_pairs(cap, v, fill, num_frac, block_m, seed):
+  """Pair lists read from a plan (interpret mode, the plan kernel's own plan, unused slots unwritten) equal
+  their XLA reference bit for bit, and hold exactly the map's pairs: the same counts and, per offset, the same
+  (row, source) pairs as pair_lists(nbr), in the plan's order. Rows past num hold no pairs."""
+  rng = np.random.default_rng(seed)
+  nbr = np.where(rng.random((cap, v)) < fill, rng.integers(0, cap, (cap, v)), -1).astype(np.int32)
+  num = int(num_frac * cap)
+  nbr[num:] = -1  # a map never lists padding rows
+  nbr, num = jnp.asarray(nbr), jnp.asarray([num], jnp.int32)
+  plan = _masked_plan_interpret(nbr, num, block_m)
+  # The unused offsets' slots are never written by the plan kernel: whatever they hold must not be read.
+  j = np.arange(v)[None, :, None]
+  unused = j >= np.asarray(plan.block_counts)[:, None, None]
+  poisoned = plan._replace(block_rows=jnp.where(unused, jnp.asarray(rng.integers(0, cap, plan.block_rows.shape),
+                                                                     jnp.int32), plan.block_rows))
+  got = _plan_pair_lists_interpret(poisoned, False)
+  want = _plan_pair_lists_reference(plan.comparable(), False)
+  for name, a, b in zip(got._fields, got, want):
+    assert a.shape == b.shape == ((v, cap) if name != "counts" else (v,)), name
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  from_map = _pair_lists_reference(nbr, False)
+  np.testing.assert_array_equal(np.asarray(got.counts), np.asarray(from_map.counts))
+  assert _pair_sets(got, v) == _pair_sets(from_map, v)
+  listed = np.asarray(got.rows)[np.asarray(got.rows) >= 0]
+  assert np.all(listed < int(num[0]))
+
+
+def test_pair_lists_from_a_submanifold_plan_feed_the_same_weight_gradient():
+  """Mirrored lists from a real submanifold map's plan (3x3x3 and 5x5x5, padding rows) hold the map's pairs,
+  and the weight-gradient kernel over them gives the gradient it gives over the map's own lists (float32
+  sums in another order), in both weight layouts; bad plans are refused by name."""
+  from pallas_kernels.weight_grad import weight_grad
+
+  rng = np.random.default_rng(13)
+  x = random_sparse(rng, (9, 8, 7), 5, batch_size=2, density=0.3, pad=21)
+  for ks in (3, 5):
+    nbr = jsparse.neighbor_map(x, ks, implementation="xla").nbr
+    v = nbr.shape[1]
+    plan = _masked_plan_interpret(nbr, x.num, 64)
+    got = _plan_pair_lists_interpret(plan, True)
+    from_map = _pair_lists_reference(nbr, True)
+    assert got.mirrored and got.rows.shape == from_map.rows.shape
+    np.testing.assert_array_equal(np.asarray(got.counts), np.asarray(from_map.counts))
+    assert _pair_sets(got, v) == _pair_sets(from_map, v)
+    g = jnp.asarray(rng.standard_normal((x.capacity, 6)), jnp.float32)
+    for layout in ("DHWIO", "ODHWI"):
+      kw = dict(interpret=True, precision="highest", weight_layout=layout)
+      dw = weight_grad(x.feats, g, None, pairs=got, **kw)
+      want = weight_grad(x.feats, g, None, pairs=from_map, **kw)
+      assert rel_err(dw, want) < 1e-6, (ks, layout)
+  bad = plan._replace(block_offsets=plan.block_offsets[:-1])
+  with pytest.raises(ValueError, match="plan"):
+    pair_lists_from_plan(bad, True, interpret=True)
 
 
 def test_pair_lists_kernel_on_a_submanifold_map_and_bad_input():

@@ -6,7 +6,8 @@
   (offset v of row i <-> offset V-1-v of its neighbour), so the input gradient, which reads the same map,
   reuses the same plan.
 - `pair_lists`: for every offset, the rows that have a neighbour there, packed to the front. The weight
-  gradient walks these instead of all rows.
+  gradient walks these instead of all rows. `pair_lists_from_plan` reads the same pairs from a plan (in its
+  order), so that a training step keeping the plan need not keep the map as well.
 
 Both also store the gathered row indices the kernels read (`MaskedPlan.block_rows`, `PairLists.sources`), so
 that inside a kernel's loop every data load is one indirection away from the loop counter. Triton's software
@@ -19,9 +20,9 @@ transposed to [offset, lane]. In XLA that step was a transpose, an any-reduction
 whole [rows, V] map, together several times the plan's memory traffic (docs/perf_notes.md);
 `masked_plan_reference` keeps that XLA form as the tests' reference.
 
-The pair lists are two Pallas kernels over chunks of rows: one counts each chunk's rows with a neighbour per
-offset, the other (after an XLA scan of those counts) writes every list slot once as a stable partition. In XLA
-(`pair_lists_reference`) they were a transpose of the map, a cumsum and two scatters.
+The pair lists are two Pallas kernels over chunks of rows (a map's, or a plan's blocks): one counts each chunk's
+rows with a neighbour per offset, the other (after an XLA scan of those counts) writes every list slot once as a
+stable partition. In XLA (`pair_lists_reference`) they were a transpose of the map, a cumsum and two scatters.
 """
 from __future__ import annotations
 

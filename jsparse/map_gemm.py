@@ -173,9 +173,11 @@ class ConvMaps(NamedTuple):
     """The weight gradient's pair lists (mirrored, half the offsets, for a submanifold map; built, where missing,
     by the pair-list kernels, run in Pallas' interpret mode if asked).
 
-    A submanifold map's lists are read from its plan when it has one: the backward pass keeps that plan for
-    the input gradient, and lists read from it free the map after the forward pass (on SECOND's ~1M-voxel
-    training step the map and plan were each 121 MiB at the first level, both live at the peak)."""
+    A submanifold map's lists are read from its plan when it has one (the smallest block size's): the backward
+    pass keeps that plan for the input gradient, and lists read from it free the map after the forward pass
+    (on SECOND's ~1M-voxel training step the map and plan were each 121 MiB at the first level, both live at
+    the peak). Where a tuned input gradient runs on another block size, both plans are kept, as the map and
+    the plan were before."""
     if self.pairs is not None:
       return self.pairs
     if self.transposed is None and self.plans:

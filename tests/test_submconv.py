@@ -215,8 +215,9 @@ def _pair_sets(pairs, num_offsets):
 
 @settings(max_examples=16, deadline=None)
 @given(cap=st.integers(1, 400), v=st.sampled_from([1, 8, 27, 40]), fill=st.floats(0.0, 1.0),
-       num_frac=st.floats(0.0, 1.0), block_m=st.sampled_from([16, 64, 128]), seed=st.integers(0, 2**16))
-def test_pair_lists_from_plan_match_reference_and_the_maps_pairs(cap, v, fill, num_frac, block_m, seed):
+       num_frac=st.floats(0.0, 1.0), block_m=st.sampled_from([16, 64, 128]), mirrored=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_pair_lists_from_plan_match_reference_and_the_maps_pairs(cap, v, fill, num_frac, block_m, mirrored, seed):
   """Pair lists read from a plan (interpret mode, the plan kernel's own plan, unused slots unwritten) equal
   their XLA reference bit for bit, and hold exactly the map's pairs: the same counts and, per offset, the same
   (row, source) pairs as pair_lists(nbr), in the plan's order. Rows past num hold no pairs."""
@@ -231,12 +232,14 @@ def test_pair_lists_from_plan_match_reference_and_the_maps_pairs(cap, v, fill, n
   unused = j >= np.asarray(plan.block_counts)[:, None, None]
   poisoned = plan._replace(block_rows=jnp.where(unused, jnp.asarray(rng.integers(0, cap, plan.block_rows.shape),
                                                                      jnp.int32), plan.block_rows))
-  got = _plan_pair_lists_interpret(poisoned, False)
-  want = _plan_pair_lists_reference(plan.comparable(), False)
+  got = _plan_pair_lists_interpret(poisoned, mirrored)
+  want = _plan_pair_lists_reference(plan.comparable(), mirrored)
+  lists = (v + 1) // 2 if mirrored and v > 1 else v
   for name, a, b in zip(got._fields, got, want):
-    assert a.shape == b.shape == ((v, cap) if name != "counts" else (v,)), name
+    assert a.shape == b.shape == ((lists, cap) if name != "counts" else (v,)), name
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-  from_map = _pair_lists_reference(nbr, False)
+  # Mirrored lists of any map hold its first (V+1)//2 columns' pairs, read swapped for the others.
+  from_map = _pair_lists_reference(nbr, mirrored)
   np.testing.assert_array_equal(np.asarray(got.counts), np.asarray(from_map.counts))
   assert _pair_sets(got, v) == _pair_sets(from_map, v)
   listed = np.asarray(got.rows)[np.asarray(got.rows) >= 0]
@@ -269,6 +272,25 @@ def test_pair_lists_from_a_submanifold_plan_feed_the_same_weight_gradient():
   bad = plan._replace(block_offsets=plan.block_offsets[:-1])
   with pytest.raises(ValueError, match="plan"):
     pair_lists_from_plan(bad, True, interpret=True)
+
+
+def test_a_submanifold_caches_pair_lists_are_read_from_its_plan_not_its_map():
+  """A Pallas neighbour cache's pair lists are its plan's (so training can free the map after the forward
+  pass): equal to pair_lists_from_plan, and the same when ConvMaps is handed a map of junk with that plan."""
+  from jsparse.map_gemm import ConvMaps
+
+  x = random_sparse(np.random.default_rng(14), (7, 8, 6), 3, batch_size=2, density=0.35, pad=17)
+  cache = jsparse.neighbor_map(x, 3, implementation="pallas")
+  plan = cache.plans[min(cache.plans)]
+  junk = ConvMaps(jnp.full_like(cache.nbr, 7), x.num, plans=cache.plans).pair_lists(interpret=True)
+  for lists in (_plan_pair_lists_interpret(plan, True), junk):
+    for name, a, b in zip(cache.pairs._fields, cache.pairs, lists):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  # A strided map (transposed given) still lists its own entries.
+  strided = ConvMaps(cache.nbr, x.num, transposed=cache.nbr, num_in=x.num, plans=cache.plans)
+  want = _pair_lists_reference(cache.nbr, False)
+  for name, a, b in zip(cache.pairs._fields, strided.pair_lists(interpret=True), want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
 def test_pair_lists_kernel_on_a_submanifold_map_and_bad_input():

@@ -6,8 +6,8 @@
   (offset v of row i <-> offset V-1-v of its neighbour), so the input gradient, which reads the same map,
   reuses the same plan.
 - `pair_lists`: for every offset, the rows that have a neighbour there, packed to the front. The weight
-  gradient walks these instead of all rows. `pair_lists_from_plan` reads the same pairs from a plan (in its
-  order), so that a training step keeping the plan need not keep the map as well.
+  gradient walks these instead of all rows. `pair_lists_from_plan` reads the same lists from a plan, so that a
+  training step keeping the plan need not keep the map as well.
 
 Both also store the gathered row indices the kernels read (`MaskedPlan.block_rows`, `PairLists.sources`), so
 that inside a kernel's loop every data load is one indirection away from the loop counter. Triton's software
@@ -264,15 +264,18 @@ def pair_lists(nbr: jax.Array, mirrored: bool = False, *, interpret: bool = Fals
 
 
 def pair_lists_from_plan(plan: MaskedPlan, mirrored: bool = False, *, interpret: bool = False,
-                         num_warps: int = PAIR_LIST_WARPS) -> PairLists:
-  """PairLists of the map `plan` was built from (`masked_plan(nbr, ...)`), read from the plan instead of the
-  map: a training step that keeps the plan for its input gradient then need not keep the map too, for its
-  weight gradient (the two hold the same row indices, and a map is as large as its plan).
+                         chunk_rows: int | None = None, num_warps: int = PAIR_LIST_WARPS) -> PairLists:
+  """`pair_lists(nbr, mirrored)` of the map `plan` was built from (`masked_plan(nbr, num, ...)`, rows past num
+  all -1 as in every map), read from the plan instead of the map: a training step that keeps the plan for its
+  input gradient then need not keep the map too, for its weight gradient (the two hold the same row indices,
+  and a map is as large as its plan).
 
-  The same two kernels as `pair_lists`, with the plan's blocks for chunks: each list holds the same pairs as
-  `pair_lists(nbr, mirrored)`'s, and the same counts, but in the plan's processing order (block by block)
-  instead of row order. A weight gradient sums them in any order (float32 accumulation). mirrored=True only
-  for a submanifold map's plan. Equal, bit for bit, to `pair_lists_from_plan_reference`.
+  The same two kernels as `pair_lists`, over chunks of rows in row order: each row's entries are found at its
+  position in the plan (the inverse of `plan.order`) and each offset's slot in that position's block (the
+  inverse of `block_offsets`), both built by XLA first. The lists come out in row order, not the plan's: the
+  weight gradient's two gathers then walk x and dy in step with their rows, which in the plan's order they did
+  not (docs/perf_notes.md, run 97). mirrored=True only for a submanifold map's plan. Equal, bit for bit, to
+  `pair_lists_from_plan_reference`.
   """
   num_blocks, num_offsets, block_m = plan.block_rows.shape
   cap = plan.order.shape[0]
@@ -280,11 +283,31 @@ def pair_lists_from_plan(plan: MaskedPlan, mirrored: bool = False, *, interpret:
     raise ValueError(f"pair_lists_from_plan: plan arrays of mismatched shapes: order {plan.order.shape}, "
                      f"block_offsets {plan.block_offsets.shape}, block_rows {plan.block_rows.shape}")
   lists = _num_lists(num_offsets, mirrored)
+  chunk = pair_list_chunk_rows(lists) if chunk_rows is None else chunk_rows
+  if not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
+    raise ValueError(f"pair_lists_from_plan: chunk_rows must be a power of two, got {chunk_rows!r}")
   width = max(2, pl.next_power_of_2(lists))
-  tile = functools.partial(_plan_tile, block_m=block_m, num_lists=lists, width=width,
-                           offsets_width=max(2, pl.next_power_of_2(num_offsets)))
-  return _partitioned_lists((plan.order, plan.block_offsets, plan.block_counts, plan.block_rows), tile, cap,
-                            block_m, num_offsets, lists, width, interpret, num_warps)
+  tile = functools.partial(_plan_rows_tile, chunk=chunk, block_m=block_m, num_lists=lists, width=width)
+  return _partitioned_lists((plan_positions(plan), offset_slots(plan), plan.block_rows), tile, cap, chunk,
+                            num_offsets, lists, width, interpret, num_warps)
+
+
+def plan_positions(plan: MaskedPlan) -> jax.Array:
+  """int32 [capacity]: each row's position in the plan's processing order (`order` is a permutation)."""
+  cap = plan.order.shape[0]
+  return jnp.zeros((cap,), jnp.int32).at[plan.order].set(jnp.arange(cap, dtype=jnp.int32), unique_indices=True,
+                                                           mode="promise_in_bounds")
+
+
+def offset_slots(plan: MaskedPlan) -> jax.Array:
+  """int32 [num_blocks, V]: where each offset's rows sit in each block's block_rows, -1 where the block does not
+  use it (each block's `block_offsets` is a permutation of the V offsets, the used ones first)."""
+  num_blocks, num_offsets = plan.block_offsets.shape
+  slots = jnp.arange(num_offsets, dtype=jnp.int32)
+  slot = jnp.where(slots[None, :] < plan.block_counts[:, None], slots[None, :], -1)
+  block = jnp.arange(num_blocks, dtype=jnp.int32)[:, None]
+  return jnp.zeros((num_blocks, num_offsets), jnp.int32).at[block, plan.block_offsets].set(
+      slot, unique_indices=True, mode="promise_in_bounds")
 
 
 def _partitioned_lists(map_refs: tuple, load_tile, cap: int, chunk: int, num_offsets: int, lists: int,
@@ -335,27 +358,20 @@ def _map_tile(nbr_ref, *, chunk: int, num_lists: int, width: int):
   return rows, row_ok, tile
 
 
-def _plan_tile(order_ref, offsets_ref, counts_ref, block_rows_ref, *, block_m: int, num_lists: int, width: int,
-               offsets_width: int):
-  """`_map_tile` of a plan's block b: its rows order[b * block_m + l] and their map entries at the stored
-  offsets, read from block_rows at each offset's slot in the block (-1 where the block does not use it)."""
-  b = pl.program_id(0)
-  cap = order_ref.shape[0]
-  lanes = jnp.arange(block_m, dtype=jnp.int32)
-  positions = b * block_m + lanes
-  row_ok = positions < cap
-  rows = plgpu.load(order_ref.at[positions], mask=row_ok, other=-1)
-  slots = jnp.arange(offsets_width, dtype=jnp.int32)
-  offsets = plgpu.load(offsets_ref.at[b, slots], mask=slots < offsets_ref.shape[1], other=-1)
-  used = slots < plgpu.load(counts_ref.at[b])
+def _plan_rows_tile(positions_ref, slots_ref, block_rows_ref, *, chunk: int, block_m: int, num_lists: int,
+                    width: int):
+  """`_map_tile` read from a plan: chunk c's rows, each found at its plan position (block, lane), and their
+  entries at the stored offsets from block_rows at that block's slot of each offset (-1 where it has none)."""
+  cap = positions_ref.shape[0]
+  rows = pl.program_id(0) * chunk + jnp.arange(chunk, dtype=jnp.int32)
+  row_ok = rows < cap
+  position = plgpu.load(positions_ref.at[rows], mask=row_ok, other=0)
+  block, lane = position // block_m, position % block_m
   cols = jnp.arange(width, dtype=jnp.int32)
-  # Offset v's slot in this block: the inverse of block_offsets over its used slots.
-  hit = (offsets[None, :] == cols[:, None]) & used[None, :]  # [width, offsets_width]
-  slot = jnp.sum(jnp.where(hit, slots[None, :], 0), axis=1, dtype=jnp.int32)
-  listed = (jnp.max(hit.astype(jnp.int32), axis=1) > 0) & (cols < num_lists)
-  # Each stored offset's lanes are contiguous in block_rows: the tile is read one offset column at a time.
-  tile = plgpu.load(block_rows_ref.at[b, slot[None, :], lanes[:, None]], mask=row_ok[:, None] & listed[None, :],
+  slot = plgpu.load(slots_ref.at[block[:, None], cols[None, :]], mask=row_ok[:, None] & (cols < num_lists)[None, :],
                     other=-1)
+  # Rows next to each other mostly share a mask, so sit next to each other in one block: these loads coalesce.
+  tile = plgpu.load(block_rows_ref.at[block[:, None], slot, lane[:, None]], mask=slot >= 0, other=-1)
   return rows, row_ok, tile
 
 
@@ -401,8 +417,8 @@ def pair_lists_reference(nbr: jax.Array, mirrored: bool = False) -> PairLists:
 
 
 def pair_lists_from_plan_reference(plan: MaskedPlan, mirrored: bool = False) -> PairLists:
-  """`pair_lists_from_plan` in plain XLA ops (the tests' reference): the map's rows in the plan's order,
-  rebuilt from block_rows, partitioned as `pair_lists_reference` partitions a map."""
+  """`pair_lists_from_plan` in plain XLA ops (the tests' reference): the map's rows rebuilt from block_rows,
+  put back in row order by a sort of the plan's order, partitioned as `pair_lists_reference` partitions a map."""
   num_blocks, num_offsets, block_m = plan.block_rows.shape
   slots = jnp.arange(num_offsets, dtype=jnp.int32)
   used_offsets = jnp.where(slots[None, :] < plan.block_counts[:, None], plan.block_offsets, -1)
@@ -412,7 +428,8 @@ def pair_lists_from_plan_reference(plan: MaskedPlan, mirrored: bool = False) -> 
   entries = jnp.where(jnp.any(hit, axis=2)[:, :, None], entries, -1)
   entries = jnp.transpose(entries, (0, 2, 1)).reshape(num_blocks * block_m, num_offsets)
   cap = plan.order.shape[0]
-  return _lists_reference(plan.order, entries[:cap], mirrored)
+  by_row = entries[jnp.argsort(plan.order)]
+  return _lists_reference(jnp.arange(cap, dtype=jnp.int32), by_row, mirrored)
 
 
 def _lists_reference(rows: jax.Array, entries: jax.Array, mirrored: bool) -> PairLists:

@@ -190,17 +190,21 @@ def check_pooled_statistics_offset_data(mesh, rng):
 def check_plans_inside_shard_map(mesh, xs):
   """The Pallas GEMMs' work plans built per device inside shard_map equal the ones built on one device: their
   XLA ops (`masked_plan_reference`, `pair_lists_reference` and `pair_lists_from_plan_reference`, the forms the
-  plan and pair-list kernels are tested against; training reads a submanifold map's lists from its plan). A
+  plan and pair-list kernels are tested against; training reads a submanifold map's lists from its plan, through
+  the XLA scatters `plan_positions` and `offset_slots`). A
   full-range `zeros(n).at[:n].set(...)` in the masked plan once crashed XLA's Shardy pass here (segfault at
   compile time, on CPU and GPU alike); the CPU's Pallas interpret mode cannot run kernels inside shard_map (the
   plan kernel inside shard_map runs in the two-GPU test), so this is what CI can check of the Pallas path's data
   parallelism."""
-  from pallas_kernels.gemm_plan import masked_plan_reference, pair_lists_from_plan_reference, pair_lists_reference
+  from pallas_kernels.gemm_plan import (masked_plan_reference, offset_slots, pair_lists_from_plan_reference,
+                                        pair_lists_reference, plan_positions)
 
   def plans(x):
     nbr = jsparse.neighbor_map(x, 3, implementation="xla").nbr
     plan = masked_plan_reference(nbr, x.num, 64)
-    return plan, pair_lists_reference(nbr), pair_lists_from_plan_reference(plan, True)
+    # plan_positions and offset_slots: the XLA scatters pair_lists_from_plan runs before its kernels.
+    return (plan, pair_lists_reference(nbr), pair_lists_from_plan_reference(plan, True), plan_positions(plan),
+            offset_slots(plan))
 
   def per_device(x):
     return jax.tree.map(lambda a: a[None], plans(jax.tree.map(lambda a: a[0], x)))

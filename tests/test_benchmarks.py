@@ -334,6 +334,10 @@ def test_kernel_timeline_keeps_launches_apart():
   assert [(r["name"], r["us"], r["shape"]) for r in rows] == [("sort_1", 20.0, "s32[1179648]{0}"),
                                                                ("fusion_2", 2.0, "f32[8]{0}")]
   assert rows[0]["op"] == "jit(f)/op:subm/sort"
+  # Spans, first start to last end, per call: 51, 52 and 59 us (the sort ends before the product starts).
+  assert kernel_timeline.span_us(events, 3) == 52.0
+  with pytest.raises(RuntimeError, match="not one launch sequence"):
+    kernel_timeline.span_us(events[:-1], 3)
   assert kernel_timeline.family("masked_plan_blocks__3") == "masked_plan_blocks"
   assert kernel_timeline.family("loop_select_fusion_12") == "loop_select_fusion"
   assert kernel_timeline.family("input_fusion_1_2") == "input_fusion"

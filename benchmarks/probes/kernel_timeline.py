@@ -26,11 +26,35 @@ from benchmarks import networks
 
 def launches(compiled, call_args, calls: int) -> list[dict]:
   """[{name, op, group, shape, us}]: one entry per launch position of a call, us the median over the calls."""
+  return timeline(compiled, call_args, calls)[0]
+
+
+def timeline(compiled, call_args, calls: int) -> tuple[list[dict], float]:
+  """(`launches`, the median span of a call in us: its first kernel's start to its last kernel's end)."""
   with tempfile.TemporaryDirectory() as trace_dir:
     kernels, _ = networks.trace_kernels(compiled, call_args, calls, trace_dir, sync_each=True)
   text = compiled.as_text()
   shapes = {name: shape for name, (shape, _) in networks.hlo_instructions(text).items()}
-  return per_launch(kernels, calls, networks.hlo_op_names(text), shapes)
+  return per_launch(kernels, calls, networks.hlo_op_names(text), shapes), span_us(kernels, calls)
+
+
+def span_us(kernels: list[dict], calls: int) -> float:
+  """Median over `calls` calls (the same launch sequence each, as `per_launch` checks) of the time from a call's
+  first kernel start to its last kernel end: a call's span less its kernels' time is the GPU's idle time
+  between its launches; its wall time less its span is the host's part (dispatch before, sync after)."""
+  if calls < 1:
+    raise ValueError(f"calls must be >= 1, got {calls}")
+  if not kernels:  # no device kernels traced (a CPU run)
+    return 0.0
+  kernels = sorted(kernels, key=lambda e: e["ts"])
+  per_call = len(kernels) // calls
+  if per_call == 0 or per_call * calls != len(kernels):
+    raise RuntimeError(f"{len(kernels)} kernel events over {calls} calls: not one launch sequence per call")
+  spans = []
+  for c in range(calls):
+    events = kernels[c * per_call:(c + 1) * per_call]
+    spans.append(max(e["ts"] + e.get("dur", 0.0) for e in events) - events[0]["ts"])
+  return statistics.median(spans)
 
 
 def per_launch(kernels: list[dict], calls: int, meta: dict, shapes: dict) -> list[dict]:

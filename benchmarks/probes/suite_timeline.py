@@ -4,7 +4,8 @@
 
 The suite reports one time per side. Where a row loses, this says where: each launch of one call with its median
 duration over `--calls` calls (each call waited for before the next, so no two calls' kernels overlap), then the
-totals by kernel family. jsparse's side is traced with the JAX profiler (`networks.trace_kernels`), FlexGEMM's
+totals by kernel family, and where a call's wall time goes: its kernels, the GPU's idle time between them
+(first kernel start to last kernel end, less the kernels), and the host's part (wall time less that span). jsparse's side is traced with the JAX profiler (`networks.trace_kernels`), FlexGEMM's
 with `torch.profiler`, after the same warm-up (FlexGEMM autotunes on its first calls).
 """
 from __future__ import annotations
@@ -25,8 +26,8 @@ def jsparse_launches(row, dtype_name, mode, args) -> list[dict]:
   fn = suite.jsparse_fns(args.impl, suite.DTYPES[dtype_name][1], weight_layout=args.weight_layout)[mode]
   compiled = jax.jit(fn).lower(x, params).compile()
   wall = suite.time_calls(lambda: compiled(x, params), jax.block_until_ready, args.warmup, args.repeats)
-  launches = kernel_timeline.launches(compiled, (x, params), args.calls)
-  return [{"name": e["name"], "us": e["us"]} for e in launches], wall["median_ms"]
+  launches, span = kernel_timeline.timeline(compiled, (x, params), args.calls)
+  return [{"name": e["name"], "us": e["us"]} for e in launches], wall["median_ms"], span
 
 
 def flexgemm_launches(row, dtype_name, mode, args) -> list[dict]:
@@ -43,12 +44,13 @@ def flexgemm_launches(row, dtype_name, mode, args) -> list[dict]:
     with torch.profiler.profile(activities=acts) as prof:
       call()
       torch.cuda.synchronize()
-    per_call.append([(ev.time_range.start, ev.name, ev.time_range.elapsed_us())
-                     for ev in networks.torch_device_kernels(prof.events(), torch.autograd.DeviceType.CUDA)])
+    per_call.append(sorted((ev.time_range.start, ev.name, ev.time_range.elapsed_us())
+                           for ev in networks.torch_device_kernels(prof.events(), torch.autograd.DeviceType.CUDA)))
   if len({len(k) for k in per_call}) != 1:
     raise RuntimeError(f"FlexGEMM launched {[len(k) for k in per_call]} kernels in its calls: not one sequence")
+  span = kernel_timeline.span_us([{"ts": ts, "dur": us} for call in per_call for ts, _, us in call], len(per_call))
   return [{"name": per_call[0][i][1], "us": statistics.median(c[i][2] for c in per_call)}
-          for i in range(len(per_call[0]))], wall["median_ms"]
+          for i in range(len(per_call[0]))], wall["median_ms"], span
 
 
 def summary(launches: list[dict]) -> dict:
@@ -77,16 +79,18 @@ def main(argv=None):
   args.flexgemm_input_grad = False
   row = workloads.SUITE[args.row]
   print(f"== suite row {args.row} ({row.name}), {args.dtype} {args.mode}, {jax.devices()[0].device_kind}")
-  # (launches, median wall ms of a call timed alone, as the suite times it)
+  # (launches, median wall ms of a call timed alone, as the suite times it, median span us of a traced call)
   sides = {"jsparse": jsparse_launches(row, args.dtype, args.mode, args)}
   if not args.skip_flexgemm:
     sides["flexgemm"] = flexgemm_launches(row, args.dtype, args.mode, args)
   result = {"row": row.name, "dtype": args.dtype, "mode": args.mode, "device": jax.devices()[0].device_kind}
-  for side, (launches, wall_ms) in sides.items():
+  for side, (launches, wall_ms, span) in sides.items():
     s = summary(launches)
-    result[side] = {"launches": launches, "wall_ms": wall_ms, **s}
+    result[side] = {"launches": launches, "wall_ms": wall_ms, "span_us": span, **s}
     print(f"-- {side}: {s['launch_count']} launches, {s['total_us'] / 1e3:.3f} ms of kernels, "
-          f"{wall_ms:.3f} ms a call (median of {args.repeats}, each waited for)")
+          f"{wall_ms:.3f} ms a call (median of {args.repeats}, each waited for); first kernel to last "
+          f"{span / 1e3:.3f} ms: {(span - s['total_us']) / 1e3:.3f} ms of GPU idle between launches, "
+          f"{wall_ms - span / 1e3:.3f} ms host (dispatch + sync; the tracer adds some)")
     for i, e in enumerate(launches):
       if e["us"] >= args.min_us:
         print(f"  {i:4d} {e['us']:9.1f} us  {e['name'][:110]}")

@@ -626,12 +626,15 @@ class SparseTensor:
     return keys[:, 0] if keys.shape[1] == 1 else keys
 
   def __repr__(self) -> str:
-    num = self.num if isinstance(self.num, jax.core.Tracer) else int(self.num)
+    # Tensors stacked for jax.vmap have leading axes on every leaf: one num per element, capacity on axis -2.
+    lead = tuple(self.coords.shape[:-2])
+    num = self.num if isinstance(self.num, jax.core.Tracer) else np.asarray(self.num).tolist()
     flag = "" if is_traced(self.overflow) or not np.any(np.asarray(self.overflow)) else ", OVERFLOWED"
     rank = "" if self.spatial_ndim == 3 else f", spatial_ndim={self.spatial_ndim}"
+    stacked = f", stacked={lead}" if lead else ""
     shape = tuple(self.spatial_shape)[3 - self.spatial_ndim:]
-    return (f"SparseTensor(num={num}, capacity={self.capacity}, channels={self.num_channels}, "
-            f"dtype={self.dtype}, spatial_shape={shape}, batch_size={self.batch_size}{rank}{flag})")
+    return (f"SparseTensor(num={num}, capacity={self.coords.shape[-2]}, channels={self.num_channels}, "
+            f"dtype={self.dtype}, spatial_shape={shape}, batch_size={self.batch_size}{rank}{stacked}{flag})")
 
 
 _LEAVES = ("coords", "feats", "num", "overflow", "caches")

@@ -105,3 +105,14 @@ def test_three_column_coords_and_round_capacity():
   assert all(c % 128 == 0 for c in caps)
   assert all(c <= max(1.125 * n, 128) for c, n in zip(caps, range(1, 100_000, 997)))
   assert len(set(caps)) < 40  # 101 sizes share 38 buckets (8 per power of two, multiples of 128)
+
+
+def test_repr_of_stacked_tensors():
+  # Tensors stacked leaf by leaf for jax.vmap (the class docstring's recipe) have a num per element: the repr
+  # raised TypeError (int() of a [2] array) and would have shown the stack size as the capacity.
+  x = jsparse.SparseTensor.from_coords(np.array([[0, 1, 1, 1], [0, 2, 2, 2]]), np.ones((2, 3), np.float32), (4, 4, 4))
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), x, x.replace(num=1))
+  text = repr(stacked)
+  assert "num=[2, 1]" in text and "capacity=128" in text and "stacked=(2,)" in text
+  assert repr(x) == ("SparseTensor(num=2, capacity=128, channels=3, dtype=float32, spatial_shape=(4, 4, 4), "
+                     "batch_size=1)")

@@ -346,6 +346,14 @@ class SparseTensor:
 
   def __post_init__(self, caches):
     object.__setattr__(self, "caches", {} if caches is None else caches)
+    # The static fields as ints, checked (a directly built tensor or replace): a list spatial_shape failed inside
+    # the ops as an unhashable jit static argument, and a short shape or a batch_size of 0 was misread silently.
+    shape = as_spatial_shape(self.spatial_shape, SPATIAL_RANKS)
+    if len(shape) != 3:
+      raise ValueError(f"a SparseTensor's spatial_shape has 3 extents (a 2D tensor's is (1, H, W), a 1D one's "
+                       f"(1, 1, L)), got {self.spatial_shape!r}")
+    object.__setattr__(self, "spatial_shape", shape)
+    object.__setattr__(self, "batch_size", as_int(self.batch_size, "batch_size", minimum=1))
     ndim = self.spatial_ndim
     if ndim not in SPATIAL_RANKS or isinstance(ndim, bool):
       raise ValueError(f"spatial_ndim must be 1, 2 or 3, got {ndim!r}")

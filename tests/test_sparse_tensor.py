@@ -116,3 +116,24 @@ def test_repr_of_stacked_tensors():
   assert "num=[2, 1]" in text and "capacity=128" in text and "stacked=(2,)" in text
   assert repr(x) == ("SparseTensor(num=2, capacity=128, channels=3, dtype=float32, spatial_shape=(4, 4, 4), "
                      "batch_size=1)")
+
+
+def test_direct_construction_checks_static_metadata():
+  # Building the pytree directly (the route under jit) or replacing its static fields took any value: a list
+  # spatial_shape failed inside add as an unhashable jit static argument, a short one in todense's unpacking,
+  # and batch_size=0 made a tensor whose every row fell outside the batch.
+  coords = jnp.array([[0, 1, 1, 1], [1, 2, 2, 2], [-1, -1, -1, -1]], jnp.int32)
+  feats = jnp.ones((3, 2))
+  x = jsparse.SparseTensor(coords, feats, jnp.int32(2), [4, 4, 4], 2)
+  assert x.spatial_shape == (4, 4, 4) and int(jsparse.add(x, x).num) == 2
+  assert jsparse.SparseTensor(coords, feats, 2, (np.int64(4), 4, 4), np.int64(2)).batch_size == 2
+  with pytest.raises(ValueError, match="spatial_shape"):
+    jsparse.SparseTensor(coords, feats, jnp.int32(2), (4, 4), 2)
+  with pytest.raises(ValueError, match="spatial_shape"):
+    jsparse.SparseTensor(coords, feats, jnp.int32(2), (4, 0, 4), 2)
+  with pytest.raises(TypeError, match="batch_size"):
+    jsparse.SparseTensor(coords, feats, jnp.int32(2), (4, 4, 4), 2.0)
+  with pytest.raises(ValueError, match="batch_size"):
+    x.replace(batch_size=0)
+  with pytest.raises(ValueError, match="spatial_shape"):
+    x.replace(spatial_shape=(4, 4))

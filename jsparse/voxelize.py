@@ -467,6 +467,7 @@ def devoxelize(x: SparseTensor, point_rows: ArrayLike) -> jax.Array:
   coordinates, e.g. the output of submanifold layers on it), or `jsparse.sampling.lookup_rows`. For points
   without a voxel index, `grid_sample(x, points, "nearest", voxel_size=, origin=)` finds the same voxels by
   coordinates. Jit-able; the gradient with respect to x.feats sums each voxel's points (no scatter-add).
+  Rows >= x.capacity raise ValueError outside jit; under jit they read zeros (`jsparse.error_checks()` reports them).
   """
   check_sparse_tensor(x)
   rows = jnp.asarray(point_rows)
@@ -476,4 +477,9 @@ def devoxelize(x: SparseTensor, point_rows: ArrayLike) -> jax.Array:
     largest = int(np.max(np.asarray(point_rows)))  # on the host: under an outer jit too
     if largest >= x.capacity:
       raise ValueError(f"point_rows has row {largest} but x has capacity {x.capacity}")
-  return gather_sites(x.feats, rows)
+  # Traced rows past the capacity (another tensor's) would read the clamped last row, a valid voxel when num ==
+  # capacity: they read zeros instead, and inside error_checks() checkify reports them.
+  past = jnp.sum(rows >= x.capacity, dtype=jnp.int32)
+  report(past > 0, f"devoxelize: {{rows}} point_rows are >= x's capacity {x.capacity} (rows of another tensor?); "
+         "they read zeros", rows=past)
+  return gather_sites(x.feats, jnp.where(rows < x.capacity, rows, -1))

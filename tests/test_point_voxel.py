@@ -141,3 +141,20 @@ def test_bad_arguments():
     grid_sample(x, pts, voxel_size=(1.0, 2.0))
   with pytest.raises(ValueError, match="rows"):
     gather_sites(x.feats, np.zeros((3, 2), np.int32))
+
+
+def test_devoxelize_rows_past_the_capacity_under_jit():
+  # Outside jit such rows raise; under jit the gather clamped them onto the last row, a valid voxel when
+  # num == capacity, so points got another voxel's features silently.
+  import jsparse
+  from jax.experimental import checkify
+
+  x = voxelize(np.array([[0.5, 0.5, 0.5], [1.5, 0.5, 0.5]]), np.array([[1.0], [2.0]], np.float32), voxel_size=1.0,
+               capacity="exact")
+  rows = jnp.array([0, 1, 2, 5])
+  np.testing.assert_array_equal(np.asarray(jax.jit(devoxelize)(x, rows))[:, 0], [1.0, 2.0, 0.0, 0.0])
+  with jsparse.error_checks():
+    err, _ = jax.jit(checkify.checkify(devoxelize))(x, rows)
+  assert "2 point_rows" in err.get()
+  g = jax.grad(lambda f: jnp.sum(jax.jit(devoxelize)(x.replace(feats=f), rows)))(x.feats)
+  np.testing.assert_array_equal(np.asarray(g)[:, 0], [1.0, 1.0])

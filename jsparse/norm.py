@@ -48,6 +48,15 @@ def _check_affine(name: str, value, channels: int):
     raise ValueError(f"{name} must have shape ({channels},) for {channels} channels, got {jnp.shape(value)}")
 
 
+def _checked_epsilon(epsilon) -> float:
+  """epsilon as a float: a negative or non-finite one turned every normalised row into NaN without a word."""
+  if isinstance(epsilon, (bool, np.bool_)) or not isinstance(epsilon, (int, float, np.integer, np.floating)):
+    raise TypeError(f"epsilon must be a Python number (a static constant), got {type(epsilon).__name__}")
+  if not (np.isfinite(epsilon) and epsilon >= 0):
+    raise ValueError(f"epsilon must be a finite number >= 0, got {epsilon!r}")
+  return float(epsilon)
+
+
 def activation(x: SparseTensor, fn: Callable[[jax.Array], jax.Array]) -> SparseTensor:
   """`fn` applied to the features of the valid rows; padding rows stay zero even where fn(0) != 0."""
   check_sparse_tensor(x)
@@ -136,6 +145,7 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
   standard deviations out costs accuracy (percents at 1e5 rows); `batch_statistics` (two passes) is exact there.
   """
   check_sparse_tensor(x)
+  epsilon = _checked_epsilon(epsilon)
   c = x.num_channels
   _check_affine("scale", scale, c)
   _check_affine("bias", bias, c)
@@ -153,7 +163,7 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
     # Inside shard_map the custom_vjp must see every input vary over the feature's mesh axes: a replicated scale
     # would otherwise get a per-device cotangent (its pcast here transposes to the psum autodiff needs).
     feats, num, s, b = same_vma(x.feats, jnp.asarray(x.num, jnp.int32), s, b)
-    y, mean, var = _batch_norm_train(feats, num, s, b, float(epsilon), activation, out_dtype, impl)
+    y, mean, var = _batch_norm_train(feats, num, s, b, epsilon, activation, out_dtype, impl)
     out = x.replace(feats=y)
     return (out, (mean, var)) if return_statistics else out
   if mean is None:
@@ -265,6 +275,7 @@ _batch_norm_train.defvjp(_batch_norm_train_fwd, _batch_norm_train_bwd)
 def layer_norm(x: SparseTensor, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None) -> SparseTensor:
   """Normalises each valid row over its channels (rows are independent, so padding cannot leak in)."""
   check_sparse_tensor(x)
+  epsilon = _checked_epsilon(epsilon)
   c = x.num_channels
   _check_affine("scale", scale, c)
   _check_affine("bias", bias, c)
@@ -333,6 +344,7 @@ def group_norm(x: SparseTensor, num_groups: int, scale=None, bias=None, *, epsil
   training step holds only the input and the output of each normalisation.
   """
   check_sparse_tensor(x)
+  epsilon = _checked_epsilon(epsilon)
   c = x.num_channels
   _check_groups(c, num_groups)
   num_groups = int(num_groups)
@@ -344,7 +356,7 @@ def group_norm(x: SparseTensor, num_groups: int, scale=None, bias=None, *, epsil
   s = jnp.ones(c, jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
   b = jnp.zeros(c, jnp.float32) if bias is None else jnp.asarray(bias, jnp.float32)
   feats, one_hot, s, b = same_vma(x.feats, per_item.item_one_hot(x), s, b)
-  y = _group_norm_unit(feats, one_hot, s, b, num_groups, float(epsilon), activation, out_dtype)
+  y = _group_norm_unit(feats, one_hot, s, b, num_groups, epsilon, activation, out_dtype)
   return x.replace(feats=y)
 
 

@@ -219,6 +219,14 @@ def test_batch_norm_bad_arguments():
     norm.batch_norm(x, mean=jnp.zeros(3))
   with pytest.raises(TypeError, match="SparseTensor"):
     norm.batch_norm(x.feats)
+  # A negative or non-finite epsilon made every row NaN; a traced one is not a static constant.
+  for op in (norm.batch_norm, norm.layer_norm, lambda x, **kw: norm.group_norm(x, 1, **kw)):
+    for eps in (-1e-3, float("nan"), float("inf")):
+      with pytest.raises(ValueError, match="epsilon"):
+        op(x, epsilon=eps)
+    with pytest.raises(TypeError, match="epsilon"):
+      op(x, epsilon=jnp.float32(1e-5))
+    assert np.all(np.isfinite(np.asarray(op(x, epsilon=0).feats[: int(x.num)])))
 
 
 def _garbage_padding(x):

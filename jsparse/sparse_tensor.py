@@ -198,13 +198,18 @@ def check_same_sites(op: str, what: str, coords, num, like_coords, like_num, hin
   """Reports (`report`) that `what` (a map or tensor with coords/num) is on other sites than the input.
 
   Identical arrays pass without a comparison (the usual case: a map carried with its tensor); concrete ones
-  are compared (ValueError), traced ones only inside `error_checks()` (free otherwise).
+  are compared (ValueError), traced ones only inside `error_checks()` (free otherwise). Only the valid rows'
+  coordinates count: padding rows' are read by no op.
   """
   if coords is like_coords and num is like_num:
     return
   if is_traced(coords, num, like_coords, like_num) and not _ERROR_CHECKS.value:
     return
-  same = jnp.array_equal(coords, like_coords) & (num == like_num)
+  if jnp.shape(coords) != jnp.shape(like_coords):
+    same = jnp.asarray(False)
+  else:  # valid rows only: no op reads a padding row's coordinates, and ops leave different ones there
+    valid = jnp.arange(jnp.shape(coords)[0]) < jnp.reshape(like_num, ())
+    same = jnp.all((coords == like_coords) | ~valid[:, None]) & (num == like_num)
   report(jnp.logical_not(same), f"{op}: {what} is on other coordinates than the input (its coords or num differ: "
          f"num {{num}} vs {{like_num}}){hint}", num=num, like_num=like_num)
 

@@ -272,6 +272,11 @@ def test_concat_of_other_coordinates_under_jit():
   cat = lambda a, b: jsparse.concat(a, b).feats
   assert "concat: b is on other coordinates" in _error(cat, x, other)
   assert _error(cat, x, x.replace(feats=x.feats * 2)) is None
+  # Padding rows' coordinates are read by no op: other values there are the same sites, jitted or not.
+  assert int(x.num) < x.capacity
+  repadded = x.replace(coords=jnp.where(jnp.arange(x.capacity)[:, None] < x.num, x.coords, 7))
+  assert _error(cat, x, repadded) is None
+  np.testing.assert_array_equal(np.asarray(cat(x, repadded)), np.asarray(cat(x, x)))
   jax.jit(cat)(x, other)  # without checkify it runs (trusted)
   with pytest.raises(ValueError, match="coords"):
     cat(x, other)

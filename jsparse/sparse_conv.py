@@ -463,8 +463,9 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
     cache = pair_map(x, ks, stride, padding, dilation, out_capacity, implementation=implementation,
                      op="sparse_conv3d")
   elif (cache.geom != geometry(x.spatial_shape, ks, stride, padding, dilation)
-        or cache.in_capacity != x.capacity):
-    raise ValueError("cache was built for another geometry or input capacity than this convolution")
+        or cache.in_capacity != x.capacity or cache.batch_size != x.batch_size):
+    # The output takes the map's batch_size: another one would change the output's grid without a word.
+    raise ValueError("cache was built for another geometry, input capacity or batch_size than this convolution")
   elif check_capacity(out_capacity, "out_capacity") not in (None, EXACT, cache.out_capacity):
     # The map fixes the output rows: an out_capacity it does not have would be ignored without a word.
     raise ValueError(f"sparse_conv3d: out_capacity={out_capacity} but the cache (a PairMap) has "

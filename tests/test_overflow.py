@@ -280,3 +280,15 @@ def test_concat_of_other_coordinates_under_jit():
   jax.jit(cat)(x, other)  # without checkify it runs (trusted)
   with pytest.raises(ValueError, match="coords"):
     cat(x, other)
+
+
+def test_pair_map_cache_of_another_batch_size():
+  """sparse_conv3d with a PairMap `cache` built on the same coordinates under another batch_size: the output
+  took the map's batch_size (a grid other than its input's, without a word); it raises ValueError."""
+  x = _x(seed=13)
+  w = _w((2, 2, 2, CHANNELS, 2))
+  pm = jsparse.sparse_conv.pair_map(x, 2, 2, implementation="xla")
+  wider = jsparse.SparseTensor(x.coords, x.feats, x.num, x.spatial_shape, x.batch_size + 1)
+  with pytest.raises(ValueError, match="cache .* batch_size"):
+    jsparse.sparse_conv3d(wider, w, stride=2, cache=pm, implementation="xla")
+  assert jsparse.sparse_conv3d(x, w, stride=2, cache=pm, implementation="xla").batch_size == x.batch_size

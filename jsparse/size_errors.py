@@ -40,7 +40,12 @@ class SizeError(ValueError):
     def quote(value):
       if isinstance(value, WeightShape):
         return value.in_rank(ndim)
-      return tuple(value[3 - ndim:]) if isinstance(value, tuple) else value
+      if not isinstance(value, tuple):
+        return value
+      # A lifted size has 1 (kernel, stride, dilation, extent) or 0 (padding) on the axes the op added; other
+      # entries there come from a 3D caller's sizes (a map built on the 3D view): quoted whole, or the message
+      # would compare two sizes that read the same.
+      return tuple(value[3 - ndim:]) if all(v in (0, 1) for v in value[:3 - ndim]) else value
 
     return self.template.format(ndim=ndim, **{name: quote(value) for name, value in self.values.items()})
 

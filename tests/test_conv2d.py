@@ -399,6 +399,9 @@ def _rank_error_cases(nd):
       ("cache", lambda: sub(x, w(K(3)), cache=jsparse.neighbor_map(x, 5)),
        f"kernel_size={K(5)}, dilation={K(1)}, capacity={x.capacity} but this conv has kernel_size={K(3)}, "
        f"dilation={K(1)}"),
+      # A map built on the 3D view (kernel 3x3x3) quotes its 3 entries: in the rank it read the same as the op's.
+      ("cache of the 3D view", lambda: sub(x, w(K(3)), cache=jsparse.neighbor_map(x.replace(spatial_ndim=3), 3)),
+       f"kernel_size={(3, 3, 3)}, dilation={K(1)}, capacity={x.capacity} but this conv has kernel_size={K(3)}"),
       ("stride 0", lambda: conv(x, w(K(3)), stride=0), f"stride must be >= 1, got {K(0)}"),
       ("padding -1", lambda: conv(x, w(K(3)), padding=-1), f"padding must be >= 0, got {K(-1)}"),
       ("empty output grid", lambda: conv(x, w(K(15))), empty_conv),

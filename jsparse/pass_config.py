@@ -249,7 +249,18 @@ class ShapeKey:
     if match is None:
       raise ValueError(f"table keys look like 'forward/n1024/ci32/co64/v27/float32', got {text!r}")
     p, rows, cin, cout, v, groups, dtype = match.groups()
-    return cls(p, int(rows), int(cin), int(cout), int(v), jnp.dtype(dtype).name, int(groups or 1))
+    # `lookup` asks only for keys that `of` makes: one it cannot make (rows not a bucket, a zero size or group
+    # count, groups not dividing the channels, a dtype that is no float) would sit in a table, never used.
+    try:
+      dtype = jnp.dtype(dtype)
+    except TypeError:
+      dtype = None
+    rows, cin, cout, v, groups = int(rows), int(cin), int(cout), int(v), int(groups or 1)
+    if (dtype is None or not jnp.issubdtype(dtype, jnp.floating) or rows != row_bucket(rows)
+        or min(cin, cout, v, groups) < 1 or cin % groups or cout % groups):
+      raise ValueError(f"table key {text!r} is no convolution's: rows a power of two, sizes and groups >= 1, "
+                       "groups dividing ci and co, a floating dtype")
+    return cls(p, rows, cin, cout, v, dtype.name, groups)
 
   def __str__(self) -> str:
     groups = f"/g{self.groups}" if self.groups > 1 else ""
@@ -304,7 +315,7 @@ def config_from_json(d: dict, key: str = "entry") -> PassConfig:
   if "algorithm" not in d:
     raise ValueError(f"{key}: missing field 'algorithm' (one of {tuple(REGISTRY)})")
   kind = d["algorithm"]
-  if kind not in REGISTRY:
+  if not isinstance(kind, str) or kind not in REGISTRY:  # a list is unhashable: TypeError naming no entry
     raise ValueError(f"{key}: algorithm must be one of {tuple(REGISTRY)}, got {kind!r}")
   extra = sorted(set(d) - {"algorithm", "tiles"})
   if extra:

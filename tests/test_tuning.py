@@ -59,6 +59,17 @@ def test_shape_key_buckets_rows_and_keeps_the_rest_exact():
       ShapeKey.parse(bad)
   with pytest.raises(ValueError, match="pass"):
     ShapeKey.of("backward", 1, 1, 1, 1, jnp.float32)
+  # Keys that `of` never makes (lookup would never find them: a table entry silently unused) and dtypes that are
+  # no float's (numpy's TypeError named no key) are refused.
+  for bad in ("forward/n1000/ci32/co64/v27/float32", "forward/n0/ci32/co64/v27/float32",
+              "forward/n1024/ci32/co64/v0/float32", "forward/n1024/ci32/co64/v27/g0/float32",
+              "forward/n1024/ci32/co64/v27/g3/float32", "forward/n1024/ci32/co64/v27/int8",
+              "forward/n1024/ci32/co64/v27/floot32"):
+    with pytest.raises(ValueError, match="table key"):
+      ShapeKey.parse(bad)
+  with pytest.raises(ValueError, match="f.json: table key 'forward/n1000"):
+    jsparse.ConfigTable.from_json('{"schema": 2, "entries": {"forward/n1000/ci32/co64/v27/float32": '
+                                  '{"algorithm": "explicit"}}}', source="f.json")
 
 
 def test_config_table_json_round_trip(tmp_path):
@@ -131,6 +142,8 @@ def test_config_json_rejects_bad_entries():
   assert pass_config.config_from_json({"algorithm": "explicit"}) == Explicit()
   with pytest.raises(ValueError, match="algorithm"):
     pass_config.config_from_json({"algorithm": "fastest", "tiles": tiles})
+  with pytest.raises(ValueError, match="entry: algorithm"):
+    pass_config.config_from_json({"algorithm": ["masked"], "tiles": tiles})
   with pytest.raises(ValueError, match="algorithm"):  # schema 2 names the kind; split-K is a tile field
     pass_config.config_from_json({"algorithm": "masked_splitk", "tiles": tiles})
   with pytest.raises(ValueError, match="block_m"):

@@ -59,6 +59,8 @@ def submconv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
                         algorithm, feature_group_count)
   key = cache_key(spec.kernel_size, spec.dilation, spec.implementation)
   passed = cache is not None
+  if passed and not isinstance(cache, NeighborCache):  # e.g. x.caches or a strided convolution's PairMap
+    raise TypeError(f"cache must be a NeighborCache (from jsparse.neighbor_map) or None, got {type(cache).__name__}")
   if cache is None:
     cache = x.caches.get(key)
   if cache is None:

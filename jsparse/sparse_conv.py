@@ -462,6 +462,9 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   if cache is None:
     cache = pair_map(x, ks, stride, padding, dilation, out_capacity, implementation=implementation,
                      op="sparse_conv3d")
+  elif not isinstance(cache, PairMap):  # e.g. y.caches or a submanifold NeighborCache
+    raise TypeError(f"cache must be a PairMap (from jsparse.sparse_conv.pair_map) or None, got "
+                    f"{type(cache).__name__}")
   elif (cache.geom != geometry(x.spatial_shape, ks, stride, padding, dilation)
         or cache.in_capacity != x.capacity or cache.batch_size != x.batch_size):
     # The output takes the map's batch_size: another one would change the output's grid without a word.

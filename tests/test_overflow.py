@@ -292,3 +292,17 @@ def test_pair_map_cache_of_another_batch_size():
   with pytest.raises(ValueError, match="cache .* batch_size"):
     jsparse.sparse_conv3d(wider, w, stride=2, cache=pm, implementation="xla")
   assert jsparse.sparse_conv3d(x, w, stride=2, cache=pm, implementation="xla").batch_size == x.batch_size
+
+
+def test_cache_of_the_wrong_kind():
+  """A cache that is not the op's kind of map (the tensor's caches dict, the other op's map, an array) raised
+  AttributeError from inside the op; it is a TypeError naming `cache`."""
+  x = _x(seed=14)
+  nc = jsparse.neighbor_map(x, 3, implementation="xla")
+  pm = jsparse.sparse_conv.pair_map(x, 2, 2, implementation="xla")
+  for wrong in (pm, {"k": nc}, nc.nbr):
+    with pytest.raises(TypeError, match="cache must be a NeighborCache"):
+      jsparse.submconv3d(x, _w((3, 3, 3, CHANNELS, 2)), cache=wrong, implementation="xla")
+  for wrong in (nc, {"k": pm}):
+    with pytest.raises(TypeError, match="cache must be a PairMap"):
+      jsparse.sparse_conv3d(x, _w((2, 2, 2, CHANNELS, 2)), stride=2, cache=wrong, implementation="xla")

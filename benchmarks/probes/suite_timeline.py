@@ -5,8 +5,9 @@
 The suite reports one time per side. Where a row loses, this says where: each launch of one call with its median
 duration over `--calls` calls (each call waited for before the next, so no two calls' kernels overlap), then the
 totals by kernel family, and where a call's wall time goes: its kernels, the GPU's idle time between them
-(first kernel start to last kernel end, less the kernels), and the host's part (wall time less that span). jsparse's side is traced with the JAX profiler (`networks.trace_kernels`), FlexGEMM's
-with `torch.profiler`, after the same warm-up (FlexGEMM autotunes on its first calls).
+(first kernel start to last kernel end, less the kernels), and the host's part (wall time less that span).
+jsparse's side is traced with the JAX profiler (`networks.trace_kernels`), FlexGEMM's with `torch.profiler`,
+after the same warm-up (FlexGEMM autotunes on its first calls).
 """
 from __future__ import annotations
 

@@ -224,6 +224,14 @@ def pair_list_chunk_rows(num_lists: int) -> int:
   return min(1024, max(32, PAIR_LIST_TILE_ELEMENTS // width))
 
 
+def _checked_chunk_rows(num_lists: int, chunk_rows, op: str) -> int:
+  """chunk_rows, or `pair_list_chunk_rows` for None; anything but a power of two is refused, naming `op`."""
+  chunk = pair_list_chunk_rows(num_lists) if chunk_rows is None else chunk_rows
+  if not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
+    raise ValueError(f"{op}: chunk_rows must be a power of two, got {chunk_rows!r}")
+  return chunk
+
+
 def _num_lists(num_offsets: int, mirrored: bool) -> int:
   return (num_offsets + 1) // 2 if mirrored and num_offsets > 1 else num_offsets
 
@@ -255,9 +263,7 @@ def pair_lists(nbr: jax.Array, mirrored: bool = False, *, interpret: bool = Fals
   nbr = nbr.astype(jnp.int32)
   cap, num_offsets = nbr.shape
   lists = _num_lists(num_offsets, mirrored)
-  chunk = pair_list_chunk_rows(lists) if chunk_rows is None else chunk_rows
-  if not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
-    raise ValueError(f"pair_lists: chunk_rows must be a power of two, got {chunk_rows!r}")
+  chunk = _checked_chunk_rows(lists, chunk_rows, "pair_lists")
   width = max(2, pl.next_power_of_2(lists))
   tile = functools.partial(_map_tile, chunk=chunk, num_lists=lists, width=width)
   return _partitioned_lists((nbr,), tile, cap, chunk, num_offsets, lists, width, interpret, num_warps)
@@ -283,9 +289,7 @@ def pair_lists_from_plan(plan: MaskedPlan, mirrored: bool = False, *, interpret:
     raise ValueError(f"pair_lists_from_plan: plan arrays of mismatched shapes: order {plan.order.shape}, "
                      f"block_offsets {plan.block_offsets.shape}, block_rows {plan.block_rows.shape}")
   lists = _num_lists(num_offsets, mirrored)
-  chunk = pair_list_chunk_rows(lists) if chunk_rows is None else chunk_rows
-  if not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
-    raise ValueError(f"pair_lists_from_plan: chunk_rows must be a power of two, got {chunk_rows!r}")
+  chunk = _checked_chunk_rows(lists, chunk_rows, "pair_lists_from_plan")
   width = max(2, pl.next_power_of_2(lists))
   tile = functools.partial(_plan_rows_tile, chunk=chunk, block_m=block_m, num_lists=lists, width=width)
   return _partitioned_lists((plan_positions(plan), offset_slots(plan), plan.block_rows), tile, cap, chunk,

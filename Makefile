@@ -29,9 +29,11 @@ lint:
 	$(PY) -m ruff check .
 
 # On a GPU machine (jax with CUDA already installed there): the real Triton kernels against the XLA path.
+# Several workers share the one GPU: a GPU test's time is mostly compiling its Triton programs, on one CPU core.
+GPU_TEST_WORKERS ?= 8
 gpu-test:
 	python3 -m pip install -e . --no-deps -q
-	python3 -m pytest -m gpu tests -q
+	python3 -m pytest -m gpu tests -q -n $(GPU_TEST_WORKERS)
 
 # On a GPU machine: the benchmark suite side by side with FlexGEMM (see BENCHMARKS.md).
 bench:

@@ -10,6 +10,7 @@
 #   SUITE_ARGS="--rows 0,1,2 --dtypes fp16"   extra arguments of python -m benchmarks.suite
 #   KERNELS_ARGS="--sections gemm"            extra arguments of python -m benchmarks.kernels
 #   TESTS_ARGS="-k hash"                      extra pytest arguments
+#   GPU_TEST_WORKERS=8                        pytest-xdist workers sharing the GPU (compiling is most of a test)
 #   TUNE_ARGS="--dtypes fp16"                 extra arguments of python -m benchmarks.tune_table
 #   MEMORY_ARGS="--rows 1,2"                  extra arguments of python -m benchmarks.probes.memory_probe
 #   TESTS_TIMEOUT / SMOKE_TIMEOUT / SUITE_TIMEOUT / KERNELS_TIMEOUT   per-step limits in seconds
@@ -94,7 +95,7 @@ for i in "${!steps[@]}"; do
     tests)
       # shellcheck disable=SC2086
       run_step tests "$OUT/gpu_tests.log" "$(limit "${TESTS_TIMEOUT:-300}")" \
-        "$PY" -m pytest -m gpu tests -x -q --ignore=tests/test_notebooks.py $TESTS_ARGS ;;
+        "$PY" -m pytest -m gpu tests -x -q -n "${GPU_TEST_WORKERS:-8}" --ignore=tests/test_notebooks.py $TESTS_ARGS ;;
     suite)
       # Without SUITE_TIMEOUT the suite gets what is left, less KERNELS_TIMEOUT (default 240 s) if kernels follows.
       reserve=0; [[ "$later" == *" kernels "* ]] && reserve=${KERNELS_TIMEOUT:-240}

@@ -12,6 +12,11 @@ import pytest
 # so tests that count a function's compilations (`_cache_size()`) passed or failed with test order. Importing it
 # up front makes the key the same for every call.
 
+# On a GPU the tests run in several pytest-xdist workers on one device (`make gpu-test`): each process then takes
+# device memory as it needs it, rather than the three quarters of the GPU that JAX takes up front by default
+# (the second worker would find none left). Set before the backend starts, below.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 # Off the GPU the suite's time is mostly XLA compiling small programs (Pallas kernels in interpret mode above
 # all), each run a few times on tiny inputs: ask XLA for less optimisation work (LLVM -O0, no expensive passes;
 # about 25-30% less CPU time per test). The programs compute the same values; only their compiled code is

@@ -94,7 +94,7 @@ for i in "${!steps[@]}"; do
         "$PY" -m benchmarks.kernels --smoke --out /tmp/jsparse_smoke ;;
     tests)
       # shellcheck disable=SC2086
-      run_step tests "$OUT/gpu_tests.log" "$(limit "${TESTS_TIMEOUT:-300}")" \
+      run_step tests "$OUT/gpu_tests.log" "$(limit "${TESTS_TIMEOUT:-500}")" \
         "$PY" -m pytest -m gpu tests -x -q -n "${GPU_TEST_WORKERS:-8}" --ignore=tests/test_notebooks.py $TESTS_ARGS ;;
     suite)
       # Without SUITE_TIMEOUT the suite gets what is left, less KERNELS_TIMEOUT (default 240 s) if kernels follows.

@@ -145,7 +145,7 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
     bsz, p = points.shape[:2]
     b = jnp.broadcast_to(jnp.arange(bsz, dtype=jnp.int32)[:, None], (bsz, p)).reshape(-1)
     out = grid_sample(x, points.reshape(-1, 3), mode, batch=b, voxel_size=voxel_size, origin=origin)
-    return out.reshape(bsz, p, -1)
+    return out.reshape(bsz, p, x.num_channels)  # not -1: with no points (P = 0) that size is ambiguous
   if points.ndim != 2 or points.shape[1] != 3:
     raise ValueError(f"points must be [P, 3] or [B, P, 3], got shape {points.shape}")
   vs, org = world_frame(voxel_size, origin, points.dtype)
@@ -175,7 +175,7 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   cf = corners.astype(uc.dtype)
   w = jnp.prod(jnp.where(cf[None] > 0, frac[:, None, :], 1 - frac[:, None, :]), axis=-1)  # [P, 8]
   w = jnp.where(rows >= 0, w, 0).astype(x.feats.dtype)
-  vals = gather_sites(x.feats, rows.reshape(-1)).reshape(n, 8, -1)  # [P, 8, C]
+  vals = gather_sites(x.feats, rows.reshape(-1)).reshape(n, 8, x.num_channels)  # [P, 8, C]; -1 failed at P = 0
   # Elementwise (no TF32 matmul on GPUs), accumulated in float32 for half-precision features.
   blended = jnp.sum(w.astype(jnp.float32)[..., None] * vals.astype(jnp.float32), axis=1)
   return blended.astype(x.feats.dtype)

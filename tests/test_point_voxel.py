@@ -158,3 +158,15 @@ def test_devoxelize_rows_past_the_capacity_under_jit():
   assert "2 point_rows" in err.get()
   g = jax.grad(lambda f: jnp.sum(jax.jit(devoxelize)(x.replace(feats=f), rows)))(x.feats)
   np.testing.assert_array_equal(np.asarray(g)[:, 0], [1.0, 1.0])
+
+
+@pytest.mark.parametrize("mode", ["trilinear", "nearest"])
+def test_grid_sample_with_no_points(mode):
+  # Reshapes by -1 raised ZeroDivisionError at P = 0 (trilinear, and [B, 0, 3] points in either mode).
+  pts, feats, batch = _cloud(n=50)
+  x = voxelize(pts, feats, voxel_size=VOXEL, origin=ORIGIN, batch=batch, batch_size=2)
+  assert grid_sample(x, np.zeros((0, 3), np.float32), mode).shape == (0, 4)
+  assert grid_sample(x, np.zeros((2, 0, 3), np.float32), mode).shape == (2, 0, 4)
+  assert jax.jit(lambda p: grid_sample(x, p, mode))(jnp.zeros((0, 3))).shape == (0, 4)
+  g = jax.grad(lambda f: jnp.sum(grid_sample(x.replace(feats=f), jnp.zeros((0, 3)), mode)))(x.feats)
+  assert np.all(np.asarray(g) == 0)

@@ -59,12 +59,15 @@ def _check_key_range(batch_size, spatial_shape) -> int:
 
 
 def _prepare_feats(feats, n, xp=jnp):
-  """feats as [n, C] floating point (xp: jnp, or np for a host copy); ValueError naming the shape."""
+  """feats as [n, C] floating point (xp: jnp, or np for a host copy); ValueError naming the shape, TypeError for
+  complex feats."""
   feats = xp.asarray(feats)
   if feats.ndim == 1:
     feats = feats[:, None]
   if feats.ndim != 2 or feats.shape[0] != n:
     raise ValueError(f"feats must be [N={n}, C], got shape {feats.shape}")
+  if jnp.issubdtype(feats.dtype, jnp.complexfloating):  # kept as complex, the tensor failed later, far from here
+    raise TypeError(f"feats must be real (integers and bools are taken as float32), got dtype {feats.dtype}")
   if not jnp.issubdtype(feats.dtype, jnp.inexact):
     feats = feats.astype(np.float32)
   return feats

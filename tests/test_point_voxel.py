@@ -170,3 +170,15 @@ def test_grid_sample_with_no_points(mode):
   assert jax.jit(lambda p: grid_sample(x, p, mode))(jnp.zeros((0, 3))).shape == (0, 4)
   g = jax.grad(lambda f: jnp.sum(grid_sample(x.replace(feats=f), jnp.zeros((0, 3)), mode)))(x.feats)
   assert np.all(np.asarray(g) == 0)
+
+
+def test_complex_feats_are_refused_naming_feats():
+  # They made a complex SparseTensor, which from_coords and every layer refuse (README: no complex features).
+  pts, feats, batch = _cloud(n=50)
+  with pytest.raises(TypeError, match="feats"):
+    voxelize(pts, feats.astype(np.complex64), voxel_size=VOXEL, origin=ORIGIN)
+  with pytest.raises(TypeError, match="feats"):
+    voxelize_jit(pts, feats.astype(np.complex64), voxel_size=VOXEL, origin=ORIGIN, spatial_shape=(17, 17, 17),
+                 capacity=64)
+  x = voxelize(pts, np.arange(50), voxel_size=VOXEL, origin=ORIGIN, reduce="sum")  # integers still become float32
+  assert x.dtype == np.float32

@@ -19,25 +19,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse.sparse_tensor import SparseTensor, as_spatial_shape, key_width, round_capacity
+from jsparse.sparse_tensor import (SparseTensor, as_int, as_spatial_shape, check_capacity, key_width,
+                                   resolve_capacity)
 
 KINDS = ("sphere", "shell", "torus", "box")
 
 
-def _centres(resolution):
-  r = int(resolution)
-  if r <= 0:
-    raise ValueError(f"resolution must be positive, got {resolution}")
-  c = np.arange(r) + 0.5
+def _resolution(resolution) -> int:
+  # as_int, not int(): 8.7 became an 8-voxel grid while the default radius and centre used 8.7.
+  return as_int(resolution, "resolution", minimum=1)
+
+
+def _centres(resolution: int):
+  c = np.arange(resolution) + 0.5
   return np.meshgrid(c, c, c, indexing="ij")
 
 
+def _vec3(value, name):
+  """A scalar or 3 values as float64 [3]; ValueError naming the argument (numpy's reshape error named none)."""
+  a = np.asarray(value, np.float64)
+  if a.shape not in ((), (3,)):
+    raise ValueError(f"{name} must be a scalar or 3 values, got shape {a.shape}")
+  return np.broadcast_to(a, (3,))
+
+
 def _centre(resolution, center):
-  return np.full(3, resolution / 2.0) if center is None else np.asarray(center, np.float64).reshape(3)
+  return np.full(3, resolution / 2.0) if center is None else _vec3(center, "center")
 
 
 def sphere_mask(resolution, radius=None, center=None) -> np.ndarray:
   """Solid ball: |c - center| <= radius (default radius 0.4 * resolution, centred)."""
+  resolution = _resolution(resolution)
   radius = 0.4 * resolution if radius is None else radius
   x, y, z = _centres(resolution)
   o = _centre(resolution, center)
@@ -46,6 +58,7 @@ def sphere_mask(resolution, radius=None, center=None) -> np.ndarray:
 
 def shell_mask(resolution, radius=None, thickness=1.5, center=None) -> np.ndarray:
   """Hollow sphere: radius - thickness < |c - center| <= radius."""
+  resolution = _resolution(resolution)
   radius = 0.4 * resolution if radius is None else radius
   x, y, z = _centres(resolution)
   o = _centre(resolution, center)
@@ -56,8 +69,12 @@ def shell_mask(resolution, radius=None, thickness=1.5, center=None) -> np.ndarra
 
 def torus_mask(resolution, major=None, minor=None, center=None, axis=2) -> np.ndarray:
   """Solid torus around `axis` (0, 1 or 2): (dist to axis - major)^2 + (height)^2 <= minor^2."""
+  resolution = _resolution(resolution)
   major = 0.3 * resolution if major is None else major
   minor = 0.1 * resolution if minor is None else minor
+  axis = as_int(axis, "axis")
+  if axis not in (0, 1, 2):  # 3 raised IndexError, -1 read axis 2
+    raise ValueError(f"axis must be 0, 1 or 2, got {axis}")
   c = _centres(resolution)
   o = _centre(resolution, center)
   d = [c[i] - o[i] for i in range(3)]
@@ -71,8 +88,8 @@ def box_mask(resolution, half_size=None, center=None) -> np.ndarray:
 
   With center - half_size an integer, it holds exactly prod(2 * half_size) voxels (when inside the grid).
   """
-  half = np.full(3, 0.3 * resolution) if half_size is None else np.broadcast_to(
-      np.asarray(half_size, np.float64), (3,))
+  resolution = _resolution(resolution)
+  half = np.full(3, 0.3 * resolution) if half_size is None else _vec3(half_size, "half_size")
   c = _centres(resolution)
   o = _centre(resolution, center)
   return np.all([np.abs(c[i] - o[i]) <= half[i] for i in range(3)], axis=0)
@@ -84,8 +101,13 @@ _MASKS = dict(sphere=sphere_mask, shell=shell_mask, torus=torus_mask, box=box_ma
 def masks_to_tensor(masks, channels: int = 1, capacity=None, dtype=np.float32) -> SparseTensor:
   """Dense bool occupancy [B, X, Y, Z] (or [X, Y, Z]) -> SparseTensor with `channels` channels of ones.
 
-  capacity: None gives round_capacity(number of occupied voxels).
+  capacity: None gives round_capacity(number of occupied voxels), "exact" that number, an int that many
+  (ValueError if fewer). dtype: a floating dtype (TypeError otherwise, as from_coords).
   """
+  capacity = check_capacity(capacity)  # int() truncated 300.9 and rejected "exact" with int()'s message
+  channels = as_int(channels, "channels", minimum=0)
+  if not jnp.issubdtype(dtype, jnp.floating):  # an int32 tensor was made, which the layers refuse
+    raise TypeError(f"dtype must be floating point (float16, bfloat16, float32), got {np.dtype(dtype)}")
   m = np.asarray(masks, bool)
   if m.ndim == 3:
     m = m[None]
@@ -94,14 +116,14 @@ def masks_to_tensor(masks, channels: int = 1, capacity=None, dtype=np.float32) -
   key_width(m.shape[0], m.shape[1:])  # ValueError past the grids jsparse can key
   coords = np.argwhere(m).astype(np.int32)  # row-major: sorted by linear key, no duplicates
   n = len(coords)
-  capacity = round_capacity(n) if capacity is None else int(capacity)
+  capacity = resolve_capacity(capacity, n)
   if capacity < n:
     raise ValueError(f"capacity {capacity} is smaller than the number of sites {n}")
   # The rows are valid by construction, so pad on the host and build the tensor directly: from_coords
   # would pad with jax ops, which compile anew for every number of sites (slow when making many batches).
   coords_p = np.full((capacity, 4), -1, np.int32)
   coords_p[:n] = coords
-  feats_p = np.zeros((capacity, int(channels)), dtype)
+  feats_p = np.zeros((capacity, channels), dtype)
   feats_p[:n] = 1
   return SparseTensor(jnp.asarray(coords_p), jnp.asarray(feats_p), jnp.asarray(n, jnp.int32),
                       as_spatial_shape(m.shape[1:]), m.shape[0])
@@ -143,6 +165,16 @@ def _rng(key) -> np.random.Generator:
   return np.random.default_rng(np.asarray(data, np.uint32).ravel().tolist())
 
 
+def _check_num_shapes(num_shapes) -> tuple[int, int]:
+  """(min, max) shapes per element as ints with 0 <= min <= max; ValueError / TypeError naming num_shapes."""
+  if isinstance(num_shapes, str) or not hasattr(num_shapes, "__len__") or len(num_shapes) != 2:
+    raise TypeError(f"num_shapes must be a pair (min, max), got {num_shapes!r}")
+  lo, hi = (as_int(v, "num_shapes entries", minimum=0) for v in num_shapes)
+  if lo > hi:  # numpy's "low >= high" named no argument
+    raise ValueError(f"num_shapes must be (min, max) with min <= max, got {num_shapes!r}")
+  return lo, hi
+
+
 def _random_one(rng, resolution, kinds, num_shapes):
   r = float(resolution)
   lo, hi = num_shapes
@@ -176,7 +208,7 @@ def _check_kinds(kinds):
 
 def random_union_mask(key, resolution, *, kinds=KINDS, num_shapes=(2, 4)) -> np.ndarray:
   """Dense bool [R, R, R] union of num_shapes=(min, max) shapes of random kinds, positions and sizes."""
-  return _random_one(_rng(key), int(resolution), _check_kinds(kinds), num_shapes)
+  return _random_one(_rng(key), _resolution(resolution), _check_kinds(kinds), _check_num_shapes(num_shapes))
 
 
 def random_union(key, resolution, *, kinds=KINDS, num_shapes=(2, 4), channels=1, capacity=None,
@@ -194,9 +226,9 @@ def random_shapes(key, batch_size, resolution, *, kinds=KINDS, num_shapes=(1, 3)
   num_shapes: (min, max) shapes per element. capacity: None gives round_capacity(total voxels).
   return_dense=True returns (tensor, bool occupancy [B, R, R, R]).
   """
-  kinds = _check_kinds(kinds)
-  keys = jax.random.split(key, int(batch_size))
-  masks = np.stack([_random_one(_rng(k), int(resolution), kinds, num_shapes) for k in keys])
+  kinds, num_shapes, resolution = _check_kinds(kinds), _check_num_shapes(num_shapes), _resolution(resolution)
+  keys = jax.random.split(key, as_int(batch_size, "batch_size", minimum=1))  # int() made 2.7 two elements
+  masks = np.stack([_random_one(_rng(k), resolution, kinds, num_shapes) for k in keys])
   t = masks_to_tensor(masks, channels, capacity)
   return (t, masks) if return_dense else t
 

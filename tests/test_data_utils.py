@@ -665,3 +665,30 @@ def test_lookup_rows_wide_and_float_queries():
   np.testing.assert_array_equal(np.asarray(lookup_rows(t, q)), [-1, -1, 0, -1])
   with pytest.raises(TypeError, match="query"):
     lookup_rows(t, np.array([[0, 1.7, 1.2, 1.9]]))
+
+
+@pytest.mark.parametrize("call, error, name", [
+    (lambda: shapes.sphere(8.7), TypeError, "resolution"),  # int() made an 8-voxel grid, radius from 8.7
+    (lambda: shapes.sphere_mask("8"), TypeError, "resolution"),
+    (lambda: shapes.random_union(jax.random.key(0), -2), ValueError, "resolution"),
+    (lambda: shapes.sphere(8, channels=2.5), TypeError, "channels"),  # truncated to 2
+    (lambda: shapes.sphere(8, channels=-1), ValueError, "channels"),
+    (lambda: shapes.sphere(8, capacity=300.9), TypeError, "capacity"),  # truncated to 300
+    (lambda: shapes.sphere(8, center=[1.0, 2.0]), ValueError, "center"),
+    (lambda: shapes.box(8, half_size=[1.0, 2.0]), ValueError, "half_size"),
+    (lambda: shapes.torus(8, axis=3), ValueError, "axis"),  # IndexError
+    (lambda: shapes.torus_mask(8, axis=-1), ValueError, "axis"),  # read axis 2
+    (lambda: shapes.random_union(jax.random.key(0), 8, num_shapes=(3, 1)), ValueError, "num_shapes"),
+    (lambda: shapes.random_union(jax.random.key(0), 8, num_shapes=3), TypeError, "num_shapes"),
+    (lambda: shapes.random_shapes(jax.random.key(0), 2.7, 8), TypeError, "batch_size"),  # made 2 elements
+    (lambda: shapes.random_shapes(jax.random.key(0), 0, 8), ValueError, "batch_size"),
+    (lambda: shapes.masks_to_tensor(np.ones((4, 4, 4), bool), dtype=np.int32), TypeError, "dtype"),
+])
+def test_shape_generators_name_bad_arguments(call, error, name):
+  with pytest.raises(error, match=name):
+    call()
+
+
+def test_shape_generators_take_exact_capacity():
+  t = shapes.sphere(8, capacity="exact")  # int("exact") raised
+  assert t.capacity == int(t.num) == int(shapes.sphere_mask(8).sum())

@@ -370,10 +370,17 @@ def street_scene(key_or_seed, *, extent_m: float = 100.0, uneven_ground: bool = 
   bushes; moving cars drive in both lanes and pedestrians stand or walk on the sidewalks. The sensor
   lane (y = -1.75) is kept clear for x in [-30, 9] so that scans of up to a second of driving never start
   inside a car. uneven_ground=False gives the flat plane z = 0 (no slope, no road camber).
-  About 200 primitives with the default extent.
+  About 200 primitives with the default extent; with moving_cars > 0 extent_m must be at least 40 (cars are
+  placed up to 35 m behind the sensor).
   """
   rng = _as_rng(key_or_seed)
   extent = float(extent_m)
+  moving_cars = as_int(moving_cars, "moving_cars", minimum=0)  # int() truncated 1.5, range() ignored -1
+  pedestrians = as_int(pedestrians, "pedestrians", minimum=0)
+  # A shorter street failed inside numpy's uniform ("high - low < 0") when placing a car behind the sensor.
+  if not (np.isfinite(extent) and (extent >= 40.0 if moving_cars else extent > 0.0)):
+    raise ValueError(f"extent_m must be finite and >= 40 with moving_cars > 0 (else > 0), got {extent_m!r} with "
+                     f"moving_cars={moving_cars}")
   w = rng.uniform(5.5, 8.0)  # road half width: two lanes plus parking
   slope = rng.uniform(-0.004, 0.004) if uneven_ground else 0.0
   camber = rng.uniform(0.04, 0.12) if uneven_ground else 0.0
@@ -452,14 +459,14 @@ def street_scene(key_or_seed, *, extent_m: float = 100.0, uneven_ground: bool = 
       radii = rng.uniform((0.8, 0.8, 0.5), (2.0, 2.0, 1.0))
       ellipsoids.append(((x, side * (w + sidewalk + radii[1]), level(x)), radii, VEGETATION, rng.uniform(0.2, 0.4)))
   # Moving cars: oncoming in the left lane anywhere, ahead of or well behind the sensor in its own lane.
-  for i in range(int(moving_cars)):
+  for i in range(moving_cars):
     if i % 2:
       x, y, v = rng.uniform(-extent + 5, extent - 5), 1.75, -rng.uniform(8.0, 14.0)
     else:
       x = rng.uniform(12.0, extent - 5) if rng.uniform() < 0.6 else rng.uniform(-extent + 5, -35.0)
       y, v = -1.75, rng.uniform(8.0, 12.0)
     add_car(x, y, rng.uniform(4.2, 4.8), float(slope * x - camber * (y / w) ** 2), v)
-  for _ in range(int(pedestrians)):
+  for _ in range(pedestrians):
     x, side = rng.uniform(-extent, extent), rng.choice((-1.0, 1.0))
     y = side * (w + sidewalk * rng.uniform(0.2, 0.9))
     v = rng.choice((0.0, rng.uniform(-1.5, 1.5)))
@@ -491,7 +498,7 @@ def beam_elevations(beams: int, elevation_deg=(-24.9, 2.0), layout: str = "split
   horizon, where distant objects are), the other half spread over the rest.
   """
   lo, hi = (float(e) for e in elevation_deg)
-  beams = int(beams)
+  beams = as_int(beams, "beams")  # int() truncated 2.5
   if beams < 1 or not lo < hi:
     raise ValueError(f"need beams >= 1 and elevation_deg=(low, high) with low < high, got {beams}, {elevation_deg}")
   if layout == "uniform" or beams < 4:
@@ -736,15 +743,16 @@ def lidar_scan(scene: StreetScene, *, beams: int = 64, azimuth_step_deg: float =
   standard deviation intensity_noise, clipped to [0, 1].
   """
   rng = _as_rng(seed)
-  if int(sweeps) < 1 or azimuth_step_deg <= 0 or max_range_m <= 0:
-    raise ValueError(f"need sweeps >= 1, azimuth_step_deg > 0, max_range_m > 0; got {sweeps}, "
-                     f"{azimuth_step_deg}, {max_range_m}")
+  sweeps = as_int(sweeps, "sweeps", minimum=1)  # int() truncated 1.5
+  # NaN passed the <= 0 tests: a NaN step failed in int(round(...)), a NaN range gave no points.
+  if not (np.isfinite(azimuth_step_deg) and azimuth_step_deg > 0 and np.isfinite(max_range_m) and max_range_m > 0):
+    raise ValueError(f"need azimuth_step_deg > 0 and max_range_m > 0, finite; got {azimuth_step_deg}, {max_range_m}")
   elevations = beam_elevations(beams, elevation_deg, beam_layout)
   n_cols = max(int(round(360.0 / azimuth_step_deg)), 1)
   step = 2 * np.pi / n_cols
   reflectivity = scene.reflectivity
   labels = scene.labels
-  times = -sweep_interval_s * np.arange(int(sweeps) - 1, -1, -1, dtype=np.float64)
+  times = -sweep_interval_s * np.arange(sweeps - 1, -1, -1, dtype=np.float64)
   positions = np.stack([times * ego_speed_mps, np.full_like(times, scene.ego_lane_y_m), np.zeros_like(times)], 1)
   positions[:, 2] = scene.ground_height(positions[:, 0], positions[:, 1]) + sensor_height_m
   parts = []
@@ -794,8 +802,11 @@ def lidar_voxels(points, intensity=None, *, voxel_size=(0.05, 0.05, 0.1),
   if p.ndim != 2 or p.shape[1] != 3:
     raise ValueError(f"points must be [N, 3], got shape {p.shape}")
   pcr = np.asarray(point_cloud_range, np.float64)
-  vs = np.broadcast_to(np.asarray(voxel_size, np.float64), (3,))
-  if pcr.shape != (6,) or np.any(vs <= 0) or np.any(pcr[3:] <= pcr[:3]):
+  vs = np.asarray(voxel_size, np.float64)
+  vs = np.broadcast_to(vs, (3,)) if vs.shape in ((), (3,)) else vs
+  # NaN passed the <= tests and gave an empty result; a voxel_size of 2 values failed in numpy's broadcast.
+  if (pcr.shape != (6,) or vs.shape != (3,) or not np.all(np.isfinite(pcr)) or not np.all(np.isfinite(vs) & (vs > 0))
+      or np.any(pcr[3:] <= pcr[:3])):
     raise ValueError(f"need point_cloud_range (6 values, min < max) and positive voxel_size, got "
                      f"{point_cloud_range}, {voxel_size}")
   shape = np.maximum(np.round((pcr[3:] - pcr[:3]) / vs).astype(np.int64), 1)
@@ -803,7 +814,11 @@ def lidar_voxels(points, intensity=None, *, voxel_size=(0.05, 0.05, 0.1),
   idx = np.floor((p - pcr[:3]) / vs).astype(np.int64)
   keep = np.all((p >= pcr[:3]) & (p < pcr[3:]) & (idx >= 0) & (idx < shape), axis=1)
   p, idx = p[keep], idx[keep]
-  per_point = p if intensity is None else np.c_[p, np.asarray(intensity, np.float64).reshape(-1)[keep]]
+  if intensity is not None:
+    intensity = np.asarray(intensity, np.float64).reshape(-1)
+    if intensity.shape != keep.shape:  # a boolean-index IndexError named neither argument
+      raise ValueError(f"intensity must have one value per point ({keep.shape[0]}), got shape {intensity.shape}")
+  per_point = p if intensity is None else np.c_[p, intensity[keep]]
   keys = (idx[:, 0] * shape[1] + idx[:, 1]) * shape[2] + idx[:, 2]
   unique, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
   feats = np.stack([np.bincount(inverse, weights=f, minlength=len(unique)) for f in per_point.T], axis=1)
@@ -844,10 +859,12 @@ def lidar_batch(seed: int, batch_size: int | None = None, *, preset: str = "100k
   settings = dict(LIDAR_PRESETS[preset])
   preset_batch = settings.pop("batch_size")
   settings.update(scan_options)
-  batch_size = preset_batch if batch_size is None else int(batch_size)
+  # as_int, not int(): 1.7 made one scan, seed 1.5 seed 1.
+  batch_size = preset_batch if batch_size is None else as_int(batch_size, "batch_size", minimum=1)
+  seed = as_int(seed, "seed", minimum=0)
   coords, feats, shape = [], [], None
   for i in range(batch_size):
-    scene_seed, scan_seed = np.random.SeedSequence([int(seed), i]).spawn(2)
+    scene_seed, scan_seed = np.random.SeedSequence([seed, i]).spawn(2)
     scene = street_scene(np.random.default_rng(scene_seed), **(scene_options or {}))
     scan = lidar_scan(scene, seed=np.random.default_rng(scan_seed), **settings)
     c, f, shape = lidar_voxels(scan.points, scan.intensity, voxel_size=voxel_size,

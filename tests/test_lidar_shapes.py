@@ -222,3 +222,34 @@ def test_100k_preset_lands_near_100k():
   coords, _, shape = lidar_batch(0)
   assert shape == (1408, 1600, 40)
   assert 70_000 <= len(coords) <= 130_000, len(coords)
+
+
+_PTS = np.random.default_rng(0).uniform(0, 10, (50, 3))
+_GRID = dict(voxel_size=1.0, point_cloud_range=(0, 0, 0, 10, 10, 10))
+
+
+@pytest.mark.parametrize("call, error, name", [
+    (lambda: street_scene(0, extent_m=20.0), ValueError, "extent_m"),  # numpy's "high - low < 0"
+    (lambda: street_scene(0, extent_m=np.nan), ValueError, "extent_m"),
+    (lambda: street_scene(0, moving_cars=1.5), TypeError, "moving_cars"),  # truncated to 1
+    (lambda: street_scene(0, pedestrians=-1), ValueError, "pedestrians"),  # range(-1): none, silently
+    (lambda: shapes.beam_elevations(2.5), TypeError, "beams"),  # truncated to 2
+    (lambda: lidar_scan(street_scene(0), sweeps=1.5), TypeError, "sweeps"),  # truncated to 1
+    (lambda: lidar_scan(street_scene(0), azimuth_step_deg=np.nan), ValueError, "azimuth_step_deg"),
+    (lambda: lidar_scan(street_scene(0), max_range_m=np.nan), ValueError, "max_range_m"),  # gave no points
+    (lambda: lidar_voxels(_PTS, **{**_GRID, "voxel_size": np.nan}), ValueError, "voxel_size"),  # no voxels
+    (lambda: lidar_voxels(_PTS, **{**_GRID, "point_cloud_range": (0, 0, np.nan, 10, 10, 10)}), ValueError,
+     "point_cloud_range"),
+    (lambda: lidar_voxels(_PTS, **{**_GRID, "voxel_size": (1.0, 1.0)}), ValueError, "voxel_size"),
+    (lambda: lidar_voxels(_PTS, np.ones(5), **_GRID), ValueError, "intensity"),  # IndexError
+    (lambda: lidar_batch(0, 1.7, **COARSE), TypeError, "batch_size"),  # one scan
+    (lambda: lidar_batch(1.5, 1, **COARSE), TypeError, "seed"),  # seed 1
+])
+def test_lidar_generators_name_bad_arguments(call, error, name):
+  with pytest.raises(error, match=name):
+    call()
+
+
+def test_short_streets_without_moving_cars():
+  assert street_scene(0, extent_m=10.0, moving_cars=0).num_primitives > 0
+  street_scene(0, extent_m=40.0)  # the shortest street that fits the cars behind the sensor

@@ -91,12 +91,19 @@ def lookup_rows(x: SparseTensor, query, ok=None) -> jax.Array:
   """
   check_sparse_tensor(x)
   query = int32_values(query, "query")  # clipped, not wrapped: a wide out-of-grid query stays out of the grid
+  # Checked here: [N, 3] queries failed in a reshape, with a TypeError naming no argument.
+  if query.ndim < 1 or query.shape[-1] != 4:
+    raise ValueError(f"query must be integer [..., 4] (batch, x, y, z), got shape {query.shape}")
   lead = query.shape[:-1]
   q = query.reshape(-1, 4)
   limits = jnp.asarray((min(x.batch_size, 2**31 - 1),) + tuple(x.spatial_shape), jnp.int32)  # batch ids are int32
   inside = jnp.all((q >= 0) & (q < limits), axis=-1)
   if ok is not None:
-    inside = inside & jnp.asarray(ok).reshape(-1)
+    ok = jnp.asarray(ok)
+    # An int mask was and-ed bitwise (ok=2 cleared a hit), one of another shape broadcast or failed unnamed.
+    if ok.shape != lead or ok.dtype != jnp.bool_:
+      raise ValueError(f"ok must be bool {lead} (query's leading shape), got {ok.dtype} {ok.shape}")
+    inside = inside & ok.reshape(-1)
   # Out-of-grid queries would alias other sites' keys: key them from a clamped copy and mask them.
   qk = site_keys(jnp.where(inside[:, None], q, 0), x.spatial_shape, x.key_width)
   sorted_keys, order = sorted_site_keys(x)

@@ -182,3 +182,17 @@ def test_complex_feats_are_refused_naming_feats():
                  capacity=64)
   x = voxelize(pts, np.arange(50), voxel_size=VOXEL, origin=ORIGIN, reduce="sum")  # integers still become float32
   assert x.dtype == np.float32
+
+
+def test_lookup_rows_checks_query_and_ok():
+  from jsparse.sampling import lookup_rows
+  pts, feats, batch = _cloud(n=50)
+  x = voxelize(pts, feats, voxel_size=VOXEL, origin=ORIGIN)
+  q = np.asarray(x.coords[:2])
+  with pytest.raises(ValueError, match="query"):  # a reshape's TypeError, naming nothing
+    lookup_rows(x, q[:, 1:])
+  with pytest.raises(ValueError, match="ok"):  # and-ed bitwise: 2 & True is 0, so the hit was lost
+    lookup_rows(x, q, np.array([2, 2]))
+  with pytest.raises(ValueError, match="ok"):
+    lookup_rows(x, q, np.ones(3, bool))
+  np.testing.assert_array_equal(np.asarray(lookup_rows(x, q, np.array([True, False]))), [0, -1])

@@ -235,7 +235,9 @@ def serialization_keys(x: SparseTensor, order: str = "morton", bits: int | None 
     bits = bits_for(x.spatial_shape) if bits is None else _check_bits(bits)
     if max(x.spatial_shape) > 2**bits:
       raise ValueError(f"spatial_shape {x.spatial_shape} does not fit in {bits} bits per axis")
-    xyz = jnp.maximum(x.coords[:, 1:], 0)
+    # Only padding rows are zeroed: maximum(coords, 0) gave a valid row at x = -1 the key of x = 0, where the
+    # module's rule is a ValueError outside jit and -1 under it.
+    xyz = jnp.where(valid[:, None], x.coords[:, 1:], 0)
     if order == "morton" or x.spatial_ndim == 1:  # the lifted axes are 0: their bits leave the order as it is
       k = encode_morton(xyz, bits)
     elif x.spatial_ndim == 2:

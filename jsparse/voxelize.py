@@ -451,15 +451,20 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
 
 def voxel_centres(x: SparseTensor, *, voxel_size: ArrayLike = 1.0,
                   origin: ArrayLike = 0.0) -> tuple[jax.Array, jax.Array]:
-  """Voxel centres in world units: (points [capacity, 3], valid bool [capacity]).
+  """Voxel centres in world units: (points [capacity, D], valid bool [capacity]), D = x.spatial_ndim (3, or 2 / 1
+  for a 2D / 1D tensor, its own axes: the points `grid_sample` takes for it; voxel_size and origin: scalars or D
+  values).
 
   points = origin + (coords + 0.5) * voxel_size (the module's convention: voxelizing a centre gives its voxel
   back); padding rows hold 0. The batch id of row i is x.coords[i, 0]. Jit-compatible.
   """
   check_sparse_tensor(x)
-  vs, org = world_frame(voxel_size, origin, jnp.float32)
+  ndim = x.spatial_ndim
+  vs, org = world_frame(voxel_size, origin, jnp.float32, ndim)
   valid = x.valid_mask()
-  pts = org + (x.coords[:, 1:].astype(jnp.float32) + 0.5) * vs
+  # A 2D / 1D tensor's coordinates lead with lifted axes of extent 1: [P, 3] centres with a 2-value voxel_size
+  # refused, and grid_sample on that tensor refused the 3-value points.
+  pts = org + (x.coords[:, 4 - ndim:].astype(jnp.float32) + 0.5) * vs
   return jnp.where(valid[:, None], pts, 0.0), valid
 
 

@@ -196,3 +196,18 @@ def test_lookup_rows_checks_query_and_ok():
   with pytest.raises(ValueError, match="ok"):
     lookup_rows(x, q, np.ones(3, bool))
   np.testing.assert_array_equal(np.asarray(lookup_rows(x, q, np.array([True, False]))), [0, -1])
+
+
+@pytest.mark.parametrize("ndim", [2, 1])
+def test_voxel_centres_of_2d_and_1d_tensors_are_the_points_grid_sample_takes(ndim):
+  from jsparse import SparseTensor
+  shape = (5, 6, 7)[3 - ndim:]
+  coords = np.array([[0, *range(1, ndim + 1)], [1, *range(2, ndim + 2)]], np.int32)
+  feats = np.array([[1.0], [2.0]], np.float32)
+  x = SparseTensor.from_coords(coords, feats, shape, batch_size=2)
+  vs, org = (0.5, 0.25)[:ndim], (-1.0, 2.0)[:ndim]
+  centres, valid = voxel_centres(x, voxel_size=vs, origin=org)  # [cap, 3] before, and 2 values refused
+  assert centres.shape == (x.capacity, ndim)
+  np.testing.assert_allclose(np.asarray(centres[:2]), np.asarray(org) + (coords[:, 1:] + 0.5) * np.asarray(vs))
+  back = grid_sample(x, centres[:2], "nearest", batch=coords[:, 0], voxel_size=vs, origin=org)
+  np.testing.assert_array_equal(np.asarray(back), feats)

@@ -515,3 +515,21 @@ def test_bad_input_errors():
     norm.group_norm(x6, 4)
   with pytest.raises(ValueError, match="scale must have shape"):
     norm.batch_norm(x6, jnp.ones(5))
+
+
+def test_norms_name_a_channel_mismatch_with_their_variables():
+  """A norm applied to an input of another width than its variables: a ValueError naming the variable and the
+  widths. Without scale and bias the batch norm's only per-channel state is its running statistics: a 1-channel
+  input broadcast against 6-channel ones and returned 6-channel statistics, a 4-channel one failed inside."""
+  x6 = _norm_input(0, channels=6)
+  for channels in (1, 4):
+    x = _norm_input(1, channels=channels)
+    bn = snn.SparseBatchNorm(use_scale=False, use_bias=False)
+    variables = bn.init(KEY, x6, use_running_average=False)
+    with pytest.raises(ValueError, match=rf"batch_stats 'mean' has shape \(6,\).*has {channels} channels"):
+      bn.apply(variables, x, use_running_average=False, mutable=["batch_stats"])
+    with pytest.raises(ValueError, match=rf"batch_stats 'mean' has shape \(6,\).*has {channels} channels"):
+      bn.apply(variables, x, use_running_average=True)
+    for m in (snn.SparseBatchNorm(use_running_average=True), snn.SparseLayerNorm(), snn.SparseGroupNorm(1)):
+      with pytest.raises(ValueError, match=rf"{type(m).__name__}: its params 'scale' has shape \(6,\)"):
+        m.apply(m.init(KEY, x6), x)

@@ -168,6 +168,7 @@ class SparseBatchNorm(_AffineNormAttributes):
     rules.check_sparse(x, type(self).__name__)
     use_running_average = nn.merge_param("use_running_average", self.use_running_average, use_running_average)
     c = (x.num_channels,)
+    _check_channels(self, x, ("params", "scale"), ("params", "bias"), ("batch_stats", "mean"))
     ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), c)
     ra_var = self.variable("batch_stats", "var", lambda s: jnp.ones(s, jnp.float32), c)
     scale, bias = _affine(self, c)
@@ -192,6 +193,7 @@ class SparseLayerNorm(_AffineNormAttributes):
   @nn.compact
   def __call__(self, x: SparseTensor) -> SparseTensor:
     rules.check_sparse(x, type(self).__name__)
+    _check_channels(self, x, ("params", "scale"), ("params", "bias"))
     scale, bias = _affine(self, (x.num_channels,))
     return norm.layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=_out_dtype(self, x))
 
@@ -214,10 +216,24 @@ class SparseGroupNorm(_AffineNormAttributes):
     name = type(self).__name__
     rules.check_sparse(x, name)
     c = x.num_channels
+    _check_channels(self, x, ("params", "scale"), ("params", "bias"))
     num_groups = rules.group_count(name, c, self.num_groups, self.group_size)
     scale, bias = _affine(self, (c,))
     return norm.group_norm(x, num_groups, scale, bias, epsilon=self.epsilon, dtype=_out_dtype(self, x),
                            activation=self.activation)
+
+
+def _check_channels(module: nn.Module, x: SparseTensor, *variables: tuple[str, str]) -> None:
+  """x's channels against those of the module's existing per-channel variables, named as the nnx twins name a
+  mismatch: flax compares only parameters (in its own words), and a batch norm without scale and bias would
+  broadcast (a 1-channel input) or fail deep inside against running statistics of another width."""
+  for collection, name in variables:
+    if module.has_variable(collection, name):
+      have = module.get_variable(collection, name).shape
+      if have != (x.num_channels,):
+        where = f" '{'/'.join(module.path)}'" if module.path else ""
+        raise ValueError(f"{type(module).__name__}{where}: its {collection} '{name}' has shape {tuple(have)} "
+                         f"but the input SparseTensor has {x.num_channels} channels")
 
 
 def _affine(module: nn.Module, shape):

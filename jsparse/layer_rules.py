@@ -63,7 +63,19 @@ def submanifold_geometry(module: str, kernel_size, strides, padding, kernel_dila
                      f"{strides!r}; use SparseConv{ndim}d to downsample")
   if not (isinstance(padding, str) and padding.upper() == "SAME"):
     raise ValueError(f"{module}: padding must be 'SAME' (the output sites are the input sites), got {padding!r}")
+  check_sizes(module, ks, 1, 0, kernel_dilation, ndim)
   return ks, triple(kernel_dilation, "kernel_dilation", module, ndim)
+
+
+def check_sizes(module: str, kernel_size, strides, padding, kernel_dilation, ndim: int = 3) -> None:
+  """The op's own checks of a convolution's sizes (kernel_size, strides, dilation >= 1, explicit padding >= 0; "SAME"
+  counts as 0), run by the module: its kernel parameter is made from kernel_size before the op runs, and a
+  negative extent failed inside jnp's broadcasting, naming neither the module nor the argument."""
+  lifted = lambda value, name, fill: (fill,) * (3 - ndim) + triple(value, name, module, ndim)
+  pad = 0 if is_same_padding(padding) else explicit_padding(padding, module, ndim)
+  with op_errors(module, ndim):
+    sparse_conv.kernel_arguments(lifted(kernel_size, "kernel_size", 1), lifted(strides, "strides", 1),
+                                 lifted(pad, "padding", 0), lifted(kernel_dilation, "kernel_dilation", 1))
 
 
 def is_same_padding(value) -> bool:
@@ -114,13 +126,12 @@ def strided_geometry(module: str, x: SparseTensor, kernel_size, strides, padding
   whose output an inverse convolution carries back onto x): "SAME" is lax's, "VALID" is 0, ints are symmetric
   padding. x's spatial_shape has 3 entries whatever its rank; the lifted axes (extent 1) need no padding."""
   check_conv_padding(padding, module, ndim)
+  check_sizes(module, kernel_size, strides, padding, kernel_dilation, ndim)  # first: a stride of 0 divides below
   if not is_same_padding(padding):
     return x, explicit_padding(padding, module, ndim)
   lifted = lambda value, name: (1,) * (3 - ndim) + triple(value, name, module, ndim)
   ks, st = lifted(kernel_size, "kernel_size"), lifted(strides, "strides")
   dil = lifted(kernel_dilation, "kernel_dilation")
-  with op_errors(module, ndim):  # the op's checks first: a stride of 0 would divide by zero below
-    sparse_conv.kernel_arguments(ks, st, 0, dil)
   low, extra = same_padding(x.spatial_shape, ks, st, dil)
   return on_grid(x, [n + e for n, e in zip(x.spatial_shape, extra)]), low[3 - ndim:]
 

@@ -533,3 +533,22 @@ def test_norms_name_a_channel_mismatch_with_their_variables():
     for m in (snn.SparseBatchNorm(use_running_average=True), snn.SparseLayerNorm(), snn.SparseGroupNorm(1)):
       with pytest.raises(ValueError, match=rf"{type(m).__name__}: its params 'scale' has shape \(6,\)"):
         m.apply(m.init(KEY, x6), x)
+
+
+def test_conv_modules_check_their_sizes_before_making_the_kernel():
+  """kernel_size < 1 reached the kernel parameter's initialiser (jnp's TypeError on a negative shape, naming
+  neither module nor argument) unless the op's checks ran first; they ran only for SparseConv3d with "SAME"."""
+  x = random_sparse(np.random.default_rng(0), (4, 4, 4), 3, pad=2)
+  x2 = jsparse.SparseTensor.from_coords(np.array([[0, 1, 2]], np.int32), np.ones((1, 3), np.float32), (4, 4))
+  cases = [(snn.SubMConv3d(4, -1), x, "SubMConv3d: kernel_size must be >= 1"),
+           (snn.SubMConv2d(4, (3, -1)), x2, r"SubMConv2d: kernel_size must be >= 1, got \(3, -1\)"),
+           (snn.SubMConv3d(4, kernel_dilation=0), x, "SubMConv3d: dilation must be >= 1"),
+           (snn.SparseConv3d(4, -1, padding="VALID"), x, "SparseConv3d: kernel_size must be >= 1"),
+           (snn.SparseConv3d(4, -1, padding=1), x, "SparseConv3d: kernel_size must be >= 1"),
+           (snn.SparseConv3d(4, 3, 0, "VALID"), x, "SparseConv3d: stride must be >= 1"),
+           (snn.SparseConv3d(4, 3, padding=-1), x, "SparseConv3d: padding must be >= 0")]
+  for module, inp, message in cases:
+    with pytest.raises(ValueError, match=message):
+      module.init(KEY, inp)
+  with pytest.raises(ValueError, match="SparseInverseConv3d: kernel_size must be >= 1"):
+    snn.SparseInverseConv3d(4, -1, padding="VALID").init(KEY, x, like=x)

@@ -453,6 +453,18 @@ def test_bad_arguments_errors():
     snnx.SubMConv3d(3, 4, padding=1, rngs=r)
   with pytest.raises(ValueError, match="in_features must be a positive int"):
     snnx.SubMConv3d(0, 4, rngs=r)
+  # Sizes are checked before the kernel is made from them (a negative extent failed inside jnp, unnamed).
+  with pytest.raises(ValueError, match="SubMConv3d: kernel_size must be >= 1"):
+    snnx.SubMConv3d(3, 4, -1, rngs=r)
+  with pytest.raises(ValueError, match="SubMConv3d: dilation must be >= 1"):
+    snnx.SubMConv3d(3, 4, kernel_dilation=0, rngs=r)  # raised at the first call before
+  for padding in ("SAME", "VALID", 1):
+    with pytest.raises(ValueError, match="SparseConv3d: kernel_size must be >= 1"):
+      snnx.SparseConv3d(3, 4, -1, padding=padding, rngs=r)
+    with pytest.raises(ValueError, match="SparseInverseConv3d: kernel_size must be >= 1"):
+      snnx.SparseInverseConv3d(3, 4, (3, -1, 3), padding=padding, rngs=r)
+  with pytest.raises(ValueError, match="SparseConv3d: stride must be >= 1"):
+    snnx.SparseConv3d(3, 4, 3, 0, "VALID", rngs=r)
   with pytest.raises(ValueError, match="kernel_layout must be one of"):
     snnx.SparseConv3d(3, 4, 3, kernel_layout="OIDHW", rngs=r)
   with pytest.raises(ValueError, match="SparseConv3d: padding must be 'SAME', 'VALID' or ints"):

@@ -136,6 +136,7 @@ class _StridedConv(_ConvParams):
     ks = rules.triple(kernel_size, "kernel_size", name, ndim)
     self.kernel_size, self.strides = ks, rules.triple(strides, "strides", name, ndim)
     rules.check_conv_padding(padding, name, ndim)  # checked now, resolved against each input's grid at each call
+    rules.check_sizes(name, ks, strides, padding, kernel_dilation, ndim)  # before the kernel is made from ks
     self.padding = _hashable(padding)
     self.kernel_dilation = rules.triple(kernel_dilation, "kernel_dilation", name, ndim)
     self._init_conv(in_features, out_features, ks, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen import dtypes as flax_dtypes
 from jax import lax
 
@@ -152,16 +153,23 @@ def transpose_geometry(module: str, kernel_size, strides, padding, output_paddin
   return ks, st, pad, out_pad, dil
 
 
-def check_conv_features(module: str, features, kernel_layout: str, name: str = "features") -> None:
-  if not isinstance(features, int) or isinstance(features, bool) or features <= 0:
-    raise ValueError(f"{module}: {name} must be a positive int, got {features!r}")
+def positive_int(value, module: str, name: str) -> int:
+  """A module's count (features, groups) as a Python int: numpy integers pass, as they do for flax's modules and
+  for every size of the ops (kernel_size, strides, feature_group_count); bools and non-integers do not."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
+    raise ValueError(f"{module}: {name} must be a positive int, got {value!r}")
+  return int(value)
+
+
+def check_conv_features(module: str, features, kernel_layout: str, name: str = "features") -> int:
+  features = positive_int(features, module, name)
   WeightLayout.of(kernel_layout, f"{module}: kernel_layout")
+  return features
 
 
 def check_feature_groups(module: str, groups, in_features: int, features: int) -> int:
   """nn.Conv's feature_group_count: a positive int dividing the input and output channels."""
-  if not isinstance(groups, int) or isinstance(groups, bool) or groups <= 0:
-    raise ValueError(f"{module}: feature_group_count must be a positive int, got {groups!r}")
+  groups = positive_int(groups, module, "feature_group_count")
   if in_features % groups or features % groups:
     raise ValueError(f"{module}: feature_group_count={groups} must divide the input channels ({in_features}) and "
                      f"the output channels ({features})")
@@ -235,9 +243,8 @@ def group_count(module: str, channels: int, num_groups, group_size) -> int:
   if (num_groups is None) == (group_size is None):
     raise ValueError(f"{module}: set exactly one of num_groups and group_size (got num_groups={num_groups}, "
                      f"group_size={group_size})")
-  for name, value in (("num_groups", num_groups), ("group_size", group_size)):
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-      raise ValueError(f"{module}: {name} must be a positive int, got {value!r}")
+  num_groups = None if num_groups is None else positive_int(num_groups, module, "num_groups")
+  group_size = None if group_size is None else positive_int(group_size, module, "group_size")
   if group_size is not None:
     if channels % group_size:
       raise ValueError(f"{module}: the number of channels ({channels}) must be divisible by group_size "

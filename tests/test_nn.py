@@ -552,3 +552,20 @@ def test_conv_modules_check_their_sizes_before_making_the_kernel():
       module.init(KEY, inp)
   with pytest.raises(ValueError, match="SparseInverseConv3d: kernel_size must be >= 1"):
     snn.SparseInverseConv3d(4, -1, padding="VALID").init(KEY, x, like=x)
+
+
+def test_counts_take_numpy_integers():
+  """features, feature_group_count and num_groups / group_size as numpy integers (a config read with numpy), as
+  flax's modules and every size of the ops (kernel_size, strides) take them: the modules raised "must be a
+  positive int, got np.int64(4)"; bools and floats still raise."""
+  x = random_sparse(np.random.default_rng(0), (4, 4, 4), 4, pad=2)
+  i = np.int64
+  assert snn.SubMConv3d(i(6), feature_group_count=i(2)).init(KEY, x)["params"]["kernel"].shape == (3, 3, 3, 2, 6)
+  assert snn.SparseConv3d(i(6), i(2), i(2)).init(KEY, x)["params"]["kernel"].shape == (2, 2, 2, 4, 6)
+  for gn in (snn.SparseGroupNorm(np.int32(2)), snn.SparseGroupNorm(num_groups=None, group_size=i(2))):
+    assert gn.apply(gn.init(KEY, x), x).num_channels == 4
+  for bad in (True, np.bool_(True), 4.0):
+    with pytest.raises(ValueError, match="features must be a positive int"):
+      snn.SubMConv3d(bad).init(KEY, x)
+    with pytest.raises(ValueError, match="num_groups must be a positive int"):
+      snn.SparseGroupNorm(bad).init(KEY, x)

@@ -453,6 +453,12 @@ def test_bad_arguments_errors():
     snnx.SubMConv3d(3, 4, padding=1, rngs=r)
   with pytest.raises(ValueError, match="in_features must be a positive int"):
     snnx.SubMConv3d(0, 4, rngs=r)
+  # numpy integers are counts too (as for nnx.Conv and the ops' sizes); they were "not a positive int".
+  conv = snnx.SubMConv3d(np.int64(3), np.int64(6), feature_group_count=np.int64(3), rngs=r)
+  assert conv.kernel.shape == (3, 3, 3, 1, 6) and type(conv.in_features) is int
+  gn = snnx.SparseGroupNorm(np.int64(3), np.int64(3), rngs=r)
+  assert gn(x).num_channels == 3 and type(gn.num_features) is int and type(gn.group_size) is int
+  assert snnx.SparseBatchNorm(np.int32(3), rngs=r)(x).num_channels == 3
   # Sizes are checked before the kernel is made from them (a negative extent failed inside jnp, unnamed).
   with pytest.raises(ValueError, match="SubMConv3d: kernel_size must be >= 1"):
     snnx.SubMConv3d(3, 4, -1, rngs=r)

@@ -57,8 +57,8 @@ class _ConvParams(nnx.Module):
                  rngs: nnx.Rngs, feature_group_count: int = 1, kernel_sparsity: str | None = None) -> None:
     name = type(self).__name__
     rules.check_kernel_sparsity(name, kernel_sparsity)
-    rules.check_conv_features(name, in_features, kernel_layout, "in_features")
-    rules.check_conv_features(name, out_features, kernel_layout, "out_features")
+    in_features = rules.check_conv_features(name, in_features, kernel_layout, "in_features")
+    out_features = rules.check_conv_features(name, out_features, kernel_layout, "out_features")
     groups = rules.check_feature_groups(name, feature_group_count, in_features, out_features)
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"{name}: rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {type(rngs).__name__}")
@@ -275,8 +275,7 @@ class _Affine(nnx.Module):
   def _init_affine(self, num_features: int, *, dtype, param_dtype, use_bias: bool, use_scale: bool, bias_init,
                    scale_init, rngs: nnx.Rngs) -> None:
     name = type(self).__name__
-    if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features <= 0:
-      raise ValueError(f"{name}: num_features must be a positive int, got {num_features!r}")
+    num_features = rules.positive_int(num_features, name, "num_features")
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"{name}: rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {type(rngs).__name__}")
     shape = (num_features,)
@@ -372,7 +371,7 @@ class SparseGroupNorm(_Affine):
     self._init_affine(num_features, dtype=dtype, param_dtype=param_dtype, use_bias=use_bias, use_scale=use_scale,
                       bias_init=bias_init, scale_init=scale_init, rngs=rngs)
     self.num_groups = rules.group_count(type(self).__name__, num_features, num_groups, group_size)
-    self.group_size, self.epsilon, self.activation = num_features // self.num_groups, epsilon, activation
+    self.group_size, self.epsilon, self.activation = self.num_features // self.num_groups, epsilon, activation
 
   def __call__(self, x: SparseTensor) -> SparseTensor:
     """x normalised per batch item and channel group (then the activation, if any)."""

@@ -12,6 +12,7 @@ result is a `ConfigTable`: a context manager that makes the choices active, and 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
@@ -24,6 +25,7 @@ from jsparse.progress import progress_bar
 from jsparse.map_gemm import ConvCall, recording, run_pass
 from jsparse.pass_config import PASSES, PassConfig, PassInputs, RunOptions, ShapeKey
 from pallas_kernels.gather_gemm_config import reads_weight_k_major
+from pallas_kernels.tiling import TileConfig
 from pallas_kernels.weight_layout import WeightLayout
 
 
@@ -71,8 +73,12 @@ def pick_best(results: list[tuple[float, PassConfig]], pass_name: str, num_rows:
 
 
 def tune_call(call: ConvCall, passes=PASSES, warmup: int = 2, repeats: int = 10,
-              log: Callable[[str], None] | None = None) -> dict[ShapeKey, PassConfig]:
-  """Times the candidates of each pass for one recorded map-GEMM; returns {shape key: best config}."""
+              log: Callable[[str], None] | None = None, extra_tiles: Sequence[TileConfig] = ()
+              ) -> dict[ShapeKey, PassConfig]:
+  """Times the candidates of each pass for one recorded map-GEMM; returns {shape key: best config}.
+
+  extra_tiles: tile shapes to time beside the candidates in the forward and input-gradient passes, each on the
+  first masked candidate's algorithm (for probing shapes the candidate list lacks)."""
   rng = np.random.default_rng(0)
   maps = call.maps
   m, v = maps.nbr.shape
@@ -90,6 +96,9 @@ def tune_call(call: ConvCall, passes=PASSES, warmup: int = 2, repeats: int = 10,
     rows = m_in if pass_name == "input_grad" else m  # the rows this pass writes (its shape key's rows)
     cands = pass_config.candidates(pass_name, rows, call.cin, call.cout, v, call.dtype, call.weight_layout,
                                    groups=call.groups)
+    masked = [c for c in cands if isinstance(c, pass_config.Masked)]
+    if pass_name != "weight_grad" and masked:
+      cands = list(cands) + [dataclasses.replace(masked[0], tiles=t) for t in extra_tiles]
     results = []
     for cfg in cands:
       if pass_name == "weight_grad":

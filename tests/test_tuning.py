@@ -755,3 +755,46 @@ def test_weight_grad_default_split_aims_at_more_programs_for_narrow_layers():
     assert per_sm * sms <= programs < per_sm * sms + 27 * 4, (c, programs)
   small = default_config(3000, 16, 16, 27, jnp.float16)
   assert small.split == max(1, 3000 // (8 * small.block_k))
+
+
+
+def test_tune_call_times_extra_tiles_on_the_masked_algorithm(monkeypatch):
+  """extra_tiles adds tile shapes to the forward and input-gradient candidates (on the first masked candidate's
+  algorithm), not to the weight gradient's; an extra shape that times fastest is chosen, and the convolution it
+  then drives matches XLA."""
+  x, w, b = _problem()
+  calls = []
+  with map_gemm.recording(calls), jax.disable_jit():
+    jax.block_until_ready(jsparse.submconv3d(x, w, b, implementation="pallas", precision="highest").feats)
+  monkeypatch.setattr(pass_config, "candidates", lambda pass_name, *a, **k: list(
+      WG_CANDIDATES if pass_name == "weight_grad" else GEMM_CANDIDATES))
+  extra = TileConfig(32, 16, 16, 4, 3, columns_fastest=True)
+  fastest, real_pass_fn, real_median = [], autotuning.pass_function, autotuning.median_ms
+
+  def pass_fn(pass_name, cfg, *args):
+    fn = real_pass_fn(pass_name, cfg, *args)
+    if cfg.tiles == extra:
+      fastest.append(fn)
+    return fn
+
+  def median_ms(fn, args, warmup, repeats):  # every candidate runs; the extra shape is reported fastest
+    ms = real_median(fn, args, warmup, repeats)
+    return 0.0 if any(fn is f for f in fastest) else ms
+
+  monkeypatch.setattr(autotuning, "pass_function", pass_fn)
+  monkeypatch.setattr(autotuning, "median_ms", median_ms)
+  lines = []
+  best = autotuning.tune_call(calls[0], warmup=0, repeats=1, log=lines.append, extra_tiles=[extra])
+  timed = [line for line in lines if line.endswith(" ms") and not line.startswith("best")]
+  assert len(timed) == 3 * 2 + 2 and not any("failed" in line for line in lines), lines
+  assert len(fastest) == 2
+  for key, cfg in best.items():
+    if key.pass_name == "weight_grad":
+      assert cfg in WG_CANDIDATES
+    else:
+      assert cfg == Masked(extra), (key, cfg)
+  with tuning.ConfigTable(best):
+    y = jax.jit(lambda f: jsparse.submconv3d(x.replace(feats=f), w, b, implementation="pallas",
+                                             precision="highest").feats)(x.feats)
+  ref = jsparse.submconv3d(x, w, b, implementation="xla", precision="highest").feats
+  assert rel_err(y, ref) < 1e-5

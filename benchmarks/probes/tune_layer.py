@@ -1,6 +1,7 @@
 """Probe: every candidate config of one submanifold layer's passes, timed on a sphere shell (what the tuner sees).
 
     python -m benchmarks.probes.tune_layer --res 512 --channels 32 --dtype tf32 [--passes forward,input_grad]
+                                           [--extra-tiles 128,128,64,8,3;128,256,32,8,4]
 
 Prints each candidate's time and the best per pass; used to find where `pass_config.heuristic` is far from the
 best config (e.g. a tile shape that is slow for one dtype only).
@@ -17,6 +18,7 @@ import jsparse
 from benchmarks.workloads import sphere_shell_coords
 from jsparse.autotuning import tune_call
 from jsparse.map_gemm import recording
+from pallas_kernels.tiling import TileConfig
 
 
 def main(argv=None):
@@ -27,7 +29,10 @@ def main(argv=None):
   ap.add_argument("--passes", default="forward,input_grad,weight_grad")
   ap.add_argument("--weight-layout", default="ODHWI")
   ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--extra-tiles", default="", metavar="M,N,K,WARPS,STAGES[;...]",
+                  help="tile shapes to time beside the candidates (forward and input gradient, masked, no split)")
   args = ap.parse_args(argv)
+  extra = [TileConfig(*map(int, t.split(",")), columns_fastest=True) for t in args.extra_tiles.split(";") if t]
   dtype = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "tf32": jnp.float32}[args.dtype]
   coords = sphere_shell_coords(args.res, 1)
   c = args.channels
@@ -38,7 +43,8 @@ def main(argv=None):
   with recording(calls), jax.disable_jit():
     jax.block_until_ready(jsparse.submconv3d(x, w, weight_layout=args.weight_layout).feats)
   print(f"RES {args.res} C {c} {args.dtype}: {len(coords)} sites", flush=True)
-  best = tune_call(calls[0], tuple(args.passes.split(",")), repeats=args.repeats, log=lambda s: print(s, flush=True))
+  best = tune_call(calls[0], tuple(args.passes.split(",")), repeats=args.repeats, log=lambda s: print(s, flush=True),
+                   extra_tiles=extra)
   for key, cfg in best.items():
     print("BEST", key, cfg)
 

@@ -802,10 +802,9 @@ def lidar_voxels(points, intensity=None, *, voxel_size=(0.05, 0.05, 0.1),
   if p.ndim != 2 or p.shape[1] != 3:
     raise ValueError(f"points must be [N, 3], got shape {p.shape}")
   pcr = np.asarray(point_cloud_range, np.float64)
-  vs = np.asarray(voxel_size, np.float64)
-  vs = np.broadcast_to(vs, (3,)) if vs.shape in ((), (3,)) else vs
-  # NaN passed the <= tests and gave an empty result; a voxel_size of 2 values failed in numpy's broadcast.
-  if (pcr.shape != (6,) or vs.shape != (3,) or not np.all(np.isfinite(pcr)) or not np.all(np.isfinite(vs) & (vs > 0))
+  vs = _vec3(voxel_size, "voxel_size")  # 2 values failed in numpy's broadcast, naming nothing
+  # NaN passed the <= tests and gave an empty result.
+  if (pcr.shape != (6,) or not np.all(np.isfinite(pcr)) or not np.all(np.isfinite(vs) & (vs > 0))
       or np.any(pcr[3:] <= pcr[:3])):
     raise ValueError(f"need point_cloud_range (6 values, min < max) and positive voxel_size, got "
                      f"{point_cloud_range}, {voxel_size}")

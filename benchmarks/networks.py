@@ -897,11 +897,27 @@ def hlo_bytes(hlo_text: str) -> dict:
           for name, (_, operands) in instructions.items()}
 
 
+def hlo_computation(hlo_text: str, name: str) -> str | None:
+  """The body of computation `name` in an HLO module's text (between its header and its closing brace)."""
+  m = re.search(rf"^(?:ENTRY )?%{re.escape(name)} [^\n]*\{{\n(.*?)^\}}", hlo_text, re.M | re.S)
+  return m.group(1) if m else None
+
+
 def forward_masks(hlo_text: str) -> list[str]:
   """Fusions of a compiled training step's forward pass (op names without 'transpose(') that output a 2-D pred
-  array: a mask XLA computed for the backward ahead of time and keeps alive until then."""
-  found = re.findall(r'^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) fusion\(.*?op_name="([^"]*)"', hlo_text, re.M)
-  return [name for name, shape, op in found if re.search(r"pred\[\d+,\d+\]", shape) and "transpose(" not in op]
+  array computed from floating-point values: a mask of activations that XLA computed for the backward ahead of
+  time and keeps alive until then. A mask of integers alone (a neighbour plan's empty slots, [blocks, K]) is
+  structure computed once per map, not a [rows, C] copy of the activations, and is left out."""
+  found = re.findall(r'^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) fusion\(.*?calls=%([\w.\-]+).*?op_name="([^"]*)"',
+                     hlo_text, re.M)
+  masks = []
+  for name, shape, called, op in found:
+    if not re.search(r"pred\[\d+,\d+\]", shape) or "transpose(" in op:
+      continue
+    body = hlo_computation(hlo_text, called)
+    if body is None or re.search(r"\b(?:bf16|f16|f32|f64)\[", body):
+      masks.append(name)
+  return masks
 
 
 def _scope_kind(op_name: str) -> str:

@@ -245,15 +245,36 @@ def test_gpu_minkunet_training_keeps_no_forward_masks():
   assert networks.forward_masks(hlo) == []
 
 
-def test_forward_masks_finds_forward_fusions_with_2d_masks_only():
+def test_forward_masks_finds_forward_fusions_with_2d_masks_of_floats_only():
+  """A forward fusion with a 2-D pred output counts when it compares floating-point values (fwd.1, fwd.3); a
+  backward one (bwd.1), a 1-D mask (fwd.2) and a mask of integers alone (fwd.4: a neighbour plan's empty slots,
+  which the H200's MinkUNet step keeps since the row-ordered pair lists) do not."""
   hlo = "\n".join([
+      "%f1 (p: f16[64,8]) -> (f16[64,8], pred[64,8]) {",
+      "  %p = f16[64,8]{1,0} parameter(0)",
+      "  ROOT %t = (f16[64,8]{1,0}, pred[64,8]{1,0}) tuple(%p, %p)",
+      "}",
+      "%f4 (q: s32[9,27]) -> (pred[9,27], s32[9,27]) {",
+      "  %q = s32[9,27]{1,0} parameter(0)",
+      "  %lt = pred[9,27]{1,0} compare(%q, %q), direction=LT",
+      "  ROOT %t = (pred[9,27]{1,0}, s32[9,27]{1,0}) tuple(%lt, %q)",
+      "}",
+      "%f5 (r: f32[9,2]) -> pred[9,2] {",
+      "  %r = f32[9,2]{1,0} parameter(0)",
+      "  ROOT %gt = pred[9,2]{1,0} compare(%r, %r), direction=GT",
+      "}",
       '  %fwd.1 = (f16[64,8]{1,0}, pred[64,8]{1,0}) fusion(%a), kind=kLoop, calls=%f1, '
       'metadata={op_name="jit(train)/jvp(op:bn_relu)/convert_element_type"}',
-      '  %bwd.1 = pred[64,8]{1,0} fusion(%a), kind=kLoop, calls=%f2, '
+      '  %bwd.1 = pred[64,8]{1,0} fusion(%a), kind=kLoop, calls=%f1, '
       'metadata={op_name="jit(train)/transpose(jvp(op:bn_relu))/jvp()/gt"}',
-      '  %fwd.2 = (f16[64,8]{1,0}, pred[64]{0}) fusion(%a), kind=kLoop, calls=%f3, '
+      '  %fwd.2 = (f16[64,8]{1,0}, pred[64]{0}) fusion(%a), kind=kLoop, calls=%f1, '
       'metadata={op_name="jit(train)/jvp(op:bn)/lt"}',
-      '  ROOT %fwd.3 = pred[9,2]{1,0} fusion(%a), kind=kLoop, calls=%f4, '
+      '  %fwd.4 = (pred[9,27]{1,0}, s32[9,27]{1,0}) fusion(%b), kind=kLoop, calls=%f4, '
+      'metadata={op_name="jit(train)/jvp(op:subm)/lt"}',
+      '  ROOT %fwd.3 = pred[9,2]{1,0} fusion(%a), kind=kLoop, calls=%f5, '
       'metadata={op_name="jit(train)/jvp(op:pool)/gt"}',
   ])
   assert networks.forward_masks(hlo) == ["fwd.1", "fwd.3"]
+  assert networks.hlo_computation(hlo, "f4").count("\n") == 3 and networks.hlo_computation(hlo, "f9") is None
+
+

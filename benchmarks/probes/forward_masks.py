@@ -19,18 +19,12 @@ import jax.numpy as jnp
 from benchmarks import networks
 
 
-def computation_body(hlo_text: str, name: str) -> str:
-  """The text of computation `name` in an HLO module dump (from its header to its closing brace)."""
-  m = re.search(rf"^(?:ENTRY )?%{re.escape(name)} [^\n]*\{{\n(.*?)^\}}", hlo_text, re.M | re.S)
-  return m.group(1) if m else f"(computation {name} not found)"
-
-
 def describe(hlo_text: str, fusion: str, max_lines: int) -> str:
   line = re.search(rf"^\s*(?:ROOT )?%{re.escape(fusion)} = .*$", hlo_text, re.M).group(0).strip()
   called = re.search(r"calls=%([\w.\-]+)", line)
   users = [u.strip()[:200] for u in re.findall(rf"^.*%{re.escape(fusion)}\b[,)].*$", hlo_text, re.M)
            if not u.strip().startswith(f"%{fusion} =")]
-  body = computation_body(hlo_text, called.group(1)).splitlines() if called else []
+  body = (networks.hlo_computation(hlo_text, called.group(1)) or "").splitlines() if called else []
   out = [f"== {fusion}", f"  {line[:600]}", f"  read by {len(users)}:"] + [f"    {u}" for u in users[:8]]
   out += [f"  body ({len(body)} lines):"] + [f"    {b.strip()[:300]}" for b in body[:max_lines]]
   return "\n".join(out)

@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test test-fast lint gpu-test bench clean
+.PHONY: venv demo test test-fast lint gpu-test gpu-test-deps bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@PYTHON_BIN=$$(scripts/find_python.sh) && echo "using $$PYTHON_BIN" && "$$PYTHON_BIN" -m venv $(VENV)
@@ -30,10 +30,16 @@ lint:
 
 # On a GPU machine (jax with CUDA already installed there): the real Triton kernels against the XLA path.
 # Several workers share the one GPU: a GPU test's time is mostly compiling its Triton programs, on one CPU core.
+# The GPU image lacks pytest-xdist and hypothesis and is offline: `make gpu-test-deps` here copies them into
+# .gpu_test_deps (carry it); without xdist the tests run one after another (~45 min).
 GPU_TEST_WORKERS ?= 8
 gpu-test:
-	python3 -m pip install -e . --no-deps -q
-	python3 -m pytest -m gpu tests -q -n $(GPU_TEST_WORKERS)
+	python3 -m pip install -e . --no-deps --no-build-isolation -q
+	export PYTHONPATH="$${PYTHONPATH:+$$PYTHONPATH:}$(CURDIR)/.gpu_test_deps" && python3 -m pytest -m gpu tests -q \
+	  $$(python3 -c "import xdist" 2>/dev/null && echo "-n $(GPU_TEST_WORKERS)")
+
+gpu-test-deps: venv
+	$(PY) scripts/gpu_test_deps.py .gpu_test_deps
 
 # On a GPU machine: the benchmark suite side by side with FlexGEMM (see BENCHMARKS.md).
 bench:

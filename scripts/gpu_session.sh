@@ -23,6 +23,8 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout is importable even if the install fails
+# Test-only packages the GPU image lacks (pytest-xdist, hypothesis), when carried: `make gpu-test-deps`.
+[ -d .gpu_test_deps ] && export PYTHONPATH="$PYTHONPATH:$PWD/.gpu_test_deps"
 OUT="${OUT:-/tmp/jsparse_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"

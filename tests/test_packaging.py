@@ -93,3 +93,18 @@ def test_ruff_is_clean():
   run = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", root],
                        capture_output=True, text=True, cwd=root)
   assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_gpu_test_deps_copies_importable_packages_and_the_xdist_plugin(tmp_path):
+  """`make gpu-test-deps`'s copy works without the venv: from the copy alone (no site-packages: -S), hypothesis
+  and execnet import, and pytest would find the xdist plugin through its entry point."""
+  dest = tmp_path / "deps"
+  subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_test_deps.py"), str(dest)], check=True,
+                 capture_output=True)
+  code = ("import sys; sys.path.insert(0, sys.argv[1]); import execnet, hypothesis, importlib.metadata as m; "
+          "print(hypothesis.__file__); "
+          "print(*sorted(e.name for d in m.distributions(path=[sys.argv[1]]) for e in d.entry_points "
+          "if e.group == 'pytest11'))")
+  out = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(dest)], check=True, capture_output=True,
+                       text=True).stdout.splitlines()
+  assert out[0].startswith(str(dest)) and "xdist" in out[1].split()

@@ -384,3 +384,15 @@ def test_probe_variants_compute_the_same_sums_and_keys():
     sg, sgx = reduction_shape.folded_grad_sums(jnp.asarray(x), jnp.asarray(g_y), jnp.int32(61), mean, inv_std, fold)
     np.testing.assert_allclose(sg, g.sum(0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(sgx, (g * xhat).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_call_gaps_splits_calls_and_sums_host_events_in_the_gaps():
+  from benchmarks.probes import call_gaps
+  gpu = [{"ph": "X", "name": "k", "ts": t, "dur": 10.0} for t in (0.0, 20.0, 100.0, 120.0)]
+  host = [{"ph": "X", "name": "dispatch", "ts": 25.0, "dur": 50.0},   # 30..75 of it in the gap 30..100
+          {"ph": "X", "name": "before", "ts": 0.0, "dur": 5.0},       # outside the gap
+          {"ph": "X", "name": "wait", "ts": 90.0, "dur": 40.0}]       # 90..100 in the gap
+  between, overlap = call_gaps.gaps(gpu + host, gpu, 2)
+  assert between == [70.0] and overlap == {"dispatch": 45.0, "wait": 10.0}
+  with pytest.raises(RuntimeError, match="not one launch sequence"):
+    call_gaps.gaps(gpu + host, gpu, 3)

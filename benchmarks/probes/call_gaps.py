@@ -1,0 +1,84 @@
+"""Probe: where the GPU idles between back-to-back calls of one compiled suite row, and what the host does then.
+
+    python -m benchmarks.probes.call_gaps --row 3 --dtype tf32 [--calls 10] [--top 15]
+
+`suite_timeline` found TF32 row 3 idle for ~0.45 ms a call even when calls are issued back to back, with no idle
+time inside a call. This traces `--calls` calls issued without waiting (as training issues steps), splits the GPU
+events into calls (one launch sequence each), and for every gap between one call's last event and the next call's
+first prints its length and the host-side trace events that overlap it, summed by name: the dispatch work (or the
+wait) that keeps the GPU from starting the next call. GPU events include copies and memsets, not only kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import tempfile
+
+import jax
+
+from benchmarks import networks, suite, workloads
+
+
+def gaps(events: list[dict], gpu_events: list[dict], calls: int) -> tuple[list[float], collections.Counter]:
+  """(each gap between consecutive calls in us, host events' overlap with the gaps in us, summed by name)."""
+  gpu_events = sorted(gpu_events, key=lambda e: e["ts"])
+  per_call = len(gpu_events) // calls
+  if per_call == 0 or per_call * calls != len(gpu_events):
+    raise RuntimeError(f"{len(gpu_events)} GPU events over {calls} calls: not one launch sequence per call")
+  gpu_ids = {id(e) for e in gpu_events}
+  host = [e for e in events if e.get("ph") == "X" and id(e) not in gpu_ids and e.get("dur", 0) > 0]
+  out, overlap = [], collections.Counter()
+  for c in range(calls - 1):
+    done = max(e["ts"] + e.get("dur", 0.0) for e in gpu_events[c * per_call:(c + 1) * per_call])
+    start = gpu_events[(c + 1) * per_call]["ts"]
+    out.append(start - done)
+    for e in host:
+      lo, hi = max(done, e["ts"]), min(start, e["ts"] + e["dur"])
+      if hi > lo:
+        overlap[e.get("name", "?")[:100]] += hi - lo
+  return out, overlap
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--row", type=int, default=3, help="index into workloads.SUITE")
+  ap.add_argument("--dtype", default="tf32", choices=list(suite.DTYPES))
+  ap.add_argument("--mode", default="inference", choices=["inference", "train"])
+  ap.add_argument("--calls", type=int, default=10)
+  ap.add_argument("--top", type=int, default=15)
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--weight-layout", default="ODHWI", choices=("ODHWI", "DHWIO"))
+  args = ap.parse_args(argv)
+  args.impl, args.flexgemm_input_grad = None, False
+  row = workloads.SUITE[args.row]
+  x, params = suite.jsparse_inputs(row, args.dtype, args)
+  fn = suite.jsparse_fns(None, suite.DTYPES[args.dtype][1], weight_layout=args.weight_layout)[args.mode]
+  compiled = jax.jit(fn).lower(x, params).compile()
+  for _ in range(3):
+    jax.block_until_ready(compiled(x, params))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    outs = [compiled(x, params) for _ in range(args.calls)]
+    jax.block_until_ready(outs)
+    jax.profiler.stop_trace()
+    events = networks._trace_events(trace_dir)
+  gpu_events, threads = networks.device_kernel_events(events)
+  print(f"== suite row {args.row} ({row.name}) {args.dtype} {args.mode}, {jax.devices()[0].device_kind}: "
+        f"{args.calls} calls back to back, {len(gpu_events)} GPU events on {threads}")
+  if not gpu_events:
+    print("no GPU events traced (a CPU run): nothing to split")
+    return
+  between, overlap = gaps(events, gpu_events, args.calls)
+  print(f"gaps between calls (us): median {statistics.median(between):.1f}, "
+        f"all {[round(g, 1) for g in between]}")
+  per_call = len(gpu_events) // args.calls
+  first = sorted(gpu_events, key=lambda e: e["ts"])[:per_call]
+  print(f"GPU events of one call ({per_call}): {[e['name'][:40] for e in first]}")
+  print(f"host events overlapping the gaps, us summed over {args.calls - 1} gaps:")
+  for name, us in overlap.most_common(args.top):
+    print(f"  {us:10.1f}  {name}")
+
+
+if __name__ == "__main__":
+  main()

@@ -13,6 +13,7 @@ from jsparse.neighbors import kernel_offsets
 from pallas_kernels.gemm_plan import (masked_plan, masked_plan_reference, offset_slots, pair_lists,
                                      pair_lists_from_plan, pair_lists_from_plan_reference, pair_lists_reference,
                                      plan_positions)
+from pallas_kernels.weight_grad import weight_grad
 from reference import SUBMCONV_CASES as CASES
 from reference import dense_submconv_at_sites, numpy_neighbor_map, random_sparse, random_weights, rel_err
 
@@ -26,6 +27,9 @@ _pair_lists_interpret = jax.jit(functools.partial(pair_lists, interpret=True), s
 _pair_lists_reference = jax.jit(pair_lists_reference, static_argnums=1)
 _plan_pair_lists_interpret = jax.jit(functools.partial(pair_lists_from_plan, interpret=True), static_argnums=1)
 _plan_pair_lists_reference = jax.jit(pair_lists_from_plan_reference, static_argnums=1)
+# The weight-gradient kernel with its pair-list bookkeeping as one program (eagerly, each op compiles on its own).
+_weight_grad_interpret = jax.jit(functools.partial(weight_grad, interpret=True),
+                                 static_argnames=("config", "precision", "weight_layout"))
 
 # (spatial_shape, batch, kernel_size, dilation, cin, cout, bias)
 @pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
@@ -44,9 +48,10 @@ def test_xla_matches_dense_values_and_grads(case):
     y = dense_submconv_at_sites(x, feats, w, b, dil)
     return jnp.sum(y * cot), y
 
+  # Values and gradients from one jitted program each (eagerly, every op would compile on its own).
   argnums = (0, 1, 2) if use_bias else (0, 1)
-  (_, ys), gs = jax.value_and_grad(sparse_loss, argnums=argnums, has_aux=True)(x.feats, w, b)
-  (_, yd), gd = jax.value_and_grad(dense_loss, argnums=argnums, has_aux=True)(x.feats, w, b)
+  (_, ys), gs = jax.jit(jax.value_and_grad(sparse_loss, argnums=argnums, has_aux=True))(x.feats, w, b)
+  (_, yd), gd = jax.jit(jax.value_and_grad(dense_loss, argnums=argnums, has_aux=True))(x.feats, w, b)
   assert rel_err(ys, yd) < 1e-5
   assert np.all(np.asarray(ys[int(x.num):]) == 0)
   for a, r in zip(gs, gd):
@@ -83,8 +88,10 @@ def test_xla_half_precision(dtype, tol):
   assert rel_err(y.feats.astype(np.float32), ref) < tol
 
 
-# Pallas kernels in interpret mode against the XLA path (small inputs: interpret mode is slow).
-PALLAS_CASES = [CASES[0], CASES[1], CASES[4], CASES[5]]
+# Pallas kernels in interpret mode against the XLA path (small inputs: interpret mode is slow). CASES[0]'s shape,
+# kernel and bias are test_pallas_algorithms_interpret_match_xla's, run there with every algorithm; these three
+# add dilation, flat and non-cubic kernels, no bias, and a cache built by the XLA path.
+PALLAS_CASES = [CASES[1], CASES[4], CASES[5]]
 
 
 @pytest.mark.parametrize("case", PALLAS_CASES, ids=[str(i) for i in range(len(PALLAS_CASES))])
@@ -102,8 +109,9 @@ def test_pallas_interpret_matches_xla(case):
     return jnp.sum(y.feats * cot), y.feats
 
   argnums = (0, 1, 2) if use_bias else (0, 1)
-  (_, yp), gp = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(x.feats, w, b, "pallas")
-  (_, yx), gx = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(x.feats, w, b, "xla")
+  vg = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True), static_argnums=3)
+  (_, yp), gp = vg(x.feats, w, b, "pallas")
+  (_, yx), gx = vg(x.feats, w, b, "xla")
   assert rel_err(yp, yx) < 1e-5
   assert np.all(np.asarray(yp[int(x.num):]) == 0)
   for a, r in zip(gp, gx):
@@ -124,8 +132,9 @@ def test_pallas_algorithms_interpret_match_xla(algorithm):
                            algorithm=algorithm)
     return jnp.sum(y.feats * cot), y.feats
 
-  (_, yp), gp = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x.feats, w, b, "pallas")
-  (_, yx), gx = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x.feats, w, b, "xla")
+  vg = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+  (_, yp), gp = vg(x.feats, w, b, "pallas")
+  (_, yx), gx = vg(x.feats, w, b, "xla")
   assert rel_err(yp, yx) < 1e-5
   for a, r in zip(gp, gx):
     assert rel_err(a, r) < 1e-5
@@ -171,7 +180,9 @@ def test_masked_plan_and_pair_lists():
     assert np.all(np.asarray(pairs.sources[v, count:]) == -1)
 
 
-@settings(max_examples=12, deadline=None)
+# Examples draw their own shapes, so each compiles the kernel and its reference anew (some 2 s): 8 a run, on
+# fresh draws each run, rather than 12.
+@settings(max_examples=8, deadline=None)
 @given(cap=st.integers(1, 300), v=st.sampled_from([1, 2, 7, 27, 40]), fill=st.floats(0.0, 1.0),
        num_frac=st.floats(0.0, 1.0), block_m=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
 def test_masked_plan_kernel_matches_xla_reference(cap, v, fill, num_frac, block_m, seed):
@@ -186,7 +197,8 @@ def test_masked_plan_kernel_matches_xla_reference(cap, v, fill, num_frac, block_
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-@settings(max_examples=16, deadline=None)
+# Each example compiles anew (its own shapes, some 1.3 s): 10 a run, on fresh draws each run, rather than 16.
+@settings(max_examples=10, deadline=None)
 @given(cap=st.integers(0, 600), v=st.sampled_from([1, 8, 27, 125]), fill=st.floats(0.0, 1.0), mirrored=st.booleans(),
        chunk_rows=st.sampled_from([None, 32, 64, 256]), seed=st.integers(0, 2**16))
 def test_pair_lists_kernel_matches_xla_reference(cap, v, fill, mirrored, chunk_rows, seed):
@@ -214,7 +226,9 @@ def _pair_sets(pairs, num_offsets):
   return out
 
 
-@settings(max_examples=16, deadline=None)
+# Each example compiles three kernels and two references anew (its own shapes, some 3 s): 8 a run, on fresh
+# draws each run, rather than 16.
+@settings(max_examples=8, deadline=None)
 @given(cap=st.integers(1, 400), v=st.sampled_from([1, 8, 27, 40]), fill=st.floats(0.0, 1.0),
        num_frac=st.floats(0.0, 1.0), block_m=st.sampled_from([16, 64, 128]), mirrored=st.booleans(),
        seed=st.integers(0, 2**16))
@@ -254,8 +268,6 @@ def test_pair_lists_from_a_submanifold_plan_feed_the_same_weight_gradient():
   """Mirrored lists from a real submanifold map's plan (3x3x3 and 5x5x5, padding rows) hold the map's pairs,
   and the weight-gradient kernel over them gives the gradient it gives over the map's own lists (float32
   sums in another order), in both weight layouts; bad plans are refused by name."""
-  from pallas_kernels.weight_grad import weight_grad
-
   rng = np.random.default_rng(13)
   x = random_sparse(rng, (9, 8, 7), 5, batch_size=2, density=0.3, pad=21)
   for ks in (3, 5):
@@ -269,9 +281,9 @@ def test_pair_lists_from_a_submanifold_plan_feed_the_same_weight_gradient():
     assert _pair_sets(got, v) == _pair_sets(from_map, v)
     g = jnp.asarray(rng.standard_normal((x.capacity, 6)), jnp.float32)
     for layout in ("DHWIO", "ODHWI"):
-      kw = dict(interpret=True, precision="highest", weight_layout=layout)
-      dw = weight_grad(x.feats, g, None, pairs=got, **kw)
-      want = weight_grad(x.feats, g, None, pairs=from_map, **kw)
+      kw = dict(precision="highest", weight_layout=layout)
+      dw = _weight_grad_interpret(x.feats, g, None, pairs=got, **kw)
+      want = _weight_grad_interpret(x.feats, g, None, pairs=from_map, **kw)
       assert rel_err(dw, want) < 1e-6, (ks, layout)
   bad = plan._replace(block_offsets=plan.block_offsets[:-1])
   with pytest.raises(ValueError, match="plan"):
@@ -473,9 +485,10 @@ def test_pallas_forward_reads_k_major_weight(dtype):
   assert gather_gemm_config.reads_weight_k_major(64, cfg.tiles, jnp.float32)
   assert not gather_gemm_config.reads_weight_k_major(64, cfg.tiles, jnp.float16)
   cache = jsparse.neighbor_map(x, 3, implementation="xla")
-  yp = jsparse.submconv3d(x, w, b, cache=cache, implementation="pallas", precision="highest")
-  yx = jsparse.submconv3d(x.replace(feats=x.feats.astype(jnp.float32)), w, b, cache=cache, implementation="xla",
-                          precision="highest")
+  conv = jax.jit(lambda x, impl: jsparse.submconv3d(x, w, b, cache=cache, implementation=impl, precision="highest"),
+                 static_argnums=1)
+  yp = conv(x, "pallas")
+  yx = conv(x.replace(feats=x.feats.astype(jnp.float32)), "xla")
   assert rel_err(yp.feats, yx.feats) < (1e-5 if dtype == jnp.float32 else 2e-3)
 
 
@@ -487,7 +500,6 @@ def test_forward_weight_layouts_match_xla(weight_k_major, dtype):
   from jsparse.gemm_xla import submconv_xla
   from pallas_kernels import gather_gemm as gather_gemm_lib
   from pallas_kernels import gather_gemm_config
-  from pallas_kernels.gemm_plan import masked_plan
   from pallas_kernels.tiling import TileConfig
 
   rng = np.random.default_rng(31)
@@ -498,11 +510,11 @@ def test_forward_weight_layouts_match_xla(weight_k_major, dtype):
   nbr = jsparse.neighbor_map(x, 3, implementation="xla").nbr
   ref = submconv_xla(feats.astype(jnp.float32), w.astype(jnp.float32), b.astype(jnp.float32), nbr, x.num,
                      precision="highest")
+  plan = _masked_plan_interpret(nbr, x.num, 32)
   for split in (1, 3):
     cfg = TileConfig(32, 16, 16, split=split, weight_k_major=weight_k_major)
     if weight_k_major is not None:
       assert gather_gemm_config.reads_weight_k_major(x.capacity, cfg, dtype) is weight_k_major
-    plan = masked_plan(nbr, x.num, 32, interpret=True)
     y = gather_gemm_lib.conv_forward(feats, w, nbr, x.num, b, plan=plan, config=cfg, precision="highest",
                                      interpret=True)
     assert y.dtype == dtype
@@ -540,8 +552,10 @@ def test_masked_capacity_not_a_multiple_of_the_block(algorithm):
   x = random_sparse(rng, (4, 4, 4), 3, density=0.3, pad=2)
   assert x.capacity % 64 != 0
   w, b = random_weights(rng, (3, 3, 3), 3, 4, True)
-  yp = jsparse.submconv3d(x, w, b, implementation="pallas", precision="highest", algorithm=algorithm)
-  yx = jsparse.submconv3d(x, w, b, implementation="xla", precision="highest")
+  conv = jax.jit(lambda x, impl, alg: jsparse.submconv3d(x, w, b, implementation=impl, precision="highest",
+                                                          algorithm=alg), static_argnums=(1, 2))
+  yp = conv(x, "pallas", algorithm)
+  yx = conv(x, "xla", "auto")
   assert np.all(np.isfinite(np.asarray(yp.feats)))
   assert rel_err(yp.feats, yx.feats) < 1e-5
 
@@ -593,15 +607,17 @@ def _weight_grad_reference(x, dy, nbr):
   return jnp.einsum("mvk,mn->vkn", gathered, dy.astype(jnp.float32), precision="highest")
 
 
-@pytest.mark.parametrize("dtype, precision, tol", [(jnp.float32, "highest", 1e-6), (jnp.float32, None, 3e-5),
-                                                   (jnp.float16, None, 2e-3)],
+# Every split on float32 "highest"; the bf16 split (a product read, independent of the work split) at one split;
+# float16 at split 1 (written in its dtype directly) and at the largest split (float32 partials first).
+@pytest.mark.parametrize("dtype, precision, tol, splits", [(jnp.float32, "highest", 1e-6, (1, 3, 8)),
+                                                           (jnp.float32, None, 3e-5, (3,)),
+                                                           (jnp.float16, None, 2e-3, (1, 8))],
                          ids=["f32-highest", "f32-bf16split", "f16"])
-def test_weight_grad_balanced_matches_unbalanced_and_xla(dtype, precision, tol):
+def test_weight_grad_balanced_matches_unbalanced_and_xla(dtype, precision, tol, splits):
   """Balanced and per-offset splits give the plain gather-einsum's answer on a map with very unequal per-offset
   counts (two offsets empty), for several splits, with 150 rows (no multiple of the blocks or chunks)."""
   from pallas_kernels.gemm_plan import pair_lists
   from pallas_kernels.tiling import TileConfig
-  from pallas_kernels.weight_grad import weight_grad
 
   rng = np.random.default_rng(31)
   m, v, k, n, num = 150, 9, 19, 24, 137
@@ -612,11 +628,11 @@ def test_weight_grad_balanced_matches_unbalanced_and_xla(dtype, precision, tol):
   counts = np.asarray(pairs.counts)
   assert counts.max() > 10 * counts[counts > 0].min() and np.sum(counts == 0) == 2
   ref = _weight_grad_reference(x, dy, nbr)
-  for split in (1, 3, 8):
+  for split in splits:
     out = {}
     for balanced in (False, True):
       cfg = TileConfig(block_m=16, block_n=16, block_k=16, split=split, balanced=balanced)
-      dw = weight_grad(x, dy, nbr, pairs=pairs, config=cfg, precision=precision, interpret=True)
+      dw = _weight_grad_interpret(x, dy, nbr, pairs=pairs, config=cfg, precision=precision)
       assert dw.dtype == dtype and dw.shape == (v, k, n)
       assert rel_err(dw, ref) < tol, (split, balanced)
       # Offsets without pairs get exact zeros.
@@ -658,16 +674,20 @@ def test_balanced_weight_grad_config_drives_submconv():
     y = jsparse.submconv3d(x, w, b, cache=cache, implementation=impl, precision="highest")
     return jnp.sum(y.feats * cot)
 
+  grad = jax.jit(jax.grad(loss), static_argnums=1)
   with tuning.ConfigTable({key: cfg}):
     assert jsparse.map_gemm.choose("weight_grad", x.capacity, 5, 6, 27, jnp.float32) == cfg
-    gp = jax.grad(loss)(w, "pallas")
-  assert rel_err(gp, jax.grad(loss)(w, "xla")) < 1e-5
+    gp = grad(w, "pallas")
+  assert rel_err(gp, grad(w, "xla")) < 1e-5
 
 
-@pytest.mark.parametrize("v_kernel", [3, (3, 1, 5)])
-def test_mirrored_pair_lists(v_kernel):
+# Each kernel with the per-offset split in one weight layout and the balanced split in the other: both splits and
+# both layouts on each kernel shape (the layout only changes the output write, the split the read of the lists).
+@pytest.mark.parametrize("v_kernel, layouts", [(3, ("DHWIO", "ODHWI")), ((3, 1, 5), ("ODHWI", "DHWIO"))])
+def test_mirrored_pair_lists(v_kernel, layouts):
   """A submanifold map's pair lists stored for half the offsets (PairLists.mirrored) give the same weight
-  gradient as the full lists and the dense reference, with or without the map, in both weight layouts."""
+  gradient as the full lists and the dense reference, with or without the map, per-offset split and balanced,
+  in both weight layouts."""
   from pallas_kernels.gemm_plan import pair_lists
   from pallas_kernels.tiling import TileConfig
   from pallas_kernels.weight_grad import weight_grad
@@ -693,15 +713,13 @@ def test_mirrored_pair_lists(v_kernel):
   dy = jnp.asarray(rng.standard_normal((x.capacity, 5)), jnp.float32)
   dy = jnp.where(x.valid_mask()[:, None], dy, 0)
   ref = _weight_grad_reference(x.feats, dy, nbr)
-  for cfg in (TileConfig(16, 16, 16, split=3), TileConfig(16, 16, 16, split=2, balanced=True)):
-    for layout in ("DHWIO", "ODHWI"):
-      dw = weight_grad(x.feats, dy, None, pairs=half, config=cfg, precision="highest", interpret=True,
-                       weight_layout=layout)
-      dw_full = weight_grad(x.feats, dy, nbr, pairs=full, config=cfg, precision="highest", interpret=True,
-                            weight_layout=layout)
-      if layout == "ODHWI":
-        dw, dw_full = jnp.transpose(dw, (1, 2, 0)), jnp.transpose(dw_full, (1, 2, 0))
-      assert rel_err(dw, ref) < 1e-5 and rel_err(dw_full, ref) < 1e-5
+  for cfg, layout in zip((TileConfig(16, 16, 16, split=3), TileConfig(16, 16, 16, split=2, balanced=True)), layouts):
+    dw = _weight_grad_interpret(x.feats, dy, None, pairs=half, config=cfg, precision="highest", weight_layout=layout)
+    dw_full = _weight_grad_interpret(x.feats, dy, nbr, pairs=full, config=cfg, precision="highest",
+                                     weight_layout=layout)
+    if layout == "ODHWI":
+      dw, dw_full = jnp.transpose(dw, (1, 2, 0)), jnp.transpose(dw_full, (1, 2, 0))
+    assert rel_err(dw, ref) < 1e-5 and rel_err(dw_full, ref) < 1e-5
   with pytest.raises(ValueError, match="pair lists"):
     weight_grad(x.feats, dy, None, interpret=True)
 

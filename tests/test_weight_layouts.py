@@ -28,9 +28,12 @@ def _random_map(rng, m, r, v, num):
   return jnp.asarray(nbr)
 
 
-@pytest.mark.parametrize("weight_axes", ["".join(p) for p in itertools.permutations("vkn")])
-@pytest.mark.parametrize("flip", [False, True])
-@pytest.mark.parametrize("split", [1, 3])
+# Every axis order with both flips and both splits (12 of the 24 products): each pair of (axes, flip),
+# (axes, split) and (flip, split) values appears, and the three are independent index computations.
+@pytest.mark.parametrize("weight_axes, flip, split", [
+    (axes, flip, split if i % 2 == 0 else 4 - split)
+    for i, axes in enumerate("".join(p) for p in itertools.permutations("vkn"))
+    for flip, split in ((False, 1), (True, 3))])
 def test_gather_gemm_reads_every_axis_order(weight_axes, flip, split):
   rng = np.random.default_rng(len(weight_axes) + 7 * flip + split)
   m, v, k, n, num = 70, 5, 24, 40, 61
@@ -57,8 +60,9 @@ def test_gather_gemm_rejects_bad_weight_axes():
     gather_gemm(x, jnp.zeros((3, 4, 5)), nbr, 8, weight_axes="nvk", interpret=True)
 
 
-@pytest.mark.parametrize("weight_k_major", [None, True, False])
-@pytest.mark.parametrize("masked", [False, True])
+# The tuner's choice (None) once, masked: the explicit True/False reads cover both maps.
+@pytest.mark.parametrize("weight_k_major, masked", [(True, False), (True, True), (False, False), (False, True),
+                                                    (None, True)])
 def test_conv_passes_agree_across_layouts(weight_k_major, masked):
   """conv_forward / conv_input_grad on a [V, Cin, Cout] weight and on its [Cout, V, Cin] transpose give the same
   answer for every read (in place, straight, or through the copy)."""
@@ -86,9 +90,11 @@ def test_conv_passes_agree_across_layouts(weight_k_major, masked):
     conv_forward(x, w_vio, nbr, num, weight_layout="oiv", **kw)
 
 
-@pytest.mark.parametrize("split, balanced, use_pairs", [(1, False, False), (3, False, False), (3, False, True),
-                                                        (2, True, True)])
-@pytest.mark.parametrize("precision, tol", [("highest", 1e-6), (None, 3e-5)])
+# Each read (one piece, split, split over pair lists, balanced) once, in both precisions between them, and the
+# balanced kernel (its own output write) in both.
+@pytest.mark.parametrize("split, balanced, use_pairs, precision, tol", [
+    (1, False, False, "highest", 1e-6), (3, False, False, None, 3e-5), (3, False, True, "highest", 1e-6),
+    (2, True, True, "highest", 1e-6), (2, True, True, None, 3e-5)])
 def test_weight_grad_cout_major_output(split, balanced, use_pairs, precision, tol):
   rng = np.random.default_rng(split + 10 * balanced)
   m, v, cin, cout, num = 150, 6, 20, 36, 140
@@ -106,9 +112,12 @@ def test_weight_grad_cout_major_output(split, balanced, use_pairs, precision, to
   np.testing.assert_allclose(np.asarray(dw), np.transpose(np.asarray(dw_vio), (2, 0, 1)), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("implementation, algorithm", [("xla", "auto"), ("pallas", "masked"),
-                                                       ("pallas", "implicit_splitk"), ("pallas", "explicit")])
-@pytest.mark.parametrize("dilation, kernel_size", [(1, (3, 3, 3)), ((1, 2, 1), (3, 1, 5))])
+# The XLA path on both kernels, each Pallas algorithm on one, the kernels alternating (kernel shape and dilation
+# reach an algorithm's weight reads only through the map and V, so they are independent of it): 5 of the 8
+# products. Values and gradients from one jitted program each.
+@pytest.mark.parametrize("implementation, algorithm, dilation, kernel_size", [
+    ("xla", "auto", 1, (3, 3, 3)), ("xla", "auto", (1, 2, 1), (3, 1, 5)), ("pallas", "masked", (1, 2, 1), (3, 1, 5)),
+    ("pallas", "implicit_splitk", 1, (3, 3, 3)), ("pallas", "explicit", (1, 2, 1), (3, 1, 5))])
 def test_submconv_odhwi_matches_dense_values_and_grads(implementation, algorithm, dilation, kernel_size):
   rng = np.random.default_rng(5)
   cin, cout = 5, 7
@@ -126,8 +135,8 @@ def test_submconv_odhwi_matches_dense_values_and_grads(implementation, algorithm
     y = dense_submconv_at_sites(x, feats, w, b, dilation)
     return jnp.sum(y * cot), y
 
-  (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x.feats, _to_odhwi(w), b)
-  (_, ref), ref_grads = jax.value_and_grad(dense_loss, argnums=(0, 1, 2), has_aux=True)(x.feats, w, b)
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x.feats, _to_odhwi(w), b)
+  (_, ref), ref_grads = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1, 2), has_aux=True))(x.feats, w, b)
   assert rel_err(out, ref) < 1e-5
   assert grads[1].shape == (cout,) + kernel_size + (cin,)
   for got, want in zip(grads, (ref_grads[0], _to_odhwi(ref_grads[1]), ref_grads[2])):
@@ -163,34 +172,41 @@ def test_square_weight_is_read_in_the_layout_named():
   assert rel_err(as_odhwi, dense_submconv_at_sites(x, x.feats, jnp.transpose(w, (1, 2, 3, 4, 0)))) < 1e-5
   assert rel_err(as_dhwio, as_odhwi) > 0.1
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_strided_inverse_and_transposed_convs_take_odhwi(implementation):
+def test_strided_inverse_and_transposed_convs_take_odhwi():
+  """Strided, inverse and transposed convolutions on ODHWI weights, XLA path and Pallas kernels, against the XLA
+  path on DHWIO weights: values and all gradients. (The Pallas kernels on DHWIO weights against the XLA path are
+  test_sparse_conv's; each run is one jitted program.)"""
   rng = np.random.default_rng(8)
   cin, cmid, cout = 3, 5, 4
   x = random_sparse(rng, (8, 8, 8), cin, batch_size=1, density=0.3, pad=4)
   w1 = jnp.asarray(rng.standard_normal((2, 2, 2, cin, cmid)).astype(np.float32))
   w2 = jnp.asarray(rng.standard_normal((2, 2, 2, cmid, cout)).astype(np.float32))
   w3 = jnp.asarray(rng.standard_normal((2, 2, 2, cmid, cout)).astype(np.float32))
-  kw = dict(implementation=implementation, precision="highest")
 
-  def run(layout, conv):
+  def run(layout, implementation):
+    kw = dict(implementation=implementation, precision="highest")
     t = _to_odhwi if layout == "ODHWI" else (lambda w: w)
 
     def f(feats, a, b, c):
-      y = jsparse.sparse_conv3d(x.replace(feats=feats), a, stride=2, weight_layout=layout, **kw)
+      # Capacities given (jit cannot count sites on the host): stride 2 of a 2x2x2 kernel has at most one output
+      # site per input site, and its transpose at most eight per input.
+      y = jsparse.sparse_conv3d(x.replace(feats=feats), a, stride=2, out_capacity=x.capacity, weight_layout=layout,
+                                **kw)
       z = jsparse.sparse_inverse_conv3d(y, b, like=x, stride=2, weight_layout=layout, **kw)
-      u = jsparse.sparse_conv_transpose3d(y, c, stride=2, weight_layout=layout, **kw)
+      u = jsparse.sparse_conv_transpose3d(y, c, stride=2, out_capacity=8 * x.capacity, weight_layout=layout, **kw)
       return jnp.sum(z.feats ** 2) + jnp.sum(jnp.sin(u.feats)), (z.feats, u.feats)
 
-    (_, outs), grads = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(x.feats, t(w1), t(w2), t(w3))
+    (_, outs), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(x.feats, t(w1), t(w2),
+                                                                                            t(w3))
     return outs, grads
 
-  (z_a, u_a), g_a = run("DHWIO", None)
-  (z_b, u_b), g_b = run("ODHWI", None)
-  assert rel_err(z_b, z_a) < 1e-5 and rel_err(u_b, u_a) < 1e-5
-  assert rel_err(g_b[0], g_a[0]) < 1e-5
-  for got, want in zip(g_b[1:], g_a[1:]):
-    assert rel_err(got, _to_odhwi(want)) < 1e-5
+  (z_a, u_a), g_a = run("DHWIO", "xla")
+  for implementation in ("xla", "pallas"):
+    (z_b, u_b), g_b = run("ODHWI", implementation)
+    assert rel_err(z_b, z_a) < 1e-5 and rel_err(u_b, u_a) < 1e-5, implementation
+    assert rel_err(g_b[0], g_a[0]) < 1e-5, implementation
+    for got, want in zip(g_b[1:], g_a[1:]):
+      assert rel_err(got, _to_odhwi(want)) < 1e-5, implementation
 
 
 @pytest.mark.parametrize("module", ["SubMConv3d", "SparseConv3d"])
@@ -237,9 +253,9 @@ def test_odhwi_kernels_lower_for_triton(dtype):
                                                  weight_layout="ODHWI"), x, g, nbr)
 
 
-@pytest.mark.parametrize("weight_layout", ["DHWIO", "ODHWI"])
-@pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("out_dtype", [None, jnp.float32])
+# A covering set of the 2 x 2 x 2 product: each pair of (layout, split, out_dtype) values appears once.
+@pytest.mark.parametrize("weight_layout, split, out_dtype", [("DHWIO", 1, None), ("DHWIO", 2, jnp.float32),
+                                                             ("ODHWI", 1, jnp.float32), ("ODHWI", 2, None)])
 def test_half_precision_weight_grad_dtype_and_values(weight_layout, split, out_dtype):
   """One piece per offset (split 1) writes the gradient in its final dtype directly; split pieces add float32
   partials first. Both give the reference within half precision, in the asked dtype and layout."""

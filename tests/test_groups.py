@@ -29,10 +29,17 @@ TOL = {jnp.float32: 2e-5, jnp.float16: 4e-3, jnp.bfloat16: 3e-2}
 # (input channels, output channels, feature_group_count); "depthwise" rows have G = Cin.
 GROUPINGS = [(6, 9, 1), (8, 12, 2), (8, 8, 4), (6, 12, 6), (5, 5, 5)]
 GROUP_IDS = ["g1", "g2", "g4", "depthwise_x2", "depthwise"]
-# The strided and inverse cases (three geometries each) take both layouts in turn over the groupings.
-GROUPINGS_LAYOUTS = [pytest.param(g, layout, id=f"{i}-{layout}") for g, i, layout in
+# The strided and inverse cases take both layouts in turn over the groupings, and each one geometry of STRIDED in
+# turn (shifted by one between the two tests): the grouping acts on the GEMM and the geometry on the map, so every
+# grouping, layout and geometry (each geometry with two groupings, depthwise among them) still meets both maps.
+GROUPINGS_LAYOUTS = [(g, i, layout) for g, i, layout in
                      zip(GROUPINGS, GROUP_IDS, ["DHWIO", "ODHWI", "DHWIO", "ODHWI", "ODHWI"])] + [
-                         pytest.param((8, 8, 8), "DHWIO", id="depthwise-DHWIO")]
+                         ((8, 8, 8), "depthwise", "DHWIO")]
+
+
+def _groupings_layouts_geometries(shift):
+  return [pytest.param(g, layout, k, id=f"{i}-{layout}-geom{k}")
+          for k, (g, i, layout) in ((n % 3, row) for n, row in enumerate(GROUPINGS_LAYOUTS, shift))]
 
 
 def _weight(rng, kernel_size, cin, cout, groups, dtype=np.float32):
@@ -93,8 +100,10 @@ def _check_values_and_grads(sparse_fn, dense_fn, args, cot, tol):
 # ---- the XLA path against the dense convolution ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["DHWIO", "ODHWI"])
-@pytest.mark.parametrize("grouping", GROUPINGS, ids=GROUP_IDS)
+# Both layouts in turn over the groupings (as the strided cases): the layout only changes how the weight is read,
+# which no grouping changes, and each layout still meets both a grouped and a depthwise convolution.
+@pytest.mark.parametrize("grouping, layout", [pytest.param(g, layout, id=f"{i}-{layout}")
+                                              for g, i, layout in GROUPINGS_LAYOUTS])
 def test_submconv_matches_dense_grouped_conv(grouping, layout):
   cin, cout, groups = grouping
   rng = np.random.default_rng(cin * 100 + groups)
@@ -136,11 +145,11 @@ def test_submconv_half_precision(grouping, dtype):
 STRIDED = [((7, 6, 5), (3, 3, 3), 2, 1, 1), ((8, 6, 6), (2, 2, 2), 2, 0, 1), ((7, 7, 5), (3, 3, 3), 1, 0, 2)]
 
 
-@pytest.mark.parametrize("grouping, layout", GROUPINGS_LAYOUTS)
-def test_strided_conv_matches_dense_grouped_conv(grouping, layout):
+@pytest.mark.parametrize("grouping, layout, geometry", _groupings_layouts_geometries(0))
+def test_strided_conv_matches_dense_grouped_conv(grouping, layout, geometry):
   cin, cout, groups = grouping
   rng = np.random.default_rng(cin * 10 + groups)
-  for shape, ks, stride, pad, dil in STRIDED:
+  for shape, ks, stride, pad, dil in STRIDED[geometry:geometry + 1]:
     x = random_sparse(rng, shape, cin, batch_size=2, density=0.25)
     w, b = _weight(rng, ks, cin, cout, groups)
     y = jsparse.sparse_conv3d(x, w, stride=stride, padding=pad, dilation=dil, feature_group_count=groups)
@@ -158,13 +167,13 @@ def test_strided_conv_matches_dense_grouped_conv(grouping, layout):
     _check_values_and_grads(sparse_fn, dense_fn, (x.feats, w, b), cot, TOL[jnp.float32])
 
 
-@pytest.mark.parametrize("grouping, layout", GROUPINGS_LAYOUTS)
-def test_inverse_conv_matches_dense_grouped_transpose(grouping, layout):
+@pytest.mark.parametrize("grouping, layout, geometry", _groupings_layouts_geometries(1))
+def test_inverse_conv_matches_dense_grouped_transpose(grouping, layout, geometry):
   """The inverse convolution with grouped weight w is the adjoint of the dense grouped convolution whose
   weight holds each group's block of w transposed."""
   c_y, cout, groups = grouping
   rng = np.random.default_rng(c_y + 31 * groups)
-  for shape, ks, stride, pad, dil in STRIDED:
+  for shape, ks, stride, pad, dil in STRIDED[geometry:geometry + 1]:
     x = random_sparse(rng, shape, 3, batch_size=2, density=0.25)
     y = jsparse.sparse_conv3d(x, jnp.ones(ks + (3, c_y)), stride=stride, padding=pad, dilation=dil)
     y = y.replace(feats=jnp.asarray(rng.standard_normal(y.feats.shape).astype(np.float32)) * y.valid_mask()[:, None])
@@ -232,9 +241,18 @@ def _pallas_vs_xla(x, w, b, groups, algorithm, layout, dtype=jnp.float32, tol=2e
     assert a.dtype == r.dtype and rel_err(a, r) < tol, (name, rel_err(a, r))
 
 
-@pytest.mark.parametrize("algorithm", ["explicit", "masked", "implicit_splitk", "depthwise", "depthwise_splitk",
-                                       "auto"])
-@pytest.mark.parametrize("grouping", [(32, 48, 2), (24, 24, 24), (12, 24, 4)], ids=["g2_wide", "depthwise", "g4"])
+ALGORITHMS = ["explicit", "masked", "implicit_splitk", "depthwise", "depthwise_splitk", "auto"]
+# Every algorithm on wide groups (the grouped gather-GEMM) and on one of the two narrow groupings, which split the
+# algorithms between them: one channel per group (depthwise) and three with a channel multiplier of 2 (g4), each
+# with a depthwise kernel (split and not) and a GEMM algorithm.
+NARROW = {"explicit": "g4", "masked": "depthwise", "implicit_splitk": "g4", "depthwise": "depthwise",
+          "depthwise_splitk": "g4", "auto": "depthwise"}
+GROUPINGS_BY_ID = {"g2_wide": (32, 48, 2), "depthwise": (24, 24, 24), "g4": (12, 24, 4)}
+
+
+@pytest.mark.parametrize("grouping, algorithm", [
+    pytest.param(GROUPINGS_BY_ID[gid], algorithm, id=f"{gid}-{algorithm}")
+    for algorithm in ALGORITHMS for gid in ("g2_wide", NARROW[algorithm])])
 def test_pallas_algorithms_match_xla(grouping, algorithm):
   """Every algorithm runs grouped convolutions: the grouped gather-GEMM (groups of >= 16 channels), the
   depthwise multiply-accumulate, and explicit (the XLA passes under the custom_vjp, whose gradients must equal
@@ -313,20 +331,20 @@ def test_depthwise_kernels_against_the_xla_passes_on_arrays():
   w = jnp.asarray(rng.standard_normal((v, cin // groups, cout)).astype(np.float32))
   bias = jnp.asarray(rng.standard_normal(cout).astype(np.float32))
   t_map = jnp.asarray(rng.integers(-1, m, (200, v)).astype(np.int32))
-  for layout in (WeightLayout.DHWIO, WeightLayout.ODHWI):
+  # Each layout with one split (the layout sets how the weight is read, the split how rows are cut: independent).
+  for layout, split in ((WeightLayout.DHWIO, 1), (WeightLayout.ODHWI, 3)):
     wl = w if layout is WeightLayout.DHWIO else jnp.transpose(w, (2, 0, 1))
     kw = dict(precision="highest", weight_layout=layout, groups=groups)
     want = submconv_xla(x, wl, bias, nbr, num, **kw)
-    for split in (1, 3):
-      cfg = TileConfig(32, 16, 16, split=split)
-      got = depthwise.conv_forward(x, wl, nbr, num, bias, config=cfg, interpret=True, weight_layout=layout,
-                                   groups=groups)
-      assert rel_err(got, want) < 1e-6
-      got = depthwise.conv_input_grad(g, wl, t_map, 180, config=cfg, interpret=True, weight_layout=layout,
-                                      groups=groups)
-      assert rel_err(got, input_grad_xla(g, wl, t_map, 180, **kw)) < 1e-6
-      got = depthwise.weight_grad(x, g, nbr, num, config=cfg, interpret=True, weight_layout=layout, groups=groups)
-      assert rel_err(got, weight_grad_xla(x, g, nbr, num, **kw)) < 1e-6
+    cfg = TileConfig(32, 16, 16, split=split)
+    got = depthwise.conv_forward(x, wl, nbr, num, bias, config=cfg, interpret=True, weight_layout=layout,
+                                 groups=groups)
+    assert rel_err(got, want) < 1e-6
+    got = depthwise.conv_input_grad(g, wl, t_map, 180, config=cfg, interpret=True, weight_layout=layout,
+                                    groups=groups)
+    assert rel_err(got, input_grad_xla(g, wl, t_map, 180, **kw)) < 1e-6
+    got = depthwise.weight_grad(x, g, nbr, num, config=cfg, interpret=True, weight_layout=layout, groups=groups)
+    assert rel_err(got, weight_grad_xla(x, g, nbr, num, **kw)) < 1e-6
 
 
 def test_grouped_gemm_kernels_against_the_xla_passes_on_arrays():

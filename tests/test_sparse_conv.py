@@ -43,14 +43,24 @@ def _at(dense, t: jsparse.SparseTensor):
   return jnp.where(valid[:, None], dense[c[:, 0], c[:, 1], c[:, 2], c[:, 3]], 0)
 
 
+def _values_and_grads(fn, args, cot):
+  """fn's output and the gradients of sum(output * cot) w.r.t. every arg, from one jitted program: one compilation
+  is cheaper on the CPU than dispatching every primitive eagerly, and than compiling the values apart."""
+  def loss(*a):
+    y = fn(*a)
+    return jnp.sum((y.feats if isinstance(y, jsparse.SparseTensor) else y) * cot), y
+
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, tuple(range(len(args))), has_aux=True))(*args)
+  return y, grads
+
+
 def _check_grads(sparse_fn, dense_fn, args, cot, tol=1e-5):
-  loss = lambda f: lambda *a: jnp.sum(f(*a) * cot)
-  argnums = tuple(range(len(args)))
-  # jit: one compilation is cheaper on the CPU than dispatching every primitive eagerly.
-  gs = jax.jit(jax.grad(loss(sparse_fn), argnums))(*args)
-  gd = jax.jit(jax.grad(loss(dense_fn), argnums))(*args)
+  """Gradients of sparse_fn against dense_fn; returns both sides' values (from the same programs)."""
+  ys, gs = _values_and_grads(sparse_fn, args, cot)
+  yd, gd = _values_and_grads(dense_fn, args, cot)
   for a, r in zip(gs, gd):
     assert rel_err(a, r) < tol
+  return ys, yd
 
 
 @pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
@@ -71,19 +81,21 @@ def test_sparse_conv3d_matches_dense(case):
   assert np.all(np.asarray(hits)[c[:, 0], c[:, 1], c[:, 2], c[:, 3]])
   keys = np.asarray(y.linear_keys()[:n])
   assert np.all(np.diff(keys) > 0)
-  # Values and gradients.
+  # Values and gradients, under jit at a larger static capacity (one program for both): padding rows are zero
+  # and -1, the valid rows those of the exact output.
   bb = jnp.zeros(cout) if b is None else b
-  dense_fn = lambda f, w, bb: _at(_dense_conv(x.replace(feats=f).todense(), w, st, pad, dil) + bb, y)
   sparse_fn = lambda f, w, bb: sparse_conv3d(x.replace(feats=f), w, bb, stride=st, padding=pad, dilation=dil,
-                                             out_capacity=n, precision="highest").feats
-  assert rel_err(y.feats, jax.jit(dense_fn)(x.feats, w, bb)) < 1e-5
-  cot = jnp.asarray(rng.standard_normal((y.capacity, cout)).astype(np.float32))
-  _check_grads(sparse_fn, dense_fn, (x.feats, w, bb), cot)
-  # Larger static capacity: padding rows are zero and -1.
-  y2 = jax.jit(lambda x: sparse_conv3d(x, w, b, stride=st, padding=pad, dilation=dil, out_capacity=n + 7,
-                                       precision="highest"))(x)
-  assert int(y2.num) == n and rel_err(y2.feats[:n], y.feats) < 1e-6
+                                             out_capacity=n + 7, precision="highest")
+  cot = jnp.asarray(rng.standard_normal((n + 7, cout)).astype(np.float32))
+  y2, grads = _values_and_grads(sparse_fn, (x.feats, w, bb), cot)
+  assert int(y2.num) == n and np.array_equal(np.asarray(y2.coords[:n]), c)
   assert np.all(np.asarray(y2.feats[n:]) == 0) and np.all(np.asarray(y2.coords[n:]) == -1)
+  assert rel_err(y2.feats[:n], y.feats) < 1e-6
+  dense_fn = lambda f, w, bb: _at(_dense_conv(x.replace(feats=f).todense(), w, st, pad, dil) + bb, y2)
+  want, ref = _values_and_grads(dense_fn, (x.feats, w, bb), cot)
+  assert rel_err(y.feats, want[:n]) < 1e-5
+  for a, r in zip(grads, ref):
+    assert rel_err(a, r) < 1e-5
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=[str(i) for i in range(4)])
@@ -107,15 +119,16 @@ def test_inverse_conv_matches_dense_transpose(case):
     return sparse_inverse_conv3d(yy.replace(feats=fy), w, b, like=x, stride=st, padding=pad, dilation=dil,
                                  precision="highest").feats
 
-  out = sparse_fn(y.feats, w, b)
-  assert rel_err(out, jax.jit(dense_fn)(y.feats, w, b)) < 1e-5
   cot = jnp.asarray(rng.standard_normal((x.capacity, c2)).astype(np.float32))
-  _check_grads(sparse_fn, dense_fn, (y.feats, w, b), cot)
-  # Without the cached map (recomputed by search), and with y's rows shuffled, the result is the same.
-  assert rel_err(sparse_fn(y.feats, w, b, y.replace(caches={})), out) < 1e-6
+  out, want = _check_grads(sparse_fn, dense_fn, (y.feats, w, b), cot)
+  assert rel_err(out, want) < 1e-5
+  # Without the cached map (recomputed by search), and with y's rows shuffled, the result is the same (one jitted
+  # program for both: neither tensor carries a cache).
+  no_cache = jax.jit(sparse_fn)
+  assert rel_err(no_cache(y.feats, w, b, y.replace(caches={})), out) < 1e-6
   perm = jnp.asarray(np.concatenate([rng.permutation(int(y.num)), np.arange(int(y.num), y.capacity)]))
   shuffled = jsparse.SparseTensor(y.coords[perm], y.feats[perm], y.num, y.spatial_shape, y.batch_size)
-  assert rel_err(sparse_fn(shuffled.feats, w, b, shuffled), out) < 1e-6
+  assert rel_err(no_cache(shuffled.feats, w, b, shuffled), out) < 1e-6
 
 
 def test_inverse_conv_finds_the_map_through_submconv_layers(monkeypatch):
@@ -159,11 +172,11 @@ def test_conv_transpose_matches_dense(stride):
       return sparse_conv_transpose3d(x.replace(feats=f), w, b, stride=stride, mask=m, out_capacity=y.capacity,
                                      precision="highest").feats
 
-    assert rel_err(y.feats, dense_fn(x.feats, w, b)) < 1e-5
     parents = {tuple(r) for r in pc[keep.any(1)].tolist()}
     assert {(r[0], *(np.asarray(r[1:]) // st)) for r in c.tolist()} == parents
     cot = jnp.asarray(rng.standard_normal((y.capacity, 4)).astype(np.float32))
-    _check_grads(sparse_fn, dense_fn, (x.feats, w, b), cot)
+    out, want = _check_grads(sparse_fn, dense_fn, (x.feats, w, b), cot)
+    assert rel_err(y.feats, want) < 1e-5 and rel_err(out, y.feats) < 1e-6
 
 
 @pytest.mark.parametrize("ks,st,pad,dil", [(2, 2, 0, 1), ((3, 2, 3), (2, 1, 2), (1, 0, 1), 1), (3, 1, 1, 2)])
@@ -360,8 +373,9 @@ def _assert_same_pair_maps(got, ref):
     np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(ref, name)), err_msg=name)
 
 
-# (spatial_shape, batch, kernel_size, stride, padding, dilation): CASES' geometries and a batch of one.
-SITE_CASES = [c[:6] for c in CASES] + [((6, 7, 5), 1, (3, 3, 3), 2, 1, 1)]
+# (spatial_shape, batch, kernel_size, stride, padding, dilation): CASES' geometries, the first (kernel 3, stride 2,
+# padding 1) with a batch of one, as every other case has a batch of two or three.
+SITE_CASES = [((6, 7, 5), 1, (3, 3, 3), 2, 1, 1)] + [c[:6] for c in CASES[1:]]
 
 
 @pytest.mark.parametrize("case", SITE_CASES, ids=[str(i) for i in range(len(SITE_CASES))])
@@ -471,8 +485,7 @@ def test_jitted_down_up_chain_uses_the_carried_map():
   assert all(np.isfinite(np.asarray(a)).all() for a in g)
 
 
-@pytest.mark.parametrize("algorithm", ["explicit", "masked", "implicit_splitk"])
-def test_every_algorithm_reads_the_transposed_maps_unflipped(algorithm):
+def test_every_algorithm_reads_the_transposed_maps_unflipped():
   """The input gradient of strided, inverse and transposed convolutions runs over the transposed map as it is
   (t[j, v] = i iff nbr[i, v] = j, offset v with W_v^T): every algorithm's gradients equal JAX's autodiff of the
   XLA path, an anisotropic kernel and stride included (a reversed offset order would pair the wrong weights)."""
@@ -491,8 +504,10 @@ def test_every_algorithm_reads_the_transposed_maps_unflipped(algorithm):
       return jnp.sum(z.feats * cot) + jnp.sum(jnp.sin(u.feats))
     return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(x.feats, w, wi, wt)
 
-  for a, r in zip(run("pallas", algorithm), run("xla", "auto")):
-    assert rel_err(a, r) < 1e-5
+  want = run("xla", "auto")  # compiled once for the three algorithms
+  for algorithm in ("explicit", "masked", "implicit_splitk"):
+    for a, r in zip(run("pallas", algorithm), want):
+      assert rel_err(a, r) < 1e-5, algorithm
 
 
 @pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])

@@ -31,9 +31,11 @@ def at_sites(x: jsparse.SparseTensor, dense):
 
 
 def perturb(tree, seed=1, scale=0.3):
-  """Adds noise to every leaf (so zero-initialised biases are exercised too); numpy, so nothing compiles."""
+  """Adds noise to every leaf (so zero-initialised biases are exercised too); numpy, so nothing compiles (an eager
+  jnp add would compile one program per leaf shape)."""
   rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda l: l + jnp.asarray(scale * rng.standard_normal(l.shape), l.dtype), tree)
+  return jax.tree.map(lambda l: jnp.asarray(np.asarray(l) + np.asarray(scale * rng.standard_normal(l.shape), l.dtype),
+                                            l.dtype), tree)
 
 
 # ---- SubMConv3d vs nn.Conv on the dense tensor -----------------------------------------------------------
@@ -55,9 +57,10 @@ def test_submconv3d_module_matches_dense_conv(spatial, batch, cin, cout, kernel,
   sparse = snn.SubMConv3d(cout, kernel, kernel_dilation=dilation, precision="highest")
   dense = nn.Conv(cout, kernel if isinstance(kernel, tuple) else (kernel,) * 3, padding="SAME",
                   kernel_dilation=dilation, precision=HIGHEST)
-  params = perturb(sparse.init(KEY, x))
-  # Same parameter names and layouts as nn.Conv: one tree drives both.
-  assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, dense.init(KEY, x.todense()))
+  params = perturb(jax.jit(sparse.init)(KEY, x))
+  # Same parameter names and layouts as nn.Conv: one tree drives both (shapes alone: nothing compiles).
+  dense_shapes = jax.eval_shape(lambda: dense.init(KEY, x.todense()))
+  assert jax.tree.map(jnp.shape, params) == jax.tree.map(lambda a: a.shape, dense_shapes)
   assert params["params"]["kernel"].shape == (*np.broadcast_to(kernel, 3), cin, cout)
   cot = jnp.asarray(rng.standard_normal((x.capacity, cout)), jnp.float32)
 
@@ -98,7 +101,7 @@ def test_submconv3d_stack_matches_dense():
       h = norm.activation(h, lambda f: jnp.tanh(f) + 0.5)  # fn(0) != 0: padding must stay zero
       return snn.SubMConv3d(2, (3, 1, 3), precision="highest", name="c2")(h).feats
 
-  params = perturb(Stack().init(KEY, x))
+  params = perturb(jax.jit(Stack().init)(KEY, x))
   f = lambda p: jnp.sum(jnp.sin(Stack().apply(p, x)))
   fd = lambda p: jnp.sum(jnp.sin(Stack(dense=True).apply(p, x)))
   assert rel_err(jax.jit(Stack().apply)(params, x), jax.jit(Stack(dense=True).apply)(params, x)) < 1e-5
@@ -131,9 +134,10 @@ def test_batch_norm_matches_numpy_and_flax_on_valid_rows():
   x = _norm_input()
   n = int(x.num)
   m = snn.SparseBatchNorm(momentum=0.9)
-  variables = m.init(KEY, x, use_running_average=False)
+  variables = jax.jit(lambda x: m.init(KEY, x, use_running_average=False))(x)
   params = perturb(variables["params"])
-  y, upd = m.apply({"params": params, "batch_stats": variables["batch_stats"]}, x, False, mutable=["batch_stats"])
+  train = jax.jit(lambda v, x: m.apply(v, x, False, mutable=["batch_stats"]))  # one program for both steps
+  y, upd = train({"params": params, "batch_stats": variables["batch_stats"]}, x)
 
   rows = np.asarray(x.feats[:n], np.float64)
   mean, var = rows.mean(0), rows.var(0)
@@ -143,11 +147,11 @@ def test_batch_norm_matches_numpy_and_flax_on_valid_rows():
   # Running averages: momentum * old + (1 - momentum) * batch statistic (old mean 0, old var 1).
   assert rel_err(upd["batch_stats"]["mean"], 0.1 * mean) < 1e-5
   assert rel_err(upd["batch_stats"]["var"], 0.9 + 0.1 * var) < 1e-5
-  y2, upd2 = m.apply({"params": params, **upd}, x, False, mutable=["batch_stats"])
+  y2, upd2 = train({"params": params, **upd}, x)
   assert rel_err(upd2["batch_stats"]["mean"], 0.9 * 0.1 * mean + 0.1 * mean) < 1e-5
 
   # Inference uses the running averages.
-  ye = m.apply({"params": params, **upd}, x, use_running_average=True)
+  ye = jax.jit(lambda v, x: m.apply(v, x, use_running_average=True))({"params": params, **upd}, x)
   rm, rv = np.asarray(upd["batch_stats"]["mean"]), np.asarray(upd["batch_stats"]["var"])
   ref_e = (rows - rm) / np.sqrt(rv + 1e-5) * np.asarray(params["scale"]) + np.asarray(params["bias"])
   assert rel_err(ye.feats[:n], ref_e) < 1e-5 and np.all(np.asarray(ye.feats[n:]) == 0)
@@ -159,7 +163,7 @@ def test_batch_norm_matches_numpy_and_flax_on_valid_rows():
   fs = lambda p, f: jnp.sum(
       m.apply({"params": p, **bn_vars}, x.replace(feats=f), False, mutable=["batch_stats"])[0].feats * cot)
   fd = lambda p, f: jnp.sum(flax_bn.apply({"params": p, **bn_vars}, f[:n], mutable=["batch_stats"])[0] * cot[:n])
-  gs, gd = jax.grad(fs, (0, 1))(params, x.feats), jax.grad(fd, (0, 1))(params, x.feats)
+  gs, gd = jax.jit(jax.grad(fs, (0, 1)))(params, x.feats), jax.jit(jax.grad(fd, (0, 1)))(params, x.feats)
   for a, b in zip(jax.tree.leaves(gs), jax.tree.leaves(gd)):
     assert rel_err(a, b) < 1e-4
   assert np.all(np.asarray(gs[1][n:]) == 0)
@@ -169,16 +173,16 @@ def test_layer_norm_matches_flax_on_valid_rows():
   x = _norm_input(1)
   n = int(x.num)
   m = snn.SparseLayerNorm()
-  params = perturb(m.init(KEY, x))
-  y = m.apply(params, x)
-  ref = nn.LayerNorm().apply(params, x.feats[:n])
+  params = perturb(jax.jit(m.init)(KEY, x))
+  y = jax.jit(m.apply)(params, x)
+  ref = jax.jit(nn.LayerNorm().apply)(params, x.feats[:n])
   rows = np.asarray(x.feats[:n], np.float64)
   ref_np = (rows - rows.mean(-1, keepdims=True)) / np.sqrt(rows.var(-1, keepdims=True) + 1e-6)
   ref_np = ref_np * np.asarray(params["params"]["scale"]) + np.asarray(params["params"]["bias"])
   assert rel_err(y.feats[:n], ref) < 1e-5 and rel_err(y.feats[:n], ref_np) < 1e-5
   assert np.all(np.asarray(y.feats[n:]) == 0)
-  g = jax.grad(lambda f: jnp.sum(jnp.sin(m.apply(params, x.replace(feats=f)).feats)))(x.feats)
-  gr = jax.grad(lambda f: jnp.sum(jnp.sin(nn.LayerNorm().apply(params, f[:n]))))(x.feats)
+  g = jax.jit(jax.grad(lambda f: jnp.sum(jnp.sin(m.apply(params, x.replace(feats=f)).feats))))(x.feats)
+  gr = jax.jit(jax.grad(lambda f: jnp.sum(jnp.sin(nn.LayerNorm().apply(params, f[:n])))))(x.feats)
   assert rel_err(g, gr) < 1e-5
 
 
@@ -187,8 +191,8 @@ def test_group_norm_per_batch_item(num_groups, group_size):
   x = _norm_input(2, batch=3, channels=8)
   n = int(x.num)
   m = snn.SparseGroupNorm(num_groups=num_groups, group_size=group_size)
-  params = perturb(m.init(KEY, x))
-  y = m.apply(params, x)
+  params = perturb(jax.jit(m.init)(KEY, x))
+  y = jax.jit(m.apply)(params, x)
   assert np.all(np.asarray(y.feats[n:]) == 0)
   g = num_groups or 8 // group_size
   coords, feats = np.asarray(x.coords[:n]), np.asarray(x.feats[:n], np.float64)
@@ -203,7 +207,7 @@ def test_group_norm_per_batch_item(num_groups, group_size):
     ref = ((grouped - mu) / np.sqrt(var + 1e-6)).reshape(-1, 8) * scale + bias
     assert rel_err(np.asarray(y.feats[:n])[rows], ref) < 1e-5
     # flax's GroupNorm on the item's valid rows as a [1, rows, C] batch agrees too.
-    ref_flax = flax_gn.apply(params, jnp.asarray(feats[rows], jnp.float32)[None])[0]
+    ref_flax = jax.jit(flax_gn.apply)(params, jnp.asarray(feats[rows], jnp.float32)[None])[0]
     assert rel_err(np.asarray(y.feats[:n])[rows], ref_flax) < 1e-5
 
   # Gradient w.r.t. the input equals flax's per item, summed over items.
@@ -218,8 +222,11 @@ def test_group_norm_per_batch_item(num_groups, group_size):
   assert rel_err(gs, jax.jit(jax.grad(dense_loss))(x.feats)) < 1e-4
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.float16, 4e-3), (jnp.bfloat16, 3e-2)])
-@pytest.mark.parametrize("act", [None, jax.nn.relu, jax.nn.silu], ids=["none", "relu", "silu"])
+# Each activation and each dtype at least once, rather than the product (the activation's backward and the
+# half-precision casts are separate steps of the unit), and silu, the one with a nonlinear derivative, in float32 too.
+@pytest.mark.parametrize("act,dtype,tol", [(None, jnp.float32, 2e-5), (jax.nn.silu, jnp.float32, 2e-5),
+                                           (jax.nn.relu, jnp.float16, 4e-3), (jax.nn.silu, jnp.bfloat16, 3e-2)],
+                         ids=["none-float32", "silu-float32", "relu-float16", "silu-bfloat16"])
 def test_group_norm_with_activation_values_and_gradients(dtype, tol, act):
   """group_norm(activation=...) (one custom_vjp unit) against autodiff of the textbook formula per batch item:
   output, and the gradients of feats, scale and bias, with three items of different sizes, padding rows holding
@@ -269,15 +276,16 @@ def test_group_norm_modules_fuse_the_activation():
 
   x = _norm_input(4, batch=3, channels=8)
   m, fused = snn.SparseGroupNorm(num_groups=4), snn.SparseGroupNorm(num_groups=4, activation=nn.silu)
-  params = perturb(m.init(KEY, x))
-  assert jax.tree.structure(fused.init(KEY, x)) == jax.tree.structure(params)
+  params = perturb(jax.jit(m.init)(KEY, x))
+  assert jax.tree.structure(jax.eval_shape(fused.init, KEY, x)) == jax.tree.structure(params)
   cot = jnp.asarray(np.random.default_rng(2).standard_normal(x.feats.shape), jnp.float32)
 
   def pair(apply_plain, apply_fused):
     plain = lambda f: norm.activation(apply_plain(x.replace(feats=f)), jax.nn.silu).feats  # noqa: E731
-    both = [fn(x.feats) for fn in (plain, lambda f: apply_fused(x.replace(feats=f)).feats)]
-    grads = [jax.grad(lambda f, fn=fn: jnp.sum(fn(f) * cot))(x.feats)
-             for fn in (plain, lambda f: apply_fused(x.replace(feats=f)).feats)]
+    # one jitted program per function for its value and input gradient
+    outs = [jax.jit(jax.value_and_grad(lambda f, fn=fn: (jnp.sum(fn(f) * cot), fn(f)), has_aux=True))(x.feats)
+            for fn in (plain, lambda f: apply_fused(x.replace(feats=f)).feats)]
+    both, grads = [o[0][1] for o in outs], [o[1] for o in outs]
     assert rel_err(both[1], both[0]) < 1e-6 and rel_err(grads[1], grads[0]) < 1e-5
 
   pair(lambda t: m.apply(params, t), lambda t: fused.apply(params, t))
@@ -341,9 +349,9 @@ def test_norms_ignore_padding_amount():
   x2 = jsparse.SparseTensor.from_coords(np.asarray(x.coords[:n]), x.feats[:n], x.spatial_shape, x.batch_size,
                                         capacity=n + pad)
   for m in (snn.SparseBatchNorm(use_running_average=False), snn.SparseLayerNorm(), snn.SparseGroupNorm(4)):
-    v = m.init(KEY, x)
-    y1 = m.apply(v, x, mutable=["batch_stats"])[0]
-    y2 = m.apply(v, x2, mutable=["batch_stats"])[0]
+    v = jax.jit(m.init)(KEY, x)
+    apply = jax.jit(lambda v, t, m=m: m.apply(v, t, mutable=["batch_stats"])[0])
+    y1, y2 = apply(v, x), apply(v, x2)
     np.testing.assert_allclose(np.asarray(y1.feats[:n]), np.asarray(y2.feats[:n]), rtol=1e-5, atol=1e-6)
 
 
@@ -416,7 +424,7 @@ def _random_batch(rng, n, spatial=(10, 10, 10), batch_size=2, channels=3):
 def test_jitted_train_step_compiles_once_per_capacity_and_learns():
   rng = np.random.default_rng(0)
   teacher = snn.SubMConv3d(1)
-  teacher_params = perturb(teacher.init(KEY, _random_batch(rng, 50)), seed=8)
+  teacher_params = perturb(jax.jit(teacher.init)(KEY, _random_batch(rng, 50)), seed=8)
 
   class Student(nn.Module):
     @nn.compact
@@ -425,9 +433,9 @@ def test_jitted_train_step_compiles_once_per_capacity_and_learns():
       return snn.SubMConv3d(1)(h)
 
   student = Student()
-  params = student.init(KEY, _random_batch(rng, 50))
+  params = jax.jit(student.init)(KEY, _random_batch(rng, 50))
   opt = optax.adam(3e-2)
-  opt_state = opt.init(params)
+  opt_state = jax.jit(opt.init)(params)
   traces = []
 
   @jax.jit
@@ -492,7 +500,7 @@ def test_bad_input_errors():
     def __call__(self, x):
       return snn.SubMConv3d(4, name="conv")(x)
 
-  params = Net().init(KEY, x)
+  params = jax.jit(Net().init)(KEY, x)
   x5 = random_sparse(np.random.default_rng(1), (4, 4, 4), 5, pad=2)
   with pytest.raises(ValueError, match=r"'conv'.*expects 3 input channels.*has 5"):
     Net().apply(params, x5)
@@ -525,14 +533,14 @@ def test_norms_name_a_channel_mismatch_with_their_variables():
   for channels in (1, 4):
     x = _norm_input(1, channels=channels)
     bn = snn.SparseBatchNorm(use_scale=False, use_bias=False)
-    variables = bn.init(KEY, x6, use_running_average=False)
+    variables = jax.jit(lambda t, bn=bn: bn.init(KEY, t, use_running_average=False))(x6)
     with pytest.raises(ValueError, match=rf"batch_stats 'mean' has shape \(6,\).*has {channels} channels"):
       bn.apply(variables, x, use_running_average=False, mutable=["batch_stats"])
     with pytest.raises(ValueError, match=rf"batch_stats 'mean' has shape \(6,\).*has {channels} channels"):
       bn.apply(variables, x, use_running_average=True)
     for m in (snn.SparseBatchNorm(use_running_average=True), snn.SparseLayerNorm(), snn.SparseGroupNorm(1)):
       with pytest.raises(ValueError, match=rf"{type(m).__name__}: its params 'scale' has shape \(6,\)"):
-        m.apply(m.init(KEY, x6), x)
+        m.apply(jax.jit(m.init)(KEY, x6), x)
 
 
 def test_conv_modules_check_their_sizes_before_making_the_kernel():
@@ -560,10 +568,13 @@ def test_counts_take_numpy_integers():
   positive int, got np.int64(4)"; bools and floats still raise."""
   x = random_sparse(np.random.default_rng(0), (4, 4, 4), 4, pad=2)
   i = np.int64
-  assert snn.SubMConv3d(i(6), feature_group_count=i(2)).init(KEY, x)["params"]["kernel"].shape == (3, 3, 3, 2, 6)
+  # the submanifold convolution's shapes alone (jax.eval_shape): nothing compiles
+  assert jax.eval_shape(snn.SubMConv3d(i(6), feature_group_count=i(2)).init, KEY, x)["params"]["kernel"].shape == (
+      3, 3, 3, 2, 6)
+  # (eagerly: the strided convolution counts its output sites on the host)
   assert snn.SparseConv3d(i(6), i(2), i(2)).init(KEY, x)["params"]["kernel"].shape == (2, 2, 2, 4, 6)
   for gn in (snn.SparseGroupNorm(np.int32(2)), snn.SparseGroupNorm(num_groups=None, group_size=i(2))):
-    assert gn.apply(gn.init(KEY, x), x).num_channels == 4
+    assert jax.jit(lambda t, gn=gn: gn.apply(gn.init(KEY, t), t))(x).num_channels == 4
   for bad in (True, np.bool_(True), 4.0):
     with pytest.raises(ValueError, match="features must be a positive int"):
       snn.SubMConv3d(bad).init(KEY, x)

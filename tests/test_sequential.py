@@ -14,6 +14,10 @@ from reference import random_sparse
 import jsparse
 import jsparse.nn as snn
 
+# Parameter-init key: threefry's random kernels compile slowly per shape on the CPU; the values only need to be
+# some values. Every test below runs its modules under jax.jit: eagerly, each op compiles on its own.
+KEY = jax.random.key(0, impl="unsafe_rbg")
+
 
 def _x(seed=0, shape=(6, 5, 7), channels=3, batch_size=2, dtype=np.float32):
   x = random_sparse(np.random.default_rng(seed), shape, channels, batch_size=batch_size, density=0.3, pad=4)
@@ -32,26 +36,29 @@ def test_sequential_matches_the_layers_by_hand_with_training_flags():
   x = _x()
   model = snn.Sequential([snn.SubMConv3d(8, 3), snn.SparseBatchNorm(), nn.relu, snn.SparseDropout(0.5),
                           snn.SubMConv3d(4, 1), lambda f: f + 1.0])
-  variables = model.init(jax.random.key(0), x, use_running_average=False, deterministic=True)
+  variables = jax.jit(lambda t: model.init(KEY, t, use_running_average=False, deterministic=True))(x)
   assert set(variables["params"]) == {"layers_0", "layers_1", "layers_4"}
   train = lambda v, x, key: model.apply(v, x, use_running_average=False, deterministic=False,
                                         rngs={"dropout": key}, mutable=["batch_stats"])
   y, updates = jax.jit(train)(variables, x, jax.random.key(1))
-  # By hand, with the same parameters: the batch statistics the train step stored.
-  p, s = variables["params"], variables["batch_stats"]
-  h = snn.SubMConv3d(8, 3).apply({"params": p["layers_0"]}, x)
-  _, bn_updates = snn.SparseBatchNorm().apply({"params": p["layers_1"], "batch_stats": s["layers_1"]}, h,
-                                              use_running_average=False, mutable=["batch_stats"])
-  # Compare in eval mode (no dropout) exactly, and check train mode changes things and updates the stats.
-  y_eval = model.apply({"params": p, "batch_stats": updates["batch_stats"]}, x, use_running_average=True,
-                       deterministic=True)
-  h_eval = snn.SubMConv3d(8, 3).apply({"params": p["layers_0"]}, x)
-  h_eval = snn.SparseBatchNorm().apply({"params": p["layers_1"], "batch_stats": updates["batch_stats"]["layers_1"]},
-                                       h_eval, use_running_average=True)
-  h_eval = snn.SubMConv3d(4, 1).apply({"params": p["layers_4"]}, jsparse.norm.activation(h_eval, nn.relu))
-  np.testing.assert_allclose(np.asarray(y_eval.feats),
-                             np.asarray(jsparse.norm.activation(h_eval, lambda f: f + 1).feats),
-                             rtol=1e-5, atol=1e-5)
+
+  @jax.jit
+  def eval_and_by_hand(p, s, updated, x):
+    # By hand, with the same parameters: the batch statistics the train step stored.
+    h = snn.SubMConv3d(8, 3).apply({"params": p["layers_0"]}, x)
+    _, bn_updates = snn.SparseBatchNorm().apply({"params": p["layers_1"], "batch_stats": s["layers_1"]}, h,
+                                                use_running_average=False, mutable=["batch_stats"])
+    # Compare in eval mode (no dropout) exactly, and check train mode changes things and updates the stats.
+    y_eval = model.apply({"params": p, "batch_stats": updated}, x, use_running_average=True, deterministic=True)
+    h_eval = snn.SubMConv3d(8, 3).apply({"params": p["layers_0"]}, x)
+    h_eval = snn.SparseBatchNorm().apply({"params": p["layers_1"], "batch_stats": updated["layers_1"]}, h_eval,
+                                         use_running_average=True)
+    h_eval = snn.SubMConv3d(4, 1).apply({"params": p["layers_4"]}, jsparse.norm.activation(h_eval, nn.relu))
+    return bn_updates, y_eval, jsparse.norm.activation(h_eval, lambda f: f + 1)
+
+  bn_updates, y_eval, want_eval = eval_and_by_hand(variables["params"], variables["batch_stats"],
+                                                   updates["batch_stats"], x)
+  np.testing.assert_allclose(np.asarray(y_eval.feats), np.asarray(want_eval.feats), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(updates["batch_stats"]["layers_1"]["mean"]),
                              np.asarray(bn_updates["batch_stats"]["mean"]), rtol=1e-4, atol=1e-8)
   n = int(y.num)
@@ -63,20 +70,27 @@ def test_sequential_matches_the_layers_by_hand_with_training_flags():
 
 def test_sequential_tensor_functions_to_dense_and_nesting():
   x = _x(1, shape=(6, 6, 6))
-  pool = snn.TensorFn(functools.partial(jsparse.sparse_max_pool3d, kernel_size=2))
+  # Under jax.jit the output sites are not counted on the host: x's capacity bounds a stride-2 pool's.
+  pool = snn.TensorFn(functools.partial(jsparse.sparse_max_pool3d, kernel_size=2, out_capacity=x.capacity))
   model = snn.Sequential([snn.Sequential([snn.SubMConv3d(5, 3), jax.nn.gelu]), pool, snn.ToDense(channels_first=True)])
-  variables = model.init(jax.random.key(0), x)
-  dense = model.apply(variables, x)
-  inner = snn.SubMConv3d(5, 3).apply({"params": variables["params"]["layers_0"]["layers_0"]}, x)
-  expected = jsparse.sparse_max_pool3d(jsparse.norm.activation(inner, jax.nn.gelu), 2).todense()
+  variables = jax.jit(model.init)(KEY, x)
+  dense = jax.jit(model.apply)(variables, x)
+
+  @jax.jit
+  def by_hand(p, x):
+    inner = snn.SubMConv3d(5, 3).apply({"params": p}, x)
+    return jsparse.sparse_max_pool3d(jsparse.norm.activation(inner, jax.nn.gelu), 2,
+                                     out_capacity=x.capacity).todense()
+
+  expected = by_hand(variables["params"]["layers_0"]["layers_0"], x)
   assert dense.shape == (2, 5, 3, 3, 3)
   np.testing.assert_allclose(np.asarray(dense), np.asarray(jnp.moveaxis(expected, -1, 1)), rtol=1e-6, atol=1e-6)
   with pytest.raises(TypeError, match="layer 1"):
-    snn.Sequential([snn.ToDense(), nn.relu]).apply({}, x)
+    jax.jit(snn.Sequential([snn.ToDense(), nn.relu]).apply)({}, x)
   with pytest.raises(TypeError, match="SparseTensor"):
     snn.Sequential([nn.relu]).apply({}, x.feats)
   with pytest.raises(TypeError, match="determinstic"):
-    model.apply(variables, x, determinstic=True)
+    jax.jit(lambda v, t: model.apply(v, t, determinstic=True))(variables, x)
   with pytest.raises(ValueError, match="empty"):
     snn.Sequential([]).apply({}, x)
   with pytest.raises(TypeError, match="not a module or a callable"):
@@ -86,7 +100,7 @@ def test_sequential_tensor_functions_to_dense_and_nesting():
 def test_sequential_gradients_match_dense():
   x = _x(2, dtype=np.float32)
   model = snn.Sequential([snn.SubMConv3d(4, 3), nn.tanh, snn.SubMConv3d(2, 3)])
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(KEY, x)
   mask = x.replace(feats=jnp.ones_like(x.feats[:, :1])).todense()
 
   def dense_loss(p):  # the sparse net is the dense one with the inactive sites zeroed after every layer
@@ -96,8 +110,8 @@ def test_sequential_gradients_match_dense():
     return jnp.sum(h ** 2)
 
   loss = lambda p: jnp.sum(model.apply({"params": p}, x).feats ** 2)
-  np.testing.assert_allclose(float(loss(variables["params"])), float(dense_loss(variables["params"])), rtol=1e-4)
-  g, g_ref = jax.grad(loss)(variables["params"]), jax.grad(dense_loss)(variables["params"])
+  (v, g), (v_ref, g_ref) = (jax.jit(jax.value_and_grad(f))(variables["params"]) for f in (loss, dense_loss))
+  np.testing.assert_allclose(float(v), float(v_ref), rtol=1e-4)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4), g, g_ref)
 
 
@@ -130,65 +144,84 @@ def test_conv_modules_take_nn_conv_defaults():
       module(4)  # kernel_size is required, as nn.Conv's
 
 
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape, kernel, strides, dilation", [
-    ((6, 5, 7), 3, 2, 1), ((6, 5, 7), 2, 2, 1), ((7, 5, 4), 3, 1, 2), ((6, 6, 5), (4, 3, 2), (3, 2, 1), 1)])
+# Each geometry once and each dtype twice, rather than the product: the output grid and sites depend on the
+# geometry alone, and the bfloat16 casts are the same code for every geometry.
+@pytest.mark.parametrize("shape, kernel, strides, dilation, dtype", [
+    ((6, 5, 7), 3, 2, 1, np.float32), ((6, 5, 7), 2, 2, 1, jnp.bfloat16), ((7, 5, 4), 3, 1, 2, np.float32),
+    ((6, 6, 5), (4, 3, 2), (3, 2, 1), 1, jnp.bfloat16)])
 def test_same_padding_matches_nn_conv(shape, kernel, strides, dilation, dtype):
   x = _x(4, shape=shape, dtype=dtype)
-  conv = snn.SparseConv3d(4, kernel, strides, kernel_dilation=dilation, precision="highest")
-  variables = conv.init(jax.random.key(0), x)
+  # Under jax.jit the output sites are not counted on the host: the input grid's size bounds them.
+  conv = snn.SparseConv3d(4, kernel, strides, kernel_dilation=dilation, precision="highest",
+                          out_capacity=x.batch_size * int(np.prod(shape)))
+  variables = jax.jit(conv.init)(KEY, x)
   dense = nn.Conv(4, kernel if isinstance(kernel, tuple) else (kernel,) * 3, strides, kernel_dilation=dilation,
                   precision="highest")
   tol = {"rtol": 3e-2, "atol": 3e-2} if dtype == jnp.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
-
-  def sparse_out(p, f):
-    return conv.apply({"params": p}, x.replace(feats=f))
-
-  y = sparse_out(variables["params"], x.feats)
-  ref = dense.apply(variables, x.todense())
-  assert y.spatial_shape == ref.shape[1:4]
-  # Output sites: every output position whose window holds an active input.
-  ones = x.replace(feats=jnp.ones_like(x.feats[:, :1], jnp.float32)).todense()
-  window = nn.Conv(1, dense.kernel_size, strides, kernel_dilation=dilation, use_bias=False).apply(
-      {"params": {"kernel": jnp.ones(variables["params"]["kernel"].shape[:3] + (1, 1))}}, ones)
-  assert int(y.num) == int(jnp.sum(window > 0))
-  np.testing.assert_allclose(np.asarray(y.feats, np.float32), np.asarray(_at(ref, y), np.float32), **tol)
-  # Gradients with respect to the kernel and the input features.
-  cot = jnp.asarray(np.random.default_rng(5).normal(size=y.feats.shape), y.dtype)
-  cot = cot * y.valid_mask()[:, None].astype(cot.dtype)
-  gp, gf = jax.vjp(lambda p, f: sparse_out(p, f).feats, variables["params"], x.feats)[1](cot)
-  rp, rd = jax.vjp(lambda p, d: dense.apply({"params": p}, d), variables["params"], x.todense())[1](
-      y.replace(feats=cot).todense())
-  np.testing.assert_allclose(np.asarray(gf, np.float32), np.asarray(_at(rd, x), np.float32), **tol)
-  np.testing.assert_allclose(np.asarray(gp["kernel"], np.float32), np.asarray(rp["kernel"], np.float32),
-                             rtol=tol["rtol"], atol=tol["atol"] * 10)
-  # The inverse with the same geometry goes back onto x's grid and sites: the dense transposed convolution.
   inverse = snn.SparseInverseConv3d(3, kernel, strides, kernel_dilation=dilation, precision="highest")
-  iv = inverse.init(jax.random.key(1), y, like=x)
-  z = inverse.apply(iv, y, like=x)
-  assert z.spatial_shape == x.spatial_shape and z.coords is x.coords
-  w = iv["params"]["kernel"]
   st = (strides,) * 3 if isinstance(strides, int) else strides
-  forward = lambda d: lax.conv_general_dilated(
-      d, jnp.swapaxes(w, 3, 4).astype(jnp.float32), st, "SAME", rhs_dilation=(dilation,) * 3,
-      dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision="highest")
-  back = jax.vjp(forward, jnp.zeros(x.todense().shape[:4] + (3,), jnp.float32))[1](
-      y.todense().astype(jnp.float32))[0] + iv["params"]["bias"]
-  np.testing.assert_allclose(np.asarray(z.feats, np.float32), np.asarray(_at(back, x), np.float32), **tol)
+  y_capacity = jax.eval_shape(conv.apply, variables, x).capacity  # static: the shapes alone give it
+  cot_values = np.random.default_rng(5).normal(size=(y_capacity, 4))
+
+  @jax.jit
+  def everything(variables, x):
+    """The sparse convolution, its gradients and its inverse, and their dense references, as one program."""
+    def sparse_out(p, f):
+      return conv.apply({"params": p}, x.replace(feats=f))
+
+    y = sparse_out(variables["params"], x.feats)
+    ref = dense.apply(variables, x.todense())
+    # Output sites: every output position whose window holds an active input.
+    ones = x.replace(feats=jnp.ones_like(x.feats[:, :1], jnp.float32)).todense()
+    window = nn.Conv(1, dense.kernel_size, strides, kernel_dilation=dilation, use_bias=False).apply(
+        {"params": {"kernel": jnp.ones(variables["params"]["kernel"].shape[:3] + (1, 1))}}, ones)
+    # Gradients with respect to the kernel and the input features.
+    cot = jnp.asarray(cot_values, y.dtype)
+    cot = cot * y.valid_mask()[:, None].astype(cot.dtype)
+    gp, gf = jax.vjp(lambda p, f: sparse_out(p, f).feats, variables["params"], x.feats)[1](cot)
+    rp, rd = jax.vjp(lambda p, d: dense.apply({"params": p}, d), variables["params"], x.todense())[1](
+        y.replace(feats=cot).todense())
+    # The inverse with the same geometry goes back onto x's grid and sites: the dense transposed convolution.
+    iv = inverse.init(jax.random.key(1, impl="unsafe_rbg"), y, like=x)
+    z = inverse.apply(iv, y, like=x)
+    assert z.spatial_shape == x.spatial_shape and z.coords is x.coords  # at trace time: x's very coordinates
+    w = iv["params"]["kernel"]
+    forward = lambda d: lax.conv_general_dilated(  # noqa: E731
+        d, jnp.swapaxes(w, 3, 4).astype(jnp.float32), st, "SAME", rhs_dilation=(dilation,) * 3,
+        dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision="highest")
+    back = jax.vjp(forward, jnp.zeros(x.todense().shape[:4] + (3,), jnp.float32))[1](
+        y.todense().astype(jnp.float32))[0] + iv["params"]["bias"]
+    return dict(y=y, ref_shape=jnp.zeros(ref.shape[1:4]), ref_at_y=_at(ref, y), num_windows=jnp.sum(window > 0),
+                gf=gf, gp=gp["kernel"], rd_at_x=_at(rd, x), rp=rp["kernel"], z=z.feats, back_at_x=_at(back, x))
+
+  r = everything(variables, x)
+  y = r["y"]
+  assert y.spatial_shape == r["ref_shape"].shape
+  assert int(y.num) == int(r["num_windows"])
+  np.testing.assert_allclose(np.asarray(y.feats, np.float32), np.asarray(r["ref_at_y"], np.float32), **tol)
+  np.testing.assert_allclose(np.asarray(r["gf"], np.float32), np.asarray(r["rd_at_x"], np.float32), **tol)
+  np.testing.assert_allclose(np.asarray(r["gp"], np.float32), np.asarray(r["rp"], np.float32),
+                             rtol=tol["rtol"], atol=tol["atol"] * 10)
+  np.testing.assert_allclose(np.asarray(r["z"], np.float32), np.asarray(r["back_at_x"], np.float32), **tol)
 
 
 def test_valid_and_int_padding_unchanged():
   x = _x(6, shape=(7, 7, 7))
+  cap = x.batch_size * 7 ** 3  # under jax.jit the output sites are not counted on the host: the grid bounds them
   for padding, expect in (("VALID", 0), (0, 0), (1, 1)):
-    conv = snn.SparseConv3d(2, 3, 2, padding=padding)
-    variables = conv.init(jax.random.key(0), x)
-    y = conv.apply(variables, x)
-    w, b = variables["params"]["kernel"], variables["params"]["bias"]
-    ref = jsparse.sparse_conv3d(x, w, b, stride=2, padding=expect)
+    conv = snn.SparseConv3d(2, 3, 2, padding=padding, out_capacity=cap)
+    variables = jax.jit(conv.init)(KEY, x)
+
+    @jax.jit
+    def both(variables, x, conv=conv, expect=expect):
+      w, b = variables["params"]["kernel"], variables["params"]["bias"]
+      return conv.apply(variables, x), jsparse.sparse_conv3d(x, w, b, stride=2, padding=expect, out_capacity=cap)
+
+    y, ref = both(variables, x)
     np.testing.assert_array_equal(np.asarray(y.coords), np.asarray(ref.coords))
     np.testing.assert_allclose(np.asarray(y.feats), np.asarray(ref.feats), rtol=1e-6)
   with pytest.raises(ValueError, match="padding"):
-    snn.SparseConv3d(2, 3, padding="FULL").init(jax.random.key(0), x)
+    snn.SparseConv3d(2, 3, padding="FULL").init(KEY, x)
 
 
 def test_readme_sequential_snippet():

@@ -17,7 +17,6 @@ from reference import dense_submconv_at_sites, random_sparse, rel_err
 # threefry's random kernels compile slowly per shape on the CPU; the values only need to be some values.
 KEY = jax.random.key(0, impl="unsafe_rbg")
 HALF_TOL = {jnp.float32: 1e-6, jnp.float16: 2e-3, jnp.bfloat16: 1e-2}
-DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 
 
 def perturb(tree, seed=1, scale=0.3):
@@ -107,8 +106,12 @@ CONVS = {
 }
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("name", list(CONVS))
+# Each layer once and each dtype twice, rather than the product: the dtype handling (casting the inputs and the
+# parameters to `dtype`, the float32 accumulation) is the one shared code path of every layer.
+@pytest.mark.parametrize("name,dtype", [("submconv", jnp.float32), ("submconv_odhwi", jnp.float16),
+                                        ("sparse_conv", jnp.bfloat16), ("inverse_conv", jnp.float32),
+                                        ("conv_transpose", jnp.float16), ("conv_transpose_general", jnp.bfloat16)],
+                         ids=lambda v: jnp.dtype(v).name if not isinstance(v, str) else v)
 def test_conv_layers_match_linen(name, dtype):
   make_linen, make_nnx, inputs = CONVS[name]
   rng = np.random.default_rng(len(name))
@@ -163,9 +166,11 @@ def _dense_same_conv_at(x, kernel, bias, strides, dilation, sites):
   return jnp.where(sites.valid_mask()[:, None], dense[c[:, 0], c[:, 1], c[:, 2], c[:, 3]], 0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("kernel_size,strides,dilation", [(2, 2, 1), (3, 2, 1), ((3, 2, 1), (2, 1, 2), (1, 1, 2))],
-                         ids=["even", "odd", "mixed"])
+# Each kernel shape once and each dtype once, rather than the product: the "SAME" padding depends on the shapes
+# alone, and the dtype handling is the one shared by every convolution layer.
+@pytest.mark.parametrize("kernel_size,strides,dilation,dtype", [
+    (2, 2, 1, jnp.float32), (3, 2, 1, jnp.float16), ((3, 2, 1), (2, 1, 2), (1, 1, 2), jnp.bfloat16)],
+                         ids=["even-float32", "odd-float16", "mixed-bfloat16"])
 def test_same_padding_conv_and_inverse_match_linen(kernel_size, strides, dilation, dtype):
   """The default ("SAME") SparseConv3d on odd extents (uneven padding) and the SparseInverseConv3d back onto x:
   nnx equals linen in values and in the gradients of parameters and features, and the convolution is the
@@ -238,7 +243,7 @@ def test_valid_and_int_padding_keep_the_grid():
     v = perturb(linen_init(linen, x))
     model = snnx.SparseConv3d(3, 4, 2, 2, padding=padding, out_capacity=x.capacity, rngs=nnx.Rngs(0))
     nnx.update(model, snnx.linen_to_nnx(v, model))
-    y, y_l = model(x), jax.jit(linen.apply)(v, x)
+    y, y_l = nnx.jit(lambda m, t: m(t))(model, x), jax.jit(linen.apply)(v, x)
     assert y.spatial_shape == y_l.spatial_shape == expect
     assert rel_err(y.feats, y_l.feats) <= 1e-6
 
@@ -290,8 +295,12 @@ NORMS = {
 }
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("name", list(NORMS))
+# Each norm once and each dtype at least once, rather than the product: the dtype handling (statistics in float32,
+# the output cast to `dtype`) is the one code path shared by every norm.
+# batch_relu takes a half-precision input with the default dtype, which must follow the input's.
+@pytest.mark.parametrize("name,dtype", [("layer", jnp.float32), ("group", jnp.bfloat16), ("batch_eval", jnp.float16),
+                                        ("batch_relu", jnp.float16)],
+                         ids=lambda v: jnp.dtype(v).name if not isinstance(v, str) else v)
 def test_norm_layers_match_linen(name, dtype):
   rng = np.random.default_rng(11)
   x = random_sparse(rng, (5, 6, 4), 8, batch_size=3, pad=7)
@@ -401,15 +410,25 @@ def test_unet_matches_linen_both_directions(norm_kind):
   # linen -> nnx: same values and parameter gradients, in eval mode (running statistics).
   model.eval()
   cot = jnp.asarray(rng.standard_normal((x.capacity, 2)), jnp.float32)
+
+  @jax.jit
+  def linen_eval(v):  # the linen output and parameter gradients in eval mode, for any variables: one program
+    def loss(params):
+      y = linen.apply({**v, "params": params}, x, train=False)
+      return jnp.sum(y.feats * cot), y.feats
+
+    (_, y), g = jax.value_and_grad(loss, has_aux=True)(v["params"])
+    return y, g
+
   yn, gn, _ = nnx_value_and_grads(model, x, cot, lambda m, t: m(t))
-  yl, gl, _ = linen_value_and_grads(linen, variables, x, cot, lambda m, v, t: m.apply(v, t, train=False))
+  yl, gl = linen_eval(variables)
   assert rel_err(yn, yl) < 1e-5
   assert_trees_close(gn, gl, 1e-5)
   # nnx -> linen: a freshly initialised nnx model's variables drive the linen model to the same output.
   fresh = snnx.SparseUNet(3, (8, 16), 2, norm=norm_kind, num_groups=4, rngs=nnx.Rngs(5))
   y_fresh = nnx.jit(lambda m, t: m(t, train=False))(fresh, x)
-  y_linen = jax.jit(lambda v, t: linen.apply(v, t, train=False))(snnx.nnx_to_linen(fresh), x)
-  assert rel_err(y_fresh.feats, y_linen.feats) < 1e-5 and float(jnp.abs(y_fresh.feats).max()) > 0
+  y_linen, _ = linen_eval(snnx.nnx_to_linen(fresh))
+  assert rel_err(y_fresh.feats, y_linen) < 1e-5 and float(jnp.abs(y_fresh.feats).max()) > 0
 
 
 def test_resnet_block_matches_linen_in_training_mode():
@@ -608,15 +627,17 @@ def test_sequential_matches_linen_values_gradients_and_statistics(dtype):
   cot = jnp.asarray(np.random.default_rng(5).standard_normal((256, 2)), jnp.float32)
 
   # Training mode, dropout off: batch statistics, which move the running averages the same way.
-  call_linen = lambda m, v, t: m.apply(v, t, use_running_average=False, deterministic=True,  # noqa: E731
-                                       mutable=["batch_stats"])[0]
-  yl, gl, gxl = linen_value_and_grads(linen, variables, x, cot, call_linen)
+  def linen_loss(params, feats):  # the updated running statistics come out of the same program
+    y, updated = linen.apply({**variables, "params": params}, x.replace(feats=feats), use_running_average=False,
+                             deterministic=True, mutable=["batch_stats"])
+    return jnp.sum(y.feats.astype(jnp.float32) * cot), (y.feats, updated)
+
+  (_, (yl, updated)), (gl, gxl) = jax.jit(jax.value_and_grad(linen_loss, (0, 1), has_aux=True))(
+      variables["params"], x.feats)
   yn, gn, gxn = nnx_value_and_grads(model, x, cot, lambda m, t: m(t, deterministic=True))
   assert yn.dtype == jnp.dtype(dtype)
   assert rel_err(yn, yl) <= tol and rel_err(gxn, gxl) <= tol
   assert_trees_close(gn, gl, tol)
-  _, updated = jax.jit(lambda v, t: linen.apply(v, t, use_running_average=False, deterministic=True,
-                                                mutable=["batch_stats"]))(variables, x)
   # The nnx training pass above moved the running averages in place, by the same step.
   assert_trees_close(snnx.nnx_to_linen(model)["batch_stats"], updated["batch_stats"], 1e-5)
   assert not np.allclose(np.asarray(model.layers_1.mean[...]), 0)
@@ -667,12 +688,12 @@ def test_dropout_matches_linen_for_a_key_and_follows_train_eval():
 @pytest.mark.parametrize("channels_first", [False, True])
 def test_to_dense_matches_linen(channels_first):
   x = random_sparse(np.random.default_rng(8), (4, 5, 3), 3, batch_size=2, density=0.4, pad=3)
-  d = snnx.ToDense(channels_first)(x)
-  np.testing.assert_array_equal(np.asarray(d), np.asarray(snn.ToDense(channels_first).apply({}, x)))
+  d = nnx.jit(lambda m, t: m(t))(snnx.ToDense(channels_first), x)
+  np.testing.assert_array_equal(np.asarray(d), np.asarray(jax.jit(snn.ToDense(channels_first).apply)({}, x)))
   assert d.shape == ((2, 3, 4, 5, 3) if channels_first else (2, 4, 5, 3, 3))
   # At the end of a Sequential, gradients reach the convolution through the dense array.
   model = snnx.Sequential(snnx.SubMConv3d(3, 2, 3, rngs=nnx.Rngs(0)), snnx.ToDense(channels_first))
-  g = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+  g = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2)))(model)
   assert float(jnp.abs(g.layers_0.kernel[...]).sum()) > 0
 
 

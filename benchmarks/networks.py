@@ -897,6 +897,18 @@ def hlo_bytes(hlo_text: str) -> dict:
           for name, (_, operands) in instructions.items()}
 
 
+def train_step_hlo(network: str, size: str, dtype) -> str:
+  """The optimised HLO text of a network's jitted training step, built as the benchmark builds it (its inputs,
+  parameters and planned capacities), compiled for the default backend without running it."""
+  net = NETWORKS[network]
+  inp = make_inputs(workload(network, size))
+  params = Params(0)
+  caps = plan_capacities(net, inp, params, dtype)
+  p = {k: jnp.asarray(v) for k, v in params.arrays.items()}
+  _, train = jax_functions(net, inp, caps, dtype)
+  return jax.jit(train).lower(p, jax_input(inp, dtype)).compile().as_text()
+
+
 def hlo_computation(hlo_text: str, name: str) -> str | None:
   """The body of computation `name` in an HLO module's text (between its header and its closing brace)."""
   m = re.search(rf"^(?:ENTRY )?%{re.escape(name)} [^\n]*\{{\n(.*?)^\}}", hlo_text, re.M | re.S)

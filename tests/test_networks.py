@@ -234,14 +234,7 @@ def test_gpu_minkunet_training_keeps_no_forward_masks():
   forward pass outputs a [rows, C] mask for the backward. Before batch norm's backward was tied to its cotangent,
   XLA computed ReLU's derivative in five forward fusions and kept the masks (133 MB at the peak; H200,
   2026-11-25). The tiny and small inputs never showed them: XLA's fusion choice depends on the sizes."""
-  w = networks.workload("minkunet", "large")
-  inp = networks.make_inputs(w)
-  params = networks.Params(0)
-  caps = networks.plan_capacities(networks.minkunet, inp, params, jnp.float16)
-  p = {k: jnp.asarray(v) for k, v in params.arrays.items()}
-  x = networks.jax_input(inp, jnp.float16)
-  _, train = networks.jax_functions(networks.minkunet, inp, caps, jnp.float16)
-  hlo = jax.jit(train).lower(p, x).compile().as_text()
+  hlo = networks.train_step_hlo("minkunet", "large", jnp.float16)
   assert networks.forward_masks(hlo) == []
 
 

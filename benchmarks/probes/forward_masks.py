@@ -39,14 +39,7 @@ def main(argv=None):
   ap.add_argument("--dump", default=None, metavar="FILE.txt.gz")
   args = ap.parse_args(argv)
   dtype = {"fp16": jnp.float16, "tf32": jnp.float32}[args.dtype]
-  net = getattr(networks, args.network)
-  inp = networks.make_inputs(networks.workload(args.network, args.size))
-  params = networks.Params(0)
-  caps = networks.plan_capacities(net, inp, params, dtype)
-  p = {k: jnp.asarray(v) for k, v in params.arrays.items()}
-  x = networks.jax_input(inp, dtype)
-  _, train = networks.jax_functions(net, inp, caps, dtype)
-  hlo = jax.jit(train).lower(p, x).compile().as_text()
+  hlo = networks.train_step_hlo(args.network, args.size, dtype)
   if args.dump:
     with gzip.open(args.dump, "wt") as f:
       f.write(hlo)

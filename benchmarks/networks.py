@@ -1233,7 +1233,8 @@ def plot_speedups(results, path: str, anchor: str = "spconv", device: str | None
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  cells = [(d, m) for d in ("fp16", "tf32") for m in MODES]
+  dtypes = [d for d in ("fp16", "tf32") if any(r["dtype"] == d for r in results)]  # only those measured
+  cells = [(d, m) for d in dtypes for m in MODES]
   groups = []
   for r in results:
     key = f"{r['network']}\n{r['size']} ({site_count(r['sites'])} sites, b{r['batch_size']})"
@@ -1246,7 +1247,9 @@ def plot_speedups(results, path: str, anchor: str = "spconv", device: str | None
         table[(r["dtype"], mode)] = an["median_ms"] / js["median_ms"]
   fig, ax = plt.subplots(figsize=(max(6.5, 2.2 * len(groups)), 4.6))
   width = 0.8 / len(cells)
-  colours = ["#1f77b4", "#aec7e8", "#d62728", "#ff9896"]
+  palette = {("fp16", "inference"): "#1f77b4", ("fp16", "train"): "#aec7e8", ("tf32", "inference"): "#d62728",
+             ("tf32", "train"): "#ff9896"}
+  colours = [palette[c] for c in cells]
   top = max([v for _, t in groups for v in t.values()], default=2.0)
   for k, (cell, colour) in enumerate(zip(cells, colours)):
     xs = [i + (k - (len(cells) - 1) / 2) * width for i in range(len(groups))]
@@ -1293,7 +1296,8 @@ def parse_args(argv=None):
                        "anchors' with --skip-jsparse")
   ap.add_argument("--out", default=None)
   ap.add_argument("--chart", metavar="RESULT_JSON", default=None,
-                  help="only draw the speed-up chart of a saved networks.json, as the .png beside it")
+                  help="only draw the speed-up charts of a saved networks.json beside it: NAME.png against the first "
+                       "anchor, NAME_<anchor>.png against each other one")
   args = ap.parse_args(argv)
   for n in args.networks:
     if n not in NETWORKS:
@@ -1321,9 +1325,12 @@ def main(argv=None):
   if args.chart:
     with open(args.chart) as f:
       saved = json.load(f)
-    anchor = (saved.get("args", {}).get("anchors") or ["spconv"])[0]
-    print(plot_speedups(saved["results"], os.path.splitext(args.chart)[0] + ".png", anchor,
-                        device=saved.get("meta", {}).get("device_kind")))
+    anchors = saved.get("args", {}).get("anchors") or ["spconv"]
+    stem = os.path.splitext(args.chart)[0]
+    for anchor in anchors:  # one chart per anchor; the first keeps the plain name
+      suffix = "" if anchor == anchors[0] else f"_{anchor}"
+      print(plot_speedups(saved["results"], f"{stem}{suffix}.png", anchor,
+                          device=saved.get("meta", {}).get("device_kind")))
     return saved
   data = run(args)
   print(write_results(data, args.out) if args.out else render_markdown(data))

@@ -396,3 +396,43 @@ def test_call_gaps_splits_calls_and_sums_host_events_in_the_gaps():
   assert between == [70.0] and overlap == {"dispatch": 45.0, "wait": 10.0}
   with pytest.raises(RuntimeError, match="not one launch sequence"):
     call_gaps.gaps(gpu + host, gpu, 3)
+
+
+def test_spconv_triton_warm_up_script_runs_one_process_per_network_and_dtype(tmp_path):
+  """scripts/warm_spconv_triton.sh starts one networks-benchmark process per (network, dtype), spconv-triton's
+  side only, JAX on the CPU, each with its own log; and the autotuning results it leaves round-trip through
+  triton_autotune_cache.sh. A stand-in python3 records the processes' arguments instead of running them."""
+  import os
+  import pathlib
+  import subprocess
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  shim = tmp_path / "bin"
+  shim.mkdir()
+  (shim / "python3").write_text(
+      '#!/usr/bin/env bash\nmkdir -p "$TRITON_CACHE_DIR/k$$"\necho "{}" > "$TRITON_CACHE_DIR/k$$/g.autotune.json"\n'
+      'echo "$JAX_PLATFORMS $*" >> "$CALLS"\n')
+  (shim / "python3").chmod(0o755)
+  cache, calls = tmp_path / "cache", tmp_path / "calls.txt"
+  env = dict(os.environ, PATH=f"{shim}:{os.environ['PATH']}", TRITON_CACHE_DIR=str(cache), CALLS=str(calls))
+  out = subprocess.run(["bash", str(root / "scripts/warm_spconv_triton.sh"), "30", str(tmp_path / "logs"),
+                        "second,decoder", "fp16,tf32"], env=env, capture_output=True, text=True, check=True)
+  lines = sorted(calls.read_text().splitlines())
+  assert len(lines) == 4 and all(line.startswith("cpu -m benchmarks.networks") for line in lines)
+  for net, dt in (("decoder", "fp16"), ("decoder", "tf32"), ("second", "fp16"), ("second", "tf32")):
+    assert any(f"--networks {net} " in line and f"--dtypes {dt} " in line for line in lines), lines
+  assert all("--anchors spconv-triton --skip-jsparse" in line and "--modes train" in line for line in lines)
+  assert len(list((tmp_path / "logs").glob("warm_*.log"))) == 4
+  assert "tuning results: 4" in out.stdout
+  packed = tmp_path / "tune.tgz"
+  script = str(root / "scripts/triton_autotune_cache.sh")
+  subprocess.run(["bash", script, "pack", str(cache), str(packed)], check=True, capture_output=True)
+  done = subprocess.run(["bash", script, "unpack", str(packed), str(tmp_path / "again")], check=True,
+                        capture_output=True, text=True)
+  assert "unpacked 4 autotuning results" in done.stdout
+  assert len(list((tmp_path / "again").rglob("*.autotune.json"))) == 4
+  # Without a cache directory it refuses to start.
+  env.pop("TRITON_CACHE_DIR")
+  bad = subprocess.run(["bash", str(root / "scripts/warm_spconv_triton.sh"), "30", str(tmp_path / "l2")], env=env,
+                       capture_output=True, text=True)
+  assert bad.returncode != 0 and "TRITON_CACHE_DIR" in bad.stderr

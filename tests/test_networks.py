@@ -199,7 +199,7 @@ def test_decoder_matches_dense_reference(batch_size):
 
 def test_speedup_chart_shows_each_ratio(tmp_path, monkeypatch):
   """plot_speedups draws anchor time / jsparse time for every cell, labels each bar with it, marks a cell
-  without times n/a, and --chart redraws it from a saved networks.json."""
+  without times n/a, and --chart redraws it from a saved networks.json, one chart per anchor."""
   pytest.importorskip("matplotlib")
   import json
 
@@ -209,10 +209,10 @@ def test_speedup_chart_shows_each_ratio(tmp_path, monkeypatch):
     return {m: ({"ok": True, "median_ms": ms} if ms else {"ok": False}) for m in networks.MODES}
 
   results = [{"network": "second", "size": "small", "sites": 2000, "batch_size": 2, "dtype": d,
-              "jsparse": side(js), "anchors": {"spconv": side(sp)}}
-             for d, js, sp in (("fp16", 2.0, 5.0), ("tf32", 4.0, None))]
+              "jsparse": side(js), "anchors": {"spconv": side(sp), "spconv-triton": side(st)}}
+             for d, js, sp, st in (("fp16", 2.0, 5.0, 3.0), ("tf32", 4.0, None, None))]
   saved = tmp_path / "networks.json"
-  saved.write_text(json.dumps({"meta": {"device_kind": "Test GPU"}, "args": {"anchors": ["spconv"]},
+  saved.write_text(json.dumps({"meta": {"device_kind": "Test GPU"}, "args": {"anchors": ["spconv", "spconv-triton"]},
                                "results": results}))
   figures = []
   monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read it back
@@ -226,6 +226,11 @@ def test_speedup_chart_shows_each_ratio(tmp_path, monkeypatch):
   assert ax.get_xlabel() and "spconv time / jsparse time" in ax.get_ylabel() and "Test GPU" in ax.get_title()
   assert [t.get_text() for t in ax.get_xticklabels()] == ["second\nsmall (2.0k sites, b2)"]
   assert networks.site_count(1_071_607) == "1.07M" and networks.site_count(3530) == "3.5k"
+  # The second anchor gets its own chart, named after it.
+  assert (tmp_path / "networks_spconv-triton.png").read_bytes()[:4] == b"\x89PNG"
+  ax = figures[1].axes[0]
+  assert [p.get_height() for p in ax.patches] == [1.5, 1.5, 0.0, 0.0]
+  assert "spconv-triton time / jsparse time" in ax.get_ylabel()
 
 
 @pytest.mark.gpu

@@ -398,6 +398,23 @@ def test_call_gaps_splits_calls_and_sums_host_events_in_the_gaps():
     call_gaps.gaps(gpu + host, gpu, 3)
 
 
+def test_call_gaps_splits_waited_calls_into_lead_gpu_span_and_tail():
+  """--wait: each annotated call's window splits at its first GPU event's start and its last GPU event's end;
+  host events are summed where they overlap the leads and the tails."""
+  from benchmarks.probes import call_gaps
+  mark = call_gaps.WAIT_MARKER
+  gpu = [{"ph": "X", "name": "k", "ts": t, "dur": 10.0} for t in (30.0, 45.0, 230.0, 240.0)]
+  host = [{"ph": "X", "name": mark, "ts": 0.0, "dur": 70.0}, {"ph": "X", "name": mark, "ts": 200.0, "dur": 60.0},
+          {"ph": "X", "name": "execute", "ts": 5.0, "dur": 20.0},    # in the first lead
+          {"ph": "X", "name": "execute", "ts": 205.0, "dur": 30.0},  # 205..230 in the second lead
+          {"ph": "X", "name": "wake", "ts": 58.0, "dur": 20.0}]      # 58..70 in the first tail
+  rows, lead, tail = call_gaps.waited_windows(gpu + host, gpu)
+  assert rows == [(30.0, 25.0, 15.0), (30.0, 20.0, 10.0)]
+  assert lead == {"execute": 45.0} and tail == {"wake": 12.0}
+  with pytest.raises(RuntimeError, match="no GPU event"):
+    call_gaps.waited_windows(host, [])
+
+
 def test_spconv_triton_warm_up_script_runs_one_process_per_network_and_dtype(tmp_path):
   """scripts/warm_spconv_triton.sh starts one networks-benchmark process per (network, dtype), spconv-triton's
   side only, JAX on the CPU, each with its own log; and the autotuning results it leaves round-trip through

@@ -242,6 +242,25 @@ def jsparse_inputs(row, dtype_name, args):
   return x, params
 
 
+def add_row_arguments(ap, row: int) -> None:
+  """The options of a probe that compiles one suite row's jsparse side (see compile_row); `row` is the default."""
+  ap.add_argument("--row", type=int, default=row, help="index into workloads.SUITE")
+  ap.add_argument("--dtype", default="tf32", choices=list(DTYPES))
+  ap.add_argument("--mode", default="inference", choices=["inference", "train"])
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--impl", default=None, help="jsparse implementation (None: pallas on a GPU, xla elsewhere)")
+  ap.add_argument("--weight-layout", default="ODHWI", choices=("ODHWI", "DHWIO"))
+
+
+def compile_row(args):
+  """(row, x, params, compiled) of the suite row named by add_row_arguments' options: the jsparse function of
+  args.mode compiled for that row's inputs."""
+  row = workloads.SUITE[args.row]
+  x, params = jsparse_inputs(row, args.dtype, args)
+  fn = jsparse_fns(args.impl, DTYPES[args.dtype][1], weight_layout=args.weight_layout)[args.mode]
+  return row, x, params, jax.jit(fn).lower(x, params).compile()
+
+
 def bench_jsparse(row, dtype_name, mode, args):
   """Compiles and times one workload. Returns (result dict, array for the cross-check)."""
   x, params = jsparse_inputs(row, dtype_name, args)

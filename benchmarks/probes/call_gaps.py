@@ -23,7 +23,7 @@ import tempfile
 
 import jax
 
-from benchmarks import networks, suite, workloads
+from benchmarks import networks, suite
 
 
 def gaps(events: list[dict], gpu_events: list[dict], calls: int) -> tuple[list[float], collections.Counter]:
@@ -77,21 +77,13 @@ def waited_windows(events: list[dict], gpu_events: list[dict], marker: str = WAI
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--row", type=int, default=3, help="index into workloads.SUITE")
-  ap.add_argument("--dtype", default="tf32", choices=list(suite.DTYPES))
-  ap.add_argument("--mode", default="inference", choices=["inference", "train"])
+  suite.add_row_arguments(ap, row=3)
   ap.add_argument("--calls", type=int, default=10)
   ap.add_argument("--top", type=int, default=15)
-  ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--wait", action="store_true", help="wait for each call (as the suite times them): split each "
                   "call's host window into dispatch lead, GPU span and wake-up tail")
-  ap.add_argument("--weight-layout", default="ODHWI", choices=("ODHWI", "DHWIO"))
   args = ap.parse_args(argv)
-  args.impl, args.flexgemm_input_grad = None, False
-  row = workloads.SUITE[args.row]
-  x, params = suite.jsparse_inputs(row, args.dtype, args)
-  fn = suite.jsparse_fns(None, suite.DTYPES[args.dtype][1], weight_layout=args.weight_layout)[args.mode]
-  compiled = jax.jit(fn).lower(x, params).compile()
+  row, x, params, compiled = suite.compile_row(args)
   for _ in range(3):
     jax.block_until_ready(compiled(x, params))
   with tempfile.TemporaryDirectory() as trace_dir:

@@ -22,10 +22,8 @@ from benchmarks import networks, suite, workloads
 from benchmarks.probes import kernel_timeline
 
 
-def jsparse_launches(row, dtype_name, mode, args) -> list[dict]:
-  x, params = suite.jsparse_inputs(row, dtype_name, args)
-  fn = suite.jsparse_fns(args.impl, suite.DTYPES[dtype_name][1], weight_layout=args.weight_layout)[mode]
-  compiled = jax.jit(fn).lower(x, params).compile()
+def jsparse_launches(args) -> list[dict]:
+  _, x, params, compiled = suite.compile_row(args)
   wall = suite.time_calls(lambda: compiled(x, params), jax.block_until_ready, args.warmup, args.repeats)
   launches, span = kernel_timeline.timeline(compiled, (x, params), args.calls)
   return [{"name": e["name"], "us": e["us"]} for e in launches], wall["median_ms"], span
@@ -64,15 +62,10 @@ def summary(launches: list[dict]) -> dict:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--row", type=int, default=2, help="index into workloads.SUITE")
-  ap.add_argument("--dtype", default="tf32", choices=list(suite.DTYPES))
-  ap.add_argument("--mode", default="inference", choices=["inference", "train"])
+  suite.add_row_arguments(ap, row=2)
   ap.add_argument("--calls", type=int, default=5)
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--repeats", type=int, default=10, help="timed calls for the wall time")
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--impl", default=None)
-  ap.add_argument("--weight-layout", default="ODHWI", choices=("ODHWI", "DHWIO"))
   ap.add_argument("--skip-flexgemm", action="store_true")
   ap.add_argument("--min-us", type=float, default=2.0, help="hide launches shorter than this in the listing")
   ap.add_argument("--out", default=None, help="write both sides' launches here as JSON")
@@ -81,7 +74,7 @@ def main(argv=None):
   row = workloads.SUITE[args.row]
   print(f"== suite row {args.row} ({row.name}), {args.dtype} {args.mode}, {jax.devices()[0].device_kind}")
   # (launches, median wall ms of a call timed alone, as the suite times it, median span us of a traced call)
-  sides = {"jsparse": jsparse_launches(row, args.dtype, args.mode, args)}
+  sides = {"jsparse": jsparse_launches(args)}
   if not args.skip_flexgemm:
     sides["flexgemm"] = flexgemm_launches(row, args.dtype, args.mode, args)
   result = {"row": row.name, "dtype": args.dtype, "mode": args.mode, "device": jax.devices()[0].device_kind}

@@ -3,6 +3,8 @@
 The check is a gradient penalty, d/d(x, w, b) of ||d loss / d x||^2 with a nonlinear loss, which runs every
 pass's VJP: the forward's, the input gradient's and the weight gradient's.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,21 +33,38 @@ def _inputs(seed, kernel_size, cin, cout, spatial_shape=(4, 4, 4)):
   return x, w, b
 
 
+@functools.cache
+def _subm_inputs():
+  return _inputs(0, (3, 3, 3), 3, 4)
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "algorithm", "weight_layout"))
+def _submconv_penalty_grads(feats, w, b, implementation, algorithm, weight_layout):
+  """_penalty_grads of submconv3d on _subm_inputs()'s sites, w given DHWIO and passed in weight_layout. One
+  jitted program per (implementation, algorithm, layout); the XLA path ignores the algorithm, so the test passes
+  it "auto" there and the cases of one layout share that program."""
+  x, _, _ = _subm_inputs()
+  to_layout = (lambda w: jnp.moveaxis(w, -1, 0)) if weight_layout == "ODHWI" else (lambda w: w)
+
+  def conv(feats, w, b):
+    return jsparse.submconv3d(x.replace(feats=feats), to_layout(w), b, implementation=implementation,
+                              precision="highest", algorithm=algorithm, weight_layout=weight_layout).feats
+  return _penalty_grads(conv, feats, w, b)
+
+
+@jax.jit
+def _dense_penalty_grads(feats, w, b):
+  x, _, _ = _subm_inputs()
+  return _penalty_grads(lambda feats, w, b: dense_submconv_at_sites(x, feats, w, b), feats, w, b)
+
+
 @pytest.mark.parametrize("algorithm", ["auto", "implicit", "masked_splitk", "explicit"])
 @pytest.mark.parametrize("weight_layout", ["DHWIO", "ODHWI"])
 def test_submconv_gradient_penalty_matches_xla_and_dense(algorithm, weight_layout):
-  x, w, b = _inputs(0, (3, 3, 3), 3, 4)
-  to_layout = (lambda w: jnp.moveaxis(w, -1, 0)) if weight_layout == "ODHWI" else (lambda w: w)
-
-  def sparse(implementation):
-    def conv(feats, w, b):
-      return jsparse.submconv3d(x.replace(feats=feats), to_layout(w), b, implementation=implementation,
-                                precision="highest", algorithm=algorithm, weight_layout=weight_layout).feats
-    return conv
-
-  pallas = jax.jit(lambda *a: _penalty_grads(sparse("pallas"), *a))(x.feats, w, b)
-  xla = _penalty_grads(sparse("xla"), x.feats, w, b)
-  dense = _penalty_grads(lambda feats, w, b: dense_submconv_at_sites(x, feats, w, b), x.feats, w, b)
+  x, w, b = _subm_inputs()
+  pallas = _submconv_penalty_grads(x.feats, w, b, "pallas", algorithm, weight_layout)
+  xla = _submconv_penalty_grads(x.feats, w, b, "xla", "auto", weight_layout)
+  dense = _dense_penalty_grads(x.feats, w, b)  # the same in every case: compiled once
   for name, p, r, d in zip(("feats", "weight", "bias"), pallas, xla, dense):
     assert rel_err(p, d) < 1e-5, name
     assert rel_err(p, r) < 1e-5, name
@@ -63,7 +82,7 @@ def test_submconv_hessian_vector_product_in_the_weight():
     def loss(w):
       y = jsparse.submconv3d(x, w, implementation=implementation, precision="highest").feats
       return jnp.sum(jnp.sin(y))
-    return jax.grad(lambda w: jnp.vdot(jax.grad(loss)(w), direction))(w)
+    return jax.jit(jax.grad(lambda w: jnp.vdot(jax.grad(loss)(w), direction)))(w)
 
   assert rel_err(hvp("pallas"), hvp("xla")) < 1e-5
 

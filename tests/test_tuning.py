@@ -472,7 +472,7 @@ def test_autotune_tunes_an_odhwi_convolution_with_its_layout(monkeypatch):
   assert {s[0] for s in seen} >= {"candidates", "forward", "input_grad", "weight_grad"}
   with table:  # the tuned configs drive the ODHWI convolution, which still matches the flax-layout one
     y = jax.jit(fn)(x.feats, w_odhwi, b)
-  ref = jsparse.submconv3d(x, w, b, implementation="xla", precision="highest").feats
+  ref = _xla_submconv(x, w, b)
   assert rel_err(y, ref) < 1e-5
 
 
@@ -542,6 +542,13 @@ WG_CANDIDATES = [
     Masked(TileConfig(16, 16, 16, 4, 2, 1)),
     Implicit(TileConfig(16, 16, 32, 4, 3, 2)),
 ]
+
+
+@jax.jit
+def _xla_submconv(x, w, b):
+  """The XLA path's submconv3d output, the reference of the tuned Pallas runs: one jitted program, shared by the
+  tests that use it (eagerly, every primitive compiled as its own program)."""
+  return jsparse.submconv3d(x, w, b, implementation="xla", precision="highest").feats
 
 
 def _problem():
@@ -697,7 +704,7 @@ def test_autotune_tunes_strided_convolutions(monkeypatch):
   with table:
     (_, yp), gp = jax.jit(jax.value_and_grad(lambda f, w, b: loss(f, w, b, "pallas"), argnums=(0, 1, 2),
                                              has_aux=True))(x.feats, w, b)
-  (_, yx), gx = jax.value_and_grad(lambda f, w, b: loss(f, w, b, "xla"), argnums=(0, 1, 2), has_aux=True)(
+  (_, yx), gx = jax.jit(jax.value_and_grad(lambda f, w, b: loss(f, w, b, "xla"), argnums=(0, 1, 2), has_aux=True))(
       x.feats, w, b)
   assert rel_err(yp, yx) < 1e-5
   for a, r in zip(gp, gx):
@@ -727,8 +734,9 @@ def test_a_registered_algorithm_is_usable_by_name_in_tables_and_by_the_tuner(mon
     y = jsparse.submconv3d(x, w, b, implementation=impl, precision="highest", algorithm=algorithm)
     return jnp.sum(y.feats * cot)
 
-  got = jax.grad(loss, argnums=(0, 1))(w, b, "pallas", "traced")
-  want = jax.grad(loss, argnums=(0, 1))(w, b, "xla", "auto")
+  # Jitted (the passes still run `Traced.run` as they are traced): eagerly, every primitive compiled on its own.
+  got = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))(w, b, "pallas", "traced")
+  want = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))(w, b, "xla", "auto")
   assert sorted(set(runs)) == ["forward", "input_grad", "weight_grad"]
   for a, r in zip(got, want):
     assert rel_err(a, r) < 1e-5
@@ -796,5 +804,5 @@ def test_tune_call_times_extra_tiles_on_the_masked_algorithm(monkeypatch):
   with tuning.ConfigTable(best):
     y = jax.jit(lambda f: jsparse.submconv3d(x.replace(feats=f), w, b, implementation="pallas",
                                              precision="highest").feats)(x.feats)
-  ref = jsparse.submconv3d(x, w, b, implementation="xla", precision="highest").feats
+  ref = _xla_submconv(x, w, b)
   assert rel_err(y, ref) < 1e-5

@@ -1,4 +1,5 @@
 """Data utilities: voxelize, procedural shapes, space-filling-curve serialisation, grid_sample, plotting."""
+import functools
 import math
 
 import jax
@@ -376,16 +377,21 @@ def _sample_tensor(seed=0, channels=3):
   return t.replace(feats=jnp.where(t.valid_mask()[:, None], f, 0))
 
 
+@functools.partial(jax.jit, static_argnames="order")
+def _map_coordinates_per_point(dense, u, batch, order=1):
+  """scipy's map_coordinates of dense[batch[i], ..., c] at the point u[i] (voxel units, already shifted by half a
+  voxel), every channel c: [P, C]. One jitted program, vmapped over the points (eagerly, every point's
+  map_coordinates dispatched and compiled its primitives one by one)."""
+  def one(q, b):
+    return jnp.stack([jax.scipy.ndimage.map_coordinates(dense[b, ..., c], list(q[:, None]), order=order,
+                                                        mode="constant", cval=0.0)[0]
+                      for c in range(dense.shape[-1])])
+  return jax.vmap(one)(u, jnp.asarray(batch))
+
+
 def _dense_ref(t, points, batch, order):
   """scipy's map_coordinates at the points shifted by half a voxel (voxel centres sit at index + 0.5)."""
-  points = np.asarray(points) - 0.5
-  dense = t.todense()
-  out = []
-  for p, b in zip(points, batch):
-    out.append(jnp.stack([jax.scipy.ndimage.map_coordinates(dense[b, ..., c], list(p[:, None]), order=order,
-                                                            mode="constant", cval=0.0)[0]
-                          for c in range(t.num_channels)]))
-  return np.asarray(jnp.stack(out))
+  return np.asarray(_map_coordinates_per_point(t.todense(), np.asarray(points) - 0.5, batch, order=order))
 
 
 def test_grid_sample_trilinear_matches_dense():
@@ -396,13 +402,15 @@ def test_grid_sample_trilinear_matches_dense():
   batch = rng.integers(0, 2, 300)
   got = jax.jit(grid_sample)(t, pts, batch=batch)
   np.testing.assert_allclose(np.asarray(got), _dense_ref(t, pts, batch, 1), rtol=1e-5, atol=1e-5)
-  # [B, P, 3] form: the leading axis is the batch.
+  # [B, P, 3] form: the leading axis is the batch. Jitted: eagerly, each primitive compiled as its own program.
   pts2 = pts[:100].reshape(2, 50, 3)
-  got2 = grid_sample(t, pts2)
   ref2 = _dense_ref(t, pts2.reshape(-1, 3), np.repeat([0, 1], 50), 1).reshape(2, 50, -1)
-  np.testing.assert_allclose(np.asarray(got2), ref2, rtol=1e-5, atol=1e-5)
-  # A NaN point samples zeros instead of poisoning the output.
-  assert np.all(np.asarray(grid_sample(t, np.full((1, 3), np.nan, np.float32))) == 0)
+  # A NaN point (the last of item 1) samples zeros instead of poisoning the output.
+  pts2[1, -1] = np.nan
+  got2 = np.asarray(jax.jit(grid_sample)(t, pts2))
+  assert np.all(got2[1, -1] == 0)
+  np.testing.assert_allclose(got2[0], ref2[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got2[1, :-1], ref2[1, :-1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("ndim", [2, 1])
@@ -423,17 +431,13 @@ def test_grid_sample_on_2d_and_1d_tensors_blends_over_their_own_axes(ndim):
   vs, org = 0.5, -0.25  # world units: u = (p - org) / vs
 
   def reference(p):
-    dense = t.todense()  # (B, *shape, C)
-    u = (p - org) / vs - 0.5
-    return jnp.stack([jnp.stack([jax.scipy.ndimage.map_coordinates(dense[b, ..., c], list(q[:, None]), order=1,
-                                                                   mode="constant", cval=0.0)[0]
-                                 for c in range(2)]) for q, b in zip(u, batch)])
+    return _map_coordinates_per_point(t.todense(), (p - org) / vs - 0.5, batch)  # t.todense(): (B, *shape, C)
 
   got = jax.jit(lambda p: grid_sample(t, p, batch=batch, voxel_size=vs, origin=org))(pts)
   np.testing.assert_allclose(np.asarray(got), np.asarray(reference(pts)), rtol=1e-5, atol=1e-5)
   probe = jnp.asarray(rng.standard_normal((60, 2)), jnp.float32)
-  g = jax.grad(lambda p: jnp.sum(grid_sample(t, p, batch=batch, voxel_size=vs, origin=org) * probe))(pts)
-  g_ref = jax.grad(lambda p: jnp.sum(reference(p) * probe))(pts)
+  g = jax.jit(jax.grad(lambda p: jnp.sum(grid_sample(t, p, batch=batch, voxel_size=vs, origin=org) * probe)))(pts)
+  g_ref = jax.jit(jax.grad(lambda p: jnp.sum(reference(p) * probe)))(pts)
   np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-4)
   near = grid_sample(t, pts, "nearest", batch=batch, voxel_size=vs, origin=org)
   dense = np.asarray(t.todense())
@@ -470,14 +474,14 @@ def test_grid_sample_gradients():
   pts = (rng.integers(0, 7, (40, 3)) + 0.5 + rng.uniform(0.1, 0.9, (40, 3))).astype(np.float32)
   batch = rng.integers(0, 2, 40)
   # Jitted: check_grads evaluates the function, its jvp and its vjp many times, and eagerly each of those
-  # compiles every primitive as its own program (the tests above run grid_sample eagerly).
+  # compiles every primitive as its own program (test_grid_sample_nearest runs grid_sample eagerly).
   check_grads(jax.jit(lambda f: grid_sample(t.replace(feats=f), pts, batch=batch)), (t.feats,), order=1,
               modes=("rev",), atol=1e-2, rtol=1e-2)
   check_grads(jax.jit(lambda p: grid_sample(t, p, batch=batch)), (jnp.asarray(pts),), order=1, modes=("fwd", "rev"),
               atol=1e-2, rtol=1e-2, eps=1e-2)
   # Gradient w.r.t. feats in nearest mode: each voxel sums the cotangents of the points in it.
   g = jax.jit(jax.grad(lambda f: grid_sample(t.replace(feats=f), pts, mode="nearest", batch=batch).sum()))(t.feats)
-  rows = np.asarray(lookup_rows(t, np.concatenate([batch[:, None], np.floor(pts).astype(np.int32)], 1)))
+  rows = np.asarray(jax.jit(lookup_rows)(t, np.concatenate([batch[:, None], np.floor(pts).astype(np.int32)], 1)))
   expected = np.zeros(t.capacity)
   np.add.at(expected, rows[rows >= 0], 1.0)
   np.testing.assert_allclose(np.asarray(g), np.repeat(expected[:, None], 2, 1))

@@ -518,15 +518,22 @@ def _inverse_maps(y: SparseTensor, like: SparseTensor, geom: Geometry):
 
 def _check_same_geometry(y: SparseTensor, like: SparseTensor, geom: Geometry) -> None:
   """Reports a y that another geometry's convolution made from like's coordinates: the inverse of a
-  convolution takes its kernel_size, stride, padding and dilation (spconv's indice_key)."""
+  convolution takes its kernel_size, stride, padding and dilation (spconv's indice_key). The sizes are compared,
+  not the grids: `like` may be on a padded view of the forward's input grid (the modules' "SAME"), and a
+  convolution on such a view with other padding gives the same output grid with other sites."""
+  sizes = lambda g: _sizes(g).values()
   for other in y.caches.values():
-    if not (isinstance(other, PairMap) and other.geom != geom and other.geom.in_shape == like.spatial_shape
-            and other.batch_size == like.batch_size and other.in_capacity == like.capacity
-            and other.out_capacity == y.capacity):
+    if not (isinstance(other, PairMap) and tuple(sizes(other.geom)) != tuple(sizes(geom))
+            and other.geom.out_shape == y.spatial_shape and other.batch_size == like.batch_size
+            and other.in_capacity == like.capacity and other.out_capacity == y.capacity):
       continue
+    grids = ("" if other.geom.in_shape == geom.in_shape else
+             " (on like's spatial_shape={made_in_shape}, this inverse on {in_shape}: a module's padding \"SAME\" "
+             "pads the grid by the sizes it is given)")
     error = SizeError("sparse_inverse_conv{ndim}d: y was made from `like` by a convolution with "
                       + _describe("made_") + ", but this inverse has " + _describe()
-                      + ": pass the forward convolution's", **_sizes(other.geom, "made_"), **_sizes(geom))
+                      + ": pass the forward convolution's" + grids, **_sizes(other.geom, "made_"), **_sizes(geom),
+                      made_in_shape=other.geom.in_shape, in_shape=geom.in_shape)
     if other.in_coords is like.coords and other.in_num is like.num:
       raise error
     made_from_like = jnp.array_equal(other.in_coords, like.coords) & (other.in_num == like.num)

@@ -266,6 +266,34 @@ def test_inverse_conv_with_other_geometry_or_coordinates():
   assert "the pair map that y carries is on other coordinates" in _error(back, y, _other(x, 9))
 
 
+def test_inverse_on_a_padded_view_with_other_padding_raises():
+  """spconv's SparseInverseConv3d takes no padding, so a port writes SparseConv3d(..., padding=1) and
+  SparseInverseConv3d(...) with the module's default "SAME". On an even grid "SAME" pads `like` onto a grid one
+  larger with padding 0: the same output grid as the forward's, other sites. The mismatch was not seen (the
+  check compared the grids) and the inverse ran silently with the other geometry; it raises now, naming the
+  paddings and the grids. The same sizes on a padded view of the grid give the same map, and run."""
+  x = _x(seed=8, shape=(8, 8, 8))
+  down = snn.SparseConv3d(4, 3, strides=2, padding=1, implementation="xla")
+  y = down.apply(down.init(jax.random.key(0), x), x)
+  up = snn.SparseInverseConv3d(2, 3, strides=2, implementation="xla")  # padding "SAME": (0, 0, 0) on a 9^3 grid
+  match = ("y was made from `like` .* padding=\\(1, 1, 1\\).* but this inverse has .* padding=\\(0, 0, 0\\).* "
+           "spatial_shape=\\(8, 8, 8\\), this inverse on \\(9, 9, 9\\)")
+  with pytest.raises(ValueError, match=match):
+    up.init(jax.random.key(1), y, like=x)
+  wi = _w((3, 3, 3, 4, 2))
+  inverse = lambda y, like: jsparse.sparse_inverse_conv3d(y, wi, like=like, stride=2, padding=0,
+                                                          implementation="xla").feats
+  padded = x.replace(spatial_shape=(9, 9, 9))
+  with pytest.raises(ValueError, match="y was made from `like`"):
+    inverse(y, padded)
+  assert "y was made from `like`" in _error(inverse, y, padded)
+  # Kernel 2, stride 2, padding 0 maps the 8^3 grid and its 9^3 view onto one 4^3 grid by the same pairs.
+  y2 = jsparse.sparse_conv3d(x, _w((2, 2, 2, CHANNELS, 4)), stride=2, implementation="xla")
+  back = lambda like: jsparse.sparse_inverse_conv3d(y2, _w((2, 2, 2, 4, 2)), like=like, stride=2,
+                                                    implementation="xla").feats
+  np.testing.assert_allclose(np.asarray(back(padded)), np.asarray(back(x)), rtol=1e-6, atol=1e-6)
+
+
 def test_concat_of_other_coordinates_under_jit():
   x = _x(seed=10)
   other = _other(x, 11)

@@ -87,7 +87,9 @@ class SparseInverseConv3d(ConvParams):
   """spconv's SparseInverseConv3d: `jsparse.sparse_inverse_conv3d`, called as `module(y, like=x)` where y
   lives on the output coordinates of a SparseConv3d of x with the same kernel_size/strides/padding/dilation
   (padding "SAME" by default, as SparseConv3d's; kernel_size required). The output is on x's coordinates.
-  kernel: (*kernel_size, y channels, features)."""
+  kernel: (*kernel_size, y channels, features). spconv's SparseInverseConv3d takes its sizes from the indice_key:
+  here pass the forward's strides and padding (a forward ported with padding=1 needs padding=1 here too; another
+  padding raises ValueError)."""
 
   features: int
   kernel_size: int | Sequence[int]

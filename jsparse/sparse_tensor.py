@@ -499,6 +499,8 @@ class SparseTensor:
     Under jit with a capacity, sites past the capacity cannot be stored: the tensor's overflow flag
     (`jsparse.overflowed`) is set and `jax.experimental.checkify` reports the counts; with_overflow=True
     returns `(tensor, overflow)` too. Outside jit an overflow raises ValueError (with_overflow=True: returned).
+    The dense array's B * X * Y * Z cells are indexed in int32, so there must be fewer than 2**31 of them (a batch of
+    two 1024^3 grids is too many: ValueError); `from_coords` takes the sites of larger grids.
     """
     dense = jnp.asarray(dense)
     if dense.ndim not in (3, 4, 5):
@@ -507,6 +509,11 @@ class SparseTensor:
     if min(dense.shape) == 0:
       raise ValueError(f"dense must have nonzero extents, got shape {dense.shape}")
     ndim = dense.ndim - 2
+    cells = math.prod(dense.shape[:-1])
+    if cells > MAX_KEYS:
+      # jnp.nonzero's int32 flat index passes 2**31 there: JAX raised an OverflowError naming no argument.
+      raise ValueError(f"from_dense: dense of shape {dense.shape} has {cells} cells (batch x grid); at most 2**31 - 1 "
+                       "are indexed in int32: build larger grids with SparseTensor.from_coords from their sites")
     dense = dense.reshape(dense.shape[:1] + lifted_shape(dense.shape[1:-1]) + dense.shape[-1:])
     b, x, y, z, _ = dense.shape
     capacity = check_capacity(capacity)

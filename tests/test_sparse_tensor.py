@@ -59,6 +59,18 @@ def test_from_dense_under_jit_reports_overflow():
     jsparse.SparseTensor.from_dense(dense, capacity=2)
 
 
+def test_from_dense_of_2_31_cells_raises_naming_dense():
+  """A batch of two 1024^3 occupancy grids (2**31 cells, 4 GiB in float16) failed in jnp.nonzero's int32 flat index
+  with JAX's OverflowError, naming no argument. Traced abstractly (eval_shape): nothing is allocated."""
+  big = jax.ShapeDtypeStruct((2, 1024, 1024, 1024, 1), jnp.float16)
+  with pytest.raises(ValueError, match="from_dense: dense of shape .* has 2147483648 cells.*from_coords"):
+    jax.eval_shape(lambda d: jsparse.SparseTensor.from_dense(d, capacity=128), big)
+  # One cell fewer than 2**31 is still indexed exactly (the output's shapes only).
+  out = jax.eval_shape(lambda d: jsparse.SparseTensor.from_dense(d, capacity=128).coords,
+                       jax.ShapeDtypeStruct((1, 1, 2**31 - 1, 1), jnp.float16))
+  assert out.shape == (128, 4)
+
+
 def test_duplicates_error_and_reductions():
   coords = np.array([[0, 1, 1, 1], [0, 2, 2, 2], [0, 1, 1, 1], [0, 1, 1, 1]])
   feats = np.array([[1.0], [5.0], [2.0], [6.0]], np.float32)

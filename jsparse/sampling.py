@@ -124,15 +124,19 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   Batch of each point: the leading axis for [B, P, 3] points (B must equal x.batch_size), else `batch`
   ([P] ints, default 0).
   Jit-able; differentiable with respect to x.feats (both modes, no scatter-add: `gather_sites`) and points
-  (trilinear; piecewise linear, so the gradient jumps where u - 0.5 is an integer).
+  (trilinear; piecewise linear, so the gradient jumps where u - 0.5 is an integer). u is computed in float32 (or
+  float64 for float64 points), also for half-precision points.
   voxel_size and origin: scalars or D values.
   """
   check_sparse_tensor(x)
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
   points = jnp.asarray(points)
-  if not jnp.issubdtype(points.dtype, jnp.floating):
-    points = points.astype(jnp.float32)
+  # Voxel units in float32 at least: in bfloat16 (float16) u ~ 1000 on a 1024^3 grid rounds to 8 (0.5) voxels, and
+  # most half-precision points sampled another voxel than their exact values name. The gradient comes back in
+  # the points' dtype.
+  points = points.astype(jnp.promote_types(points.dtype, jnp.float32) if jnp.issubdtype(points.dtype, jnp.floating)
+                         else jnp.float32)
   ndim = x.spatial_ndim
   if ndim < 3:
     if points.ndim not in (2, 3) or points.shape[-1] != ndim:

@@ -211,3 +211,27 @@ def test_voxel_centres_of_2d_and_1d_tensors_are_the_points_grid_sample_takes(ndi
   np.testing.assert_allclose(np.asarray(centres[:2]), np.asarray(org) + (coords[:, 1:] + 0.5) * np.asarray(vs))
   back = grid_sample(x, centres[:2], "nearest", batch=coords[:, 0], voxel_size=vs, origin=org)
   np.testing.assert_array_equal(np.asarray(back), feats)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_points_on_a_1024_grid_find_their_own_voxels(dtype):
+  """Points of a generative model in [-1, 1) on a 1024^3 grid (voxel_size 2/1024), held in half precision: u ~ 1000
+  was computed in the points' dtype, whose spacing there is 8 (bfloat16) or 0.5 (float16) voxels, so most points
+  sampled (grid_sample) or were put in (voxelize_jit) other voxels than their exact values name. Compared with
+  float64 arithmetic on the same (exactly representable) point values."""
+  rng = np.random.default_rng(0)
+  size, vs, org = 1024, 2.0 / 1024, -1.0
+  pts = jnp.asarray(rng.uniform(-1, 0.99, (64, 3)), dtype)
+  exact = np.asarray(pts.astype(jnp.float32), np.float64)
+  kw = dict(voxel_size=vs, origin=org, spatial_shape=(size,) * 3, capacity=128)
+  ref, ref_rows = voxelize(exact, np.arange(64, dtype=np.float32), return_index=True, **kw)
+  x, overflow, rows = jax.jit(lambda p: voxelize_jit(p, jnp.arange(64, dtype=jnp.float32), return_index=True,
+                                                     **kw))(pts)
+  assert not bool(overflow) and int(x.num) == int(ref.num)
+  np.testing.assert_array_equal(np.asarray(x.coords), np.asarray(ref.coords))
+  np.testing.assert_array_equal(np.asarray(rows), np.asarray(ref_rows))
+  got = grid_sample(ref, pts, "nearest", voxel_size=vs, origin=org)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(devoxelize(ref, ref_rows)))
+  # The gradient with respect to the points comes back in their dtype.
+  g = jax.grad(lambda p: jnp.sum(grid_sample(ref, p, voxel_size=vs, origin=org)))(pts)
+  assert g.dtype == dtype and g.shape == pts.shape

@@ -64,8 +64,8 @@ def test_voxelize_jit_rejects_a_non_positive_voxel_size():
       voxelize_jit(pts, voxel_size=bad, **kw)
     with pytest.raises(ValueError, match="voxel_size"):
       jax.jit(lambda p, bad=bad: voxelize_jit(p, voxel_size=bad, **kw)[0].feats)(pts)  # a constant under jit
-  with pytest.raises(ValueError, match="voxel_size"):  # 1e-8 is 0 in the points' float16
-    voxelize_jit(pts.astype(np.float16), voxel_size=1e-8, **kw)
+  with pytest.raises(ValueError, match="voxel_size"):  # 1e-46 is 0 in float32, where float16 points are quantised
+    voxelize_jit(pts.astype(np.float16), voxel_size=1e-46, **kw)
   for bad in (np.inf, None, (0.0, 0.0)):
     with pytest.raises(ValueError, match="origin"):
       voxelize_jit(pts, voxel_size=1.0, **{**kw, "origin": bad})

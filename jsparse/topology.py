@@ -33,6 +33,7 @@ from jsparse.sparse_tensor import (
   SparseTensor,
   check_capacity,
   check_sparse_tensor,
+  is_traced,
   report,
   resolve_capacity,
   site_keys,
@@ -269,7 +270,12 @@ def child_labels(coarse: SparseTensor, fine: SparseTensor, stride: Size3 = 2) ->
   order of `sparse_conv_transpose3d`'s mask, so the result is the teacher-forcing mask and the occupancy
   target of a coarse-to-fine decoder. coarse.spatial_shape must be fine's divided by stride, rounded up (the
   output grid of a kernel-size-equals-stride convolution or pool of fine padded "SAME") or down (padded 0);
-  children outside fine's grid are False, and so are padding rows.
+  children outside fine's grid are False, and so are padding rows. Every fine site is then a labelled child of a
+  coarse site when coarse was made from fine by a convolution or pool of this stride whose window of site c
+  (taps c * stride - padding + v * dilation) holds c's children (kernel == stride with padding 0 does, and so
+  does kernel 3, stride 2, padding 1). A coarse tensor made from fine's coordinates otherwise (e.g. "SAME"
+  down-sampling by 3 on an extent of 7, which pads 1 before the grid) would leave fine sites that no label names:
+  ValueError (under jit when it was made from the very arrays of fine).
   """
   check_sparse_tensor(coarse, "coarse")
   check_sparse_tensor(fine, "fine")
@@ -287,12 +293,42 @@ def child_labels(coarse: SparseTensor, fine: SparseTensor, stride: Size3 = 2) ->
     raise ValueError(f"coarse (spatial_shape={user(coarse.spatial_shape)}, batch_size={coarse.batch_size}) is not "
                      f"the stride-{user(st)} grid of fine (spatial_shape between {user(low)} and {user(high)}, "
                      f"batch_size={fine.batch_size})")
+  _check_child_windows(coarse, fine, st, user)
   t = math.prod(st)
   child = jnp.stack(jnp.unravel_index(jnp.arange(t), st), axis=-1).astype(jnp.int32)  # [T, 3], C order
   xyz = coarse.coords[:, None, 1:] * jnp.asarray(st, jnp.int32) + child[None]
   query = jnp.concatenate([jnp.broadcast_to(coarse.coords[:, None, :1], (coarse.capacity, t, 1)), xyz], axis=-1)
   ok = jnp.broadcast_to(coarse.valid_mask()[:, None], (coarse.capacity, t))
   return lookup_rows(fine, query, ok) >= 0
+
+
+def _check_child_windows(coarse: SparseTensor, fine: SparseTensor, stride, user) -> None:
+  """Raises ValueError when coarse carries the pair map of a convolution or pool of fine's coordinates whose window
+  of a site does not hold all its children c * stride + t: a fine site whose parent's window misses it made another
+  coarse site, and no label names it (the masks would not spawn it). Outside jit the coordinates are compared;
+  under jit only the very arrays of fine count."""
+  from jsparse.sparse_conv import PairMap
+
+  for pm in coarse.caches.values():
+    if not isinstance(pm, PairMap) or pm.out_coords is not coarse.coords:
+      continue
+    g = pm.geom
+    # Child t of site c sits at c * stride + t, kernel tap (padding + t) / dilation of c's window.
+    if g.stride == tuple(stride) and all((p + t) % d == 0 and (p + t) // d < k
+                                         for k, s, p, d in zip(g.kernel_size, g.stride, g.padding, g.dilation)
+                                         for t in range(s)):
+      continue
+    made_from_fine = pm.in_coords is fine.coords and pm.in_num is fine.num
+    if not made_from_fine and not is_traced(pm.in_coords, pm.in_num, fine.coords, fine.num):
+      made_from_fine = (pm.in_coords.shape == fine.coords.shape and bool(jnp.array_equal(pm.in_coords, fine.coords))
+                        and int(pm.in_num) == int(fine.num))
+    if made_from_fine:
+      raise ValueError(f"child_labels: coarse was made from fine by a convolution or pool with kernel_size="
+                       f"{user(g.kernel_size)}, stride={user(g.stride)}, padding={user(g.padding)}, dilation="
+                       f"{user(g.dilation)}, whose windows miss children c * {user(stride)} + t of their sites: "
+                       "fine sites there made other coarse sites and no label would name them (each window must "
+                       "hold its site's children as taps: kernel_size = strides with padding 0 does; a module's "
+                       "\"SAME\" pads before the grid where the stride leaves 2 or more cells)")
 
 
 def check_rate(rate, what: str = "rate") -> float:

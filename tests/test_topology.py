@@ -237,6 +237,33 @@ def test_child_labels_match_dense(shape, stride):
       v < (n // s) * s for v, n, s in zip(c[1:], shape, st)))
 
 
+def test_child_labels_of_windows_that_miss_children_raise():
+  """A "SAME" down-sampling by 3 of a 7-wide grid pads one cell before it: coarse site c is made by fine sites
+  3c - 1 .. 3c + 1, while its labels name 3c .. 3c + 2. The labels were returned without a word, and as the
+  transposed convolution's mask they did not spawn fine's sites. That now raises (jitted too); windows that hold
+  their site's children (kernel 3, stride 2, padding 1; kernel = stride) still label every fine site."""
+  fine = jsparse.SparseTensor.from_coords(np.array([[0, 2, 2, 2], [0, 6, 0, 5]]), np.ones((2, 3), np.float32),
+                                          (7, 7, 7))
+  down = jsparse.nn.SparseConv3d(1, kernel_size=3, strides=3, padding="SAME", out_capacity=8, implementation="xla")
+  variables = down.init(jax.random.key(0), fine)
+  coarse = down.apply(variables, fine)
+  assert coarse.spatial_shape == (3, 3, 3)
+  labels = jsparse.child_labels(coarse.replace(coords=coarse.coords), fine, 3)  # without its map: not checked
+  spawned = jsparse.sparse_conv_transpose3d(coarse, jnp.ones((3, 3, 3, 1, 1)), stride=3, mask=labels)
+  assert _sites(spawned) != _sites(fine)  # what the labels of such a coarse tensor would have made
+  with pytest.raises(ValueError, match="child_labels: coarse was made from fine .* padding=\\(1, 1, 1\\)"):
+    jsparse.child_labels(coarse, fine, 3)
+  with pytest.raises(ValueError, match="child_labels: coarse was made from fine"):
+    jax.jit(lambda f: jsparse.child_labels(down.apply(variables, f), f, 3))(fine)
+  fine, _ = _pair(5, shape=(7, 7, 7), batch_size=1)
+  for kernel, padding in ((3, 1), (2, 0)):
+    coarse = jsparse.sparse_conv3d(fine, jnp.ones((kernel,) * 3 + (fine.num_channels, 1)), stride=2, padding=padding,
+                                   implementation="xla")
+    labels = jsparse.child_labels(coarse, fine, 2)
+    spawned = jsparse.sparse_conv_transpose3d(coarse, jnp.ones((2, 2, 2, 1, 1)), stride=2, mask=labels)
+    assert _sites(spawned) == {c for c in _sites(fine) if all(v < 2 * n for v, n in zip(c[1:], coarse.spatial_shape))}
+
+
 # ---- dropout -----------------------------------------------------------------------------------------------
 
 

@@ -98,7 +98,8 @@ def _pool(x: SparseTensor, kernel_size, stride, padding, dilation, out_capacity,
   op = f"sparse_{reduce.replace('mean', 'avg')}_pool3d"
   check_spatial_ndim(x, 3, op)
   st = kernel_size if stride is None else stride
-  pm = pair_map(x, kernel_size, st, padding, dilation, out_capacity, implementation=implementation, op=op)
+  pm = pair_map(x, kernel_size, st, padding, dilation, out_capacity, implementation=implementation, op=op,
+                raise_overflow=not with_overflow)
   g = pm.geom
   # Windows are disjoint when each one ends before the next begins along every axis.
   disjoint = all(d * (k - 1) + 1 <= s for k, s, d in zip(g.kernel_size, g.stride, g.dilation))
@@ -119,8 +120,9 @@ def sparse_max_pool3d(x: SparseTensor, kernel_size: Size3, stride: Size3 | None 
   -inf at inactive sites and in the padding, read at the output sites (spconv's max pool starts from 0
   instead, so the two agree only on non-negative inputs, e.g. after a ReLU). The gradient goes to the first
   input in offset order among ties. implementation: how the output sites are found (`pair_map`).
-  Overflow of out_capacity as sparse_conv3d: ValueError outside jit; under jit the output's flag
-  (`jsparse.overflowed`) and, inside `jsparse.error_checks()`, a `jax.experimental.checkify` report.
+  Overflow of out_capacity as sparse_conv3d: ValueError outside jit (with_overflow=True: returned as
+  (output, overflow) instead); under jit the output's flag (`jsparse.overflowed`) and, inside
+  `jsparse.error_checks()`, a `jax.experimental.checkify` report.
   """
   return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "max", with_overflow, implementation)
 

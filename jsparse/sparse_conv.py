@@ -40,7 +40,8 @@ Overflow. With a static `out_capacity`, more output sites than rows cannot be st
 raises ValueError; under jit nothing raises, `PairMap.overflow` is True, the output holds the
 `out_capacity` smallest-keyed sites, its `overflow` flag is set (`jsparse.overflowed`, carried on by every
 later op) and `jax.experimental.checkify` reports the op and the counts (sparse_tensor.report). Pass
-`with_overflow=True` to also get this op's flag, `(output, overflow)`. The Pallas path also sets the flag
+`with_overflow=True` to also get this op's flag, `(output, overflow)`, which outside jit then takes the place of
+the ValueError (README, Limits and errors). The Pallas path also sets the flag
 (and raises RuntimeError outside jit) if its hash table ran past a probe bound, which the default table size
 rules out in practice.
 """
@@ -273,7 +274,8 @@ def pair_map_key(geom: Geometry) -> str:
 
 
 def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_capacity: int | None = None,
-             *, check: bool = True, implementation: str | None = None, op: str = "pair_map") -> PairMap:
+             *, check: bool = True, implementation: str | None = None, op: str = "pair_map",
+             raise_overflow: bool = True) -> PairMap:
   """The output coordinates and both maps of a strided sparse convolution of `x` (module docstring).
 
   Output sites (spconv's SparseConv3d rule): every output position, in the same batch item, whose receptive
@@ -285,18 +287,20 @@ def pair_map(x: SparseTensor, kernel_size, stride=1, padding=0, dilation=1, out_
   implementation: None (Pallas on a GPU: an occupancy map of the output grid where it is small, else a hash
     table; XLA sort elsewhere), "pallas" or "xla"; same result.
   op: the op named in those reports.
+  raise_overflow: False leaves an overflow of out_capacity to the flag outside jit too (an op called with
+    `with_overflow=True` returns it instead of raising); checkify still reports it under jit.
   """
   out_capacity = check_capacity(out_capacity, "out_capacity")
   geom = geometry(x.spatial_shape, kernel_size, stride, padding, dilation)
   out_coords, out_num, nbr, inv, overflow, occupancy = _site_search(
       x.coords, x.num, x.batch_size, x.spatial_shape, _proposal_geometry(geom), out_capacity, implementation,
-      check=check, op=op)
+      check=check, op=op, raise_overflow=raise_overflow)
   return PairMap(out_coords, out_num, nbr, inv, x.coords, x.num, overflow, geom, x.batch_size, occupancy)
 
 
 def _site_search(coords, num, batch_size: int, spatial_shape: tuple[int, int, int],
                  rule: unique_keys.ProposalGeometry, out_capacity, implementation: str | None, *, check: bool,
-                 op: str, scale: tuple[int, int, int] | None = None):
+                 op: str, scale: tuple[int, int, int] | None = None, raise_overflow: bool = True):
   """(out_coords, out_num, nbr, inv, overflow, occupancy): the distinct proposals of `rule` (every valid row of
   coords, each axis times `scale` if given, and every offset) as sorted output sites, both maps (module
   docstring), and the occupancy map that ranked them (None where the search used none). The strided and the
@@ -327,7 +331,7 @@ def _site_search(coords, num, batch_size: int, spatial_shape: tuple[int, int, in
   overflow = count > out_capacity
   if check:
     report(overflow, f"{op}: {{count}} output sites do not fit in out_capacity={out_capacity}; the sites past it "
-           "were dropped", count=count)
+           "were dropped", eager=raise_overflow, count=count)
   if dense:
     out_coords, out_num, nbr, inv = _occupancy_compact(coords, num, occupancy, rule, batch_size, out_capacity,
                                                        impl.interpret)
@@ -450,7 +454,8 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   cache: a PairMap of x for this geometry (else built); it fixes the output rows, so out_capacity must then be
     None (or "exact", ignored) or the map's own.
   The output carries its PairMap in `caches` for `sparse_inverse_conv3d`.
-  with_overflow: return (output, overflow); see the module docstring (outside jit an overflow raises).
+  with_overflow: return (output, overflow) and leave an overflow of out_capacity to that flag (outside jit too,
+  where it raises otherwise); see the module docstring.
   implementation / precision / algorithm / feature_group_count: as submconv3d (weight (Kx, Ky, Kz, Cin/G, Cout));
   implementation also picks how the output sites are found (`pair_map`).
   """
@@ -461,7 +466,7 @@ def sparse_conv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
                         feature_group_count)
   if cache is None:
     cache = pair_map(x, ks, stride, padding, dilation, out_capacity, implementation=implementation,
-                     op="sparse_conv3d")
+                     op="sparse_conv3d", raise_overflow=not with_overflow)
   elif not isinstance(cache, PairMap):  # e.g. y.caches or a submanifold NeighborCache
     raise TypeError(f"cache must be a PairMap (from jsparse.sparse_conv.pair_map) or None, got "
                     f"{type(cache).__name__}")
@@ -671,9 +676,10 @@ def transpose_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 2, paddin
     return _transpose_map(x, geom, out_capacity, implementation, check)
 
 
-def _transpose_map(x: SparseTensor, geom: TransposeGeometry, out_capacity, implementation, check: bool):
+def _transpose_map(x: SparseTensor, geom: TransposeGeometry, out_capacity, implementation, check: bool,
+                   raise_overflow: bool = True):
   return _site_search(x.coords, x.num, x.batch_size, x.spatial_shape, geom.proposal_rule(), out_capacity,
-                      implementation, check=check, op="sparse_conv_transpose3d",
+                      implementation, check=check, op="sparse_conv_transpose3d", raise_overflow=raise_overflow,
                       scale=geom.stride)[:5]  # a transposed convolution's output carries no maps
 
 
@@ -726,7 +732,7 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   smaller than the stride or the dilation on every axis (PyTorch's rule). feature_group_count: G groups as
   submconv3d (weight (Kx, Ky, Kz, Cin/G, Cout)), PyTorch's `groups`.
   out_capacity: output rows (None: round_capacity of the count, "exact": the count; outside jit only).
-  Overflow as sparse_conv3d (`with_overflow=True` returns (output, overflow)).
+  Overflow as sparse_conv3d (`with_overflow=True` returns (output, overflow) instead of raising outside jit).
   implementation / precision / algorithm: as sparse_conv3d. The output carries no maps (its caches are empty).
   """
   check_spatial_ndim(x, 3, "sparse_conv_transpose3d")
@@ -737,13 +743,14 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   spec = ConvSpec.build(ks, geom.dilation, implementation, layout, precision, algorithm, feature_group_count)
   _check_keys(x.batch_size, geom.out_shape)
   if geom.is_generative:
-    out, overflow = _spawn_children(x, w, b, geom, out_capacity, mask, spec)
+    out, overflow = _spawn_children(x, w, b, geom, out_capacity, mask, spec, raise_overflow=not with_overflow)
   else:
     if mask is not None:
       raise SizeError("mask prunes the children of generative upsampling (kernel == stride, padding 0, "
                       "output_padding 0, dilation 1); this transposed convolution has "
                       + _describe(names=_TRANSPOSE_ARGUMENTS), **_sizes(geom, names=_TRANSPOSE_ARGUMENTS))
-    out_coords, out_num, nbr, inv, overflow = _transpose_map(x, geom, out_capacity, implementation, True)
+    out_coords, out_num, nbr, inv, overflow = _transpose_map(x, geom, out_capacity, implementation, True,
+                                                             raise_overflow=not with_overflow)
     # An input row feeds every offset whose output lies inside the grid: one class (module docstring, Maps).
     maps = ConvMaps(nbr, out_num, inv, x.num, transposed_classes=jnp.zeros(x.capacity, jnp.uint8))
     feats = conv_map_gemm(x.feats, weight, w, b, maps, spec)
@@ -751,7 +758,8 @@ def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
   return (out, overflow) if with_overflow else out
 
 
-def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity, mask, spec: ConvSpec):
+def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity, mask, spec: ConvSpec,
+                    raise_overflow: bool = True):
   """(output, overflow) of generative upsampling (kernel == stride): every kept child has one parent."""
   st = geom.stride
   t_count = math.prod(st)
@@ -780,7 +788,7 @@ def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity
     out_capacity = resolve_capacity(out_capacity, count, "out_capacity", "children")
   overflow = count > out_capacity
   report(overflow, f"{op}: {{count}} children do not fit in out_capacity={out_capacity}; the "
-         "children past it were dropped", count=count)
+         "children past it were dropped", eager=raise_overflow, count=count)
   out_num = jnp.minimum(count, out_capacity)
   (flat,) = jnp.nonzero(keep.reshape(-1), size=out_capacity, fill_value=0)
   filled = jnp.arange(out_capacity) < out_num

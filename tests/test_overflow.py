@@ -70,6 +70,40 @@ def test_functional_ops_flag_report_and_raise(name):
     _OPS[name](x, n - 1, "xla")
 
 
+_FLAGGED = {
+    "sparse_conv3d": lambda x, cap: jsparse.sparse_conv3d(x, _w((2, 2, 2, CHANNELS, 4)), stride=2, out_capacity=cap,
+                                                          implementation="xla", with_overflow=True),
+    "sparse_conv3d k3 s2 p1": lambda x, cap: jsparse.sparse_conv3d(
+        x, _w((3, 3, 3, CHANNELS, 4)), stride=2, padding=1, out_capacity=cap, implementation="xla", with_overflow=True),
+    "sparse_conv_transpose3d": lambda x, cap: jsparse.sparse_conv_transpose3d(
+        x, _w((2, 2, 2, CHANNELS, 4)), stride=2, out_capacity=cap, implementation="xla", with_overflow=True),
+    "sparse_conv_transpose3d k3": lambda x, cap: jsparse.sparse_conv_transpose3d(
+        x, _w((3, 3, 3, CHANNELS, 4)), stride=2, padding=1, out_capacity=cap, implementation="xla",
+        with_overflow=True),
+    "sparse_max_pool3d": lambda x, cap: jsparse.sparse_max_pool3d(x, 2, out_capacity=cap, with_overflow=True,
+                                                                  implementation="xla"),
+    "sparse_avg_pool3d": lambda x, cap: jsparse.sparse_avg_pool3d(x, 2, out_capacity=cap, with_overflow=True,
+                                                                  implementation="xla"),
+}
+
+
+@pytest.mark.parametrize("name", list(_FLAGGED))
+def test_with_overflow_returns_the_flag_outside_jit(name):
+  """README (Limits and errors): ops called with with_overflow=True return the flag instead of raising, as
+  from_dense, select, union and voxelize_jit do. The strided and transposed convolutions and the pools raised
+  ValueError outside jit all the same, so an eager loop that grows out_capacity on the flag never saw it. The
+  eager result equals the jitted one (the out_capacity smallest-keyed sites, or the first children)."""
+  x = _x(seed=3, pad=2)
+  n = int(_FLAGGED[name](x, "exact")[0].num)
+  eager, flag = _FLAGGED[name](x, n - 1)
+  jitted, jit_flag = jax.jit(lambda x: _FLAGGED[name](x, n - 1))(x)
+  assert bool(flag) and bool(jit_flag) and bool(jsparse.overflowed(eager)) and int(eager.num) == n - 1
+  np.testing.assert_array_equal(np.asarray(eager.coords), np.asarray(jitted.coords))
+  np.testing.assert_allclose(np.asarray(eager.feats), np.asarray(jitted.feats), rtol=1e-6, atol=1e-6)
+  fits, ok = _FLAGGED[name](x, n)
+  assert not bool(ok) and int(fits.num) == n
+
+
 def test_without_error_checks_a_jitted_step_has_no_effects():
   # A check is an effect, and an effect costs jit its C++ dispatch path on every call: none by default.
   x = _x()

@@ -85,6 +85,19 @@ _M1 = np.int32(np.uint32(0x85EBCA6B).astype(np.int64) - (1 << 32))
 _M2 = np.int32(np.uint32(0xC2B2AE35).astype(np.int64) - (1 << 32))
 
 
+# Slots of a hash table at most: slot indices, their masks and the probe bound (up to the slot count) are int32,
+# and an interleaved table's key word 2 * slot + 1 must stay below 2**31. A larger table failed in tracing with
+# JAX's OverflowError ("Python integer 4294967295 out of bounds for int32"), naming nothing the caller passed.
+MAX_TABLE_SLOTS = 2**30
+
+
+def check_table_size(tsize: int, what: str) -> None:
+  """ValueError, saying what needs the table (`what`), when a hash table of `tsize` slots passes MAX_TABLE_SLOTS."""
+  if tsize > MAX_TABLE_SLOTS:
+    raise ValueError(f"{what} needs a hash table of {tsize} slots, more than the 2**30 that the Pallas kernels "
+                     "index in int32: lower the capacity (split the batch), or use implementation='xla'")
+
+
 def table_size_for(capacity: int, factor: float = 4) -> int:
   """Smallest power of two >= factor * capacity (and >= 16). The default table is 4x: load factor
   <= 1/4 gives shorter probe runs, measured faster than 2x (docs/perf_notes.md)."""
@@ -474,6 +487,7 @@ def _neighbor_map_hashed(coords, num, *, spatial_shape, offsets, interpret, bloc
   tsize = table_size_for(capacity) if table_size is None else int(table_size)
   if tsize & (tsize - 1) or tsize < 2 * capacity:
     raise ValueError(f"table_size must be a power of two >= 2*capacity, got {tsize}")
+  check_table_size(tsize, f"the neighbour map of capacity={capacity} rows")
   tmask = tsize - 1
   probes = tsize if max_probes is None else int(max_probes)
   shape = (X, Y, Z)

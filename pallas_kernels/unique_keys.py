@@ -71,7 +71,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.distinct_stores import store_distinct
-from pallas_kernels.hash_table import (EMPTY, MAX_BLOCK, MAX_PAIRS, KeySlots, SiteRefs, insert_absent_loop,
+from pallas_kernels.hash_table import (EMPTY, MAX_BLOCK, MAX_PAIRS, KeySlots, SiteRefs, check_table_size,
+                                      insert_absent_loop,
                                       linear_key, probe_loop, table_size_for)
 from pallas_kernels.kth_smallest import kth_smallest_if_over
 from pallas_kernels.out_struct import out_struct, same_vma
@@ -314,6 +315,8 @@ def _dedupe_proposals(coords, num, *, geometry, batch_size, interpret, block_pai
   tsize = smallest if table_size is None else table_size
   if tsize & (tsize - 1) or tsize < smallest:
     raise ValueError(f"table_size must be a power of two >= {smallest}, got {tsize}")
+  check_table_size(tsize, f"the output-site search of x.capacity={capacity} rows x {proposals_per_site(geometry)} "
+                   "kernel offsets")
   if max_probes is not None and max_probes < 1:
     raise ValueError(f"max_probes must be >= 1, got {max_probes}")
   probes = tsize if max_probes is None else max_probes

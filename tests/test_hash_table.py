@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jsparse
 from benchmarks.workloads import sphere_shell_coords
 from pallas_kernels import unique_keys
 from pallas_kernels.hash_table import EMPTY, MAX_BLOCK, MAX_PAIRS, _home, neighbor_map_hashed
@@ -187,6 +188,31 @@ def test_bad_arguments():
     neighbor_map_hashed(c, 0, spatial_shape=(4, 4, 4), offsets=OFFS_333, block_pairs=100)
   with pytest.raises(ValueError, match="block_pairs must be a power of two up to"):
     neighbor_map_hashed(c, 0, spatial_shape=(4, 4, 4), offsets=OFFS_333, block_pairs=2 * MAX_BLOCK)
+
+
+def test_tables_past_2_30_slots_raise_naming_the_capacity():
+  """A general transposed convolution of 40M rows (k 3: 27 proposals each) sized its output-site table at 2**31
+  slots, and a submanifold map of 300M rows with a (3, 1, 1) kernel at 2**31 too: their int32 slot masks and probe
+  bounds failed in tracing with JAX's OverflowError, naming nothing the caller passed. Both raise ValueError now;
+  the largest table that traces, 2**30 slots (20M rows here), still does. Shapes only: nothing is allocated."""
+  S = jax.ShapeDtypeStruct
+
+  def transpose(rows):
+    def run(coords, feats, num, w):
+      x = jsparse.SparseTensor(coords, feats, num, (700, 700, 700), 2)
+      return jsparse.sparse_conv_transpose3d(x, w, stride=2, padding=1, out_capacity=1000,
+                                             implementation="pallas").feats
+    return jax.eval_shape(run, S((rows, 4), jnp.int32), S((rows, 8), jnp.float16), S((), jnp.int32),
+                          S((3, 3, 3, 8, 8), jnp.float16))
+
+  with pytest.raises(ValueError, match="x.capacity=40000000 rows x 27 kernel offsets needs a hash table of "
+                                       "2147483648 slots.*implementation='xla'"):
+    transpose(40_000_000)
+  assert transpose(20_000_000).shape == (1000, 8)
+  big = S((300_000_000, 4), jnp.int32)
+  with pytest.raises(ValueError, match="capacity=300000000 rows needs a hash table of 2147483648 slots"):
+    jax.eval_shape(lambda c: neighbor_map_hashed(c, 0, spatial_shape=(4, 4, 4), offsets=((-1, 0, 0), (0, 0, 0),
+                                                                                          (1, 0, 0)))[0], big)
 
 
 def test_pair_counts_leave_room_for_the_last_blocks_lanes():

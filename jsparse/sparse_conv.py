@@ -799,6 +799,10 @@ def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity
   xyz = pc[:, 1:] * jnp.asarray(st, jnp.int32) + child_off[child]
   out_coords = jnp.where(filled[:, None], jnp.concatenate([pc[:, :1], xyz], axis=1), -1)
   if spec.implementation.is_pallas:
+    if out_capacity * t_count > MAX_PAIRS:  # store_distinct raised on the transposed map, naming neither
+      raise ValueError(f"{op}: out_capacity={out_capacity} rows x {t_count} children per site = "
+                       f"{out_capacity * t_count} must be at most {MAX_PAIRS} on the Pallas path (its one-hot map is "
+                       "indexed flat in int32): lower out_capacity, split the batch, or use implementation='xla'")
     # One-hot map: row r reads its parent at offset child[r]; the transposed map names each child row.
     nbr = jnp.full((out_capacity, t_count), -1, jnp.int32).at[jnp.arange(out_capacity), child].set(
         jnp.where(filled, parent, -1))

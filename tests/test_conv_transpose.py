@@ -349,6 +349,22 @@ def test_proposals_past_int32_raise_naming_the_capacity(kernel_size, stride, pad
   assert jax.eval_shape(op, small).feats.shape == (2**20, 1)
 
 
+def test_generative_out_capacity_past_int32_on_pallas_names_out_capacity():
+  """Generative upsampling on the Pallas path builds a one-hot map [out_capacity, children] and its transpose: an
+  out_capacity of 300M rows x 8 children (a batch of 2048^3 surfaces) failed in store_distinct, naming neither the
+  op nor out_capacity. It raises naming them now; the XLA path has no such map and traces (eval_shape: nothing is
+  allocated)."""
+  x = jsparse.SparseTensor(jax.ShapeDtypeStruct((50_000_000, 4), jnp.int32),
+                           jax.ShapeDtypeStruct((50_000_000, 1), jnp.float16), jax.ShapeDtypeStruct((), jnp.int32),
+                           (1024, 1024, 1024), 8)
+  op = lambda impl: lambda x: sparse_conv_transpose3d(x, jnp.zeros((2, 2, 2, 1, 1), jnp.float16), stride=2,
+                                                      out_capacity=300_000_000, implementation=impl).feats
+  with pytest.raises(ValueError, match="sparse_conv_transpose3d: out_capacity=300000000 rows x 8 children .*"
+                                       "implementation='xla'"):
+    jax.eval_shape(op("pallas"), x)
+  assert jax.eval_shape(op("xla"), x).shape == (300_000_000, 1)
+
+
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 @pytest.mark.parametrize("kernel_size,padding", [(2, 0), (3, 1)], ids=["generative", "general"])
 def test_non_finite_padding_rows_do_not_reach_the_gradients(kernel_size, padding, implementation):

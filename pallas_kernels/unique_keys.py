@@ -72,8 +72,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.distinct_stores import store_distinct
 from pallas_kernels.hash_table import (EMPTY, MAX_BLOCK, MAX_PAIRS, KeySlots, SiteRefs, check_table_size,
-                                      insert_absent_loop,
-                                      linear_key, probe_loop, table_size_for)
+                                      insert_absent_loop, linear_key, probe_loop, table_size_for)
 from pallas_kernels.kth_smallest import kth_smallest_if_over
 from pallas_kernels.out_struct import out_struct, same_vma
 

@@ -40,7 +40,28 @@ def test_suite_smoke_records_the_layout(layout, tmp_path):
   data = json.load(open(tmp_path / "suite.json"))
   assert data["settings"]["weight_layout"] == layout
   assert all(r["jsparse"]["ok"] and r["jsparse"]["median_ms"] > 0 for r in data["results"])
+  assert all(r["jsparse"]["pipelined_ms"] > 0 and r["jsparse"]["pipelined_calls"] == 2 for r in data["results"])
   assert f"weights {layout}" in open(tmp_path / "suite.md").read()
+
+
+def test_pipelined_timing_syncs_once_a_batch():
+  log = []
+  t = suite.time_pipelined(lambda: log.append("call") or len(log), lambda out: log.append(("sync", out)),
+                           batches=3, calls=4)
+  # One untimed warm-up call, then per batch four calls and one sync, on the batch's last output.
+  assert log == ["call", ("sync", 1)] + sum((["call"] * 4 + [("sync", last)] for last in (6, 11, 16)), [])
+  assert t["pipelined_calls"] == 4 and 0 < t["pipelined_min_ms"] <= t["pipelined_ms"]
+
+
+def test_suite_report_shows_both_protocols():
+  recs = [{"row": f"r{i}", "dtype": "tf32", "mode": "inference", "ratio": w, "pipelined_ratio": p,
+           "jsparse": {"ok": True, "median_ms": 1.0, "min_ms": 1.0, "tflops": 1.0, "compile_s": 1.0,
+                       "pipelined_ms": 0.5},
+           "flexgemm": {"ok": True, "median_ms": w, "min_ms": w, "tflops": 1.0, "pipelined_ms": 0.5 * p}}
+          for i, (w, p) in enumerate([(1.0, 2.0), (4.0, 8.0)])]
+  md = suite.render_markdown({"meta": {}, "settings": {}, "results": recs})
+  assert "| tf32 | inference | 2 | 2.00 | 4.00 |" in md  # geomeans of (1, 4) and (2, 8)
+  assert "| r1 | tf32 | inference | 1.000 | 4.000 | 4.00 | 0.500 / 4.000 | 8.00 |" in md
 
 
 def test_memory_probe_reads_a_buffer_assignment(tmp_path):

@@ -164,7 +164,7 @@ _MODULE_OPS = {"SparseConv3d": "sparse_conv3d", "SparseConvTranspose3d": "sparse
 def test_flax_modules_flag_through_later_layers(layer):
   x = _x(seed=3)
   n = _count(_MODULE_OPS[layer], x)
-  variables = _Net(layer, n).init(jax.random.key(0), x)
+  variables = jax.jit(_Net(layer, n).init)(jax.random.key(0), x)  # one program, not every op on its own
 
   def apply(cap):
     return lambda v, x: _Net(layer, cap).apply(v, x, mutable=["batch_stats"])[0]

@@ -96,7 +96,7 @@ def test_map_matches_numpy(shape, batch, occupied, num, capacity, kernel_size, d
   np.testing.assert_array_equal(ref, expect)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)  # every example's shapes compile the kernel anew
 @given(data=st.data())
 def test_map_property(data):
   # Any grid (a 32-site word spanning several rows, or one row spanning several words), batch, density, offsets
@@ -160,12 +160,14 @@ def _both_maps(y, kernel_size, dilation):
 def test_strided_output_reads_its_occupancy():
   # The Pallas search of a small grid ranks its output sites in an occupancy map; the submanifold map on the
   # output reads it (no hash table), equal to the XLA map, also when out_capacity dropped sites (the dropped
-  # ones are occupied but no rows) and with spare rows.
+  # ones are occupied but no rows) and with spare rows. Each map is two compilations: the counted output takes
+  # both kernels, the other two one each (a covering set of out_capacity x kernel).
   rng = np.random.default_rng(3)
-  for out_capacity in (None, 50, 400):
+  kernels = (((3, 3, 3), (1, 1, 1)), ((3, 1, 5), (1, 2, 1)))
+  for out_capacity, kernels_here in ((None, kernels), (50, kernels[1:]), (400, kernels[:1])):
     x, pm, y = _strided_output(rng, (14, 11, 9), 2, 300, 320, out_capacity)
     assert pm.occupancy is not None and neighbors._ranking_occupancy(y) is pm.occupancy
-    for ks, dil in (((3, 3, 3), (1, 1, 1)), ((3, 1, 5), (1, 2, 1))):
+    for ks, dil in kernels_here:
       got, want = _both_maps(y, ks, dil)
       np.testing.assert_array_equal(got, want)
 
@@ -185,18 +187,20 @@ def test_only_the_ranked_coordinates_read_the_occupancy():
 def test_pool_and_2d_outputs_read_their_occupancy():
   # Pools build their output through the same pair map, and a 2D convolution runs on the lifted 3D grid (leading
   # extent 1): both outputs read the occupancy map, and their maps (dilated, anisotropic) equal the XLA maps.
+  # Each map is two compilations: the 2D output takes both kernels, each pool one (a covering set).
   rng = np.random.default_rng(7)
   sites = np.argwhere(rng.random((2, 9, 8, 7)) < 0.25).astype(np.int32)
   x = jsparse.SparseTensor.from_coords(sites, np.ones((len(sites), 1), np.float32), (9, 8, 7), 2)
   pts = np.argwhere(rng.random((2, 13, 11)) < 0.3).astype(np.int32)
   x2 = jsparse.SparseTensor.from_coords(pts, np.ones((len(pts), 2), np.float32), (13, 11), 2)
   w2 = jnp.ones((3, 2, 2, 2), jnp.float32)
-  outputs = [jsparse.sparse_max_pool3d(x, 2, implementation="pallas"),
-             jsparse.sparse_avg_pool3d(x, (3, 1, 2), (2, 1, 2), (1, 0, 0), implementation="pallas"),
-             jsparse.sparse_conv2d(x2, w2, stride=(2, 1), padding=(1, 0), implementation="pallas")]
-  for y in outputs:
+  kernels = (((3, 3, 3), (1, 1, 1)), ((1, 5, 3), (1, 2, 3)))
+  outputs = [(jsparse.sparse_max_pool3d(x, 2, implementation="pallas"), kernels[:1]),
+             (jsparse.sparse_avg_pool3d(x, (3, 1, 2), (2, 1, 2), (1, 0, 0), implementation="pallas"), kernels[1:]),
+             (jsparse.sparse_conv2d(x2, w2, stride=(2, 1), padding=(1, 0), implementation="pallas"), kernels)]
+  for y, kernels_here in outputs:
     assert neighbors._ranking_occupancy(y) is not None
-    for ks, dil in (((3, 3, 3), (1, 1, 1)), ((1, 5, 3), (1, 2, 3))):
+    for ks, dil in kernels_here:
       got, want = _both_maps(y, ks, dil)
       np.testing.assert_array_equal(got, want)
       assert int(np.sum(want >= 0)) > int(y.num)  # real neighbours besides the centres

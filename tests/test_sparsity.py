@@ -210,10 +210,14 @@ OPS = {
         x, w, stride=2, implementation="xla", precision="highest", weight_layout=layout),
 }
 
+# A covering set of op x layout x dtype: every op in both layouts and both dtypes, every layout in both dtypes.
+CONV_CASES = [("submconv3d", "DHWIO", np.float32), ("submconv3d", "ODHWI", np.float16),
+              ("sparse_conv3d", "DHWIO", np.float16), ("sparse_conv3d", "ODHWI", np.float32),
+              ("sparse_conv_transpose3d", "DHWIO", np.float32), ("sparse_conv_transpose3d", "ODHWI", np.float16)]
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
-@pytest.mark.parametrize("layout", ["DHWIO", "ODHWI"])
-@pytest.mark.parametrize("op", list(OPS))
+
+@pytest.mark.parametrize("op,layout,dtype", CONV_CASES,
+                         ids=[f"{o}-{l}-{np.dtype(d).name}" for o, l, d in CONV_CASES])
 def test_conv_on_compressed_weight(op, layout, dtype):
   """Values and gradients on a Compressed2to4 equal those on the dense pruned weight (the same dense path, so
   exactly), and match the dense reference convolution; d/dvalues, put back in place, is the dense weight
@@ -307,7 +311,7 @@ def test_fixed_mask_training_keeps_2to4():
   target = jsparse.submconv3d(x, _random_weight(rng, (3, 3, 3, 3, 4), np.float32) * 0.3,
                               implementation="xla").feats
   model = TwoLayers()
-  params = model.init(jax.random.key(0), x)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), x)["params"]
   masks = sparsity.masks_2to4(params)
   assert masks["stem"]["kernel"] is None and masks["conv1"]["kernel"] is None and masks["conv2"]["bias"] is None
   assert masks["conv2"]["kernel"].shape == (3, 3, 3, 8, 8) and masks["conv3"]["kernel"].shape == (3, 3, 3, 8, 4)

@@ -2,6 +2,7 @@
 buffer-assignment reader, the network memory probe (its dump readers and a tiny network's training step), and
 the CPU voxelize probe."""
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -474,3 +475,21 @@ def test_spconv_triton_warm_up_script_runs_one_process_per_network_and_dtype(tmp
   bad = subprocess.run(["bash", str(root / "scripts/warm_spconv_triton.sh"), "30", str(tmp_path / "l2")], env=env,
                        capture_output=True, text=True)
   assert bad.returncode != 0 and "TRITON_CACHE_DIR" in bad.stderr
+
+
+def test_back_to_back_probe_samples_clocks_and_spans_calls():
+  from benchmarks.probes import back_to_back
+  assert back_to_back.parse_sample("1980, 312.45, 41\n") == (1980.0, 312.45, 41.0)
+  assert back_to_back.parse_sample("[N/A], [N/A], 40") is None and back_to_back.parse_sample("") is None
+  # A stand-in for nvidia-smi printing three samples (one unreadable): the sampler keeps the readable ones.
+  fake = ("python3", "-c", "import sys; print('1500, 200.0, 35'); print('[N/A], 1, 2'); print('1980, 650.5, 60'); "
+          "sys.stdout.flush(); import time; time.sleep(0.2)")
+  with back_to_back.ClockSampler(command=fake) as clocks:  # its -lms argument lands in the script's sys.argv
+    time.sleep(0.5)
+  assert [s[1:] for s in clocks.samples] == [(1500.0, 200.0, 35.0), (1980.0, 650.5, 60.0)]
+  assert "1500 / 1740 / 1980 MHz" in back_to_back.clock_summary(clocks.samples)
+  with back_to_back.ClockSampler(command=("no-such-command-here",)) as clocks:
+    pass
+  assert clocks.samples == [] and back_to_back.clock_summary([]) == "no clock samples"
+  events = [{"ts": 100.0, "dur": 50.0}, {"ts": 1000.0, "dur": 2100.0}, {"ts": 160.0, "dur": 10.0}]
+  assert back_to_back.gpu_span_per_call(events, 2) == pytest.approx((3100.0 - 100.0) / 1e3 / 2)

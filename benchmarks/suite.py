@@ -660,7 +660,9 @@ def plot(data, path) -> str | None:
       for bar, h in zip(bars, heights):
         ax.text(bar.get_x() + bar.get_width() / 2, h, f"{h:.2f}" if h else "n/a", ha="center", va="bottom",
                 fontsize=7)
-    ratios = [f"{rec['ratio']:.2f}x" if rec.get("ratio") else "-" for rec in recs]
+    ratios = [(f"{rec['ratio']:.2f}x" if rec.get("ratio") else "-")
+              + (f"\n{rec['pipelined_ratio']:.2f}x back to back" if rec.get("pipelined_ratio") else "")
+              for rec in recs]
     ax.set_xticks(xs, [f"{rec['row']}\n{r}" for rec, r in zip(recs, ratios)], fontsize=8)
     ax.set_ylim(0, 1.25)
     ax.set_yticks([])

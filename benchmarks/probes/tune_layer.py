@@ -1,7 +1,7 @@
 """Probe: every candidate config of one submanifold layer's passes, timed on a sphere shell (what the tuner sees).
 
     python -m benchmarks.probes.tune_layer --res 512 --channels 32 --dtype tf32 [--passes forward,input_grad]
-                                           [--extra-tiles 128,128,64,8,3;128,256,32,8,4]
+                                           [--extra-tiles 128,128,64,8,3;128,256,32,8,4,0]
 
 Prints each candidate's time and the best per pass; used to find where `pass_config.heuristic` is far from the
 best config (e.g. a tile shape that is slow for one dtype only).
@@ -29,10 +29,11 @@ def main(argv=None):
   ap.add_argument("--passes", default="forward,input_grad,weight_grad")
   ap.add_argument("--weight-layout", default="ODHWI")
   ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--extra-tiles", default="", metavar="M,N,K,WARPS,STAGES[;...]",
-                  help="tile shapes to time beside the candidates (forward and input gradient, masked, no split)")
+  ap.add_argument("--extra-tiles", default="", metavar="M,N,K,WARPS,STAGES[,COLUMNS_FASTEST][;...]",
+                  help="tile shapes to time beside the candidates (forward and input gradient, masked, no split); "
+                       "a sixth field 0 launches row blocks fastest (default 1: a row block's columns side by side)")
   args = ap.parse_args(argv)
-  extra = [TileConfig(*map(int, t.split(",")), columns_fastest=True) for t in args.extra_tiles.split(";") if t]
+  extra = [extra_tile(t) for t in args.extra_tiles.split(";") if t]
   dtype = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "tf32": jnp.float32}[args.dtype]
   coords = sphere_shell_coords(args.res, 1)
   c = args.channels
@@ -47,6 +48,14 @@ def main(argv=None):
                    extra_tiles=extra)
   for key, cfg in best.items():
     print("BEST", key, cfg)
+
+
+def extra_tile(text: str) -> TileConfig:
+  """TileConfig of "M,N,K,WARPS,STAGES[,COLUMNS_FASTEST]"."""
+  fields = [int(f) for f in text.split(",")]
+  if len(fields) not in (5, 6):
+    raise ValueError(f"--extra-tiles: want M,N,K,WARPS,STAGES[,COLUMNS_FASTEST], got {text!r}")
+  return TileConfig(*fields[:5], columns_fastest=bool(fields[5]) if len(fields) == 6 else True)
 
 
 if __name__ == "__main__":

@@ -493,3 +493,18 @@ def test_back_to_back_probe_samples_clocks_and_spans_calls():
   assert clocks.samples == [] and back_to_back.clock_summary([]) == "no clock samples"
   events = [{"ts": 100.0, "dur": 50.0}, {"ts": 1000.0, "dur": 2100.0}, {"ts": 160.0, "dur": 10.0}]
   assert back_to_back.gpu_span_per_call(events, 2) == pytest.approx((3100.0 - 100.0) / 1e3 / 2)
+
+
+def test_tune_layer_reads_extra_tiles_with_launch_order_and_split():
+  """`tune_layer --extra-tiles`: five fields are a columns-first tile without a split, a sixth sets the launch
+  order, a seventh the split; any other count is refused by name."""
+  from benchmarks.probes.tune_layer import extra_tile
+  plain = extra_tile("128,128,32,4,5")
+  assert (plain.block_m, plain.block_n, plain.block_k, plain.num_warps, plain.num_stages) == (128, 128, 32, 4, 5)
+  assert plain.columns_fastest and plain.split == 1
+  rows_first = extra_tile("64,256,32,8,5,0")
+  assert not rows_first.columns_fastest and rows_first.split == 1
+  split = extra_tile("64,128,32,4,5,1,22")
+  assert split.columns_fastest and split.split == 22 and split.block_m == 64
+  with pytest.raises(ValueError, match="extra-tiles"):
+    extra_tile("64,128,32")

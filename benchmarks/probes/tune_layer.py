@@ -1,7 +1,7 @@
 """Probe: every candidate config of one submanifold layer's passes, timed on a sphere shell (what the tuner sees).
 
     python -m benchmarks.probes.tune_layer --res 512 --channels 32 --dtype tf32 [--passes forward,input_grad]
-                                           [--extra-tiles 128,128,64,8,3;128,256,32,8,4,0]
+                                           [--extra-tiles 128,128,64,8,3;128,256,32,8,4,0;64,128,32,4,5,1,22]
 
 Prints each candidate's time and the best per pass; used to find where `pass_config.heuristic` is far from the
 best config (e.g. a tile shape that is slow for one dtype only).
@@ -29,9 +29,10 @@ def main(argv=None):
   ap.add_argument("--passes", default="forward,input_grad,weight_grad")
   ap.add_argument("--weight-layout", default="ODHWI")
   ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--extra-tiles", default="", metavar="M,N,K,WARPS,STAGES[,COLUMNS_FASTEST][;...]",
-                  help="tile shapes to time beside the candidates (forward and input gradient, masked, no split); "
-                       "a sixth field 0 launches row blocks fastest (default 1: a row block's columns side by side)")
+  ap.add_argument("--extra-tiles", default="", metavar="M,N,K,WARPS,STAGES[,COLUMNS_FASTEST[,SPLIT]][;...]",
+                  help="tile shapes to time beside the candidates (forward and input gradient, masked); a sixth "
+                       "field 0 launches row blocks fastest (default 1: a row block's columns side by side), a "
+                       "seventh splits the reduction (default 1: no split)")
   args = ap.parse_args(argv)
   extra = [extra_tile(t) for t in args.extra_tiles.split(";") if t]
   dtype = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "tf32": jnp.float32}[args.dtype]
@@ -51,11 +52,13 @@ def main(argv=None):
 
 
 def extra_tile(text: str) -> TileConfig:
-  """TileConfig of "M,N,K,WARPS,STAGES[,COLUMNS_FASTEST]"."""
+  """TileConfig of "M,N,K,WARPS,STAGES[,COLUMNS_FASTEST[,SPLIT]]"."""
   fields = [int(f) for f in text.split(",")]
-  if len(fields) not in (5, 6):
-    raise ValueError(f"--extra-tiles: want M,N,K,WARPS,STAGES[,COLUMNS_FASTEST], got {text!r}")
-  return TileConfig(*fields[:5], columns_fastest=bool(fields[5]) if len(fields) == 6 else True)
+  if len(fields) not in (5, 6, 7):
+    raise ValueError(f"--extra-tiles: want M,N,K,WARPS,STAGES[,COLUMNS_FASTEST[,SPLIT]], got {text!r}")
+  columns_fastest = bool(fields[5]) if len(fields) > 5 else True
+  split = fields[6] if len(fields) > 6 else 1
+  return TileConfig(*fields[:5], split=split, columns_fastest=columns_fastest)
 
 
 if __name__ == "__main__":

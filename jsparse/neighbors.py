@@ -15,7 +15,7 @@ from jsparse.map_gemm import ConvMaps
 from jsparse.size_errors import SizeError, sizes_in_rank
 from pallas_kernels import gemm_plan
 from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_int, check_distinct_sites, check_inside_grid,
-                                   check_sparse_tensor, report, site_keys)
+                                   check_sparse_tensor, outside_grid_mask, report, site_keys)
 
 
 def as_triple(value, name: str) -> tuple[int, int, int]:
@@ -233,13 +233,21 @@ def with_maps(x: SparseTensor, kernel_size: Size3 = 3, *more_kernel_sizes: Size3
   return x
 
 
+def keyed_rows(x: SparseTensor) -> jax.Array:
+  """bool [capacity]: the valid rows inside x's grid, the rows a linear key names. A row outside it (only a
+  tensor built without from_coords' checks holds one) has the key of another site: (0, 0, 0, 5) on a 4^3 grid
+  has (0, 0, 1, 1)'s, so a lookup would find it there."""
+  return x.valid_mask() & ~outside_grid_mask(x.coords, x.num, x.batch_size, x.spatial_shape)
+
+
 def sorted_site_keys(x: SparseTensor) -> tuple[tuple[jax.Array, ...], jax.Array]:
-  """(sorted_keys, order): x's linear keys sorted (padding rows keyed int32 max, last) and the row of each.
+  """(sorted_keys, order): x's linear keys sorted (padding rows and rows outside the grid keyed int32 max, last)
+  and the row of each.
 
   sorted_keys is a tuple of x.key_width int32 words per key (sparse_tensor.site_keys), sorted lexicographically.
   """
   big = jnp.iinfo(jnp.int32).max
-  keys = tuple(jnp.where(x.valid_mask(), k, big) for k in site_keys(x.coords, x.spatial_shape, x.key_width))
+  keys = tuple(jnp.where(keyed_rows(x), k, big) for k in site_keys(x.coords, x.spatial_shape, x.key_width))
   rows = jnp.arange(x.capacity, dtype=jnp.int32)
   *keys, order = lax.sort((*keys, rows), num_keys=len(keys))
   return tuple(keys), order

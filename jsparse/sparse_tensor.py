@@ -162,12 +162,13 @@ def outside_grid_mask(coords, num, batch_size: int, spatial_shape: tuple[int, ..
 
 
 def check_inside_grid(op: str, coords, num, batch_size: int, spatial_shape: tuple[int, ...],
-                      consequence: str) -> jax.Array:
-  """Reports (`report`) valid rows outside the grid, naming the op and what becomes of them (`consequence`), and
-  returns their `outside_grid_mask`. Only a tensor built without from_coords' checks can hold one."""
+                      consequence: str, name: str = "x") -> jax.Array:
+  """Reports (`report`) valid rows outside the grid, naming the op, the argument and what becomes of them
+  (`consequence`), and returns their `outside_grid_mask`. Only a tensor built without from_coords' checks can hold
+  one."""
   outside = outside_grid_mask(coords, num, batch_size, tuple(spatial_shape))
   rows = jnp.sum(outside, dtype=jnp.int32)
-  report(rows > 0, f"{op}: x has {{rows}} valid rows whose coordinates lie outside the grid (batch in [0, "
+  report(rows > 0, f"{op}: {name} has {{rows}} valid rows whose coordinates lie outside the grid (batch in [0, "
          f"batch_size={batch_size}), each axis in [0, extent) of {tuple(spatial_shape)}); {consequence}", rows=rows)
   return outside
 
@@ -183,14 +184,14 @@ def repeated_rows(coords, num) -> jax.Array:
   return jnp.sum(same, dtype=jnp.int32)
 
 
-def check_distinct_sites(op: str, coords, num) -> None:
+def check_distinct_sites(op: str, coords, num, name: str = "x") -> None:
   """Reports (`report`) valid rows that repeat a site: a map built over them would pair one row's neighbours
   with the other's (the submanifold map's symmetry, which the Pallas gradients use, breaks). Concrete
   coordinates are checked (ValueError); traced ones only inside `error_checks()`, since the check is a sort."""
   if coords.shape[0] < 2 or (is_traced(coords, num) and not _ERROR_CHECKS.value):
     return
   repeats = repeated_rows(coords, num)
-  report(repeats > 0, f"{op}: x has {{rows}} valid rows that repeat an earlier row's coordinates; sites must be "
+  report(repeats > 0, f"{op}: {name} has {{rows}} valid rows that repeat an earlier row's coordinates; sites must be "
          "distinct (SparseTensor.from_coords checks this, a directly built tensor is not checked)", rows=repeats)
 
 

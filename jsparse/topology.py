@@ -26,12 +26,14 @@ from jax import lax
 from jsparse import per_item
 from jsparse._types import ArrayLike, Capacity, Size3
 from jsparse.gemm_xla import gather_rows
-from jsparse.neighbors import lift_triple, lookup_keys, sorted_site_keys
+from jsparse.neighbors import keyed_rows, lift_triple, lookup_keys, sorted_site_keys
 from jsparse.sampling import lookup_rows
 from jsparse.sparse_tensor import (
   EXACT,
   SparseTensor,
   check_capacity,
+  check_distinct_sites,
+  check_inside_grid,
   check_sparse_tensor,
   is_traced,
   report,
@@ -142,7 +144,7 @@ def _check_same_grid(op: str, a: SparseTensor, b: SparseTensor) -> None:
 
 
 def _masked_keys(x: SparseTensor) -> tuple[jax.Array, ...]:
-  return tuple(jnp.where(x.valid_mask(), k, _BIG) for k in site_keys(x.coords, x.spatial_shape, x.key_width))
+  return tuple(jnp.where(keyed_rows(x), k, _BIG) for k in site_keys(x.coords, x.spatial_shape, x.key_width))
 
 
 def _sites_only(coords, num, spatial_shape, batch_size) -> SparseTensor:
@@ -175,12 +177,16 @@ def _union_sites(a_coords, a_num, b_coords, b_num, spatial_shape, batch_size: in
   for x in (a, b):
     sorted_keys, order = sorted_site_keys(x)
     rows.append(lookup_keys(sorted_keys, order, out_keys, filled))
-  backs = [lookup_keys(out_keys, None, keys, x.valid_mask()) for keys, x in ((keys_a, a), (keys_b, b))]
+  backs = [lookup_keys(out_keys, None, keys, keyed_rows(x)) for keys, x in ((keys_a, a), (keys_b, b))]
   return coords, count, rows[0], rows[1], backs[0], backs[1]
 
 
 def _union(op: str, a: SparseTensor, b: SparseTensor, capacity, with_overflow: bool):
   _check_same_grid(op, a, b)
+  for name, x in (("a", a), ("b", b)):  # only directly built tensors hold such rows
+    check_inside_grid(op, x.coords, x.num, x.batch_size, x.spatial_shape, "they are dropped", name)
+    # The union reads one of a repeated site's rows, and the gradient would reach all of them.
+    check_distinct_sites(op, x.coords, x.num, name)
   capacity = check_capacity(capacity)
   grid = (a.spatial_shape, a.batch_size)
   if capacity is None or capacity == EXACT:
@@ -294,6 +300,8 @@ def child_labels(coarse: SparseTensor, fine: SparseTensor, stride: Size3 = 2) ->
                      f"the stride-{user(st)} grid of fine (spatial_shape between {user(low)} and {user(high)}, "
                      f"batch_size={fine.batch_size})")
   _check_child_windows(coarse, fine, st, user)
+  check_inside_grid("child_labels", fine.coords, fine.num, fine.batch_size, fine.spatial_shape,
+                    "they are nobody's child", "fine")
   t = math.prod(st)
   child = jnp.stack(jnp.unravel_index(jnp.arange(t), st), axis=-1).astype(jnp.int32)  # [T, 3], C order
   xyz = coarse.coords[:, None, 1:] * jnp.asarray(st, jnp.int32) + child[None]

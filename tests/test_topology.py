@@ -341,3 +341,52 @@ def test_dropout_takes_numpy_rates():
   assert module.rate == 0.5 and isinstance(module.rate, float)
   with pytest.raises(ValueError, match="rate"):
     snnx.SparseDropout(np.float32(2.0), rngs=nnx.Rngs(dropout=0))
+
+
+def test_rows_outside_the_grid_alias_no_site():
+  """A row outside the grid (only a tensor built without from_coords' checks holds one) has the linear key of
+  another site: (0, 0, 0, 5) on a 4^3 grid is (0, 0, 1, 1)'s. add merged it into that site and child_labels
+  labelled that site's parent. Eagerly union / add / multiply and child_labels raise ValueError (under jit
+  inside error_checks() checkify reports it, as for the maps: test_reliability); under jit the row is dropped
+  (the dense reference of the in-grid rows) and its gradient is zero."""
+  a = jsparse.SparseTensor(jnp.array([[0, 0, 0, 5], [0, 2, 2, 2]], jnp.int32), jnp.array([[1.0], [3.0]]),
+                           jnp.array(2), (4, 4, 4), 1)
+  b = jsparse.SparseTensor.from_coords(np.array([[0, 0, 1, 1]]), np.array([[5.0]], np.float32), (4, 4, 4))
+  with pytest.raises(ValueError, match="add: a has 1 valid rows whose coordinates lie outside the grid"):
+    jsparse.add(a, b)  # union and multiply run the same checks
+  inside = jsparse.SparseTensor.from_coords(np.array([[0, 2, 2, 2]]), np.array([[3.0]], np.float32), (4, 4, 4))
+  expected = np.asarray(inside.todense() + b.todense())
+
+  def dense_and_grad(feats):  # one program: values and the gradient of their sum
+    out, pullback = jax.vjp(lambda f: jsparse.add(a.replace(feats=f), b, capacity=4).todense(), feats)
+    return out, pullback(jnp.ones_like(out))[0]
+
+  out, grad = jax.jit(dense_and_grad)(a.feats)
+  np.testing.assert_array_equal(np.asarray(out), expected)
+  np.testing.assert_array_equal(np.asarray(grad), [[0.0], [1.0]])
+
+  coarse = jsparse.SparseTensor.from_coords(np.array([[0, 0, 0, 0]]), np.ones((1, 1), np.float32), (2, 2, 2))
+  with pytest.raises(ValueError, match="1 valid rows whose coordinates lie outside the grid"):
+    jsparse.child_labels(coarse, a)
+  labels = jax.jit(jsparse.child_labels)(coarse, a)
+  np.testing.assert_array_equal(np.asarray(labels[0]), np.zeros(8, bool))  # (0, 0, 1, 1) is not a site of a
+
+
+def test_union_reports_rows_that_repeat_a_site():
+  """A repeated site (a directly built tensor) put one of its rows on the union and dropped the other's values,
+  while the gradient reached both: union / add report it, ValueError eagerly and checkify under jit inside
+  error_checks()."""
+  a = jsparse.SparseTensor(jnp.array([[0, 1, 1, 1], [0, 1, 1, 1], [0, 2, 2, 2]], jnp.int32),
+                           jnp.array([[1.0], [2.0], [3.0]]), jnp.array(3), (4, 4, 4), 1)
+  b = jsparse.SparseTensor.from_coords(np.array([[0, 3, 3, 3]]), np.array([[5.0]], np.float32), (4, 4, 4))
+  with pytest.raises(ValueError, match="union: a has 1 valid rows that repeat an earlier row's coordinates"):
+    jsparse.union(a, b)
+  with pytest.raises(ValueError, match="add: b has 1 valid rows that repeat an earlier row's coordinates"):
+    jsparse.add(b, a)
+  checked = jax.jit(checkify.checkify(lambda a, b: jsparse.add(a, b, capacity=4).feats))
+  with jsparse.error_checks():
+    err, _ = checked(a, b)
+    assert "repeat an earlier row's coordinates" in str(err.get())
+    err, feats = checked(a.replace(coords=a.coords.at[1].set(jnp.array([0, 1, 2, 1], jnp.int32))), b)
+  assert err.get() is None  # distinct sites pass
+  np.testing.assert_array_equal(np.asarray(feats), [[1.0], [2.0], [3.0], [5.0]])

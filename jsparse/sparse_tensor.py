@@ -299,6 +299,32 @@ def check_spatial_ndim(x: "SparseTensor", ndim: int, op: str, name: str = "x") -
                      f"{_RANK_NAMES[ndim]} ones: use {other}{hint}")
 
 
+def _check_arrays(coords, feats, num) -> None:
+  """The shapes and dtypes of a directly built tensor's arrays (also traced ones), and a host num's range:
+  3-column coords made todense all zeros, 1-D feats became one row's channels, a num past the capacity passed.
+  Leading axes (tensors stacked for jax.vmap) are allowed; values without a shape (placeholders) are skipped."""
+  if not (hasattr(coords, "shape") and hasattr(coords, "dtype")):
+    return
+  if len(coords.shape) < 2 or coords.shape[-1] != 4 or not jnp.issubdtype(coords.dtype, jnp.integer):
+    raise ValueError(f"coords must be integer [capacity, 4], got {coords.dtype} {tuple(coords.shape)}")
+  capacity = coords.shape[-2]
+  if hasattr(feats, "shape") and hasattr(feats, "dtype"):
+    if len(feats.shape) != len(coords.shape) or tuple(feats.shape[:-1]) != tuple(coords.shape[:-1]):
+      raise ValueError(f"feats must be [capacity={capacity}, C], got shape {tuple(feats.shape)}")
+    _check_feats_dtype(feats.dtype)
+  if num is None:
+    return
+  dtype = num.dtype if hasattr(num, "dtype") else np.asarray(num).dtype
+  shape = tuple(np.shape(num))
+  ok = np.issubdtype(dtype, np.integer) and shape == tuple(coords.shape[:-2])
+  # Host values only: reading a device num would block on every eagerly built tensor (and skips placeholders).
+  if ok and isinstance(num, (int, np.integer, np.ndarray)):
+    values = np.asarray(num)
+    ok = bool(np.all((values >= 0) & (values <= capacity)))
+  if not ok:
+    raise ValueError(f"num must be an integer scalar in [0, capacity={capacity}], got {num!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseTensor:
   """The active sites of `batch_size` voxel grids of shape `spatial_shape`, with a feature vector each.
@@ -366,6 +392,7 @@ class SparseTensor:
     if ndim < 3 and any(int(s) != 1 for s in tuple(self.spatial_shape)[:3 - ndim]):
       raise ValueError(f"a {_RANK_NAMES[ndim]} SparseTensor's spatial_shape starts with {3 - ndim} extent(s) of 1 "
                        f"(the lifted axes), got {self.spatial_shape}")
+    _check_arrays(self.coords, self.feats, self.num)
     if self.overflow is None:
       # A leaf in every tensor (not None) so that loop carries and cond branches keep one pytree structure.
       # A plain transfer: jnp.zeros / jnp.asarray compile a one-off program on first use, which made compile

@@ -149,3 +149,33 @@ def test_direct_construction_checks_static_metadata():
     x.replace(batch_size=0)
   with pytest.raises(ValueError, match="spatial_shape"):
     x.replace(spatial_shape=(4, 4))
+
+
+def test_direct_construction_checks_the_arrays():
+  # The route under jit (and the one from_coords' error names) took arrays of any shape or dtype: coords of 3
+  # columns made todense all zeros, 1-D feats of 2 rows became 2 channels on every row, float coords failed in
+  # todense's scatter naming no argument, and a num past the capacity passed.
+  coords = jnp.array([[0, 1, 1, 1], [0, 2, 2, 2]], jnp.int32)
+  feats = jnp.array([[1.0], [2.0]])
+  expected = np.zeros((1, 4, 4, 4, 1), np.float32)
+  expected[0, 1, 1, 1, 0], expected[0, 2, 2, 2, 0] = 1.0, 2.0
+  x = jsparse.SparseTensor(coords, feats, 2, (4, 4, 4), 1)
+  np.testing.assert_array_equal(np.asarray(x.todense()), expected)
+  bad = {r"coords must be integer \[capacity, 4\], got int32 \(2, 3\)": (coords[:, 1:], feats, 2),
+         r"coords must be integer \[capacity, 4\], got float32": (coords.astype(jnp.float32), feats, 2),
+         r"feats must be \[capacity=2, C\]": (coords, feats[:, 0], 2),
+         r"feats must be \[capacity=2, C\], got shape \(3, 1\)": (coords, jnp.ones((3, 1)), 2),
+         "num must be an integer scalar in": (coords, feats, 3)}
+  for message, (c, f, n) in bad.items():
+    with pytest.raises(ValueError, match=message):
+      jsparse.SparseTensor(c, f, n, (4, 4, 4), 1)
+  for num in (2.0, jnp.float32(2)):
+    with pytest.raises(ValueError, match="num must be an integer scalar"):
+      jsparse.SparseTensor(coords, feats, num, (4, 4, 4), 1)
+  with pytest.raises(TypeError, match="feats must be real floating point"):
+    jsparse.SparseTensor(coords, jnp.ones((2, 1), jnp.int32), 2, (4, 4, 4), 1)
+  # Under jit the shapes and dtypes are checked as they are traced; a traced num is not compared.
+  run = jax.jit(lambda c, f, n: jsparse.SparseTensor(c, f, n, (4, 4, 4), 1).todense())
+  np.testing.assert_array_equal(np.asarray(run(coords, feats, jnp.int32(2))), expected)
+  with pytest.raises(ValueError, match="coords must be integer"):
+    run(coords[:, 1:], feats, jnp.int32(2))

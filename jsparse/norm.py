@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from jsparse import dispatch, per_item
-from jsparse.sparse_tensor import SparseTensor, as_int, check_sparse_tensor
+from jsparse.sparse_tensor import SparseTensor, as_int, check_feats_dtype, check_sparse_tensor
 from pallas_kernels import channel_moments
 from pallas_kernels.out_struct import same_vma
 
@@ -41,6 +41,14 @@ def _finish(x: SparseTensor, y: jax.Array, scale, bias, dtype) -> SparseTensor:
     y = y + jnp.asarray(bias, jnp.float32)
   y = jnp.where(_mask(x), y, 0)  # the affine bias (and fn(0)) must not leak into padding rows
   return x.replace(feats=y.astype(dtype if dtype is not None else x.dtype))
+
+
+def _output_dtype(x: SparseTensor, dtype) -> np.dtype:
+  """The output's dtype: `dtype`, or x's if None. TypeError naming `dtype` for a non-float one (the cast
+  output was refused later as "feats", an argument the caller never passed)."""
+  out = jnp.dtype(dtype if dtype is not None else x.dtype)
+  check_feats_dtype(out, "dtype")
+  return out
 
 
 def _check_affine(name: str, value, channels: int):
@@ -153,7 +161,7 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
     raise ValueError("pass both mean and var (running statistics) or neither (batch statistics)")
   if activation is not None and not callable(activation):
     raise TypeError(f"activation must be a callable such as jax.nn.relu, got {activation!r}")
-  out_dtype = jnp.dtype(dtype if dtype is not None else x.dtype)
+  out_dtype = _output_dtype(x, dtype)
   # XLA unless asked: the Pallas reductions measured no faster on a GPU.
   impl = dispatch.resolve("xla" if implementation is None else implementation)
   if mean is None and axis_name is None:
@@ -282,7 +290,7 @@ def layer_norm(x: SparseTensor, scale=None, bias=None, *, epsilon: float = 1e-6,
   f = _valid_feats_f32(x)
   mean = jnp.mean(f, axis=-1, keepdims=True)
   var = jnp.mean(jnp.square(f - mean), axis=-1, keepdims=True)
-  return _finish(x, (f - mean) * lax.rsqrt(var + epsilon), scale, bias, dtype)
+  return _finish(x, (f - mean) * lax.rsqrt(var + epsilon), scale, bias, _output_dtype(x, dtype))
 
 
 # ---- group norm ------------------------------------------------------------------------------------------
@@ -352,7 +360,7 @@ def group_norm(x: SparseTensor, num_groups: int, scale=None, bias=None, *, epsil
   _check_affine("bias", bias, c)
   if activation is not None and not callable(activation):
     raise TypeError(f"activation must be a callable such as jax.nn.silu, got {activation!r}")
-  out_dtype = jnp.dtype(dtype if dtype is not None else x.dtype)
+  out_dtype = _output_dtype(x, dtype)
   s = jnp.ones(c, jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
   b = jnp.zeros(c, jnp.float32) if bias is None else jnp.asarray(bias, jnp.float32)
   feats, one_hot, s, b = same_vma(x.feats, per_item.item_one_hot(x), s, b)

@@ -101,7 +101,7 @@ def check_sparse_tensor(x, name: str = "x") -> None:
     raise TypeError(f"{name} must be a jsparse.SparseTensor, got {type(x).__name__}{hint}")
 
 
-def _check_feats_dtype(dtype, name: str = "feats") -> None:
+def check_feats_dtype(dtype, name: str = "feats") -> None:
   # Complex features would lose their imaginary part in the float32 accumulations, ints and bools are not
   # features a convolution can produce: reject both rather than coerce.
   if not jnp.issubdtype(dtype, jnp.floating):
@@ -450,7 +450,7 @@ class SparseTensor:
       feats_arr = feats_arr[:, None]
     if feats_arr.ndim != 2:
       raise ValueError(f"feats must be [N, C], got shape {feats_arr.shape}")
-    _check_feats_dtype(feats_arr.dtype)
+    check_feats_dtype(feats_arr.dtype)
     if feats_arr.shape[1] == 0:
       raise ValueError(f"feats must have at least one channel, got shape {feats_arr.shape}")
     n = coords.shape[0]
@@ -533,7 +533,7 @@ class SparseTensor:
     dense = jnp.asarray(dense)
     if dense.ndim not in (3, 4, 5):
       raise ValueError(f"dense must be [B, X, Y, Z, C], [B, H, W, C] (2D) or [B, L, C] (1D), got shape {dense.shape}")
-    _check_feats_dtype(dense.dtype, "dense")  # as from_coords: no int / bool / complex features
+    check_feats_dtype(dense.dtype, "dense")  # as from_coords: no int / bool / complex features
     if min(dense.shape) == 0:
       raise ValueError(f"dense must have nonzero extents, got shape {dense.shape}")
     ndim = dense.ndim - 2
@@ -601,7 +601,7 @@ class SparseTensor:
         raise TypeError(f"feats must be an array (jax or numpy), got {type(f).__name__}")
       if len(f.shape) != 2 or f.shape[0] != capacity:
         raise ValueError(f"feats must be [capacity={capacity}, C], got shape {tuple(f.shape)}")
-      _check_feats_dtype(f.dtype)
+      check_feats_dtype(f.dtype)
     if "overflow" in changes:
       flag = changes["overflow"]
       if jnp.shape(flag) != () or jnp.result_type(flag) != jnp.bool_:

@@ -227,6 +227,11 @@ def test_batch_norm_bad_arguments():
     with pytest.raises(TypeError, match="epsilon"):
       op(x, epsilon=jnp.float32(1e-5))
     assert np.all(np.isfinite(np.asarray(op(x, epsilon=0).feats[: int(x.num)])))
+    # An integer output dtype was refused only after the normalisation, as "feats", which the caller never passed.
+    for dtype in (jnp.int32, jnp.bool_):
+      with pytest.raises(TypeError, match="dtype must be real floating point"):
+        op(x, dtype=dtype)
+    assert op(x, dtype=jnp.bfloat16).dtype == jnp.bfloat16
 
 
 def _garbage_padding(x):

@@ -311,7 +311,7 @@ def _check_arrays(coords, feats, num) -> None:
   if hasattr(feats, "shape") and hasattr(feats, "dtype"):
     if len(feats.shape) != len(coords.shape) or tuple(feats.shape[:-1]) != tuple(coords.shape[:-1]):
       raise ValueError(f"feats must be [capacity={capacity}, C], got shape {tuple(feats.shape)}")
-    _check_feats_dtype(feats.dtype)
+    check_feats_dtype(feats.dtype)
   if num is None:
     return
   dtype = num.dtype if hasattr(num, "dtype") else np.asarray(num).dtype

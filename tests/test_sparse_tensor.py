@@ -179,3 +179,25 @@ def test_direct_construction_checks_the_arrays():
   np.testing.assert_array_equal(np.asarray(run(coords, feats, jnp.int32(2))), expected)
   with pytest.raises(ValueError, match="coords must be integer"):
     run(coords[:, 1:], feats, jnp.int32(2))
+
+
+def test_direct_construction_refuses_a_host_num_past_the_rows():
+  """num=5 on 3 rows made batch_statistics divide the 3 rows' sum by 5 (mean 0.8 for rows 1, 3, 0, whose mean is
+  4/3). A host num (Python or numpy integer) is checked against the capacity; a device num is not read back, so
+  that building a tensor eagerly never waits on the device."""
+  coords = jnp.array([[0, 0, 0, 0], [0, 1, 1, 1], [0, 2, 2, 2]], jnp.int32)
+  feats = jnp.array([[1.0], [3.0], [0.0]])
+  mean, var = jsparse.norm.batch_statistics(jsparse.SparseTensor(coords, feats, 3, (4, 4, 4), 1))
+  np.testing.assert_allclose(np.asarray(mean), [4 / 3], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(var), [np.var([1.0, 3.0, 0.0])], rtol=1e-6)
+  for num in (5, 4, -1, np.int32(4), 2.0, np.array([1, 2])):
+    with pytest.raises(ValueError, match=r"num must be an integer scalar in \[0, capacity=3\]"):
+      jsparse.SparseTensor(coords, feats, num, (4, 4, 4), 1)
+  # Traced num passes (checked where concrete), and so do tensors stacked for jax.vmap.
+  out = jax.jit(lambda n: jsparse.SparseTensor(coords, feats, n, (4, 4, 4), 1).num)(jnp.int32(2))
+  assert int(out) == 2
+  stacked = jsparse.SparseTensor(jnp.stack([coords, coords]), jnp.stack([feats, feats]), np.array([3, 1]),
+                                 (4, 4, 4), 1)
+  assert stacked.coords.shape == (2, 3, 4)
+  with pytest.raises(ValueError, match="num must be"):
+    jsparse.SparseTensor(jnp.stack([coords, coords]), jnp.stack([feats, feats]), np.array([3, 4]), (4, 4, 4), 1)

@@ -22,7 +22,7 @@ from jsparse import norm, sparse_conv, topology
 from jsparse._types import WeightLayout
 from jsparse.neighbors import lift_triple
 from jsparse.size_errors import sizes_in_rank
-from jsparse.sparse_tensor import SparseTensor
+from jsparse.sparse_tensor import SparseTensor, check_feats_dtype
 from jsparse.sparsity import prune_2to4
 
 NORM_KINDS = ("batch", "group", None)
@@ -226,7 +226,9 @@ def check_kernel_inputs(module: str, kernel_shape_: tuple[int, ...], kernel_layo
 
 def promote_conv(x: SparseTensor, kernel, bias, dtype) -> tuple[SparseTensor, jax.Array, jax.Array | None]:
   """(x, kernel, bias) in the compute dtype by flax's rule (`dtype` None promotes the features' and the
-  parameters' dtypes)."""
+  parameters' dtypes). An integer or bool dtype is refused here, naming it (the features check would name feats)."""
+  if dtype is not None:
+    check_feats_dtype(dtype, "dtype")
   feats, kernel, bias = flax_dtypes.promote_dtype(x.feats, kernel, bias, dtype=dtype)
   return x.replace(feats=feats), kernel, bias
 

@@ -494,6 +494,10 @@ def test_bad_input_errors():
     snn.SubMConv3d(4, kernel_size=(3, 2, 3)).init(KEY, x)
   with pytest.raises(TypeError, match="SparseTensor"):
     snn.SubMConv3d(4).init(KEY, x.todense())
+  # An integer compute dtype is refused naming dtype (it failed after the promotion, naming feats).
+  for module in (snn.SubMConv3d(4, dtype=jnp.int32), snn.SparseConv3d(4, 3, 2, dtype=jnp.bool_)):
+    with pytest.raises(TypeError, match="dtype must be real floating point"):
+      module.init(KEY, x)
 
   class Net(nn.Module):
     @nn.compact

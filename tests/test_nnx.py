@@ -498,6 +498,8 @@ def test_bad_arguments_errors():
     snnx.SparseInverseConv3d(3, 4, 3, padding="full", rngs=r)
   with pytest.raises(TypeError, match="kernel_size"):
     snnx.SparseConv3d(3, 4, rngs=r)  # required, as nnx.Conv's
+  with pytest.raises(TypeError, match="dtype must be real floating point"):
+    snnx.SubMConv3d(3, 4, dtype=jnp.int32, rngs=r)(x)
   with pytest.raises(TypeError, match="kernel_size"):
     snnx.SparseInverseConv3d(3, 4, rngs=r)
   with pytest.raises(ValueError, match="SparseMaxPool3d: padding must be"):

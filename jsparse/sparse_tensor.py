@@ -322,7 +322,8 @@ def _check_arrays(coords, feats, num) -> None:
     values = np.asarray(num)
     ok = bool(np.all((values >= 0) & (values <= capacity)))
   if not ok:
-    raise ValueError(f"num must be an integer scalar in [0, capacity={capacity}], got {num!r}")
+    what = "scalar" if len(coords.shape) == 2 else f"array of shape {tuple(coords.shape[:-2])}"
+    raise ValueError(f"num must be an integer {what} in [0, capacity={capacity}], got {num!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -585,23 +586,16 @@ class SparseTensor:
     New feats keep the padding convention only if they are zero at padding rows; elementwise functions
     with f(0) != 0 need `x.replace(feats=jnp.where(x.valid_mask()[:, None], f(x.feats), 0))`.
     """
+    # The arrays' shapes and dtypes are the constructor's checks (_check_arrays, run by dataclasses.replace);
+    # here only what it cannot say: a non-array, coords of another row count than the kept feats, a device num.
     capacity = self.capacity
-    if "coords" in changes:
-      coords = changes["coords"]
-      if not (hasattr(coords, "shape") and hasattr(coords, "dtype")):
-        raise TypeError(f"coords must be an array, got {type(coords).__name__}")
-      if len(coords.shape) != 2 or coords.shape[1] != 4 or not jnp.issubdtype(coords.dtype, jnp.integer):
-        raise ValueError(f"coords must be integer [capacity, 4], got {coords.dtype} {tuple(coords.shape)}")
-      capacity = coords.shape[0]
+    for name in ("coords", "feats"):
+      if name in changes and not (hasattr(changes[name], "shape") and hasattr(changes[name], "dtype")):
+        raise TypeError(f"{name} must be an array (jax or numpy), got {type(changes[name]).__name__}")
+    if "coords" in changes and len(changes["coords"].shape) == 2:
+      capacity = changes["coords"].shape[0]
       if "feats" not in changes and capacity != self.capacity:
         raise ValueError(f"new coords have {capacity} rows but feats {self.capacity}: replace both together")
-    if "feats" in changes:
-      f = changes["feats"]
-      if not (hasattr(f, "shape") and hasattr(f, "dtype")):
-        raise TypeError(f"feats must be an array (jax or numpy), got {type(f).__name__}")
-      if len(f.shape) != 2 or f.shape[0] != capacity:
-        raise ValueError(f"feats must be [capacity={capacity}, C], got shape {tuple(f.shape)}")
-      check_feats_dtype(f.dtype)
     if "overflow" in changes:
       flag = changes["overflow"]
       if jnp.shape(flag) != () or jnp.result_type(flag) != jnp.bool_:

@@ -6,6 +6,7 @@ import pytest
 
 import jsparse
 import nn_data_parallel
+from benchmarks.workloads import SUITE
 from reference import SUBMCONV_CASES as CASES
 from reference import random_sparse, random_weights, rel_err
 
@@ -359,3 +360,36 @@ def test_gpu_data_parallel_two_devices():
   # and it is not one device's gradient alone
   g_first = dp.pooled_reference_grads(params, xs[:1], targets[:1], precision)
   assert rel_err(ravel_pytree(g_first)[0], flat_ref) > 1e-2
+
+
+# The rows up to RES 128: their entries are the split-K and explicit launches tuned per row (RES 8's re-tuned in the
+# twenty-seventh session). RES 256 and 512 run the unsplit 128x128 launch that every suite run cross-checks
+# against FlexGEMM on the GPU, and their XLA references take 1-2 minutes each (docs/perf_notes.md).
+SUITE_CASES = [(row.res, row.channels, name) for row in SUITE if row.res <= 128 for name in ("float16", "tf32")]
+
+
+@pytest.mark.parametrize("res, c, dtype_name", SUITE_CASES, ids=[f"{r}-{c}-{d}" for r, c, d in SUITE_CASES])
+def test_gpu_suite_rows_on_the_shipped_table_match_xla(res, c, dtype_name):
+  """One layer of each FlexGEMM suite row as the suite runs it (exact capacity, ODHWI weights, the device's
+  shipped table entries), forward and gradients, against the XLA path in full float32: a re-tuned entry is a new
+  tile / split combination of the GEMM kernels, checked here on the GPU at the shape it was tuned for."""
+  dtype, precision, tol = (jnp.float16, None, 5e-3) if dtype_name == "float16" else (jnp.float32, "tf32", 3e-3)
+  x = shell_tensor(res, c, dtype, seed=res)
+  rng = np.random.default_rng(res)
+  w = jnp.asarray(rng.standard_normal((c, 3, 3, 3, c)) / np.sqrt(27 * c), dtype)
+  cache = jsparse.neighbor_map(x, 3, implementation="pallas")
+  cot = jnp.asarray(rng.standard_normal((x.capacity, c)), jnp.float32)
+
+  def grads(x, w, impl, precision):
+    def loss(feats, w):
+      y = jsparse.submconv3d(x.replace(feats=feats), w, cache=cache, implementation=impl, precision=precision,
+                             weight_layout="ODHWI")
+      return jnp.sum(y.feats.astype(jnp.float32) * cot), y.feats
+
+    (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x.feats, w)
+    return (y,) + g
+
+  want = grads(x.replace(feats=x.feats.astype(jnp.float32)), w.astype(jnp.float32), "xla", "highest")
+  got = grads(x, w, "pallas", precision)
+  for name, a, r in zip(("y", "d_feats", "d_weight"), got, want):
+    assert rel_err(a.astype(jnp.float32), r) < tol, name

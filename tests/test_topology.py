@@ -390,3 +390,15 @@ def test_union_reports_rows_that_repeat_a_site():
     err, feats = checked(a.replace(coords=a.coords.at[1].set(jnp.array([0, 1, 2, 1], jnp.int32))), b)
   assert err.get() is None  # distinct sites pass
   np.testing.assert_array_equal(np.asarray(feats), [[1.0], [2.0], [3.0], [5.0]])
+
+
+def test_dropout_names_a_traced_rate_and_takes_a_concrete_jax_scalar():
+  # A rate traced by jit was refused with "rate must be a number in [0, 1], got JitTracer(...)", which reads as
+  # if 0.5 were out of range; a concrete jnp.float32(0.5) was refused the same way.
+  x, _ = _pair(15, channels=8)
+  with pytest.raises(TypeError, match="rate must be a static number.*traced"):
+    jax.jit(lambda r: jsparse.dropout(x, r, rng=jax.random.key(0)).feats)(0.5)
+  y = jsparse.dropout(x, jnp.float32(0.5), rng=jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(y.feats), np.asarray(jsparse.dropout(x, 0.5, rng=jax.random.key(0)).feats))
+  with pytest.raises(ValueError, match="rate"):
+    jsparse.dropout(x, jnp.asarray(True), rng=jax.random.key(0))

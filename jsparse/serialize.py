@@ -9,7 +9,8 @@ order is the order of the full 3*bits-bit key. The batch index can be folded abo
 `sort_by` does not need that, it sorts on (batch, key words).
 
 Out-of-range input is never aliased onto a valid key (masking 1024 to 10 bits would give 0's key): outside
-jit it raises ValueError, under jit its key is -1, which no valid input produces.
+jit it raises ValueError, under jit its key is -1, which no valid input produces. The decoders raise ValueError
+for a concrete key outside the curve (such as -1); under jit they do not check.
 
 Bit layout: bit 3*i+2 of a Morton key is bit i of x, 3*i+1 of y, 3*i of z (x most significant). The
 Hilbert key is the Morton interleave of the "transposed" Hilbert index of Skilling (2004), "Programming
@@ -48,11 +49,11 @@ def _integers(name: str, value) -> jax.Array:
   return int32_values(value, name)
 
 
-def _check_in_range(name: str, inside: jax.Array, limit: str) -> None:
+def _check_in_range(name: str, inside: jax.Array, limit: str, why: str = "it would alias another key") -> None:
   """Raises ValueError if a concrete `inside` mask has a False entry (traced masks are handled by the caller)."""
   if not isinstance(inside, jax.core.Tracer) and not bool(jnp.all(inside)):
     first = tuple(int(i) for i in np.argwhere(~np.asarray(inside))[0])
-    raise ValueError(f"{name} out of range at index {first}: must be in {limit} (it would alias another key)")
+    raise ValueError(f"{name} out of range at index {first}: must be in {limit} ({why})")
 
 
 def bits_for(spatial_shape) -> int:
@@ -108,9 +109,23 @@ def _coords_in_cube(xyz, bits: int) -> tuple[jax.Array, jax.Array]:
 
 
 def decode_morton(keys, bits: int = MAX_BITS) -> jax.Array:
-  """int32 [..., 3] coordinates of Morton keys (inverse of encode_morton with the same bits). Jit-able."""
+  """int32 [..., 3] coordinates of Morton keys (inverse of encode_morton with the same bits). Jit-able.
+
+  keys: integers ([..., W] words past 10 bits). A concrete key outside [0, 2**(3*bits)) (each word outside its
+  range, e.g. encode_morton's -1) raises ValueError naming `keys` (it would decode to another key's site);
+  under jit such keys are not checked and decode to meaningless coordinates.
+  """
+  bits = _check_bits(bits)
   w = num_words(bits)
-  k = jnp.asarray(keys).astype(jnp.uint32)
+  k = _integers("keys", keys)
+  if w > 1 and (k.ndim < 1 or k.shape[-1] != w):
+    raise ValueError(f"keys must be [..., {w}] words at bits={bits}, got shape {k.shape}")
+  top = 3 * (bits - MAX_BITS * (w - 1))  # bits of the most significant word; the others hold 30
+  limits = np.array([1 << top] + [1 << (3 * MAX_BITS)] * (w - 1), np.int32)
+  inside = (k >= 0) & (k < (limits if w > 1 else limits[0]))
+  _check_in_range("keys", inside if w == 1 else jnp.all(inside, axis=-1), f"[0, 2**{3 * bits}) at bits={bits}",
+                  "it would decode to another key's site")
+  k = k.astype(jnp.uint32)
   words = [k] if w == 1 else [k[..., i] for i in range(w)]
   xyz = jnp.zeros(words[0].shape + (3,), jnp.uint32)
   for i, word in enumerate(words):

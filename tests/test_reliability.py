@@ -533,6 +533,24 @@ def test_curve_keys_never_alias(xyz, bits):
         encode(jnp.asarray(xyz), bits)
 
 
+@pytest.mark.parametrize("decode", [serialize.decode_morton, serialize.decode_hilbert])
+@pytest.mark.parametrize("bits, bad", [(10, [-1]), (10, [2**30]), (10, [2**31 - 1]), (1, [8]), (3, [0, 512]),
+                                       (11, [[0, -1]]), (11, [[8, 0]]), (11, [[0, 2**30]]), (21, [[0, 0, 2**30]]),
+                                       (21, [[8, 0, 0]])])
+def test_decode_refuses_keys_outside_the_curve(decode, bits, bad):
+  """A concrete key outside [0, 2**(3*bits)) (encode's -1, a word past 30 bits) decoded to some other site's
+  coordinates (decode_morton(-1) gave (1023, 1023, 1023)); it raises naming `keys`. Under jit it is not checked."""
+  with pytest.raises(ValueError, match="keys"):
+    decode(np.asarray(bad), bits)
+  with pytest.raises(TypeError, match="keys"):
+    decode(np.asarray(bad, np.float32), bits)
+  jax.jit(decode, static_argnums=1)(jnp.asarray(bad), bits)  # traced: left alone (documented)
+  top = np.asarray([(1 << 3 * bits) - 1]) if bits <= 10 else np.full((1, serialize.num_words(bits)), 2**30 - 1)
+  if bits % 10:
+    top[..., 0] = (1 << 3 * (bits % 10)) - 1
+  np.testing.assert_array_equal(np.asarray(serialize.decode_morton(top, bits)), [[2**bits - 1] * 3])
+
+
 @FEW
 @given(bits=st.integers(1, serialize.MAX_BITS), data=st.data())
 def test_fold_batch_keys_are_non_negative_and_batch_major(bits, data):

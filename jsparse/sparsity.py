@@ -112,9 +112,18 @@ def _ungroup(groups: jax.Array, shape: tuple[int, ...], layout: WeightLayout) ->
 
 
 def _group_keep(groups: jax.Array) -> jax.Array:
-  """bool [..., 4]: the two largest |w| of each group, ties to the lower position; NaN ranks as the largest."""
-  mag = jnp.abs(groups.astype(jnp.float32))
-  mag = jnp.where(jnp.isnan(mag), jnp.inf, mag)
+  """bool [..., 4]: the two largest |w| of each group, ties to the lower position; NaN ranks as the largest.
+
+  |w| is compared exactly: in float32 or wider (a float32 cast tied float64 weights 1 + 1e-10 and 1 + 2e-10, and
+  int weights past 2**24), and for integers as the unsigned magnitude (|int32 min| does not fit int32)."""
+  if jnp.issubdtype(groups.dtype, jnp.inexact):
+    mag = jnp.abs(groups.astype(jnp.promote_types(groups.dtype, jnp.float32)))
+    mag = jnp.where(jnp.isnan(mag), jnp.inf, mag)
+  elif jnp.issubdtype(groups.dtype, jnp.signedinteger):
+    unsigned = groups.astype(jnp.dtype(f"uint{jnp.iinfo(groups.dtype).bits}"))
+    mag = jnp.where(groups < 0, -unsigned, unsigned)  # modular negation: exact, int min included
+  else:
+    mag = groups.astype(jnp.uint8) if groups.dtype == jnp.bool_ else groups
   a, b = mag[..., :, None], mag[..., None, :]  # a: element i, b: element j
   lower = jnp.arange(GROUP)[None, :] < jnp.arange(GROUP)[:, None]  # [i, j]: j sits before i
   rank = jnp.sum((b > a) | ((b == a) & lower), axis=-1)  # elements that beat element i

@@ -152,6 +152,27 @@ def test_prune_nan_and_zero_groups():
   assert np.all(pruned[4:] == 0)
 
 
+@pytest.mark.parametrize("dtype, group", [
+    ("float64", [1.0, 1 + 1e-10, -(1 + 2e-10), 0.0]),  # ties in float32, not in float64 (x64)
+    ("int32", [2**24, 2**24 + 1, -(2**24 + 1), 0]),  # ties in float32
+    ("int32", [-(2**31), 3, 2**31 - 1, 0]),  # |int32 min| = 2**31 > 2**31 - 1
+    ("int64", [2**40, 2**40 + 1, 2**40 + 2, 1]),
+])
+def test_mask_compares_magnitudes_exactly(dtype, group):
+  """mask_2to4 ranked |w| in float32: float64 weights 1 + 1e-10 and 1 + 2e-10 (and ints past 2**24) tied and the
+  lower position won, keeping a smaller weight than the numpy reference (the two largest |w|) keeps."""
+  with jax.enable_x64(True):
+    w = np.asarray(group, dtype)[:, None]  # DHWIO (Cin=4, Cout=1)
+    keep = _reference_keep(w, "DHWIO")[0, 0]
+    if dtype != "float64":  # integers: exact |w| (the float64 reference rounds past 2**53, not here)
+      order = sorted(range(4), key=lambda i: (-abs(int(group[i])), i))[:2]
+      keep = np.isin(np.arange(4), order)
+    np.testing.assert_array_equal(np.asarray(sparsity.mask_2to4(w))[:, 0], keep)
+    pruned = np.asarray(sparsity.prune_2to4(w))[:, 0]
+    np.testing.assert_array_equal(pruned, np.where(keep, w[:, 0], 0))
+    assert pruned.dtype == np.dtype(dtype)
+
+
 def test_bad_arguments():
   with pytest.raises(ValueError, match="weight: axis='cin'.*Cin=6"):
     sparsity.prune_2to4(jnp.ones((3, 3, 3, 6, 4)))

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jsparse._types import ArrayLike
 from jsparse.sparse_tensor import report
@@ -232,7 +233,8 @@ def compress_2to4(weight: ArrayLike, *, weight_layout: WeightLayout | str = "DHW
 
 def decompress_2to4(compressed: Compressed2to4) -> jax.Array:
   """The dense weight of a `Compressed2to4` (its `shape`, `layout` and dtype), zeros where pruned; exact, and
-  differentiable with respect to `compressed.values`."""
+  differentiable with respect to `compressed.values`. Concrete metadata with a group descriptor whose kept
+  positions are not increasing raises ValueError naming `compressed.metadata` (under jit it is not checked)."""
   if not isinstance(compressed, Compressed2to4):
     raise TypeError(f"compressed must be a Compressed2to4, got {type(compressed).__name__}")
   layout = WeightLayout.of(compressed.layout, "compressed.layout")
@@ -251,6 +253,12 @@ def decompress_2to4(compressed: Compressed2to4) -> jax.Array:
   cout = values_shape[0]
   nibbles = nibbles.reshape(cout, -1, 1)  # [Cout, G, 1]
   first, second = nibbles & 3, nibbles >> 2
+  if not isinstance(compressed.metadata, jax.core.Tracer) and not bool(jnp.all(first < second)):
+    # A nibble with first >= second (e.g. a zeroed word) dropped one of the group's two values, or swapped them.
+    group = tuple(int(i) for i in np.argwhere(~np.asarray(first < second))[0][:2])
+    raise ValueError(f"compressed.metadata: group {group[1]} of output channel {group[0]} has kept positions "
+                     "(lower, higher) that are not increasing; every 4-bit group descriptor must hold lower < "
+                     "higher (the format in the jsparse.sparsity docstring)")
   values = compressed.values.reshape(cout, -1, KEPT)
   position = jnp.arange(GROUP, dtype=jnp.uint32)
   zero = jnp.zeros((), values.dtype)

@@ -173,6 +173,22 @@ def test_mask_compares_magnitudes_exactly(dtype, group):
     assert pruned.dtype == np.dtype(dtype)
 
 
+@pytest.mark.parametrize("nibble", [0x0, 0x5, 0x1, 0xB])  # (0, 0), (1, 1), (1, 0), (3, 2)
+def test_decompress_refuses_descriptors_that_are_not_increasing(nibble):
+  """A group descriptor with lower >= higher (a zeroed metadata word, say) decoded silently: (0, 0) dropped the
+  group's second value, (1, 0) swapped the two. Concrete metadata is checked; traced metadata is not."""
+  rng = np.random.default_rng(3)
+  w = np.asarray(sparsity.prune_2to4(rng.standard_normal((3, 8, 2)).astype(np.float32)))  # 2 groups per offset
+  c = sparsity.compress_2to4(w)
+  np.testing.assert_array_equal(np.asarray(sparsity.decompress_2to4(c)), w)
+  meta = np.asarray(c.metadata).copy()  # [Cout=2, V=3, 1]: groups 0 and 1 in bits 0-7
+  meta[1, 2, 0] = (meta[1, 2, 0] & ~np.uint16(0xF0)) | np.uint16(nibble << 4)  # group 1 of offset 2, channel 1
+  bad = dataclasses.replace(c, metadata=jnp.asarray(meta))
+  with pytest.raises(ValueError, match="compressed.metadata: group 5 of output channel 1"):
+    sparsity.decompress_2to4(bad)
+  jax.jit(sparsity.decompress_2to4)(bad)  # under jit: unchecked (documented)
+
+
 def test_bad_arguments():
   with pytest.raises(ValueError, match="weight: axis='cin'.*Cin=6"):
     sparsity.prune_2to4(jnp.ones((3, 3, 3, 6, 4)))

@@ -551,6 +551,14 @@ def test_decode_refuses_keys_outside_the_curve(decode, bits, bad):
   np.testing.assert_array_equal(np.asarray(serialize.decode_morton(top, bits)), [[2**bits - 1] * 3])
 
 
+@pytest.mark.parametrize("bits, shape", [(11, (4,)), (11, (4, 3)), (21, (2, 2)), (11, ())])
+def test_decode_refuses_keys_of_another_word_count(bits, shape):
+  """Past 10 bits keys are [..., W] words: at bits=11 (W = 2) [N, 3] words decoded the first two of each row and
+  [4] one-word keys decoded as one key of their first two entries, silently; they raise naming `keys`."""
+  with pytest.raises(ValueError, match="keys must be"):
+    serialize.decode_morton(np.zeros(shape, np.int32), bits)
+
+
 @FEW
 @given(bits=st.integers(1, serialize.MAX_BITS), data=st.data())
 def test_fold_batch_keys_are_non_negative_and_batch_major(bits, data):

@@ -477,16 +477,20 @@ def devoxelize(x: SparseTensor, point_rows: ArrayLike) -> jax.Array:
   coordinates, e.g. the output of submanifold layers on it), or `jsparse.sampling.lookup_rows`. For points
   without a voxel index, `grid_sample(x, points, "nearest", voxel_size=, origin=)` finds the same voxels by
   coordinates. Jit-able; the gradient with respect to x.feats sums each voxel's points (no scatter-add).
-  Rows >= x.capacity raise ValueError outside jit; under jit they read zeros (`jsparse.error_checks()` reports them).
+  Rows >= x.capacity or < -1 raise ValueError outside jit; under jit they read zeros (`jsparse.error_checks()`
+  reports those >= x.capacity).
   """
   check_sparse_tensor(x)
   rows = jnp.asarray(point_rows)
   if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
     raise ValueError(f"point_rows must be integer [N], got {rows.dtype} {rows.shape}")
   if not isinstance(point_rows, jax.core.Tracer) and rows.size:
-    largest = int(np.max(np.asarray(point_rows)))  # on the host: under an outer jit too
+    host = np.asarray(point_rows)  # on the host: under an outer jit too
+    largest, smallest = int(np.max(host)), int(np.min(host))
     if largest >= x.capacity:
       raise ValueError(f"point_rows has row {largest} but x has capacity {x.capacity}")
+    if smallest < -1:  # read zeros as "no voxel" silently, where a Python-style index meant a row from the end
+      raise ValueError(f"point_rows has row {smallest}: rows are in [-1, capacity) (-1: no voxel)")
   # Traced rows past the capacity (another tensor's) would read the clamped last row, a valid voxel when num ==
   # capacity: they read zeros instead, and inside error_checks() checkify reports them.
   past = jnp.sum(rows >= x.capacity, dtype=jnp.int32)

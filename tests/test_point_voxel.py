@@ -160,6 +160,16 @@ def test_devoxelize_rows_past_the_capacity_under_jit():
   np.testing.assert_array_equal(np.asarray(g)[:, 0], [1.0, 1.0])
 
 
+def test_devoxelize_refuses_rows_below_minus_one():
+  # -2 (a Python-style index from the end, or a corrupted row) read zeros as if the point had no voxel, silently,
+  # while rows past the capacity raise.
+  x = voxelize(np.array([[0.5, 0.5, 0.5], [1.5, 0.5, 0.5]]), np.array([[1.0], [2.0]], np.float32), voxel_size=1.0,
+               capacity="exact")
+  np.testing.assert_array_equal(np.asarray(devoxelize(x, np.array([1, -1, 0])))[:, 0], [2.0, 0.0, 1.0])
+  with pytest.raises(ValueError, match="point_rows has row -2"):
+    devoxelize(x, np.array([0, -2]))
+
+
 @pytest.mark.parametrize("mode", ["trilinear", "nearest"])
 def test_grid_sample_with_no_points(mode):
   # Reshapes by -1 raised ZeroDivisionError at P = 0 (trilinear, and [B, 0, 3] points in either mode).

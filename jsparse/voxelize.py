@@ -478,7 +478,7 @@ def devoxelize(x: SparseTensor, point_rows: ArrayLike) -> jax.Array:
   without a voxel index, `grid_sample(x, points, "nearest", voxel_size=, origin=)` finds the same voxels by
   coordinates. Jit-able; the gradient with respect to x.feats sums each voxel's points (no scatter-add).
   Rows >= x.capacity or < -1 raise ValueError outside jit; under jit they read zeros (`jsparse.error_checks()`
-  reports those >= x.capacity).
+  reports them).
   """
   check_sparse_tensor(x)
   rows = jnp.asarray(point_rows)
@@ -496,4 +496,7 @@ def devoxelize(x: SparseTensor, point_rows: ArrayLike) -> jax.Array:
   past = jnp.sum(rows >= x.capacity, dtype=jnp.int32)
   report(past > 0, f"devoxelize: {{rows}} point_rows are >= x's capacity {x.capacity} (rows of another tensor?); "
          "they read zeros", rows=past)
+  below = jnp.sum(rows < -1, dtype=jnp.int32)
+  report(below > 0, "devoxelize: {rows} point_rows are < -1 (rows are in [-1, capacity), -1: no voxel); they read "
+         "zeros", rows=below)
   return gather_sites(x.feats, jnp.where(rows < x.capacity, rows, -1))

@@ -168,6 +168,18 @@ def test_devoxelize_refuses_rows_below_minus_one():
   np.testing.assert_array_equal(np.asarray(devoxelize(x, np.array([1, -1, 0])))[:, 0], [2.0, 0.0, 1.0])
   with pytest.raises(ValueError, match="point_rows has row -2"):
     devoxelize(x, np.array([0, -2]))
+  # Under jit they read zeros, and checkify reports them inside error_checks().
+  import jsparse
+  from jax.experimental import checkify
+
+  rows = jnp.array([0, -2, -5, -1])
+  np.testing.assert_array_equal(np.asarray(jax.jit(devoxelize)(x, rows))[:, 0], [1.0, 0.0, 0.0, 0.0])
+  with jsparse.error_checks():
+    err, _ = jax.jit(checkify.checkify(devoxelize))(x, rows)
+  assert "2 point_rows are < -1" in err.get()
+  with jsparse.error_checks():
+    err, _ = jax.jit(checkify.checkify(devoxelize))(x, jnp.array([0, -1]))
+  assert err.get() is None
 
 
 @pytest.mark.parametrize("mode", ["trilinear", "nearest"])

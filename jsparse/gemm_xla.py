@@ -17,6 +17,22 @@ def gather_rows(feats: jax.Array, rows: jax.Array, fill=0) -> jax.Array:
   return jnp.where((rows >= 0)[..., None], feats[jnp.maximum(rows, 0)], jnp.asarray(fill, feats.dtype))
 
 
+@jax.custom_jvp
+def _gather_rows_f32_sum(feats: jax.Array, rows: jax.Array) -> jax.Array:
+  """gather_rows(feats, rows) whose transpose (the input gradient's scatter-add over every row's offsets)
+  sums in float32: JAX's own transpose of the gather adds in feats' dtype, so float16 partial sums of an
+  input gradient overflowed to inf where the Pallas path and the final value stayed finite. The primal
+  gather is unchanged; the tangent goes through float32 (a custom_jvp, so forward mode works too)."""
+  return gather_rows(feats, rows)
+
+
+@_gather_rows_f32_sum.defjvp
+def _gather_rows_f32_sum_jvp(primals, tangents):
+  feats, rows = primals
+  t = tangents[0]
+  return gather_rows(feats, rows), gather_rows(t.astype(jnp.float32), rows).astype(t.dtype)
+
+
 def submconv_xla(feats: jax.Array, w: jax.Array, bias: jax.Array | None, nbr: jax.Array, num: ArrayLike, *,
                  precision: PrecisionLike = None, weight_layout: WeightLayout | str = "DHWIO",
                  groups: int = 1) -> jax.Array:
@@ -30,7 +46,7 @@ def submconv_xla(feats: jax.Array, w: jax.Array, bias: jax.Array | None, nbr: ja
   m, v = nbr.shape
   cout_major = WeightLayout.of(weight_layout).cout_major
   if groups > 1:
-    gathered = gather_rows(feats, nbr).reshape(m, v, groups, feats.shape[1] // groups)
+    gathered = _gather_rows_f32_sum(feats, nbr).reshape(m, v, groups, feats.shape[1] // groups)
     cin_g = gathered.shape[-1]
     if cout_major:
       grouped, spec = w.reshape(groups, -1, v, cin_g), "mvgc,govc->mgo"
@@ -40,11 +56,11 @@ def submconv_xla(feats: jax.Array, w: jax.Array, bias: jax.Array | None, nbr: ja
                      preferred_element_type=jnp.float32)
     out = out.reshape(m, out.shape[1] * out.shape[2])  # explicit sizes: m may be 0
   elif cout_major:  # contract with [Cout, V*Cin]'s second axis: no transpose
-    gathered = gather_rows(feats, nbr).reshape(m, v * feats.shape[1])
+    gathered = _gather_rows_f32_sum(feats, nbr).reshape(m, v * feats.shape[1])
     out = jax.lax.dot_general(gathered, w.reshape(w.shape[0], -1), (((1,), (1,)), ((), ())),
                               precision=dot_precision(precision, feats.dtype), preferred_element_type=jnp.float32)
   else:
-    gathered = gather_rows(feats, nbr).reshape(m, v * feats.shape[1])
+    gathered = _gather_rows_f32_sum(feats, nbr).reshape(m, v * feats.shape[1])
     out = jnp.dot(gathered, w.reshape(-1, w.shape[-1]), precision=dot_precision(precision, feats.dtype),
                   preferred_element_type=jnp.float32)
   if bias is not None:

@@ -1,6 +1,10 @@
-"""The map-GEMM's passes in plain XLA (gather, then one matmul): every backend runs them and JAX
-differentiates them; the Pallas path's "explicit" algorithm is these."""
+"""The map-GEMM's passes in plain XLA (gather, then one matmul): every backend runs them; the XLA path
+differentiates them through `map_gemm_xla`'s custom_vjp (gathers only, no scatter-add), and the Pallas path's
+"explicit" algorithm is these."""
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,10 +109,57 @@ def weight_grad_xla(feats, g, nbr, num, *, precision, weight_layout: WeightLayou
   kw = dict(precision=dot_precision(precision, feats.dtype), preferred_element_type=jnp.float32)
   if groups == 1:
     spec = "mvc,mo->ovc" if weight_layout.cout_major else "mvc,mo->vco"
-    return jnp.einsum(spec, gather_rows(feats, nbr), g, **kw).astype(feats.dtype)
+    return jnp.einsum(spec, _gather_rows_f32_sum(feats, nbr), g, **kw).astype(feats.dtype)
   m, v = nbr.shape
-  gathered = gather_rows(feats, nbr).reshape(m, v, groups, feats.shape[1] // groups)
+  gathered = _gather_rows_f32_sum(feats, nbr).reshape(m, v, groups, feats.shape[1] // groups)
   spec = "mvgc,mgo->govc" if weight_layout.cout_major else "mvgc,mgo->vcgo"
   d_w = jnp.einsum(spec, gathered, g.reshape(m, groups, g.shape[1] // groups), **kw)
   shape = (-1, v, gathered.shape[-1]) if weight_layout.cout_major else (v, gathered.shape[-1], -1)
   return d_w.reshape(shape).astype(feats.dtype)
+
+
+class XlaPasses(NamedTuple):
+  """Static options of `map_gemm_xla` (hashable, for custom_vjp's nondiff_argnums)."""
+
+  precision: PrecisionLike
+  weight_layout: WeightLayout
+  groups: int
+  flip_offsets: bool  # the input gradient reads offset v with W_{V-1-v} (a submanifold map), else W_v
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def map_gemm_xla(feats, w, bias, nbr, num, t_map, t_num, opts: XlaPasses):
+  """`submconv_xla` differentiated as the Pallas path is: the input gradient runs over the input-gradient map
+  t_map (the map itself for a submanifold map, with the offsets flipped; a strided map's transpose) with the
+  transposed weight, and the weight gradient gathers the features. Both are gathers and one matmul: JAX's own
+  transpose of the gather is a scatter-add, which XLA runs with atomics on the GPU (sums that change in the last
+  bits from run to run) and which the brief keeps out of every hot path. Reverse mode to any order; no forward
+  mode (a custom_vjp)."""
+  return submconv_xla(feats, w, bias, nbr, num, precision=opts.precision, weight_layout=opts.weight_layout,
+                      groups=opts.groups)
+
+
+def _map_gemm_xla_fwd(feats, w, bias, nbr, num, t_map, t_num, opts):
+  return map_gemm_xla(feats, w, bias, nbr, num, t_map, t_num, opts), (feats, w, bias, nbr, num, t_map, t_num)
+
+
+def _map_gemm_xla_bwd(opts, residuals, g):
+  feats, w, bias, nbr, num, t_map, t_num = residuals
+  valid = (jnp.arange(g.shape[0]) < num)[:, None]
+  g = jnp.where(valid, g, 0)  # outputs at padding rows are constant zeros: their cotangent must not count
+  # The input gradient is the forward over t_map with the transposed weight (held DHWIO); its own input-gradient
+  # map is nbr again, so a gradient of this gradient runs the same way.
+  transposed = XlaPasses(opts.precision, WeightLayout.DHWIO, opts.groups, opts.flip_offsets)
+  w_t = transposed_weight(w, opts.weight_layout, opts.groups, opts.flip_offsets)
+  d_feats = map_gemm_xla(g.astype(feats.dtype), w_t.astype(feats.dtype), None, t_map, t_num, nbr, num, transposed)
+  # Tied to the cotangent, the weight gradient's gather cannot be merged with the forward's identical one, which
+  # would keep that [rows, offsets x Cin] operand alive from the forward to the backward.
+  feats_tied, g_tied = jax.lax.optimization_barrier((feats, g))
+  d_w = weight_grad_xla(feats_tied, g_tied, nbr, num, precision=opts.precision, weight_layout=opts.weight_layout,
+                        groups=opts.groups).astype(w.dtype)
+  d_bias = None if bias is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(bias.dtype)
+  return d_feats.astype(feats.dtype), d_w, d_bias, None, None, None, None
+
+
+map_gemm_xla.defvjp(_map_gemm_xla_fwd, _map_gemm_xla_bwd)
+

@@ -29,7 +29,7 @@ import numpy as np
 
 from jsparse import dispatch, tuning
 from jsparse._types import PrecisionLike
-from jsparse.gemm_xla import submconv_xla
+from jsparse.gemm_xla import XlaPasses, map_gemm_xla
 from jsparse.pass_config import (PASSES, PassConfig, PassInputs, RunOptions, ShapeKey, check_algorithm, check_pass,
                                  heuristic)
 from jsparse.size_errors import SizeError, WeightShape
@@ -273,16 +273,15 @@ def map_gemm(feats: jax.Array, weight: jax.Array, bias: jax.Array | None, maps: 
 
   weight: flattened in spec.weight_layout ([V, Cin/groups, Cout] or [Cout, V, Cin/groups]) and in feats' dtype;
   bias (Cout,) or None. With spec.groups > 1, output channel block j (of Cout/groups) reads input channel
-  block j only. XLA: gather + one matmul, differentiated by JAX with the gather rematerialised. Pallas: the
-  configs `choose` picks per pass.
+  block j only. XLA: gather + one matmul per pass (`gemm_xla.map_gemm_xla`: the input gradient over the
+  input-gradient map, as on the Pallas path). Pallas: the configs `choose` picks per pass.
   """
   layout = spec.weight_layout
   if not spec.implementation.is_pallas:
-    # Rematerialised: autodiff would keep each layer's gathered [rows, V x Cin] operand (V times its input)
-    # from the forward until its weight gradient; the backward gathers again instead.
-    run = jax.checkpoint(functools.partial(submconv_xla, precision=spec.precision, weight_layout=layout,
-                                           groups=spec.groups))
-    return run(feats, weight, bias, maps.nbr, maps.num)
+    # Its custom_vjp keeps the inputs, not the gathered [rows, V x Cin] operand (V times its input): the backward
+    # gathers again.
+    options = XlaPasses(spec.precision, layout, spec.groups, maps.input_grad_flips)
+    return map_gemm_xla(feats, weight, bias, maps.nbr, maps.num, *maps.input_grad_map(), options)
   m, v = maps.nbr.shape
   _, _, cout = layout.flat_dims(weight)
   _record(ConvCall(m, feats.shape[1], cout, v, jnp.dtype(feats.dtype), maps, spec.precision, layout, spec.groups))

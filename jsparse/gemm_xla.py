@@ -26,7 +26,9 @@ def _gather_rows_f32_sum(feats: jax.Array, rows: jax.Array) -> jax.Array:
   """gather_rows(feats, rows) whose transpose (the input gradient's scatter-add over every row's offsets)
   sums in float32: JAX's own transpose of the gather adds in feats' dtype, so float16 partial sums of an
   input gradient overflowed to inf where the Pallas path and the final value stayed finite. The primal
-  gather is unchanged; the tangent goes through float32 (a custom_jvp, so forward mode works too)."""
+  gather is unchanged; the tangent goes through float32 (a custom_jvp, so forward mode works too). Since
+  `map_gemm_xla` differentiates the XLA path by gathers, this serves `submconv_xla` called directly and the
+  second derivatives of its weight gradient."""
   return gather_rows(feats, rows)
 
 
@@ -118,6 +120,13 @@ def weight_grad_xla(feats, g, nbr, num, *, precision, weight_layout: WeightLayou
   return d_w.reshape(shape).astype(feats.dtype)
 
 
+def weight_grad_apart(feats, g, nbr, num, **kw):
+  """weight_grad_xla tied to the cotangent: its gather then cannot be merged with the forward's identical one,
+  which would keep that [rows, offsets x Cin] operand alive from the forward to the backward."""
+  feats, g = jax.lax.optimization_barrier((feats, g))
+  return weight_grad_xla(feats, g, nbr, num, **kw)
+
+
 class XlaPasses(NamedTuple):
   """Static options of `map_gemm_xla` (hashable, for custom_vjp's nondiff_argnums)."""
 
@@ -152,11 +161,8 @@ def _map_gemm_xla_bwd(opts, residuals, g):
   transposed = XlaPasses(opts.precision, WeightLayout.DHWIO, opts.groups, opts.flip_offsets)
   w_t = transposed_weight(w, opts.weight_layout, opts.groups, opts.flip_offsets)
   d_feats = map_gemm_xla(g.astype(feats.dtype), w_t.astype(feats.dtype), None, t_map, t_num, nbr, num, transposed)
-  # Tied to the cotangent, the weight gradient's gather cannot be merged with the forward's identical one, which
-  # would keep that [rows, offsets x Cin] operand alive from the forward to the backward.
-  feats_tied, g_tied = jax.lax.optimization_barrier((feats, g))
-  d_w = weight_grad_xla(feats_tied, g_tied, nbr, num, precision=opts.precision, weight_layout=opts.weight_layout,
-                        groups=opts.groups).astype(w.dtype)
+  d_w = weight_grad_apart(feats, g, nbr, num, precision=opts.precision, weight_layout=opts.weight_layout,
+                          groups=opts.groups).astype(w.dtype)
   d_bias = None if bias is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(bias.dtype)
   return d_feats.astype(feats.dtype), d_w, d_bias, None, None, None, None
 

@@ -24,7 +24,6 @@ import re
 from typing import ClassVar, NamedTuple
 
 import jax.numpy as jnp
-from jax import lax
 
 from jsparse import gemm_xla
 from pallas_kernels import depthwise_config, gather_gemm, gather_gemm_config, weight_grad, weight_grad_config
@@ -99,10 +98,7 @@ class Explicit:
       return gemm_xla.submconv_xla(p.lhs, p.rhs, p.bias, p.nbr, p.num, **kw)
     if pass_name == "input_grad":
       return gemm_xla.input_grad_xla(p.lhs, p.rhs, p.nbr, p.num, flip_offsets=o.input_grad_flips, **kw)
-    # Tied to the cotangent, the weight gradient's gather cannot be merged with the forward's identical one,
-    # which would keep that [rows, offsets x Cin] operand alive from the forward to the backward.
-    feats, g = lax.optimization_barrier((p.lhs, p.rhs))
-    return gemm_xla.weight_grad_xla(feats, g, p.nbr, p.num, **kw)
+    return gemm_xla.weight_grad_apart(p.lhs, p.rhs, p.nbr, p.num, **kw)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -127,6 +127,13 @@ def weight_grad_apart(feats, g, nbr, num, **kw):
   return weight_grad_xla(feats, g, nbr, num, **kw)
 
 
+def before_next_layer(d_feats, d_w):
+  """Holds a layer's input gradient back until its gathered weight gradient is done. Without it XLA's GPU sibling
+  fusion (the layers' gathers share the map) gathers every layer's [rows, offsets x Cin] operand in one
+  multi-output fusion after the last input gradient, so all of them are alive at once."""
+  return jax.lax.optimization_barrier((d_feats, d_w))
+
+
 class XlaPasses(NamedTuple):
   """Static options of `map_gemm_xla` (hashable, for custom_vjp's nondiff_argnums)."""
 
@@ -163,6 +170,7 @@ def _map_gemm_xla_bwd(opts, residuals, g):
   d_feats = map_gemm_xla(g.astype(feats.dtype), w_t.astype(feats.dtype), None, t_map, t_num, nbr, num, transposed)
   d_w = weight_grad_apart(feats, g, nbr, num, precision=opts.precision, weight_layout=opts.weight_layout,
                           groups=opts.groups).astype(w.dtype)
+  d_feats, d_w = before_next_layer(d_feats, d_w)
   d_bias = None if bias is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(bias.dtype)
   return d_feats.astype(feats.dtype), d_w, d_bias, None, None, None, None
 

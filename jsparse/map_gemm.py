@@ -29,7 +29,7 @@ import numpy as np
 
 from jsparse import dispatch, tuning
 from jsparse._types import PrecisionLike
-from jsparse.gemm_xla import XlaPasses, map_gemm_xla
+from jsparse.gemm_xla import XlaPasses, before_next_layer, map_gemm_xla
 from jsparse.pass_config import (PASSES, PassConfig, PassInputs, RunOptions, ShapeKey, check_algorithm, check_pass,
                                  heuristic)
 from jsparse.size_errors import SizeError, WeightShape
@@ -340,6 +340,8 @@ def _forward_bwd(opts, residuals, g):
   # rows and never list them, and the bias gradient masks them.
   d_feats = _input_grad(g, w, arrays, opts)
   d_w = _weight_grad(feats, g, arrays, opts).astype(w.dtype)
+  if opts.configs[PASSES.index("weight_grad")].kind == "explicit":  # it gathers its operand into memory
+    d_feats, d_w = before_next_layer(d_feats, d_w)
   d_bias = None
   if bias is not None:
     valid = jnp.arange(g.shape[0]) < arrays.num

@@ -1,6 +1,7 @@
 """Independent references for the tests: random sparse inputs and the dense convolution."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -73,3 +74,33 @@ def random_weights(rng: np.random.Generator, kernel_size, cin, cout, bias, dtype
   w = rng.standard_normal(tuple(kernel_size) + (cin, cout)).astype(dtype) / np.sqrt(np.prod(kernel_size) * cin)
   b = rng.standard_normal(cout).astype(dtype) if bias else None
   return jnp.asarray(w), (None if b is None else jnp.asarray(b))
+
+
+def gathered_operand_growth_per_layer(path: str) -> tuple[float, int]:
+  """(temporary bytes added per layer, one layer's gathered [rows, 27 x C] operand) for jit(grad) of a stack of
+  submanifold layers, from the compiled program's memory analysis, on path "xla" or "explicit" (every pass of
+  the Pallas path's explicit algorithm)."""
+  rng = np.random.default_rng(1)
+  c = 64
+  coords = np.argwhere(rng.random((1, 12, 12, 12)) < 0.35).astype(np.int32)[:600]
+  x = jsparse.SparseTensor.from_coords(coords, rng.standard_normal((len(coords), c)).astype(np.float32),
+                                       (12,) * 3, 1, capacity=len(coords) + 5)
+  gathered = x.capacity * 27 * c * 4
+  implementation = "xla" if path == "xla" else "pallas"
+  table = jsparse.ConfigTable({jsparse.ShapeKey.of(p, x.capacity, c, c, 27, jnp.float32): jsparse.Explicit()
+                               for p in ("forward", "input_grad", "weight_grad")})
+
+  def temp_bytes(layers):
+    def loss(feats, ws):
+      y = x.replace(feats=feats)
+      for w in ws:
+        y = jsparse.submconv3d(y, w, implementation=implementation)
+        y = y.replace(feats=jnp.tanh(y.feats))
+      return jnp.sum(y.feats)
+
+    ws = [jnp.zeros((3, 3, 3, c, c), jnp.float32)] * layers
+    with table:
+      return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x.feats, ws).compile().memory_analysis().temp_size_in_bytes
+
+  # Per added layer: its weight and gradient (0.4 MB) and overhead.
+  return (temp_bytes(8) - temp_bytes(2)) / 6, gathered

@@ -15,7 +15,8 @@ from pallas_kernels.gemm_plan import (masked_plan, masked_plan_reference, offset
                                      plan_positions)
 from pallas_kernels.weight_grad import weight_grad
 from reference import SUBMCONV_CASES as CASES
-from reference import dense_submconv_at_sites, numpy_neighbor_map, random_sparse, random_weights, rel_err
+from reference import (dense_submconv_at_sites, gathered_operand_growth_per_layer, numpy_neighbor_map, random_sparse,
+                       random_weights, rel_err)
 
 # The plan and pair-list kernels and their XLA references, each jitted once here: every hypothesis example
 # (its own shapes) then compiles two programs instead of dispatching some forty ops eagerly, each an XLA
@@ -728,29 +729,7 @@ def test_mirrored_pair_lists(v_kernel, layouts):
 def test_training_keeps_no_gathered_operand_per_layer(path):
   """jit(grad) of a stack of submanifold layers: the temporary memory must not grow by a gathered
   [rows, 27 x C] operand (27 times a layer's input) per layer. The XLA path's autodiff kept one per layer
-  until its weight gradient (rematerialised now), and the explicit algorithm's weight gradient shared the
-  forward's gather (a barrier now keeps them apart)."""
-  rng = np.random.default_rng(1)
-  c = 64
-  coords = np.argwhere(rng.random((1, 12, 12, 12)) < 0.35).astype(np.int32)[:600]
-  x = jsparse.SparseTensor.from_coords(coords, rng.standard_normal((len(coords), c)).astype(np.float32),
-                                       (12,) * 3, 1, capacity=len(coords) + 5)
-  gathered = x.capacity * 27 * c * 4
-  implementation = "xla" if path == "xla" else "pallas"
-  table = jsparse.ConfigTable({jsparse.ShapeKey.of(p, x.capacity, c, c, 27, jnp.float32): jsparse.Explicit()
-                               for p in ("forward", "input_grad", "weight_grad")})
-
-  def temp_bytes(layers):
-    def loss(feats, ws):
-      y = x.replace(feats=feats)
-      for w in ws:
-        y = jsparse.submconv3d(y, w, implementation=implementation)
-        y = y.replace(feats=jnp.tanh(y.feats))
-      return jnp.sum(y.feats)
-
-    ws = [jnp.zeros((3, 3, 3, c, c), jnp.float32)] * layers
-    with table:
-      return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x.feats, ws).compile().memory_analysis().temp_size_in_bytes
-
-  growth = (temp_bytes(8) - temp_bytes(2)) / 6  # per added layer: its weight and gradient (0.4 MB) and overhead
+  until its weight gradient, and the explicit algorithm's weight gradient shared the forward's gather (a barrier
+  keeps them apart). tests/test_gpu.py runs this on the GPU, whose sibling fusion adds a third way."""
+  growth, gathered = gathered_operand_growth_per_layer(path)
   assert growth < gathered / 4, (growth, gathered)

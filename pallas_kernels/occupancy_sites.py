@@ -170,6 +170,15 @@ def _bytes_of(quads: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(quads, jnp.int8).reshape(-1)
 
 
+def _zero_bytes(num_quads: int) -> jax.Array:
+  """int8 [4 num_quads] zeros, filled as int32: XLA fills int8 arrays far below bandwidth (docs/perf_notes.md,
+  thirteenth session). The zero comes through a barrier so that XLA cannot merge this fill with another int32
+  zero fill of the same shape: the multi-output fusion of an int32 array and its int8 view crashes XLA's GPU
+  emitter (computation_partitioner.cc "operand_maps.size() == 1", openxla/xla#47373)."""
+  zero = lax.optimization_barrier(jnp.zeros((), jnp.int32))
+  return _bytes_of(jnp.broadcast_to(zero, (num_quads,)))
+
+
 def _pack_words(occupied: jax.Array) -> jax.Array:
   """int32 [W]: the 0/1 bytes int8 [32 W] packed, byte b of each group of 32 into bit b. Read as int32 [W, 8]
   quads, which XLA reduces faster than 32 bytes a word; a quad's four 0/1 bytes (at bits 0, 8, 16, 24) fold into
@@ -214,9 +223,7 @@ def mark_occupancy(coords, num, *, geometry: ProposalGeometry, batch_size: int,
   coords = jnp.asarray(coords, jnp.int32)
   capacity, nv = _check(coords, geometry, batch_size)
   num_words = -(-grid_sites(geometry, batch_size) // WORD_BITS)
-  # Zeroed as int32 (four bytes an element, the interpret-mode spare byte padded to four): XLA fills int8 arrays
-  # far below bandwidth (docs/perf_notes.md, thirteenth session).
-  occupied = _bytes_of(jnp.zeros((num_words * WORD_BITS // 4 + _spare(interpret),), jnp.int32))
+  occupied = _zero_bytes(num_words * WORD_BITS // 4 + _spare(interpret))  # the spare byte padded to four
   lanes = lanes_for(geometry)
   num_lanes = capacity * lanes.per_row
   if num_lanes:

@@ -402,3 +402,11 @@ def test_gpu_training_keeps_no_gathered_operand_per_layer(path):
   operand before the input gradient waited for the weight gradient."""
   growth, gathered = gathered_operand_growth_per_layer(path)
   assert growth < gathered / 4, (growth, gathered)
+
+
+def test_gpu_finetune_probe_compiles_and_keeps_the_pattern(tmp_path):
+  """The 2:4 fine-tuning probe's training step crashed XLA's GPU emitter (a multi-output fusion of the occupancy
+  grid's int32 zero fill with another int32 zero array, now kept apart); test_sparsity's smoke test on the GPU."""
+  from test_sparsity import test_finetune_probe_smoke_keeps_the_pattern as finetune_smoke
+
+  finetune_smoke(tmp_path)

@@ -161,6 +161,24 @@ def test_traced_num_compiles_once():
   assert f._cache_size() == 1
 
 
+def test_zero_fill_cannot_merge_with_another_int32_zero_fill():
+  """The int32 zero fill seen as the int8 grid comes through a barrier: XLA merged it with another int32 zero
+  array of the same shape into one multi-output fusion of an int32 array and its int8 view, which crashed XLA's GPU
+  emitter (the 2:4 fine-tuning probe on an H200). The barrier is what the GPU fix rests on; test_gpu.py runs the
+  probe that crashed."""
+  shape, cap, batch = (5, 4, 6), 40, 2
+  coords = random_points(np.random.default_rng(3), shape, batch, cap, cap, pad="neg1")
+  geom = _conv_geometry((3, 3, 3), 2, 1, 1, shape)
+  quads = -(-occupancy_sites.grid_sites(geom, batch) // 32) * 8  # the fill's int32 elements
+
+  def f(c, n):
+    occ = occupancy_sites.mark_occupancy(c, n, geometry=geom, batch_size=batch, interpret=True)
+    return occ.words, jnp.zeros((quads,), jnp.int32) + n
+
+  text = jax.jit(f).lower(jnp.asarray(coords), jnp.int32(cap)).as_text()
+  assert text.count("optimization_barrier") == 1
+
+
 def test_lanes_of_rows_below_the_padding_read_their_class_table_row():
   # Negative offsets with strides above 1 (a rule the module takes, though no jsparse op builds one) and valid
   # rows at positions outside the grid: position + padding is negative for some rows that still propose, so a

@@ -284,7 +284,8 @@ def test_kernels_batch_norm_workloads_agree():
 
 def test_ab_networks_sets_each_sides_environment(monkeypatch, capsys):
   """ab_networks: --base-env / --head-env reach only their side's process (a tree compared with itself under
-  other XLA flags), the tree goes first on PYTHONPATH, and the table pairs the two sides' cells."""
+  other XLA flags), the tree goes first on PYTHONPATH, the sides alternate which runs first, and the table pairs
+  the two sides' cells."""
   import os
   import subprocess
   import sys
@@ -305,11 +306,11 @@ def test_ab_networks_sets_each_sides_environment(monkeypatch, capsys):
 
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   monkeypatch.setattr(ab_networks.subprocess, "run", fake_run)
-  monkeypatch.setattr(sys, "argv", ["ab", ".", ".", "--rounds", "1", "--head-env", "XLA_FLAGS=--a=1", "--",
+  monkeypatch.setattr(sys, "argv", ["ab", ".", ".", "--rounds", "2", "--head-env", "XLA_FLAGS=--a=1", "--",
                                     "--networks", "second"])
   ab_networks.main()
   here = os.path.abspath(".")
-  assert seen == [(None, here), ("--a=1", here)]
+  assert seen == [(None, here), ("--a=1", here), ("--a=1", here), (None, here)]
   assert "| second small fp16 train | 4.00 | 2.00 | 0.500 | 1 | 1 |" in capsys.readouterr().out
   with pytest.raises(ValueError, match="NAME=VALUE"):
     ab_networks.env_pairs(["novalue"])

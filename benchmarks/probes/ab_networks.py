@@ -6,8 +6,9 @@ Machines of one pool differ by several percent, so a change is measured against 
   python -m benchmarks.probes.ab_networks .ab/base . --rounds 2 -- \
       --networks second --sizes large --dtypes fp16 --anchors ''
 
-Each round runs `benchmarks.networks` once per tree in a fresh process (PYTHONPATH pointing at the tree), and the
-table at the end gives each cell's median over rounds for both trees and their ratio.
+Each round runs `benchmarks.networks` once per tree in a fresh process (PYTHONPATH pointing at the tree), base
+first in even rounds and head first in odd ones, and the table at the end gives each cell's median over rounds
+for both trees and their ratio. Use an even number of rounds.
 
 `--base-env` / `--head-env NAME=VALUE` (repeatable) set environment variables for one side only, so one tree can
 be compared with itself under other XLA flags. Both processes read one set of inputs (`--inputs-cache`, where
@@ -72,8 +73,10 @@ def main():
   times = {"base": {}, "head": {}}
   envs = {"base": env_pairs(args.base_env), "head": env_pairs(args.head_env)}
   inputs_cache = tempfile.mkdtemp()
-  for _ in range(args.rounds):
-    for name, tree in (("base", args.base), ("head", args.head)):
+  sides = [("base", args.base), ("head", args.head)]
+  for r in range(args.rounds):
+    # The later process of a pair has measured 1-3% slower (docs/perf_notes.md, twenty-ninth session): alternate.
+    for name, tree in sides if r % 2 == 0 else sides[::-1]:
       tree_argv = with_inputs_cache(tree, argv, inputs_cache)
       for cell, value in run_tree(tree, tree_argv, tempfile.mkdtemp(), envs[name]).items():
         times[name].setdefault(cell, []).append(value)

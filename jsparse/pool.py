@@ -56,10 +56,14 @@ def _window_max(feats, nbr, inv, disjoint: bool):
 
 def _window_max_fwd(feats, nbr, inv, disjoint):
   windows = gather_rows(feats, nbr, -jnp.inf)
-  winner = jnp.argmax(windows, axis=1).astype(_offset_dtype(nbr.shape[1]))  # [M, C], first max (or NaN) on ties
+  winner = jnp.argmax(windows, axis=1)  # [M, C], first max (or NaN) on ties
   # XLA's CPU max reduction can drop a NaN (it returned the finite max of a [128, 8, C] window set), so a NaN
   # is put back explicitly: a sibling reduction of the same windows, which the GPU fuses with the other two.
   out = jnp.where(jnp.any(jnp.isnan(windows), axis=1), jnp.nan, jnp.max(windows, axis=1)).astype(feats.dtype)
+  # Where every input of a window is -inf it ties with the -inf fill of the absent offsets, and argmax may pick
+  # an absent one, whose gradient reaches no input: the winner is then the first present input.
+  first_present = jnp.argmax(nbr >= 0, axis=1)
+  winner = jnp.where(out == -jnp.inf, first_present[:, None], winner).astype(_offset_dtype(nbr.shape[1]))
   return out, (winner, nbr, inv, jnp.zeros((0,), feats.dtype))
 
 

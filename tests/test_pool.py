@@ -102,6 +102,25 @@ def test_max_pool_ties_send_each_gradient_to_one_input():
           assert gi[first, c] == cot[i, c]
 
 
+def test_max_pool_gradient_of_an_all_minus_inf_window_reaches_its_first_input():
+  """A window whose inputs are all -inf ties them with the -inf of its absent offsets: the gradient still goes to
+  the first input in offset order (it went to an absent offset, i.e. nowhere), on both gradient routes."""
+  # Window (0, 0, 0) of a 2x2x2 pool holds inputs at offsets 3 and 7 only (offset 0 is absent).
+  coords = np.array([[0, 0, 1, 1], [0, 1, 1, 1], [0, 2, 2, 2]], np.int32)
+  feats = np.array([[-np.inf, 1.0], [-np.inf, 2.0], [-np.inf, 5.0]], np.float32)
+  x = jsparse.SparseTensor.from_coords(coords, feats, (4, 4, 4), 1, capacity=5)
+  for ks, st_ in ((2, 2), (2, 1)):  # disjoint and overlapping windows
+    y = jsparse.sparse_max_pool3d(x, ks, st_)
+    assert np.all(np.asarray(y.feats[:int(y.num), 0]) == -np.inf)
+    cot = jnp.where(y.valid_mask()[:, None], 1.0, 0.0) * jnp.ones_like(y.feats)
+    g = jax.jit(jax.grad(lambda f: jnp.sum(jsparse.sparse_max_pool3d(x.replace(feats=f), ks, st_,
+                                                                     out_capacity=y.capacity).feats * cot)))(x.feats)
+    # Every output's channel-0 gradient lands on one input: none is lost.
+    np.testing.assert_array_equal(float(jnp.sum(g[:, 0])), float(jnp.sum(cot[:, 0])))
+    if ks == st_:
+      np.testing.assert_array_equal(np.asarray(g[:, 0]), [1, 0, 1, 0, 0])  # the first input of each window
+
+
 def test_max_pool_propagates_nan_to_its_window_only():
   """A NaN input makes its window's max NaN in that channel, as a dense reduce_window max does, and leaves every
   other window and channel as without it. (XLA's CPU max reduction dropped the NaN for 128 windows of 8.)"""

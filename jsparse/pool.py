@@ -142,7 +142,9 @@ def sparse_avg_pool3d(x: SparseTensor, kernel_size: Size3, stride: Size3 | None 
 def global_pool(x: SparseTensor, reduce: str = "mean") -> jax.Array:
   """[batch_size, C]: per batch item, the "mean" | "max" | "sum" of the feats of its valid rows.
 
-  Batch items without sites give zeros (also for "max"). Accumulates in float32; returns x's dtype.
+  Batch items without sites give zeros (also for "max"). Accumulates in float32; returns x's dtype. The
+  gradient of "max" splits evenly among an item's tied maxima (as `jnp.max`'s does), where the window pools
+  give it all to the first input in offset order.
   """
   check_sparse_tensor(x)
   if reduce not in _GLOBAL_REDUCE:

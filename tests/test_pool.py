@@ -193,3 +193,15 @@ def test_pool_with_no_output_rows_under_jit():
     (value, overflow), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(x.feats)
     assert bool(overflow) and float(value) == 0
     np.testing.assert_array_equal(np.asarray(g), 0)
+
+
+def test_global_max_gradient_splits_evenly_among_tied_maxima():
+  """global_pool "max": the gradient of an item's maximum splits evenly among its tied rows (as jnp.max's does),
+  per item and per channel; padding rows (garbage above the maximum) get none."""
+  coords = np.array([[0, 0, 0, 0], [0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0]], np.int32)
+  feats = np.array([[3, 1], [3, 2], [1, 2], [5, 0], [4, 0]], np.float32)
+  x = jsparse.SparseTensor.from_coords(coords, feats, (4, 4, 4), 2, capacity=7)
+  x = x.replace(feats=x.feats.at[5:].set(9.0))
+  g = jax.grad(lambda f: jnp.sum(jsparse.global_pool(x.replace(feats=f), "max")))(x.feats)
+  want = np.array([[0.5, 0], [0.5, 0.5], [0, 0.5], [1, 0.5], [0, 0.5], [0, 0], [0, 0]], np.float32)
+  np.testing.assert_array_equal(np.asarray(g), want)

@@ -257,6 +257,19 @@ def group_count(module: str, channels: int, num_groups, group_size) -> int:
   return num_groups
 
 
+def level_widths(module: str, features) -> tuple[int, ...]:
+  """A U-Net's widths per level (`features`) as a non-empty tuple of positive ints: an int or an empty tuple
+  failed in the model's indexing (TypeError / IndexError) without naming the argument."""
+  try:
+    widths = () if isinstance(features, (str, bytes)) else tuple(features)
+  except TypeError:
+    widths = ()
+  if not widths:
+    raise ValueError(f"{module}: features must be a non-empty sequence of ints (the widths per level, finest "
+                     f"first), got {features!r}")
+  return tuple(positive_int(width, module, "features") for width in widths)
+
+
 def check_norm_kind(module: str, kind) -> None:
   if kind not in NORM_KINDS:
     raise ValueError(f"{module}: norm must be 'batch', 'group' or None, got {kind!r}")

@@ -731,3 +731,17 @@ def test_sequential_trains_in_an_nnx_step():
   y1, y2 = infer(model, x), infer(model, x)
   np.testing.assert_array_equal(np.asarray(y1.feats), np.asarray(y2.feats))
   assert y1.spatial_shape == (5, 5, 5) and np.all(np.isfinite(np.asarray(y1.feats)))
+
+
+@pytest.mark.parametrize("features", [(), 16, None])
+def test_unet_features_must_be_a_nonempty_sequence(features):
+  """A U-Net's widths per level: an empty tuple or a bare int failed inside the model's indexing (IndexError,
+  'int' object is not subscriptable) without naming the argument, in both families."""
+  x = random_sparse(np.random.default_rng(0), (4, 4, 4), 3, pad=2)
+  with pytest.raises(ValueError, match="SparseUNet: features must be a non-empty sequence of ints"):
+    snn.SparseUNet(features).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="SparseUNet: features must be a non-empty sequence of ints"):
+    snnx.SparseUNet(3, features, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="SparseUNet: features must be a positive int, got 0"):
+    snnx.SparseUNet(3, (8, 0), rngs=nnx.Rngs(0))
+  assert snnx.SparseUNet(3, [8], rngs=nnx.Rngs(0))(x).num_channels == 1  # a list (or one level) is fine

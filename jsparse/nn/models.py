@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse import norm
-from jsparse.layer_rules import check_norm_kind
+from jsparse.layer_rules import check_norm_kind, level_widths
 from jsparse.nn.layers import SparseBatchNorm, SparseGroupNorm, SubMConv3d
 from jsparse.sparse_tensor import SparseTensor
 
@@ -94,22 +94,23 @@ class SparseUNet(_BlockAttributes):
     from jsparse.nn.sparse_conv_layers import SparseConv3d, SparseInverseConv3d
     from jsparse.sparse_conv import concat
 
+    features = level_widths(type(self).__name__, self.features)
     common = dict(dtype=self.dtype, param_dtype=self.param_dtype, implementation=self.implementation)
     block = lambda f, name: SparseResNetBlock(f, norm=self.norm, num_groups=self.num_groups,
                                               activation=self.activation, name=name, **common)
     act = lambda t: norm.activation(t, self.activation)
-    h = act(SubMConv3d(self.features[0], name="stem", **common)(x))
+    h = act(SubMConv3d(features[0], name="stem", **common)(x))
     skips = []
-    for level, width in enumerate(self.features[1:]):
-      h = block(self.features[level], f"down_block{level}")(h, train)
+    for level, width in enumerate(features[1:]):
+      h = block(features[level], f"down_block{level}")(h, train)
       skips.append(h)
       # padding 0 (spconv's k2 s2 down-sampling); "SAME" differs only on odd extents, where it keeps the last slice.
       h = act(SparseConv3d(width, kernel_size=2, strides=2, padding="VALID", out_capacity=h.capacity,
                            name=f"down{level}", **common)(h))
-    h = block(self.features[-1], "bottom")(h, train)
-    for level in reversed(range(len(self.features) - 1)):
+    h = block(features[-1], "bottom")(h, train)
+    for level in reversed(range(len(features) - 1)):
       skip = skips[level]
-      h = act(SparseInverseConv3d(self.features[level], kernel_size=2, strides=2, padding="VALID",
+      h = act(SparseInverseConv3d(features[level], kernel_size=2, strides=2, padding="VALID",
                                   name=f"up{level}", **common)(h, like=skip))
-      h = block(self.features[level], f"up_block{level}")(concat(h, skip), train)
+      h = block(features[level], f"up_block{level}")(concat(h, skip), train)
     return SubMConv3d(self.out_features, kernel_size=1, name="head", **common)(h)

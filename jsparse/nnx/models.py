@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jsparse import norm
-from jsparse.layer_rules import check_norm_kind
+from jsparse.layer_rules import check_norm_kind, level_widths
 from jsparse.nnx.layers import SparseBatchNorm, SparseConv3d, SparseGroupNorm, SparseInverseConv3d, SubMConv3d
 from jsparse.sparse_conv import concat
 from jsparse.sparse_tensor import SparseTensor
@@ -88,7 +88,7 @@ class SparseUNet(nnx.Module):
                norm: str | None = "group", num_groups: int = 8,
                activation: Callable[[jax.Array], jax.Array] = nnx.relu, dtype: Any = None,
                param_dtype: Any = jnp.float32, implementation: str | None = None, rngs: nnx.Rngs):
-    features = tuple(features)
+    features = level_widths(type(self).__name__, features)
     common = dict(dtype=dtype, param_dtype=param_dtype, implementation=implementation, rngs=rngs)
 
     def block(cin: int, width: int) -> SparseResNetBlock:

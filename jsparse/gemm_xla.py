@@ -161,8 +161,8 @@ def _map_gemm_xla_fwd(feats, w, bias, nbr, num, t_map, t_num, opts):
 
 def _map_gemm_xla_bwd(opts, residuals, g):
   feats, w, bias, nbr, num, t_map, t_num = residuals
-  valid = (jnp.arange(g.shape[0]) < num)[:, None]
-  g = jnp.where(valid, g, 0)  # outputs at padding rows are constant zeros: their cotangent must not count
+  # Outputs at padding rows are constant zeros, so g there must not count: t_map never lists them,
+  # weight_grad_xla masks them, and so does the bias gradient (as on the Pallas path).
   # The input gradient is the forward over t_map with the transposed weight (held DHWIO); its own input-gradient
   # map is nbr again, so a gradient of this gradient runs the same way.
   transposed = XlaPasses(opts.precision, WeightLayout.DHWIO, opts.groups, opts.flip_offsets)
@@ -171,7 +171,10 @@ def _map_gemm_xla_bwd(opts, residuals, g):
   d_w = weight_grad_apart(feats, g, nbr, num, precision=opts.precision, weight_layout=opts.weight_layout,
                           groups=opts.groups).astype(w.dtype)
   d_feats, d_w = before_next_layer(d_feats, d_w)
-  d_bias = None if bias is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(bias.dtype)
+  d_bias = None
+  if bias is not None:
+    valid = (jnp.arange(g.shape[0]) < num)[:, None]
+    d_bias = jnp.sum(jnp.where(valid, g, 0), axis=0, dtype=jnp.float32).astype(bias.dtype)
   return d_feats.astype(feats.dtype), d_w, d_bias, None, None, None, None
 
 

@@ -21,5 +21,5 @@ Capacity = int | Literal["exact"] | None
 """Rows of an output whose size depends on the data: an int, "exact" (the count) or None (a bucket)."""
 
 PrecisionLike = str | jax.lax.Precision | None
-"""Matmul precision for float32 inputs: None / "tf32" (TF32 on the GPU) or "highest" (full fp32), or a
-lax.Precision."""
+"""Matmul precision for float32 inputs: None (TF32 on the GPU, unless `jax.default_matmul_precision` asks for
+"highest" / "float32"), "tf32", "highest" (full fp32), or a lax.Precision."""

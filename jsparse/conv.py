@@ -41,7 +41,8 @@ def submconv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
     that x carries for this kernel (x.caches, attached by an earlier convolution on these coordinates) is
     used, or a new one is built; the output carries it on, so a stack of layers builds it once.
   implementation: None (Pallas kernels on a GPU, XLA elsewhere), "pallas" or "xla".
-  precision: for float32 inputs, None/"tf32" (TF32 matmuls on the GPU) or "highest" (full fp32).
+  precision: for float32 inputs, None (TF32 matmuls on the GPU, or what `jax.default_matmul_precision` sets),
+    "tf32" or "highest" (full fp32).
   algorithm (Pallas only): "auto" (chosen per pass), "explicit" (gather, then one matmul), "implicit"
     (gather fused into the GEMM), "masked" (rows sorted so blocks skip unused offsets), or their
     "_splitk" variants (the reduction split across programs), or "depthwise" (a multiply-accumulate kernel for

@@ -53,14 +53,23 @@ def clamp_pow2(n: int, lo: int, hi: int) -> int:
   return max(lo, min(hi, next_pow2(n)))
 
 
+# Values of JAX's own setting (`jax.default_matmul_precision`, its flag or its context manager) that ask for more
+# than the kernels' default; every other value (None, "default", "bfloat16", the presets below float32) is TF32.
+_FROM_JAX_DEFAULT = {"highest": lax.Precision.HIGHEST, "float32": lax.Precision.HIGHEST,
+                     "F32_F32_F32": lax.Precision.HIGHEST, "F64_F64_F64": lax.Precision.HIGHEST,
+                     "high": lax.Precision.HIGH, "tensorfloat32": lax.Precision.HIGH}
+
+
 def dot_precision(precision, dtype) -> lax.Precision:
   """The `jnp.dot` precision for the kernels' matmuls.
 
   For float32 inputs DEFAULT lowers to TF32 on the GPU and HIGHEST to full-precision fp32; half-precision
-  inputs ignore it. Accepts None, a lax.Precision, or "tf32" / "default" / "highest" / "float32".
+  inputs ignore it. Accepts None, a lax.Precision, or "tf32" / "default" / "highest" / "float32". None follows
+  JAX's `jax.default_matmul_precision` where it is set ("highest" / "float32" give full fp32), as `jnp.dot`
+  does; unset, it is DEFAULT. Read at trace time, like JAX's own setting, which is part of jit's cache key.
   """
   if precision is None:
-    return lax.Precision.DEFAULT
+    return _FROM_JAX_DEFAULT.get(jax.config.jax_default_matmul_precision, lax.Precision.DEFAULT)
   if isinstance(precision, str):
     table = {"default": lax.Precision.DEFAULT, "tf32": lax.Precision.DEFAULT, "high": lax.Precision.HIGH,
              "highest": lax.Precision.HIGHEST, "float32": lax.Precision.HIGHEST, "fp32": lax.Precision.HIGHEST}

@@ -341,7 +341,9 @@ def test_kernel_timeline_keeps_launches_apart():
   from benchmarks import networks
   from benchmarks.probes import kernel_timeline
 
-  text = jax.jit(lambda a: jnp.sort(a * 2)).lower(jnp.zeros((1000,), jnp.float32)).compile().as_text()
+  # Compiled for the CPU on every machine: the HLO names below are the CPU compiler's.
+  cpu_zeros = jax.device_put(jnp.zeros((1000,), jnp.float32), jax.devices("cpu")[0])
+  text = jax.jit(lambda a: jnp.sort(a * 2)).lower(cpu_zeros).compile().as_text()
   instructions = networks.hlo_instructions(text)
   # The entry's sort by its HLO name and by the kernel-name form ('.' as '_'), with its operand.
   shape, operands = instructions["sort.0"]

@@ -31,7 +31,7 @@ def _dot_lines(dtype, precision, swap=None):
 
 @pytest.mark.parametrize("swap", [False, True])
 def test_tf32_product_is_one_marked_dot_that_accumulates(swap):
-  ttir, dots = _dot_lines(jnp.float32, None, swap)
+  ttir, dots = _dot_lines(jnp.float32, "tf32", swap)
   assert len(dots) == 1
   assert "inputPrecision = tf32" in dots[0] and "tf32_arguments_rounded" in dots[0]
   # The accumulator is the dot's third operand (the loop-carried value), not a zero added to afterwards.
@@ -47,6 +47,34 @@ def test_other_products_are_plain_dots(dtype, precision):
     assert "inputPrecision" not in dots[0]
 
 
+@pytest.mark.parametrize("jax_setting, tf32", [(None, True), ("bfloat16", True), ("tensorfloat32", True),
+                                               ("float32", False), ("highest", False)])
+def test_precision_none_follows_jax_default_matmul_precision(jax_setting, tf32):
+  """precision=None is TF32 unless JAX's own setting asks for float32, as for `jnp.dot`; an explicit precision
+  wins over the setting."""
+  with jax.default_matmul_precision(jax_setting):
+    _, dots = _dot_lines(jnp.float32, None)
+    _, explicit_tf32 = _dot_lines(jnp.float32, "tf32")
+  assert len(dots) == 1 and ("inputPrecision = tf32" in dots[0]) == tf32
+  assert "inputPrecision = tf32" in explicit_tf32[0]
+
+
+def test_xla_path_precision_none_follows_jax_default_matmul_precision():
+  """The XLA path's products (forward and both gradients) take the same precision as the kernels'."""
+  x = random_sparse(np.random.default_rng(3), (5, 4, 6), 8)
+  w = jnp.ones((3, 3, 3, 8, 4), jnp.float32)
+
+  def dot_precisions(setting):
+    loss = lambda f, w: jsparse.submconv3d(x.replace(feats=f), w, implementation="xla").feats.sum()
+    with jax.default_matmul_precision(setting):
+      jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x.feats, w))
+    return set(re.findall(r"precision=\(?Precision\.(\w+)", jaxpr))
+
+  assert dot_precisions("float32") == {"HIGHEST"}
+  assert dot_precisions(None) == {"DEFAULT"}
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the product off the GPU; test_gpu checks the GPU's")
 def test_mma_off_the_gpu_is_the_float32_product():
   rng = np.random.default_rng(0)
   a, b, acc = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((16, 32), (32, 8), (16, 8)))

@@ -105,7 +105,8 @@ def check_feats_dtype(dtype, name: str = "feats") -> None:
   # Complex features would lose their imaginary part in the float32 accumulations, ints and bools are not
   # features a convolution can produce: reject both rather than coerce.
   if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"{name} must be real floating point (float16, bfloat16, float32), got dtype {dtype}")
+    raise TypeError(f"{name} must be real floating point (float16, bfloat16, float32; float64 under x64 computes "
+                    f"at float32 accuracy), got dtype {dtype}")
 
 
 def is_traced(*values) -> bool:

@@ -168,8 +168,8 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
   """`neighbor_map` for arguments already validated (a ConvSpec's)."""
   # A row outside the grid has a linear key that can alias another site's (or the hash table's EMPTY), so it
   # would get or give wrong neighbours: only a tensor built without from_coords' checks can hold one.
-  check_inside_grid("neighbor_map", x.coords, x.num, x.batch_size, x.spatial_shape,
-                    "their neighbours would be wrong")
+  outside = check_inside_grid("neighbor_map", x.coords, x.num, x.batch_size, x.spatial_shape,
+                              "their neighbours would be wrong")
   check_distinct_sites("neighbor_map", x.coords, x.num)
   offsets = _offsets(kernel_size, dilation)
   occupancy = _ranking_occupancy(x) if impl.is_pallas else None
@@ -182,8 +182,11 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
   elif impl.is_pallas:
     from pallas_kernels.hash_table import neighbor_map_hashed
 
+    # Under jit such a row is keyed as padding, as on the XLA path: it is hashed at (-1, 0, 0, -1), whose key
+    # -X*Y*Z - 1 is negative (no in-grid site's, nor EMPTY's) and whose shifted sites stay in batch -1.
+    hashed_coords = jnp.where(outside[:, None], jnp.asarray([-1, 0, 0, -1], jnp.int32), x.coords)
     nbr, overflow = neighbor_map_hashed(
-        x.coords, x.num, spatial_shape=x.spatial_shape, offsets=offsets, interpret=impl.interpret,
+        hashed_coords, x.num, spatial_shape=x.spatial_shape, offsets=offsets, interpret=impl.interpret,
         wide_keys=x.key_width == 2)
   else:
     nbr = _neighbor_map_sorted(x, offsets)

@@ -611,6 +611,40 @@ def test_neighbor_map_reports_rows_outside_the_grid(implementation, row):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("row", [(0, 0, 4, 0), (0, 0, 3, 4), (0, -1, 3, 3)], ids=["y-past-extent", "z-past-extent",
+                                                                                   "negative-x"])
+def test_rows_outside_the_grid_are_keyed_as_padding_under_jit(implementation, row):
+  """Under plain jit (no report) a row outside the grid is keyed as padding by the submanifold map: the in-grid
+  rows' values and gradients are those without it. (0, 0, 4, 0) and (0, 0, 3, 4) on a 4^3 grid have the linear key
+  of (0, 1, 0, 0); the Pallas hash table took them for that site and gave its neighbours wrong values."""
+  from jax import lax
+
+  rng = np.random.default_rng(5)
+  coords = np.array([[0, 1, 0, 0], [0, 1, 1, 0], [0, 2, 0, 0], [0, 0, 0, 0], [0, 0, 3, 3]], np.int32)
+  feats = rng.standard_normal((6, 2)).astype(np.float32)
+  weight = jnp.asarray(rng.standard_normal((3, 3, 3, 2, 3)), jnp.float32)
+  bad = SparseTensor(jnp.asarray(np.concatenate([coords, [row], -np.ones((2, 4), np.int32)]), jnp.int32),
+                     jnp.asarray(np.concatenate([feats, np.zeros((2, 2), np.float32)])), jnp.int32(6), (4, 4, 4), 1)
+  good = SparseTensor(jnp.asarray(coords), jnp.asarray(feats[:5]), jnp.int32(5), (4, 4, 4), 1)
+  cot = jnp.asarray(rng.standard_normal((3, 4, 4, 4, 3)), jnp.float32)[:1]
+
+  def dense_loss(f):
+    d = good.replace(feats=f).todense()
+    y = lax.conv_general_dilated(d, weight, (1, 1, 1), "SAME", dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))
+    return jnp.sum(y[tuple(coords.T)] * cot[tuple(coords.T)])
+
+  def sparse_loss(f):
+    y = jsparse.submconv3d(bad.replace(feats=f), weight, implementation=implementation)
+    return jnp.sum(y.feats[:5] * cot[tuple(coords.T)]), y.feats[:5]
+
+  (_, values), grad = jax.jit(jax.value_and_grad(sparse_loss, has_aux=True))(bad.feats)
+  ref = lax.conv_general_dilated(good.todense(), weight, (1, 1, 1), "SAME",
+                                 dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))[tuple(coords.T)]
+  np.testing.assert_allclose(values, ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(grad[:5], jax.grad(dense_loss)(jnp.asarray(feats[:5])), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_maps_report_rows_that_repeat_a_site(implementation):
   """A repeated site (only a tensor built without from_coords' checks can hold one) breaks the submanifold map's
   symmetry, which the Pallas gradients use, and a strided search would pair both rows with one output: the

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse.sparse_tensor import SparseTensor, as_int, check_sparse_tensor, int32_values, site_keys
+from jsparse.sparse_tensor import (SparseTensor, as_int, check_sparse_tensor, int32_values, outside_grid_mask,
+                                   site_keys)
 
 MAX_BITS = 10  # bits per axis of a one-word (int32) key
 MAX_WIDE_BITS = 21  # bits per axis of a key in words (coordinates < sparse_tensor.MAX_EXTENT)
@@ -237,14 +238,19 @@ def serialization_keys(x: SparseTensor, order: str = "morton", bits: int | None 
 
   Keys in words are int32 [capacity, W] (every word int32 max for padding): curve keys at bits > 10, and
   "linear" keys (which include the batch) on grids of 2**31 sites or more, as the (hi, lo) words of
-  sparse_tensor.site_keys.
+  sparse_tensor.site_keys. A valid row outside x's grid (only a directly built tensor holds one) would share another
+  site's "linear" key: ValueError outside jit, key -1 (every word) under it.
   """
   check_sparse_tensor(x)
   if order not in ORDERS:
     raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
   valid = x.valid_mask()
   if order == "linear":
-    words = site_keys(x.coords, x.spatial_shape, x.key_width)
+    # A valid row outside the grid has another site's linear key ((0, 1, 4, 0) on a 4^3 grid has (0, 2, 0, 0)'s):
+    # ValueError here, -1 under jit, as the curves' out-of-range rule.
+    outside = outside_grid_mask(x.coords, x.num, x.batch_size, x.spatial_shape)
+    _check_in_range("x.coords", ~outside, f"[0, batch_size={x.batch_size}) x [0, extent) of {x.spatial_shape}")
+    words = [jnp.where(outside, -1, w) for w in site_keys(x.coords, x.spatial_shape, x.key_width)]
     k = words[0] if len(words) == 1 else jnp.stack(words, axis=-1)
   else:
     bits = bits_for(x.spatial_shape) if bits is None else _check_bits(bits)

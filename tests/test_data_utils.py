@@ -707,3 +707,16 @@ def test_serialization_keys_of_negative_sites_are_not_aliased(order):
     serialize.serialization_keys(bad, order)
   keys = np.asarray(jax.jit(serialize.serialization_keys, static_argnums=1)(bad, order))
   assert keys[0] == -1 and keys[1] >= 0 and keys[2] == np.iinfo(np.int32).max
+
+
+@pytest.mark.parametrize("spatial_shape,batch_size", [((4, 4, 4), 1), ((1024, 1024, 1024), 2)], ids=["int32", "words"])
+def test_linear_serialization_keys_of_sites_outside_the_grid_are_not_aliased(spatial_shape, batch_size):
+  # (0, 1, Y, 0) has the linear key of (0, 2, 0, 0), which "linear" gave it (and sort_by placed it there) silently.
+  y_extent = spatial_shape[1]
+  coords = jnp.array([[0, 1, y_extent, 0], [0, 2, 0, 0], [0, 0, -1, 0], [-1, -1, -1, -1]], jnp.int32)
+  bad = SparseTensor(coords, jnp.ones((4, 1)), jnp.int32(3), spatial_shape, batch_size)
+  with pytest.raises(ValueError, match="out of range"):
+    serialize.serialization_keys(bad, "linear")
+  keys = np.asarray(jax.jit(serialize.serialization_keys, static_argnums=1)(bad, "linear")).reshape(4, -1)
+  assert np.all(keys[0] == -1) and np.all(keys[2] == -1) and np.all(keys[1] >= 0)
+  assert np.all(keys[3] == np.iinfo(np.int32).max)

@@ -660,12 +660,14 @@ class SparseTensor:
     return key_width(self.batch_size, self.spatial_shape)
 
   def linear_keys(self) -> jax.Array:
-    """int32 [capacity]: ((b*X + x)*Y + y)*Z + z for valid rows, -1 for padding.
+    """int32 [capacity]: ((b*X + x)*Y + y)*Z + z for valid rows, -1 for padding and for valid rows outside the
+    grid (only a directly built tensor holds one; (0, 1, Y, 0) would have (0, 2, 0, 0)'s key).
 
     On grids of 2**31 sites or more (key_width 2) it is int32 [capacity, 2], the (hi, lo) words of that
     index, hi * 2**31 + lo, with -1 words for padding."""
     keys = site_keys(self.coords, self.spatial_shape, self.key_width)
-    keys = jnp.stack([jnp.where(self.valid_mask(), k, -1) for k in keys], axis=-1)
+    keyed = self.valid_mask() & ~outside_grid_mask(self.coords, self.num, self.batch_size, self.spatial_shape)
+    keys = jnp.stack([jnp.where(keyed, k, -1) for k in keys], axis=-1)
     return keys[:, 0] if keys.shape[1] == 1 else keys
 
   def __repr__(self) -> str:

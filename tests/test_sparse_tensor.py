@@ -201,3 +201,15 @@ def test_direct_construction_refuses_a_host_num_past_the_rows():
   assert stacked.coords.shape == (2, 3, 4)
   with pytest.raises(ValueError, match="num must be"):
     jsparse.SparseTensor(jnp.stack([coords, coords]), jnp.stack([feats, feats]), np.array([3, 4]), (4, 4, 4), 1)
+
+
+@pytest.mark.parametrize("spatial_shape,batch_size", [((4, 4, 4), 1), ((1024, 1024, 1024), 2)], ids=["int32", "words"])
+def test_linear_keys_of_rows_outside_the_grid_are_minus_one(spatial_shape, batch_size):
+  # (0, 1, Y, 0) of a directly built tensor got the linear key of (0, 2, 0, 0), so a match on keys found that site.
+  y_extent = spatial_shape[1]
+  coords = jnp.array([[0, 1, y_extent, 0], [0, 2, 0, 0], [batch_size, 0, 0, 0], [-1, -1, -1, -1]], jnp.int32)
+  x = jsparse.SparseTensor(coords, jnp.ones((4, 1)), jnp.int32(3), spatial_shape, batch_size)
+  for keys in (np.asarray(x.linear_keys()), np.asarray(jax.jit(lambda t: t.linear_keys())(x))):
+    keys = keys.reshape(4, -1)
+    assert np.all(keys[[0, 2, 3]] == -1) and np.all(keys[1] >= 0)
+    assert keys[1, -1] == 2 * spatial_shape[1] * spatial_shape[2]

@@ -50,7 +50,7 @@ class ConvSpec:
 
   kernel_size, dilation: 3 ints each (checked by the op: submanifold kernels are odd).
   implementation: the resolved `dispatch.Implementation`. weight_layout: a WeightLayout.
-  precision: for float32, None / "tf32" / "highest" or a lax.Precision. algorithm: one of
+  precision: for float32, None (see `tiling.dot_precision`) / "tf32" / "highest" or a lax.Precision. algorithm: one of
   pass_config.ALGORITHMS ("auto" lets `choose` decide per pass). groups: feature_group_count (input and
   output channels split into that many groups, group j's outputs reading only group j's inputs).
   """

@@ -207,7 +207,7 @@ def weight_grad(x, dy, nbr, *, pairs: PairLists | None = None, config: TileConfi
   pairs: `gemm_plan.pair_lists(nbr)` (mirrored or not): walk only the rows that have a neighbour at each offset
     (else all rows, skipping chunks with none at run time). Required by a `config.balanced` config.
   precision: for float32, None/"tf32" (run as bf16 hi/lo products, see the module doc) or "highest"
-    (full float32 products).
+    (full float32 products); None follows `jax.default_matmul_precision` (`tiling.dot_precision`).
   weight_layout: the flattened weight layout to return, DHWIO [V, Cin, Cout] or ODHWI [Cout, V, Cin] (the
     programs store their tiles there, so no transpose follows).
   groups: feature groups: dW [V, Cin/G, Cout] (or [Cout, V, Cin/G]), Cout block j the product of x's and dy's

@@ -670,6 +670,11 @@ class SparseTensor:
     keys = jnp.stack([jnp.where(keyed, k, -1) for k in keys], axis=-1)
     return keys[:, 0] if keys.shape[1] == 1 else keys
 
+  def __array__(self, *args, **kwargs):
+    # Without it np.asarray / jnp.asarray made a 0-d object array of the tensor (or failed on float()) silently.
+    raise TypeError("a jsparse.SparseTensor is not an array: use x.todense() for the dense array, or x.feats / "
+                    "x.coords for the rows")
+
   def __repr__(self) -> str:
     # Tensors stacked for jax.vmap have leading axes on every leaf: one num per element, capacity on axis -2.
     lead = tuple(self.coords.shape[:-2])

@@ -669,3 +669,17 @@ def test_maps_report_rows_that_repeat_a_site(implementation):
       assert "repeat an earlier row's coordinates" in str(err.get()), name
       err, _ = checkify.checkify(jax.jit(op))(x)
       assert err.get() is None, name
+
+
+def _small_tensor():
+  coords = np.array([[0, 1, 1, 1], [0, 2, 1, 1], [1, 0, 0, 0]], np.int32)
+  feats = np.arange(6, dtype=np.float32).reshape(3, 2)
+  return SparseTensor.from_coords(coords, feats, (4, 4, 4), 2, capacity=8)
+
+
+@pytest.mark.parametrize("to_array", [np.asarray, jnp.asarray, np.array])
+def test_a_sparse_tensor_is_not_silently_an_array(to_array):
+  # np.asarray made a 0-d object array of the tensor (a silent wrong array); jnp.asarray failed inside float().
+  with pytest.raises(TypeError, match="todense"):
+    to_array(_small_tensor())
+

@@ -677,9 +677,10 @@ class SparseTensor:
 
   def __repr__(self) -> str:
     # Tensors stacked for jax.vmap have leading axes on every leaf: one num per element, capacity on axis -2.
+    # Only values can be shown: jax.eval_shape's tensors hold ShapeDtypeStructs, jit's tracers.
     lead = tuple(self.coords.shape[:-2])
-    num = self.num if isinstance(self.num, jax.core.Tracer) else np.asarray(self.num).tolist()
-    flag = "" if is_traced(self.overflow) or not np.any(np.asarray(self.overflow)) else ", OVERFLOWED"
+    num = np.asarray(self.num).tolist() if _has_value(self.num) else self.num
+    flag = ", OVERFLOWED" if _has_value(self.overflow) and np.any(np.asarray(self.overflow)) else ""
     rank = "" if self.spatial_ndim == 3 else f", spatial_ndim={self.spatial_ndim}"
     stacked = f", stacked={lead}" if lead else ""
     shape = tuple(self.spatial_shape)[3 - self.spatial_ndim:]
@@ -688,6 +689,10 @@ class SparseTensor:
 
 
 _LEAVES = ("coords", "feats", "num", "overflow", "caches")
+
+
+def _has_value(v) -> bool:
+  return isinstance(v, (np.ndarray, np.generic, int, bool, jax.Array)) and not isinstance(v, jax.core.Tracer)
 
 
 _STATIC = ("spatial_shape", "batch_size", "spatial_ndim")

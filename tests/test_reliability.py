@@ -683,3 +683,17 @@ def test_a_sparse_tensor_is_not_silently_an_array(to_array):
   with pytest.raises(TypeError, match="todense"):
     to_array(_small_tensor())
 
+
+def test_repr_of_abstract_tensors():
+  # jax.eval_shape's output holds ShapeDtypeStructs: its repr raised inside np.any(np.asarray(overflow)).
+  x = _small_tensor()
+  w = jnp.ones((3, 3, 3, 2, 3), jnp.float32)
+  out = jax.eval_shape(lambda t: jsparse.submconv3d(t, w, implementation="xla"), x)
+  text = repr(out)
+  assert "capacity=8, channels=3" in text and "OVERFLOWED" not in text
+  assert out.coords.shape == (8, 4) and out.feats.shape == (8, 3)
+  # Abstract inputs (ShapeDtypeStructs in the tensor) lower and compile, and the program gives the eager answer.
+  conv = jax.jit(lambda t: jsparse.submconv3d(t, w, implementation="xla"))
+  compiled = conv.lower(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)).compile()
+  np.testing.assert_array_equal(np.asarray(compiled(x).todense()),
+                                np.asarray(jsparse.submconv3d(x, w, implementation="xla").todense()))

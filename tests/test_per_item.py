@@ -1,10 +1,15 @@
-"""jsparse.per_item: per-batch-item sums and their broadcast, against numpy on random tensors with padding."""
+"""jsparse.per_item: per-batch-item sums and their broadcast, against numpy on random tensors with padding; and
+every per-item op's results for one item independent of the other items."""
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import jsparse
-from jsparse import per_item
+from jsparse import norm, per_item, sampling, serialize
 from reference import random_sparse
 
 
@@ -106,3 +111,140 @@ def test_global_pool_gradients_stay_row_sized():
     loss = lambda f: jnp.sum(jsparse.global_pool(x.replace(feats=f), reduce) ** 2)  # noqa: E731
     temp = jax.jit(jax.grad(loss)).lower(x.feats).compile().memory_analysis().temp_size_in_bytes
     assert temp < n * b * c * 4 / 4, (reduce, temp)
+
+
+# ---- per-item independence of every op that is not a batch statistic ----------------------------------------------
+# An item's output rows (by site) and the gradient w.r.t. its own features must not change when the other items'
+# sites, counts, row positions and features change (batch_norm is the one op that legitimately mixes items: its
+# statistics run over the whole batch, so it is not here). tests/test_invariants.py compares an item alone against
+# it in a batch for the plain convolutions, pools and norms; this covers the other ops and swaps the other items
+# for different ones at one capacity, so both runs are one compiled program.
+
+_B, _C, _GRID, _CAP = 3, 4, (6, 6, 6), 64
+_RNG_W = np.random.default_rng(1234)
+_W = {k: jnp.asarray((_RNG_W.standard_normal(s) * 0.4).astype(np.float32)) for k, s in {
+    "g2": (3, 3, 3, _C // 2, 6), "dw": (3, 3, 3, 1, _C), "s2g2": (3, 3, 3, _C // 2, 4), "tr": (2, 2, 2, _C, 3),
+    "inv1": (3, 3, 3, _C, 3), "inv2": (3, 3, 3, 3, 2), "scale": (_C,), "bias": (_C,)}.items()}
+_POINTS = jnp.asarray(np.random.default_rng(77).uniform(0, 6, (_B, 9, 3)).astype(np.float32))
+
+
+def _item_ops(impl):
+  subm = functools.partial(jsparse.submconv3d, implementation=impl, precision="highest")
+  conv = functools.partial(jsparse.sparse_conv3d, implementation=impl, precision="highest", out_capacity=2 * _CAP)
+
+  def inverse(x):
+    y = conv(x, _W["inv1"], stride=2, padding=1)
+    return jsparse.sparse_inverse_conv3d(y, _W["inv2"], like=x, stride=2, padding=1, implementation=impl,
+                                         precision="highest")
+
+  def topology(x):
+    picked = jsparse.select(x.replace(feats=2 * x.feats), x.feats[:, 0] > 0, capacity=_CAP)
+    shifted = subm(x, _W["g2"], feature_group_count=2)
+    product = jsparse.multiply(x, x.replace(feats=shifted.feats[:, :_C]), capacity=_CAP)
+    return jsparse.concat(jsparse.add(x, picked, capacity=_CAP), product)
+
+  def labels(x):
+    coarse = jsparse.sparse_max_pool3d(x, 2, out_capacity=2 * _CAP, implementation=impl)
+    return coarse.replace(feats=jsparse.child_labels(coarse, x).astype(jnp.float32) * coarse.feats[:, :1])
+
+  return {
+      "grouped_submconv": lambda x: subm(x, _W["g2"], feature_group_count=2),
+      "depthwise_submconv": lambda x: subm(x, _W["dw"], feature_group_count=_C),
+      "grouped_strided_conv": lambda x: conv(x, _W["s2g2"], stride=2, padding=1, feature_group_count=2),
+      "generative_transpose": lambda x: jsparse.sparse_conv_transpose3d(x, _W["tr"], stride=2, out_capacity=8 * _CAP,
+                                                                        implementation=impl, precision="highest"),
+      "inverse_conv": inverse,
+      "max_pool": lambda x: jsparse.sparse_max_pool3d(x, 3, 2, 1, out_capacity=2 * _CAP, implementation=impl),
+      "avg_pool": lambda x: jsparse.sparse_avg_pool3d(x, 2, out_capacity=2 * _CAP, implementation=impl),
+      "global_max": lambda x: jsparse.global_pool(x, "max"),
+      "layer_norm": lambda x: norm.layer_norm(x, _W["scale"], _W["bias"]),
+      "group_norm": lambda x: norm.group_norm(x, 2, _W["scale"], _W["bias"], activation=jax.nn.silu),
+      "topology": topology,
+      "child_labels": labels,
+      "hilbert_sort": lambda x: serialize.sort_by(x, "hilbert")[0],
+      "grid_sample": lambda x: sampling.grid_sample(x, _POINTS),
+  }
+
+
+def _probe(coords, channels):
+  """A cotangent fixed by the site (not the row), so a loss over the item's sites is independent of row order."""
+  phase = coords[:, 1:].astype(jnp.float32) @ jnp.asarray([1.3, 0.7, 2.1])
+  return jnp.cos(phase[:, None] + jnp.arange(channels))
+
+
+@functools.partial(jax.jit, static_argnames=("name", "impl"))
+def _item_result(x, item, name, impl):
+  """(out, d loss / d x.feats) with loss reading item `item`'s outputs only."""
+  op = _item_ops(impl)[name]
+
+  def loss(feats):
+    out = op(x.replace(feats=feats))
+    if isinstance(out, jsparse.SparseTensor):
+      mine = out.valid_mask() & (out.coords[:, 0] == item)
+      return jnp.sum(jnp.where(mine[:, None], out.feats * _probe(out.coords, out.num_channels), 0)), out
+    return jnp.sum(out[item] * jnp.cos(jnp.arange(out[item].size).reshape(out[item].shape))), out
+
+  (_, out), grad = jax.value_and_grad(loss, has_aux=True)(x.feats)
+  return out, grad
+
+
+def _rows_of_item(coords, num, item, *values):
+  """The item's valid rows as {site: (values...)}."""
+  coords = np.asarray(coords)
+  return {tuple(coords[r, 1:]): tuple(np.asarray(v[r]) for v in values)
+          for r in range(int(num)) if coords[r, 0] == item}
+
+
+def _batch(rng, item, mine, my_feats):
+  """The item's sites and features at batch index `item`, other items random (0 to 20 sites each), rows shuffled."""
+  coords, feats = [np.concatenate([np.full((len(mine), 1), item), mine], 1)], [my_feats]
+  for b in range(_B):
+    if b != item:
+      sites = np.argwhere(rng.random(_GRID) < rng.uniform(0, 0.1))[:20]
+      coords.append(np.concatenate([np.full((len(sites), 1), b), sites], 1))
+      feats.append((rng.standard_normal((len(sites), _C)) * rng.choice([0.1, 1, 30])).astype(np.float32))
+  coords, feats = np.concatenate(coords).astype(np.int32), np.concatenate(feats)
+  order = rng.permutation(len(coords))
+  return jsparse.SparseTensor.from_coords(coords[order], feats[order], _GRID, _B, capacity=_CAP)
+
+
+def _independence_case(name, seed, item, impl):
+  rng = np.random.default_rng(seed)
+  mine = np.argwhere(rng.random(_GRID) < 0.06)[:16]
+  mine = mine if len(mine) else np.zeros((1, 3), np.int64)
+  my_feats = rng.standard_normal((len(mine), _C)).astype(np.float32)
+  results = []
+  for _ in range(2):
+    x = _batch(rng, item, mine, my_feats)
+    out, grad = _item_result(x, item, name, impl)
+    if isinstance(out, jsparse.SparseTensor):
+      assert not bool(out.overflow), name
+      got = _rows_of_item(out.coords, out.num, item, out.feats)
+    else:
+      got = {(): (np.asarray(out[item]),)}
+    results.append((got, _rows_of_item(x.coords, x.num, item, grad)))
+  (out_a, grad_a), (out_b, grad_b) = results
+  assert out_a.keys() == out_b.keys(), f"{name}: the item's output sites depend on the other items"
+  for site in out_a:
+    np.testing.assert_allclose(out_a[site][0], out_b[site][0], rtol=1e-5, atol=1e-5, err_msg=f"{name} {site}")
+  assert grad_a.keys() == grad_b.keys()
+  for site in grad_a:
+    np.testing.assert_allclose(grad_a[site][0], grad_b[site][0], rtol=1e-5, atol=1e-5, err_msg=f"{name} {site}")
+
+
+_ITEM_OP_NAMES = sorted(_item_ops("xla"))
+
+
+@pytest.mark.parametrize("name", _ITEM_OP_NAMES)
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**16), item=st.integers(0, _B - 1))
+def test_an_items_results_ignore_the_other_items(name, seed, item):
+  _independence_case(name, seed, item, "xla")
+
+
+@pytest.mark.parametrize("name", ["depthwise_submconv", "generative_transpose", "grouped_strided_conv",
+                                  "grouped_submconv", "max_pool"])
+@settings(max_examples=2, deadline=None)
+@given(seed=st.integers(0, 2**16), item=st.integers(0, _B - 1))
+def test_an_items_results_ignore_the_other_items_pallas(name, seed, item):
+  _independence_case(name, seed, item, "pallas")

@@ -54,10 +54,15 @@ def clamp_pow2(n: int, lo: int, hi: int) -> int:
 
 
 # Values of JAX's own setting (`jax.default_matmul_precision`, its flag or its context manager) that ask for more
-# than the kernels' default; every other value (None, "default", "bfloat16", the presets below float32) is TF32.
+# than the kernels' default; every other value (None, "default", "bfloat16", the one-pass presets) is TF32. The
+# multi-pass presets map to the precision of the same accuracy (JAX's own "bfloat16_3x" is HIGH; six or nine
+# bfloat16 passes or three TF32 passes are float32-accurate): read as TF32 they silently lost digits asked for.
 _FROM_JAX_DEFAULT = {"highest": lax.Precision.HIGHEST, "float32": lax.Precision.HIGHEST,
                      "F32_F32_F32": lax.Precision.HIGHEST, "F64_F64_F64": lax.Precision.HIGHEST,
-                     "high": lax.Precision.HIGH, "tensorfloat32": lax.Precision.HIGH}
+                     "BF16_BF16_F32_X6": lax.Precision.HIGHEST, "BF16_BF16_F32_X9": lax.Precision.HIGHEST,
+                     "TF32_TF32_F32_X3": lax.Precision.HIGHEST,
+                     "high": lax.Precision.HIGH, "tensorfloat32": lax.Precision.HIGH,
+                     "BF16_BF16_F32_X3": lax.Precision.HIGH}
 
 
 def dot_precision(precision, dtype) -> lax.Precision:
@@ -65,8 +70,9 @@ def dot_precision(precision, dtype) -> lax.Precision:
 
   For float32 inputs DEFAULT lowers to TF32 on the GPU and HIGHEST to full-precision fp32; half-precision
   inputs ignore it. Accepts None, a lax.Precision, or "tf32" / "default" / "highest" / "float32". None follows
-  JAX's `jax.default_matmul_precision` where it is set ("highest" / "float32" give full fp32), as `jnp.dot`
-  does; unset, it is DEFAULT. Read at trace time, like JAX's own setting, which is part of jit's cache key.
+  JAX's `jax.default_matmul_precision` where it is set ("highest" / "float32" and the float32-accurate
+  multi-pass presets give full fp32), as `jnp.dot` does; unset, it is DEFAULT. Read at trace time, like JAX's
+  own setting, which is part of jit's cache key.
   """
   if precision is None:
     return _FROM_JAX_DEFAULT.get(jax.config.jax_default_matmul_precision, lax.Precision.DEFAULT)

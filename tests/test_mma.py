@@ -59,19 +59,29 @@ def test_precision_none_follows_jax_default_matmul_precision(jax_setting, tf32):
   assert "inputPrecision = tf32" in explicit_tf32[0]
 
 
-def test_xla_path_precision_none_follows_jax_default_matmul_precision():
-  """The XLA path's products (forward and both gradients) take the same precision as the kernels'."""
+def _xla_dot_precisions(setting):
+  """The precisions of the XLA path's products (forward and both gradients) under JAX's setting."""
   x = random_sparse(np.random.default_rng(3), (5, 4, 6), 8)
   w = jnp.ones((3, 3, 3, 8, 4), jnp.float32)
+  loss = lambda f, w: jsparse.submconv3d(x.replace(feats=f), w, implementation="xla").feats.sum()
+  with jax.default_matmul_precision(setting):
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x.feats, w))
+  return set(re.findall(r"precision=\(?Precision\.(\w+)", jaxpr))
 
-  def dot_precisions(setting):
-    loss = lambda f, w: jsparse.submconv3d(x.replace(feats=f), w, implementation="xla").feats.sum()
-    with jax.default_matmul_precision(setting):
-      jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x.feats, w))
-    return set(re.findall(r"precision=\(?Precision\.(\w+)", jaxpr))
 
-  assert dot_precisions("float32") == {"HIGHEST"}
-  assert dot_precisions(None) == {"DEFAULT"}
+def test_xla_path_precision_none_follows_jax_default_matmul_precision():
+  """The XLA path's products (forward and both gradients) take the same precision as the kernels'."""
+  assert _xla_dot_precisions("float32") == {"HIGHEST"}
+  assert _xla_dot_precisions(None) == {"DEFAULT"}
+
+
+@pytest.mark.parametrize("preset, want", [("BF16_BF16_F32_X9", "HIGHEST"), ("BF16_BF16_F32_X6", "HIGHEST"),
+                                          ("TF32_TF32_F32_X3", "HIGHEST"), ("BF16_BF16_F32_X3", "HIGH"),
+                                          ("BF16_BF16_F32", "DEFAULT"), ("TF32_TF32_F32", "DEFAULT")])
+def test_multi_pass_presets_keep_their_accuracy(preset, want):
+  """JAX's multi-pass algorithm presets ask for (near) float32 products: read as TF32 they lost the digits asked
+  for (jnp.dot under the same setting keeps them); one-pass presets are the default."""
+  assert _xla_dot_precisions(preset) == {want}
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the product off the GPU; test_gpu checks the GPU's")

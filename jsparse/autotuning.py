@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -142,10 +143,18 @@ def autotune(fn: Callable, *args: Any, passes: Sequence[str] = PASSES, warmup: i
   while it is active use the tuned configs; functions already compiled keep theirs.
   """
   calls: list[ConvCall] = []
-  with recording(calls), jax.disable_jit():
+  traced: list[tuple[int, int, int, int]] = []
+  with recording(calls, traced), jax.disable_jit():
     jax.block_until_ready(fn(*args))
+  # Convolutions under jax.checkpoint (flax's nn.remat) are traced even with jit disabled: their maps have no
+  # values, so they cannot be timed. Say so rather than return a table silently missing them.
+  untuned = (f"{len(traced)} Pallas convolution(s) ran traced (under jax.checkpoint / nn.remat?) and cannot be "
+             f"tuned (rows, cin, cout, offsets: {sorted(set(traced))}); tune fn without remat") if traced else ""
   if not calls:
-    raise ValueError("autotune: fn ran no Pallas convolution (is implementation 'xla' or no GPU?)")
+    why = untuned or "is implementation 'xla' or no GPU?"
+    raise ValueError(f"autotune: fn ran no Pallas convolution eagerly ({why})")
+  if traced:
+    warnings.warn(f"autotune: {untuned}", stacklevel=2)
   entries: dict[ShapeKey, PassConfig] = {}
   done = set()
   for call in progress_bar(calls, "autotune", unit="conv"):

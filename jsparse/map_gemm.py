@@ -215,13 +215,16 @@ class ConvCall(NamedTuple):
   groups: int = 1
 
 
-_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("jsparse_record", default=None)
+_RECORD: contextvars.ContextVar[tuple[list, list | None] | None] = contextvars.ContextVar("jsparse_record",
+                                                                                          default=None)
 
 
 @contextlib.contextmanager
-def recording(into: list):
-  """Appends a ConvCall to `into` for every Pallas map-GEMM run eagerly inside the block (used by autotune)."""
-  token = _RECORD.set(into)
+def recording(into: list, traced: list | None = None):
+  """Appends a ConvCall to `into` for every Pallas map-GEMM run eagerly inside the block (used by autotune), and
+  to `traced` (if given) the shapes (rows, cin, cout, offsets) of those that ran traced (e.g. under
+  jax.checkpoint, which traces even under jax.disable_jit), whose maps have no values to tune with."""
+  token = _RECORD.set((into, traced))
   try:
     yield into
   finally:
@@ -229,9 +232,14 @@ def recording(into: list):
 
 
 def _record(call: ConvCall) -> None:
-  calls = _RECORD.get()
-  if calls is not None and not isinstance(call.maps.nbr, jax.core.Tracer):
+  lists = _RECORD.get()
+  if lists is None:
+    return
+  calls, traced = lists
+  if not isinstance(call.maps.nbr, jax.core.Tracer):
     calls.append(call)
+  elif traced is not None:
+    traced.append((call.num_rows, call.cin, call.cout, call.num_offsets))
 
 
 # ---- the op ------------------------------------------------------------------------------------------------

@@ -670,6 +670,24 @@ def test_autotune_without_pallas_conv_raises():
     jsparse.autotune(lambda a: a * 2, jnp.ones(3), warmup=0, repeats=1)
 
 
+
+def test_autotune_says_which_convolutions_ran_under_remat(monkeypatch):
+  """A convolution under jax.checkpoint (flax's nn.remat) is traced even with jit disabled, so autotune cannot
+  time it: it was left out of the table silently (or, when every convolution was, the error blamed the XLA
+  implementation). Now the error names remat, and a table missing some convolutions comes with a warning."""
+  x, w, b = _problem()
+  conv = lambda f, w: jsparse.submconv3d(x.replace(feats=f), w, implementation="pallas", precision="highest").feats
+  with pytest.raises(ValueError, match="checkpoint"):
+    jsparse.autotune(jax.checkpoint(lambda f: conv(f, w)), x.feats, warmup=0, repeats=1)
+
+  monkeypatch.setattr(pass_config, "candidates", lambda p, *a, **k: [pass_config.heuristic(p, *a[:5])])
+  w2 = jnp.ones((3, 3, 3, COUT, 2 * COUT), jnp.float32)
+  with pytest.warns(UserWarning, match=rf"1 Pallas convolution.*\({x.capacity}, {COUT}, {2 * COUT}, 27\)"):
+    table = jsparse.autotune(lambda f: jax.checkpoint(lambda y: conv(y, w2))(conv(f, w)), x.feats, warmup=0,
+                             repeats=1)
+  # The eager convolution is tuned, the one under remat is not.
+  assert {(k.cin, k.cout) for k in table.entries} == {(CIN, COUT)}
+
 def test_autotune_tunes_strided_convolutions(monkeypatch):
   """A strided sparse_conv3d under autotune reports its rectangular maps: forward and weight gradient are
   keyed by the output rows, the input gradient by the input rows, each tuned on its own map; the table then

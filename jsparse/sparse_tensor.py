@@ -113,9 +113,10 @@ def is_traced(*values) -> bool:
   return any(isinstance(v, jax.core.Tracer) for v in values)
 
 
-# In JAX's trace context, so a function traced with the checks is not reused from jit's cache without them.
+# In JAX's trace context and jit key, so a function traced with the checks is not reused from jit's cache without
+# them (the trace context alone left jit's C++ dispatch calling the program traced without, or with, the checks).
 _ERROR_CHECKS = _jax_config.bool_state(
-    name="jsparse_error_checks", default=False, include_in_trace_context=True,
+    name="jsparse_error_checks", default=False, include_in_trace_context=True, include_in_jit_key=True,
     help="jsparse ops traced while this is on hand failed checks (overflow, other coordinates) to checkify.")
 
 

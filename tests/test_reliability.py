@@ -697,3 +697,26 @@ def test_repr_of_abstract_tensors():
   compiled = conv.lower(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)).compile()
   np.testing.assert_array_equal(np.asarray(compiled(x).todense()),
                                 np.asarray(jsparse.submconv3d(x, w, implementation="xla").todense()))
+
+
+def test_error_checks_apply_to_an_already_jitted_function():
+  # The setting was in JAX's trace context but not jit's key: a function jitted without the checks ran its old
+  # program inside `with jsparse.error_checks()` (no error reported), and one jitted with them kept reporting.
+  from jax.experimental import checkify
+  coords = np.array([[0, 1, 1, 1], [0, 2, 1, 1], [1, 0, 0, 0], [1, 3, 3, 3]], np.int32)
+  x = SparseTensor.from_coords(coords, np.ones((4, 2), np.float32), (4, 4, 4), 2, capacity=8)
+  w = jnp.ones((3, 3, 3, 2, 2), jnp.float32)
+
+  def step(t):  # 52 output sites, out_capacity 8: an overflow
+    y = jsparse.sparse_conv3d(t, w, padding=1, out_capacity=8, implementation="xla")
+    return y.feats.sum(), y.overflow
+
+  for first_on in (False, True):
+    f = jax.jit(checkify.checkify(step))
+    for on in (first_on, not first_on, first_on):
+      with jsparse.error_checks(on):
+        err, (_, flag) = f(x)
+      assert bool(flag)
+      assert (err.get() is not None) == on, (first_on, on)
+      if on:
+        assert "out_capacity=8" in err.get()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jsparse
-from jsparse import norm, per_item, sampling, serialize
+from jsparse import norm, per_item, sampling, serialize, voxelize
 from reference import random_sparse
 
 
@@ -248,3 +248,44 @@ def test_an_items_results_ignore_the_other_items(name, seed, item):
 @given(seed=st.integers(0, 2**16), item=st.integers(0, _B - 1))
 def test_an_items_results_ignore_the_other_items_pallas(name, seed, item):
   _independence_case(name, seed, item, "pallas")
+
+
+@functools.partial(jax.jit, static_argnames="reduce")
+def _voxelized_item(points, feats, batch, item, reduce):
+  def loss(f):
+    x, _ = voxelize.voxelize_jit(points, f, voxel_size=0.5, origin=jnp.zeros(3), spatial_shape=(8, 8, 8), capacity=256,
+                                 batch=batch, batch_size=_B, reduce=reduce)
+    mine = x.valid_mask() & (x.coords[:, 0] == item)
+    return jnp.sum(jnp.where(mine[:, None], x.feats * _probe(x.coords, x.num_channels), 0)), x
+
+  (_, x), grad = jax.value_and_grad(loss, has_aux=True)(feats)
+  return x, grad
+
+
+@pytest.mark.parametrize("reduce", ["mean", "max", "sum"])
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**16), item=st.integers(0, _B - 1))
+def test_an_items_voxels_ignore_the_other_items(reduce, seed, item):
+  """voxelize_jit: the item's voxels, their features and the gradient w.r.t. its points' features do not depend on
+  the other items' points (which share the item's voxels in space), nor on where the item's points sit in the list."""
+  rng = np.random.default_rng(seed)
+  mine = rng.uniform(0, 4, (30, 3)).astype(np.float32)
+  my_feats = rng.standard_normal((30, 2)).astype(np.float32)
+  results = []
+  for _ in range(2):
+    n = 90
+    others = rng.uniform(0, 4, (n - 30, 3)).astype(np.float32)
+    other_items = rng.choice([b for b in range(_B) if b != item], n - 30)
+    order = rng.permutation(n)
+    points = np.concatenate([mine, others])[order]
+    feats = np.concatenate([my_feats, rng.standard_normal((n - 30, 2)).astype(np.float32) * 50])[order]
+    batch = np.concatenate([np.full(30, item), other_items])[order].astype(np.int32)
+    x, grad = _voxelized_item(points, feats, batch, item, reduce)
+    assert not bool(x.overflow)
+    back = np.argsort(order)[:30]  # the item's points' positions in the list
+    results.append((_rows_of_item(x.coords, x.num, item, x.feats), np.asarray(grad)[back]))
+  (out_a, grad_a), (out_b, grad_b) = results
+  assert out_a.keys() == out_b.keys()
+  for site in out_a:
+    np.testing.assert_allclose(out_a[site][0], out_b[site][0], rtol=1e-5, atol=1e-5, err_msg=str(site))
+  np.testing.assert_allclose(grad_a, grad_b, rtol=1e-5, atol=1e-5)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jsparse.eager import compiled_when_eager
 from jsparse._types import ArrayLike, PrecisionLike, Size3
 from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, with_plans
 from jsparse.neighbors import NeighborCache, build_neighbor_map, cache_key, check_dilation, check_kernel_size
@@ -13,6 +14,7 @@ from jsparse.sparsity import Compressed2to4
 from pallas_kernels.weight_layout import WeightLayout
 
 
+@compiled_when_eager
 def submconv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
                bias: ArrayLike | None = None, *, dilation: Size3 = 1,
                cache: NeighborCache | None = None, implementation: str | None = None,

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jsparse.eager import compiled_when_eager
 from jsparse import dispatch
 from jsparse._types import Size3
 from jsparse.map_gemm import ConvMaps
@@ -145,6 +146,7 @@ def cache_key(kernel_size: Size3, dilation: Size3, implementation: dispatch.Impl
   return f"subm/k{ks[0]}x{ks[1]}x{ks[2]}/d{d[0]}x{d[1]}x{d[2]}/{implementation.name}"
 
 
+@compiled_when_eager
 def neighbor_map(x: SparseTensor, kernel_size: Size3 = 3, dilation: Size3 = 1, implementation: str | None = None, *,
                  plan_block_sizes: Sequence[int] | None = None) -> NeighborCache:
   """The submanifold neighbour map of `x`'s coordinates for a kernel of `kernel_size` and `dilation`, in x's
@@ -214,6 +216,7 @@ def _ranking_occupancy(x: SparseTensor):
   return None
 
 
+@compiled_when_eager
 def with_maps(x: SparseTensor, kernel_size: Size3 = 3, *more_kernel_sizes: Size3, dilation: Size3 = 1,
               implementation: str | None = None) -> SparseTensor:
   """x carrying the submanifold neighbour maps for these kernel sizes, built now where it has none.

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jsparse.eager import compiled_when_eager
 from jsparse import dispatch, per_item
+from jsparse.eager import host_check
 from jsparse.sparse_tensor import SparseTensor, as_int, check_feats_dtype, check_sparse_tensor
 from pallas_kernels import channel_moments
 from pallas_kernels.out_struct import same_vma
@@ -131,6 +133,7 @@ def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None,
   return (reference + shift, var, total) if return_count else (reference + shift, var)
 
 
+@compiled_when_eager
 def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, epsilon: float = 1e-5,
                axis_name=None, axis_index_groups=None, dtype=None, activation: Callable | None = None,
                return_statistics: bool = False, implementation: str | None = None):
@@ -179,6 +182,7 @@ def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, e
   _check_affine("mean", mean, c)
   _check_affine("var", var, c)
   # numpy, not jnp: inside jit a jnp comparison of even a concrete array is traced and cannot be tested.
+  host_check("var", var)
   if not isinstance(var, jax.core.Tracer) and np.any(np.asarray(var) < 0):
     raise ValueError(f"var must be >= 0 (running variances are), got {var}")
   y = (_valid_feats_f32(x) - mean) * lax.rsqrt(jnp.asarray(var, jnp.float32) + epsilon)
@@ -280,6 +284,7 @@ _batch_norm_train.defvjp(_batch_norm_train_fwd, _batch_norm_train_bwd)
 # ---- layer norm ------------------------------------------------------------------------------------------
 
 
+@compiled_when_eager
 def layer_norm(x: SparseTensor, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None) -> SparseTensor:
   """Normalises each valid row over its channels (rows are independent, so padding cannot leak in)."""
   check_sparse_tensor(x)
@@ -339,6 +344,7 @@ def group_statistics(x: SparseTensor, num_groups: int):
   return _group_stats(x.feats, per_item.item_one_hot(x), int(num_groups))
 
 
+@compiled_when_eager
 def group_norm(x: SparseTensor, num_groups: int, scale=None, bias=None, *, epsilon: float = 1e-6,
                dtype=None, activation: Callable | None = None) -> SparseTensor:
   """activation(group-normalised x * scale + bias) per batch item: each group of channels is normalised with

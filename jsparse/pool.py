@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jsparse.eager import compiled_when_eager
 from jsparse import per_item
 from jsparse._types import Capacity, Size3
 from jsparse.gemm_xla import gather_rows
@@ -114,6 +115,7 @@ def _pool(x: SparseTensor, kernel_size, stride, padding, dilation, out_capacity,
   return (out, pm.overflow) if with_overflow else out
 
 
+@compiled_when_eager
 def sparse_max_pool3d(x: SparseTensor, kernel_size: Size3, stride: Size3 | None = None, padding: Size3 = 0,
                       dilation: Size3 = 1, *, out_capacity: Capacity = None, with_overflow: bool = False,
                       implementation: str | None = None) -> SparseTensor | tuple[SparseTensor, jax.Array]:
@@ -131,6 +133,7 @@ def sparse_max_pool3d(x: SparseTensor, kernel_size: Size3, stride: Size3 | None 
   return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "max", with_overflow, implementation)
 
 
+@compiled_when_eager
 def sparse_avg_pool3d(x: SparseTensor, kernel_size: Size3, stride: Size3 | None = None, padding: Size3 = 0,
                       dilation: Size3 = 1, *, out_capacity: Capacity = None, with_overflow: bool = False,
                       implementation: str | None = None) -> SparseTensor | tuple[SparseTensor, jax.Array]:
@@ -139,6 +142,7 @@ def sparse_avg_pool3d(x: SparseTensor, kernel_size: Size3, stride: Size3 | None 
   return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "mean", with_overflow, implementation)
 
 
+@compiled_when_eager
 def global_pool(x: SparseTensor, reduce: str = "mean") -> jax.Array:
   """[batch_size, C]: per batch item, the "mean" | "max" | "sum" of the feats of its valid rows.
 

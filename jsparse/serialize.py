@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsparse.eager import host_check
 from jsparse.sparse_tensor import (SparseTensor, as_int, check_sparse_tensor, int32_values, outside_grid_mask,
                                    site_keys)
 
@@ -52,6 +53,7 @@ def _integers(name: str, value) -> jax.Array:
 
 def _check_in_range(name: str, inside: jax.Array, limit: str, why: str = "it would alias another key") -> None:
   """Raises ValueError if a concrete `inside` mask has a False entry (traced masks are handled by the caller)."""
+  host_check("serialize", inside)
   if not isinstance(inside, jax.core.Tracer) and not bool(jnp.all(inside)):
     first = tuple(int(i) for i in np.argwhere(~np.asarray(inside))[0])
     raise ValueError(f"{name} out of range at index {first}: must be in {limit} ({why})")

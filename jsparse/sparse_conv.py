@@ -57,8 +57,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jsparse.eager import compiled_when_eager
 from jsparse import dispatch
+from jsparse import eager as eager_calls
 from jsparse._types import ArrayLike, Capacity, PrecisionLike, Size3
+from jsparse.eager import NeedsHostValues
 from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
 from jsparse.neighbors import as_triple, check_dilation, lift_triple, lookup_keys, sorted_site_keys
 from jsparse.size_errors import SizeError, sizes_in_rank
@@ -412,6 +415,7 @@ def _occupancy_compact(coords, num, occupancy, rule: unique_keys.ProposalGeometr
   return _sites_of_keys((out_keys,), rule.out_shape, batch_size), out_num, nbr, inv
 
 
+@compiled_when_eager
 def strided_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 1, padding: Size3 = 0, dilation: Size3 = 1,
                 out_capacity: Capacity = None,
                 implementation: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -435,6 +439,7 @@ def strided_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 1, padding:
 # ---- convolutions -----------------------------------------------------------------------------------
 
 
+@compiled_when_eager
 def sparse_conv3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
                   bias: ArrayLike | None = None, *, stride: Size3 = 1,
                   padding: Size3 = 0, dilation: Size3 = 1, out_capacity: Capacity = None,
@@ -493,6 +498,8 @@ def _same_coords(a, b) -> bool | None:
   if a is b:
     return True
   if _is_traced(a, b):
+    if eager_calls.collecting():  # eager execution would compare them, and recompute the map if they differ
+      raise NeedsHostValues("the map's coordinates are compared on the host")
     return None
   return a.shape == b.shape and bool(jnp.array_equal(a, b))
 
@@ -546,6 +553,7 @@ def _check_same_geometry(y: SparseTensor, like: SparseTensor, geom: Geometry) ->
     report(made_from_like, str(error), error=lambda text: error)
 
 
+@compiled_when_eager
 def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike | Compressed2to4,
                           bias: ArrayLike | None = None, *, like: SparseTensor,
                           stride: Size3 = 1, padding: Size3 = 0, dilation: Size3 = 1,
@@ -649,6 +657,7 @@ def transpose_geometry(spatial_shape, kernel_size, stride=2, padding=0, output_p
   return geom
 
 
+@compiled_when_eager
 def transpose_map(x: SparseTensor, kernel_size: Size3, stride: Size3 = 2, padding: Size3 = 0,
                   output_padding: Size3 = 0, dilation: Size3 = 1, out_capacity: Capacity = None, *,
                   implementation: str | None = None,
@@ -683,6 +692,7 @@ def _transpose_map(x: SparseTensor, geom: TransposeGeometry, out_capacity, imple
                       scale=geom.stride)[:5]  # a transposed convolution's output carries no maps
 
 
+@compiled_when_eager
 def sparse_conv_transpose3d(x: SparseTensor, weight: ArrayLike | Compressed2to4,
                             bias: ArrayLike | None = None, *, stride: Size3 = 2,
                             padding: Size3 = 0, output_padding: Size3 = 0, dilation: Size3 = 1,
@@ -835,6 +845,7 @@ def _spawn_children(x: SparseTensor, w, b, geom: TransposeGeometry, out_capacity
 # ---- combining -------------------------------------------------------------------------------------
 
 
+@compiled_when_eager
 def concat(a: SparseTensor, b: SparseTensor) -> SparseTensor:
   """Concatenates the feats of two tensors on the same coordinates (a's channels first).
 

@@ -13,7 +13,9 @@ import numpy as np
 from jax._src import config as _jax_config  # the one private import: a trace-context flag (see error_checks)
 from jax.experimental import checkify
 
+from jsparse import eager as eager_calls
 from jsparse._types import ArrayLike, Capacity
+from jsparse.eager import NeedsHostValues
 from jsparse.size_errors import SizeError, sizes_in_rank
 
 # Linear site keys are int32 (JAX runs without x64 by default) on grids of fewer than 2**31 sites; wider grids
@@ -31,7 +33,7 @@ def as_int(value, name: str, minimum: int | None = None) -> int:
   raise TypeError (int() would truncate 5.7 to 5 silently), and values below `minimum` raise ValueError.
   """
   if isinstance(value, jax.core.Tracer):
-    raise TypeError(f"{name} must be a static int, got a traced value (pass a Python int under jax.jit)")
+    raise NeedsHostValues(f"{name} must be a static int, got a traced value (pass a Python int under jax.jit)")
   if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", None) == np.bool_:
     raise TypeError(f"{name} must be an int, got the bool {value!r}")
   try:
@@ -120,6 +122,12 @@ _ERROR_CHECKS = _jax_config.bool_state(
     help="jsparse ops traced while this is on hand failed checks (overflow, other coordinates) to checkify.")
 
 
+def checks_traced() -> bool:
+  """Whether traced ops run their checks that cost a pass of their own: inside `error_checks()`, and while an
+  eager call is compiled (`jsparse.eager`), which raises what eager execution would."""
+  return _ERROR_CHECKS.value or eager_calls.collecting()
+
+
 def error_checks(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
   """Context manager: jsparse ops traced inside it report failed checks to `jax.experimental.checkify`.
 
@@ -148,6 +156,8 @@ def report(failed, message: str, *, error=ValueError, eager: bool = True, **coun
   (for ops that return the flag to the caller instead).
   """
   if is_traced(failed):
+    if eager and eager_calls.collect(failed, message, error, counts):
+      return  # an eager call being compiled raises it after the run
     if _ERROR_CHECKS.value:
       checkify.debug_check(jnp.logical_not(failed), message, **{k: jnp.asarray(v) for k, v in counts.items()})
   elif eager and bool(failed):
@@ -190,7 +200,7 @@ def check_distinct_sites(op: str, coords, num, name: str = "x") -> None:
   """Reports (`report`) valid rows that repeat a site: a map built over them would pair one row's neighbours
   with the other's (the submanifold map's symmetry, which the Pallas gradients use, breaks). Concrete
   coordinates are checked (ValueError); traced ones only inside `error_checks()`, since the check is a sort."""
-  if coords.shape[0] < 2 or (is_traced(coords, num) and not _ERROR_CHECKS.value):
+  if coords.shape[0] < 2 or (is_traced(coords, num) and not checks_traced()):
     return
   repeats = repeated_rows(coords, num)
   report(repeats > 0, f"{op}: {name} has {{rows}} valid rows that repeat an earlier row's coordinates; sites must be "
@@ -206,7 +216,7 @@ def check_same_sites(op: str, what: str, coords, num, like_coords, like_num, hin
   """
   if coords is like_coords and num is like_num:
     return
-  if is_traced(coords, num, like_coords, like_num) and not _ERROR_CHECKS.value:
+  if is_traced(coords, num, like_coords, like_num) and not checks_traced():
     return
   if jnp.shape(coords) != jnp.shape(like_coords):
     same = jnp.asarray(False)
@@ -263,7 +273,7 @@ def resolve_capacity(capacity, count, name: str = "capacity", what: str = "sites
   if capacity is not None and capacity != EXACT:
     return capacity
   if isinstance(count, jax.core.Tracer):
-    raise TypeError(f"{name}=None or {EXACT!r} counts the {what} on the host: under jax.jit (or jax.vmap) pass "
+    raise NeedsHostValues(f"{name}=None or {EXACT!r} counts the {what} on the host: under jax.jit (or jax.vmap) pass "
                     f"an int (e.g. round_capacity of an upper bound)")
   count = int(count)
   return count if capacity == EXACT else round_capacity(count)
@@ -637,6 +647,7 @@ class SparseTensor:
     """spconv's name for `replace(feats=feats)`."""
     return self.replace(feats=feats)
 
+  @eager_calls.compiled_when_eager
   def todense(self, channels_first: bool = False) -> jax.Array:
     """The dense [B, X, Y, Z, C] array (zeros at inactive sites); [B, C, X, Y, Z] with channels_first=True
     (spconv's `dense()` layout). A 2D tensor gives [B, H, W, C] ([B, C, H, W]), a 1D one [B, L, C]."""

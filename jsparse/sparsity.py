@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsparse.eager import host_check
 from jsparse._types import ArrayLike
 from jsparse.sparse_tensor import report
 from pallas_kernels.weight_layout import WeightLayout
@@ -253,6 +254,7 @@ def decompress_2to4(compressed: Compressed2to4) -> jax.Array:
   cout = values_shape[0]
   nibbles = nibbles.reshape(cout, -1, 1)  # [Cout, G, 1]
   first, second = nibbles & 3, nibbles >> 2
+  host_check("compressed.metadata", compressed.metadata)
   if not isinstance(compressed.metadata, jax.core.Tracer) and not bool(jnp.all(first < second)):
     # A nibble with first >= second (e.g. a zeroed word) dropped one of the group's two values, or swapped them.
     group = tuple(int(i) for i in np.argwhere(~np.asarray(first < second))[0][:2])

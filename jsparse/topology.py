@@ -23,8 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jsparse.eager import compiled_when_eager
+from jsparse import eager as eager_calls
 from jsparse import per_item
 from jsparse._types import ArrayLike, Capacity, Size3
+from jsparse.eager import NeedsHostValues
 from jsparse.gemm_xla import gather_rows
 from jsparse.neighbors import keyed_rows, lift_triple, lookup_keys, sorted_site_keys
 from jsparse.sampling import lookup_rows
@@ -111,6 +114,7 @@ def _finish(op: str, what: str, count, capacity: int, with_overflow: bool):
   return overflow
 
 
+@compiled_when_eager
 def select(x: SparseTensor, mask: ArrayLike, *, capacity: Capacity = None,
            with_overflow: bool = False) -> SparseTensor | tuple[SparseTensor, jax.Array]:
   """The rows of x where `mask` is True (pruning, as MinkowskiEngine's MinkowskiPruning), in x's row order.
@@ -203,6 +207,7 @@ def _union(op: str, a: SparseTensor, b: SparseTensor, capacity, with_overflow: b
   return a_out, b_out, overflow
 
 
+@compiled_when_eager
 def union(a: SparseTensor, b: SparseTensor, *, capacity: Capacity = None,
           with_overflow: bool = False) -> tuple[SparseTensor, SparseTensor] | tuple[SparseTensor, SparseTensor,
                                                                                      jax.Array]:
@@ -229,6 +234,7 @@ def _elementwise(op: str, fn, a: SparseTensor, b: SparseTensor, capacity, with_o
   return (out, overflow) if with_overflow else out
 
 
+@compiled_when_eager
 def add(a: SparseTensor, b: SparseTensor, *, capacity: Capacity = None,
         with_overflow: bool = False) -> SparseTensor | tuple[SparseTensor, jax.Array]:
   """a + b on the union of their sites (MinkowskiEngine's MinkowskiUnion): a site of one tensor only keeps
@@ -237,6 +243,7 @@ def add(a: SparseTensor, b: SparseTensor, *, capacity: Capacity = None,
   return _elementwise("add", jnp.add, a, b, capacity, with_overflow)
 
 
+@compiled_when_eager
 def multiply(a: SparseTensor, b: SparseTensor, *, capacity: Capacity = None,
              with_overflow: bool = False) -> SparseTensor | tuple[SparseTensor, jax.Array]:
   """a * b on the union of their sites, as multiplying the dense tensors and reading the union's sites: a
@@ -247,6 +254,7 @@ def multiply(a: SparseTensor, b: SparseTensor, *, capacity: Capacity = None,
 # ---- per-item vectors, child labels, dropout ------------------------------------------------------------
 
 
+@compiled_when_eager
 def broadcast_per_item(x: SparseTensor, values: ArrayLike) -> SparseTensor:
   """A tensor on x's sites whose row i holds values[batch of row i] (e.g. a per-shape latent or class
   embedding placed on every voxel of its shape; add it with `x.replace(feats=x.feats + y.feats)` or
@@ -266,6 +274,7 @@ def broadcast_per_item(x: SparseTensor, values: ArrayLike) -> SparseTensor:
                       spatial_ndim=x.spatial_ndim)
 
 
+@compiled_when_eager
 def child_labels(coarse: SparseTensor, fine: SparseTensor, stride: Size3 = 2) -> jax.Array:
   """bool [coarse.capacity, sx*sy*sz]: which children of each coarse site are sites of `fine`.
 
@@ -327,6 +336,8 @@ def _check_child_windows(coarse: SparseTensor, fine: SparseTensor, stride, user)
                                          for t in range(s)):
       continue
     made_from_fine = pm.in_coords is fine.coords and pm.in_num is fine.num
+    if not made_from_fine and is_traced(pm.in_coords, pm.in_num, fine.coords, fine.num) and eager_calls.collecting():
+      raise NeedsHostValues("child_labels compares coarse's pair map with fine on the host")
     if not made_from_fine and not is_traced(pm.in_coords, pm.in_num, fine.coords, fine.num):
       made_from_fine = (pm.in_coords.shape == fine.coords.shape and bool(jnp.array_equal(pm.in_coords, fine.coords))
                         and int(pm.in_num) == int(fine.num))

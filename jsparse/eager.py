@@ -1,0 +1,233 @@
+"""Eager calls of the public ops run as one compiled program.
+
+Outside `jax.jit` JAX runs an op primitive by primitive, compiling one small XLA program per primitive and
+shape: a first eager `submconv3d` compiled about 70 of them (4 s on a CPU) where the same call under `jax.jit`
+compiles one (0.4 s; docs/perf_notes.md). `compiled_when_eager` wraps an op so that a call with no traced
+argument runs it under one `jax.jit`, cached by the op, its static arguments, the shapes of its arrays and the
+trace-time configuration (tuning tables, `sparse24.native_2to4`; JAX's own settings, such as
+`jax.default_matmul_precision` and `jsparse.error_checks()`, are part of jit's key already). A traced call (under
+the caller's `jit`, `grad`, `vmap`, ...) runs the op as it is, so traced programs do not change.
+
+Eager semantics are kept:
+- a check that raises outside jit (`sparse_tensor.report`) is collected while tracing and raised after the run
+  with the same error type and message (`collecting_reports`);
+- an op that needs a value on the host (a count for `out_capacity=None`, a comparison of concrete coordinates)
+  cannot be traced; it raises `NeedsHostValues` (or JAX's concretization errors) at trace time, and that call
+  shape then runs primitive by primitive, as before;
+- inside `map_gemm.recording` (autotune records concrete maps) ops run as they are.
+
+`primitive_by_primitive()` turns the compilation off inside a block (to step through an op, or to compare).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from typing import Any, Callable, Iterator, NamedTuple
+
+import jax
+import numpy as np
+
+
+class NeedsHostValues(TypeError):
+  """Raised at trace time by an op that reads a traced value on the host (e.g. counts sites for a capacity).
+
+  A TypeError, as JAX's own concretization errors are: under the caller's jit it is the user's error (its
+  message says what to pass instead); under `compiled_when_eager` it sends the call back to eager execution."""
+
+
+class _Check(NamedTuple):
+  message: str
+  error: type
+  names: tuple[str, ...]
+
+
+@jax.tree_util.register_pytree_node_class
+class Reports:
+  """The checks an op's trace collected: flags and counts are outputs of the compiled program; the messages
+  are static, so jit's cache keeps them with the program's output structure."""
+
+  def __init__(self, checks: tuple[_Check, ...] = (), values: tuple = ()):
+    self.checks, self.values = checks, values  # values[i]: (failed, counts) of checks[i]
+
+  def tree_flatten(self):
+    return self.values, self.checks
+
+  @classmethod
+  def tree_unflatten(cls, checks, values):
+    return cls(checks, tuple(values))
+
+  def raise_first(self) -> None:
+    """Raises the first failed check (the one eager execution would have raised)."""
+    for check, (failed, counts) in zip(self.checks, self.values):
+      if bool(failed):
+        raise check.error(check.message.format(**{k: int(v) for k, v in zip(check.names, counts)}))
+
+
+_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("jsparse_primitive_by_primitive", default=False)
+
+
+@contextlib.contextmanager
+def primitive_by_primitive(enabled: bool = True) -> Iterator[None]:
+  """Inside the block eager calls of the ops run primitive by primitive, as JAX runs any eager code (a debugger
+  or a print inside an op then sees concrete values); `enabled=False` compiles them again."""
+  token = _OFF.set(bool(enabled))
+  try:
+    yield
+  finally:
+    _OFF.reset(token)
+
+
+_COLLECTING: contextvars.ContextVar[list | None] = contextvars.ContextVar("jsparse_collecting", default=None)
+
+
+def collecting() -> bool:
+  """True while `compiled_when_eager` traces an eager call: checks are to be reported, not skipped."""
+  return _COLLECTING.get() is not None
+
+
+def collect(failed, message: str, error: type, counts: dict[str, Any]) -> bool:
+  """Hands a traced check to the eager call being compiled; False if no such call is being traced."""
+  into = _COLLECTING.get()
+  if into is None:
+    return False
+  names = tuple(counts)
+  into.append((_Check(message, error, names), (failed, tuple(counts[k] for k in names))))
+  return True
+
+
+def host_check(what: str, value) -> None:
+  """For a check that reads `value` on the host outside jit and skips it when traced: while an eager call is
+  compiled, sends the call back to eager execution, so that the check runs as it would have."""
+  if isinstance(value, jax.core.Tracer) and collecting():
+    raise NeedsHostValues(f"{what} is checked on the host")
+
+
+@contextlib.contextmanager
+def collecting_reports() -> Iterator[list]:
+  into: list = []
+  token = _COLLECTING.set(into)
+  try:
+    yield into
+  finally:
+    _COLLECTING.reset(token)
+
+
+# Errors that say an op needs a concrete value: the call runs eagerly instead.
+_HOST_VALUE_ERRORS = (NeedsHostValues, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                      jax.errors.TracerIntegerConversionError, jax.errors.TracerBoolConversionError,
+                      jax.errors.UnexpectedTracerError)
+
+
+def _is_array(leaf) -> bool:
+  # numpy scalars stay static, as Python numbers do: the ops read them as sizes (np.int64(2) as a dilation).
+  return isinstance(leaf, (jax.Array, np.ndarray))
+
+
+def _made_per_call(leaf) -> bool:
+  """A lambda or a nested function: a new object at every call, so keying a program by it would compile (and
+  keep) one program per call."""
+  name = getattr(leaf, "__qualname__", None)
+  return callable(leaf) and isinstance(name, str) and ("<lambda>" in name or "<locals>" in name)
+
+
+def _context() -> tuple:
+  """The trace-time configuration that jit's key does not hold (read where the ops read it)."""
+  from jsparse import map_gemm, sparse24, tuning
+  return tuple(tuning._ACTIVE.get()), sparse24._USE_NATIVE.get(), map_gemm._RECORD.get() is not None
+
+
+@jax.tree_util.register_pytree_node_class
+class _Layout:
+  """How the outputs of a compiled eager call are rebuilt (static, kept by jit's cache with the program): each
+  output leaf is a fresh result, an input passed through (the caller's own object, as eager execution returns
+  it: ops test maps and tensors for identity), an earlier output again, or a Python value."""
+
+  def __init__(self, tree, sources: tuple):
+    self.tree, self.sources = tree, sources
+
+  def tree_flatten(self):
+    return (), (self.tree, self.sources)
+
+  @classmethod
+  def tree_unflatten(cls, aux, _):
+    return cls(*aux)
+
+  def rebuild(self, fresh, inputs):
+    take = {"fresh": fresh, "input": inputs}
+    return jax.tree_util.tree_unflatten(self.tree, [take[kind][i] if kind in take else i
+                                                    for kind, i in self.sources])
+
+
+def _run_traced(fn, static, *arrays):
+  (treedef, slots, others), _ = static  # the context is in the key only: the ops read it themselves
+  others = iter(others)
+  leaves = [next(others) if slot is None else arrays[slot] for slot in slots]
+  args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+  with collecting_reports() as checks:
+    out = fn(*args, **kwargs)
+  out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+  position = {id(a): i for i, a in enumerate(arrays)}
+  fresh, first, sources = [], {}, []
+  for leaf in out_leaves:
+    if isinstance(leaf, jax.core.Tracer) and id(leaf) in position:
+      sources.append(("input", position[id(leaf)]))
+    elif isinstance(leaf, jax.core.Tracer) and id(leaf) in first:
+      sources.append(("fresh", first[id(leaf)]))
+    elif isinstance(leaf, (bool, int, float, str)):
+      sources.append(("value", leaf))
+    else:
+      first[id(leaf)] = len(fresh)
+      sources.append(("fresh", len(fresh)))
+      fresh.append(leaf)
+  reports = Reports(tuple(c for c, _ in checks), tuple(v for _, v in checks))
+  return tuple(fresh), reports, _Layout(out_tree, tuple(sources))
+
+
+def compiled_when_eager(fn: Callable) -> Callable:
+  """`fn` (a public op) run under one `jax.jit` when no argument is traced (see the module docstring)."""
+  jitted = jax.jit(functools.partial(_run_traced, fn), static_argnums=0)
+  eager_only: set = set()  # call shapes whose trace needed a host value
+
+  @functools.wraps(fn)
+  def op(*args, **kwargs):
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+      return fn(*args, **kwargs)
+    context = _context()
+    if context[2] or _OFF.get():  # map_gemm.recording: autotune records the concrete maps of eager calls
+      return fn(*args, **kwargs)
+    # One argument per distinct array, so that the trace sees the caller's shared arrays as one value (ops
+    # tell a tensor's own maps by identity).
+    first: dict[int, int] = {}
+    inputs, slots, others = [], [], []
+    for leaf in leaves:
+      if _is_array(leaf):
+        if id(leaf) not in first:
+          first[id(leaf)] = len(inputs)
+          inputs.append(leaf)
+        slots.append(first[id(leaf)])
+      else:
+        slots.append(None)
+        others.append(leaf)
+    if any(_made_per_call(leaf) for leaf in others):
+      return fn(*args, **kwargs)
+    static = ((treedef, tuple(slots), tuple(others)), context)
+    inputs = tuple(inputs)
+    try:
+      key = (static, tuple((a.shape, a.dtype) for a in inputs))
+      hash(key)
+    except TypeError:  # an unhashable static argument: nothing to key a program by
+      return fn(*args, **kwargs)
+    if key in eager_only:
+      return fn(*args, **kwargs)
+    try:
+      fresh, reports, layout = jitted(static, *inputs)
+    except _HOST_VALUE_ERRORS:
+      eager_only.add(key)
+      return fn(*args, **kwargs)
+    reports.raise_first()
+    return layout.rebuild(fresh, inputs)
+
+  op.eager_only = eager_only  # for tests: the call shapes that ran primitive by primitive
+  return op

@@ -1,0 +1,143 @@
+"""Eager calls of the public ops compile one program (jsparse.eager) and keep eager execution's semantics:
+the same values as under jit and primitive by primitive, errors raised after the run with eager's type and
+message, inputs passed through as the caller's own objects, and calls that need host values run eagerly."""
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse import eager, norm
+from jsparse.sparse_tensor import SparseTensor
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def _counting_compiles():
+  """Yields a list that grows by one for every XLA compilation inside the block."""
+  seen: list = []
+
+  def listener(event, duration, **kwargs):
+    if event == _COMPILE_EVENT:
+      seen.append(duration)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield seen
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _tensor(seed: int, n: int = 40, channels: int = 5, extent: int = 8, batch: int = 2, pad: int = 7):
+  rng = np.random.default_rng(seed)
+  keys = rng.choice(batch * extent**3, size=n, replace=False)
+  coords = np.stack(np.unravel_index(keys, (batch, extent, extent, extent)), axis=-1)
+  feats = rng.standard_normal((n, channels)).astype(np.float32)
+  return SparseTensor.from_coords(coords, feats, (extent,) * 3, batch, capacity=n + pad)
+
+
+def _weight(seed: int, shape):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) / 4)
+
+
+def test_a_first_eager_submconv_compiles_a_handful_of_programs():
+  # A shape no other test uses, so that nothing is cached: primitive by primitive this compiled ~70 programs.
+  x, w = _tensor(0, n=37, channels=3, pad=5), _weight(1, (3, 3, 3, 3, 2))
+  with _counting_compiles() as compiles:
+    y = jsparse.submconv3d(x, w, implementation="xla")
+    jax.block_until_ready(y.feats)
+  assert 1 <= len(compiles) <= 3, len(compiles)
+  with _counting_compiles() as again:
+    jax.block_until_ready(jsparse.submconv3d(x, w, implementation="xla").feats)
+  assert again == []
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_eager_calls_match_jit_and_primitive_by_primitive(implementation):
+  x, w, b = _tensor(2), _weight(3, (3, 3, 3, 5, 6)), _weight(4, (6,))
+
+  def net(x, w, b):
+    y = jsparse.submconv3d(x, w, b, implementation=implementation)
+    y = norm.batch_norm(y)
+    y = jsparse.sparse_conv3d(y, _weight(5, (2, 2, 2, 6, 4)), stride=2, out_capacity=64,
+                              implementation=implementation)
+    y = jsparse.sparse_max_pool3d(y, 3, stride=1, padding=1, out_capacity=512, implementation=implementation)
+    return y.todense()
+
+  compiled = net(x, w, b)
+  with eager.primitive_by_primitive():  # every op as before jsparse.eager
+    by_primitive = net(x, w, b)
+  jitted = jax.jit(net)(x, w, b)
+  np.testing.assert_allclose(compiled, by_primitive, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(compiled, jitted, rtol=1e-5, atol=1e-5)
+
+
+def test_inputs_passed_through_are_the_callers_objects():
+  # Ops and maps recognise their own tensors by identity (x.caches, inverse convolutions' pair maps).
+  x, w = _tensor(6), _weight(7, (3, 3, 3, 5, 5))
+  y = jsparse.submconv3d(x, w)
+  assert y.coords is x.coords and y.num is x.num
+  down = jsparse.sparse_conv3d(y, _weight(8, (2, 2, 2, 5, 3)), stride=2, out_capacity=64)
+  up = jsparse.sparse_inverse_conv3d(down, _weight(9, (2, 2, 2, 3, 5)), like=y, stride=2)
+  assert up.coords is y.coords
+  expect = jax.jit(lambda x: jsparse.sparse_inverse_conv3d(
+      jsparse.sparse_conv3d(x, _weight(8, (2, 2, 2, 5, 3)), stride=2, out_capacity=64),
+      _weight(9, (2, 2, 2, 3, 5)), like=x, stride=2))(y)
+  np.testing.assert_allclose(up.feats, expect.feats, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_check_raises_after_the_run_as_eager_execution_does():
+  x, w = _tensor(10), _weight(11, (2, 2, 2, 5, 3))
+  with pytest.raises(ValueError, match=r"sparse_conv3d: .* do not fit in out_capacity=4") as compiled:
+    jsparse.sparse_conv3d(x, w, stride=2, out_capacity=4)
+  with eager.primitive_by_primitive(), pytest.raises(ValueError) as by_primitive:
+    jsparse.sparse_conv3d(x, w, stride=2, out_capacity=4)
+  assert str(compiled.value) == str(by_primitive.value)
+
+
+def test_host_counted_capacities_run_eagerly_and_are_remembered():
+  # out_capacity=None counts the output sites on the host, which a trace cannot: that call shape runs as before.
+  x, w = _tensor(12), _weight(13, (2, 2, 2, 5, 3))
+  before = len(jsparse.sparse_conv3d.eager_only)
+  y = jsparse.sparse_conv3d(x, w, stride=2)
+  assert len(jsparse.sparse_conv3d.eager_only) == before + 1
+  count = int(y.num)
+  assert y.capacity == jsparse.round_capacity(count)
+  expect = jax.jit(lambda x: jsparse.sparse_conv3d(x, w, stride=2, out_capacity=y.capacity))(x)
+  np.testing.assert_array_equal(y.coords, expect.coords)
+  np.testing.assert_allclose(y.feats, expect.feats, rtol=1e-5, atol=1e-6)
+  jsparse.sparse_conv3d(x, w, stride=2)
+  assert len(jsparse.sparse_conv3d.eager_only) == before + 1
+
+
+def test_traced_calls_run_the_op_as_it_is():
+  # Under the caller's transformations nothing is wrapped: grad of an eager call equals grad under jit.
+  x, w = _tensor(14), _weight(15, (3, 3, 3, 5, 2))
+  loss = lambda f, w: jnp.sum(jsparse.submconv3d(x.replace(feats=f), w).feats ** 2)
+  g = jax.grad(loss, argnums=(0, 1))(x.feats, w)
+  gj = jax.jit(jax.grad(loss, argnums=(0, 1)))(x.feats, w)
+  for a, b in zip(g, gj):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_functions_made_per_call_are_not_keys():
+  # A lambda is a new object at every call: keying a program by it would compile one per call.
+  x = _tensor(16)
+  with _counting_compiles() as first:
+    norm.batch_norm(x, activation=lambda v: jnp.maximum(v, 0))
+  with _counting_compiles() as second:
+    norm.batch_norm(x, activation=lambda v: jnp.maximum(v, 0))
+  assert second == [] or len(second) < len(first)
+  np.testing.assert_allclose(norm.batch_norm(x, activation=lambda v: jnp.maximum(v, 0)).feats,
+                             norm.batch_norm(x, activation=jax.nn.relu).feats, rtol=1e-6, atol=1e-6)
+
+
+def test_the_tuning_tables_are_part_of_the_key():
+  # A table entered after a first call must reach the next one, as it would eagerly (it is read at trace time).
+  key = eager._context()
+  with jsparse.ConfigTable({}):
+    assert eager._context() != key
+  assert eager._context() == key

@@ -5,7 +5,8 @@ jsparse.nn (flax.linen modules), jsparse.nnx (their flax.nnx twins), jsparse.nor
 activations), jsparse.voxelize, jsparse.shapes (procedural data), jsparse.serialize (Morton / Hilbert),
 jsparse.sampling (grid_sample), jsparse.plot (matplotlib renders), jsparse.sparsity (2:4 structured-sparse
 weights: pruning, compression, fixed-mask training; jsparse.sparse24 runs their forward on the sparse tensor
-cores). jsparse.topology (select, union, add,
+cores). jsparse.eager (eager calls of the ops compile one program each; `primitive_by_primitive` turns it off).
+jsparse.topology (select, union, add,
 multiply, broadcast_per_item, child_labels, dropout) is also re-exported at the top level. Advanced,
 array-level: jsparse.map_gemm (the GEMM every convolution runs), jsparse.pass_config and jsparse.tuning (what
 a tuned config is, and the tables that hold them).
@@ -28,7 +29,7 @@ from jsparse.spatial_rank import (sparse_avg_pool1d, sparse_avg_pool2d, sparse_c
 from jsparse.topology import add, broadcast_per_item, child_labels, dropout, multiply, select, union
 from jsparse.tuning import ConfigTable
 from jsparse import map_gemm, nn, nnx, norm, pass_config, plot, sampling, serialize, shapes, tuning  # noqa: E402
-from jsparse import sparse24, sparsity, topology, voxelize  # noqa: E402
+from jsparse import eager, sparse24, sparsity, topology, voxelize  # noqa: E402
 
 __all__ = [
     # data
@@ -50,6 +51,6 @@ __all__ = [
     "strided_map", "transpose_map", "submconv_xla",
     # submodules
     "nn", "nnx", "norm", "plot", "sampling", "serialize", "shapes", "voxelize", "topology", "map_gemm", "pass_config",
-    "tuning", "sparsity", "sparse24",
+    "tuning", "sparsity", "sparse24", "eager",
 ]
 __version__ = "0.1.0"

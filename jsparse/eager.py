@@ -1,8 +1,8 @@
 """Eager calls of the public ops run as one compiled program.
 
 Outside `jax.jit` JAX runs an op primitive by primitive, compiling one small XLA program per primitive and
-shape: a first eager `submconv3d` compiled about 70 of them (4 s on a CPU) where the same call under `jax.jit`
-compiles one (0.4 s; docs/perf_notes.md). `compiled_when_eager` wraps an op so that a call with no traced
+shape: a first eager `submconv3d` compiled about 70 of them where the same call under `jax.jit` compiles one
+(docs/perf_notes.md has the timings). `compiled_when_eager` wraps an op so that a call with no traced
 argument runs it under one `jax.jit`, cached by the op, its static arguments, the shapes of its arrays and the
 trace-time configuration (tuning tables, `sparse24.native_2to4`; JAX's own settings, such as
 `jax.default_matmul_precision` and `jsparse.error_checks()`, are part of jit's key already). A traced call (under
@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import numpy as np
+
+__all__ = ["primitive_by_primitive"]
 
 
 class NeedsHostValues(TypeError):

@@ -492,8 +492,11 @@ class SparseTensor:
     with sizes_in_rank(ndim):
       key_width(batch_size, spatial_shape)
     keys = _linear_keys_np(coords, spatial_shape)
-    uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-    if len(uniq) != n:
+    # One sort tells whether any site repeats; only then the full unique (its argsort and inverse), which
+    # doubled the time at 10M rows (docs/perf_notes.md).
+    ordered = np.sort(keys)
+    if n > 1 and bool(np.any(ordered[1:] == ordered[:-1])):
+      uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
       if reduce is None:
         counts = np.bincount(inverse)
         dup = int(np.argmax(counts > 1))

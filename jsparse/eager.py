@@ -127,8 +127,10 @@ def _is_array(leaf) -> bool:
 
 
 def _made_per_call(leaf) -> bool:
-  """A lambda or a nested function: a new object at every call, so keying a program by it would compile (and
-  keep) one program per call."""
+  """A lambda, a nested function or a functools.partial: usually a new object at every call, so keying a program
+  by it would compile (and keep) one program per call."""
+  if isinstance(leaf, functools.partial):  # hashed by identity, and usually built at the call
+    return True
   name = getattr(leaf, "__qualname__", None)
   return callable(leaf) and isinstance(name, str) and ("<lambda>" in name or "<locals>" in name)
 
@@ -162,7 +164,7 @@ class _Layout:
 
 
 def _run_traced(fn, static, *arrays):
-  (treedef, slots, others), _ = static  # the context is in the key only: the ops read it themselves
+  (treedef, slots, others, _), _ = static  # types and context are in the key only: the ops read them themselves
   others = iter(others)
   leaves = [next(others) if slot is None else arrays[slot] for slot in slots]
   args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
@@ -214,7 +216,8 @@ def compiled_when_eager(fn: Callable) -> Callable:
         others.append(leaf)
     if any(_made_per_call(leaf) for leaf in others):
       return fn(*args, **kwargs)
-    static = ((treedef, tuple(slots), tuple(others)), context)
+    # The types too: 1, 1.0 and True are equal keys, but an op rejects a float or a bool size.
+    static = ((treedef, tuple(slots), tuple(others), tuple(map(type, others))), context)
     inputs = tuple(inputs)
     try:
       key = (static, tuple((a.shape, a.dtype) for a in inputs))

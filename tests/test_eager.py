@@ -141,3 +141,12 @@ def test_the_tuning_tables_are_part_of_the_key():
   with jsparse.ConfigTable({}):
     assert eager._context() != key
   assert eager._context() == key
+
+
+@pytest.mark.parametrize("bad", [1.0, True])
+def test_an_equal_static_argument_of_another_type_is_not_a_cached_call(bad):
+  # 1 == 1.0 == True as keys: a cached dilation=1 program must not accept what the op rejects.
+  x, w = _tensor(17), _weight(18, (3, 3, 3, 5, 2))
+  jsparse.submconv3d(x, w, dilation=1)
+  with pytest.raises(TypeError, match="dilation"):
+    jsparse.submconv3d(x, w, dilation=bad)

@@ -14,7 +14,9 @@ Eager semantics are kept:
 - an op that needs a value on the host (a count for `out_capacity=None`, a comparison of concrete coordinates)
   cannot be traced; it raises `NeedsHostValues` (or JAX's concretization errors) at trace time, and that call
   shape then runs primitive by primitive, as before;
-- inside `map_gemm.recording` (autotune records concrete maps) ops run as they are.
+- inside `map_gemm.recording` (autotune records concrete maps) ops run as they are, and so do calls that run
+  the Pallas kernels in interpret mode (`implementation="pallas"` off the GPU), whose per-block programs are
+  shared between calls of other sizes.
 
 `primitive_by_primitive()` turns the compilation off inside a block (to step through an op, or to compare).
 """
@@ -23,10 +25,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import numpy as np
+
+from jsparse import dispatch
 
 __all__ = ["primitive_by_primitive"]
 
@@ -188,15 +193,31 @@ def _run_traced(fn, static, *arrays):
   return tuple(fresh), reports, _Layout(out_tree, tuple(sources))
 
 
+def _interprets(signature: inspect.Signature, args, kwargs) -> bool:
+  """Whether the call runs the Pallas kernels in interpret mode (implementation="pallas" off the GPU)."""
+  if "implementation" not in signature.parameters:
+    return False
+  try:
+    implementation = signature.bind_partial(*args, **kwargs).arguments.get("implementation")
+  except TypeError:  # the op itself reports the bad call
+    return False
+  return implementation == "pallas" and not dispatch.on_gpu()
+
+
 def compiled_when_eager(fn: Callable) -> Callable:
   """`fn` (a public op) run under one `jax.jit` when no argument is traced (see the module docstring)."""
   jitted = jax.jit(functools.partial(_run_traced, fn), static_argnums=0)
+  signature = inspect.signature(fn)
   eager_only: set = set()  # call shapes whose trace needed a host value
 
   @functools.wraps(fn)
   def op(*args, **kwargs):
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+      return fn(*args, **kwargs)
+    # Interpret mode (tests, debugging off the GPU) runs as it is: eagerly its kernels compile per grid block,
+    # programs that calls of other sizes share, where one program of the whole op compiles anew for each size.
+    if _interprets(signature, args, kwargs):
       return fn(*args, **kwargs)
     context = _context()
     if context[2] or _OFF.get():  # map_gemm.recording: autotune records the concrete maps of eager calls

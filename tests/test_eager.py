@@ -150,3 +150,15 @@ def test_an_equal_static_argument_of_another_type_is_not_a_cached_call(bad):
   jsparse.submconv3d(x, w, dilation=1)
   with pytest.raises(TypeError, match="dilation"):
     jsparse.submconv3d(x, w, dilation=bad)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="interpret mode is the Pallas path off the GPU")
+def test_interpret_mode_runs_as_it_is():
+  # Its kernels compile per grid block eagerly, programs shared across sizes; a whole-op program is per size.
+  import inspect
+  sig = inspect.signature(jsparse.neighbor_map.__wrapped__)
+  x = _tensor(19)
+  assert eager._interprets(sig, (x, 3, 1, "pallas"), {})
+  assert eager._interprets(sig, (x,), {"implementation": "pallas"})
+  assert not eager._interprets(sig, (x,), {"implementation": "xla"})
+  assert not eager._interprets(sig, (x,), {})

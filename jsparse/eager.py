@@ -143,7 +143,7 @@ def _made_per_call(leaf) -> bool:
 def _context() -> tuple:
   """The trace-time configuration that jit's key does not hold (read where the ops read it)."""
   from jsparse import map_gemm, sparse24, tuning
-  return tuple(tuning._ACTIVE.get()), sparse24._USE_NATIVE.get(), map_gemm._RECORD.get() is not None
+  return tuning.entered_tables(), sparse24.native_2to4_enabled(), map_gemm.is_recording()
 
 
 @jax.tree_util.register_pytree_node_class
@@ -162,10 +162,24 @@ class _Layout:
   def tree_unflatten(cls, aux, _):
     return cls(*aux)
 
-  def rebuild(self, fresh, inputs):
-    take = {"fresh": fresh, "input": inputs}
+  def rebuild(self, fresh, inputs, nodes):
+    take = {"fresh": fresh, "input": inputs, "node": nodes}
     return jax.tree_util.tree_unflatten(self.tree, [take[kind][i] if kind in take else i
                                                     for kind, i in self.sources])
+
+
+def _nodes(tree) -> list:
+  """The containers of a pytree (tensors, maps, plans, dicts, ...) in flattening order: an op that returns one of
+  its arguments' containers whole returns the caller's object, as eagerly (a map is kept by identity)."""
+  seen: list = []
+
+  def visit(node) -> bool:
+    if not (node is None or _is_array(node) or isinstance(node, jax.core.Tracer)):
+      seen.append(node)
+    return False
+
+  jax.tree_util.tree_flatten(tree, is_leaf=visit)
+  return seen
 
 
 def _run_traced(fn, static, *arrays):
@@ -173,13 +187,17 @@ def _run_traced(fn, static, *arrays):
   others = iter(others)
   leaves = [next(others) if slot is None else arrays[slot] for slot in slots]
   args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+  node_at = {id(node): i for i, node in enumerate(_nodes((args, kwargs)))}
   with collecting_reports() as checks:
     out = fn(*args, **kwargs)
-  out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+  whole = lambda node: id(node) in node_at and not isinstance(node, (bool, int, float, str))
+  out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=whole)
   position = {id(a): i for i, a in enumerate(arrays)}
   fresh, first, sources = [], {}, []
   for leaf in out_leaves:
-    if isinstance(leaf, jax.core.Tracer) and id(leaf) in position:
+    if whole(leaf):
+      sources.append(("node", node_at[id(leaf)]))
+    elif isinstance(leaf, jax.core.Tracer) and id(leaf) in position:
       sources.append(("input", position[id(leaf)]))
     elif isinstance(leaf, jax.core.Tracer) and id(leaf) in first:
       sources.append(("fresh", first[id(leaf)]))
@@ -253,7 +271,7 @@ def compiled_when_eager(fn: Callable) -> Callable:
       eager_only.add(key)
       return fn(*args, **kwargs)
     reports.raise_first()
-    return layout.rebuild(fresh, inputs)
+    return layout.rebuild(fresh, inputs, _nodes((args, kwargs)))
 
   op.eager_only = eager_only  # for tests: the call shapes that ran primitive by primitive
   return op

@@ -38,7 +38,7 @@ from pallas_kernels import gemm_plan
 from pallas_kernels.weight_layout import WeightLayout
 
 __all__ = ["map_gemm", "ConvSpec", "ConvMaps", "check_weight", "check_groups", "choose", "configs", "with_plans",
-           "run_pass", "recording", "ConvCall"]
+           "run_pass", "recording", "is_recording", "ConvCall"]
 
 
 # ---- validated arguments -------------------------------------------------------------------------------
@@ -229,6 +229,11 @@ def recording(into: list, traced: list | None = None):
     yield into
   finally:
     _RECORD.reset(token)
+
+
+def is_recording() -> bool:
+  """Whether a `recording` block is open here (autotune records eager calls' concrete maps)."""
+  return _RECORD.get() is not None
 
 
 def _record(call: ConvCall) -> None:

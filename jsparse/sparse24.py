@@ -41,7 +41,8 @@ import jax.numpy as jnp
 from jsparse.map_gemm import ConvMaps, ConvSpec, map_gemm
 from jsparse.sparsity import Compressed2to4, decompress_2to4
 
-__all__ = ["native_status", "native_2to4", "forward_route", "sparse24_forward", "conv_map_gemm", "CONV_TARGET",
+__all__ = ["native_status", "native_2to4", "native_2to4_enabled", "forward_route", "sparse24_forward", "conv_map_gemm",
+           "CONV_TARGET",
            "META_LAYOUT", "cusparselt_status", "cusparselt_route", "cslt_compress", "cslt_matmul",
            "cslt_sizes", "CSLT_COMPRESS_TARGET", "CSLT_MATMUL_TARGET"]
 
@@ -57,6 +58,11 @@ MAX_OFFSETS = 1024
 NATIVE_DTYPES = (jnp.float16, jnp.bfloat16)
 
 _USE_NATIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jsparse_sparse24_native", default=False)
+
+
+def native_2to4_enabled() -> bool:
+  """Whether `native_2to4()` is on here (read at trace time)."""
+  return _USE_NATIVE.get()
 
 
 @contextlib.contextmanager

@@ -15,7 +15,8 @@ import jax
 from jsparse.pass_config import (Depthwise, Explicit, Implicit, PassConfig, ShapeKey, config_from_json,
                                  config_from_json_v1, config_to_json)
 
-__all__ = ["ConfigTable", "SCHEMA_VERSION", "shipped_table", "active_tables", "lookup", "table_file_name"]
+__all__ = ["ConfigTable", "SCHEMA_VERSION", "shipped_table", "entered_tables", "active_tables", "lookup",
+           "table_file_name"]
 
 # Version of the JSON layout `ConfigTable.to_json` writes. 1: no "schema" field, each entry
 # {"algorithm": "masked_splitk", <tile fields>}; 2: {"algorithm": "masked", "tiles": {...}}. Older versions
@@ -117,6 +118,11 @@ def shipped_table(device_kind: str | None = None) -> ConfigTable | None:
     path = os.path.join(_TUNED_DIR, table_file_name(device_kind))
     _SHIPPED[device_kind] = ConfigTable.load(path) if os.path.exists(path) else None
   return _SHIPPED[device_kind]
+
+
+def entered_tables() -> tuple[ConfigTable, ...]:
+  """The tables entered with `with table:`, outermost first (not the shipped one): trace-time configuration."""
+  return _ACTIVE.get()
 
 
 def active_tables() -> Iterator[ConfigTable]:

@@ -273,8 +273,8 @@ def resolve_capacity(capacity, count, name: str = "capacity", what: str = "sites
   if capacity is not None and capacity != EXACT:
     return capacity
   if isinstance(count, jax.core.Tracer):
-    raise NeedsHostValues(f"{name}=None or {EXACT!r} counts the {what} on the host: under jax.jit (or jax.vmap) pass "
-                    f"an int (e.g. round_capacity of an upper bound)")
+    raise NeedsHostValues(f"{name}=None or {EXACT!r} counts the {what} on the host: under jax.jit (or jax.vmap) "
+                          "pass an int (e.g. round_capacity of an upper bound)")
   count = int(count)
   return count if capacity == EXACT else round_capacity(count)
 

@@ -187,7 +187,8 @@ def _run_traced(fn, static, *arrays):
   others = iter(others)
   leaves = [next(others) if slot is None else arrays[slot] for slot in slots]
   args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-  node_at = {id(node): i for i, node in enumerate(_nodes((args, kwargs)))}
+  arg_nodes = _nodes((args, kwargs))  # kept alive to the end: a dead node's id can be a new object's
+  node_at = {id(node): i for i, node in enumerate(arg_nodes)}
   with collecting_reports() as checks:
     out = fn(*args, **kwargs)
   whole = lambda node: id(node) in node_at and not isinstance(node, (bool, int, float, str))
@@ -208,6 +209,7 @@ def _run_traced(fn, static, *arrays):
       sources.append(("fresh", len(fresh)))
       fresh.append(leaf)
   reports = Reports(tuple(c for c, _ in checks), tuple(v for _, v in checks))
+  del arg_nodes
   return tuple(fresh), reports, _Layout(out_tree, tuple(sources))
 
 

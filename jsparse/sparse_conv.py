@@ -66,8 +66,8 @@ from jsparse.map_gemm import ConvMaps, ConvSpec, check_weight, map_gemm
 from jsparse.neighbors import as_triple, check_dilation, lift_triple, lookup_keys, sorted_site_keys
 from jsparse.size_errors import SizeError, sizes_in_rank
 from jsparse.sparse_tensor import (EXACT, SparseTensor, check_capacity, check_distinct_sites, check_inside_grid,
-                                   check_same_sites, check_sparse_tensor, check_spatial_ndim, key_width, report,
-                                   resolve_capacity, site_keys, sites_of_keys)
+                                   check_same_sites, check_sparse_tensor, check_spatial_ndim, is_traced, key_width,
+                                   report, resolve_capacity, site_keys, sites_of_keys)
 from jsparse.sparse24 import conv_map_gemm
 from jsparse.sparsity import Compressed2to4
 from pallas_kernels import occupancy_sites, unique_keys
@@ -78,10 +78,6 @@ from pallas_kernels.tiling import dot_precision
 from pallas_kernels.weight_layout import WeightLayout
 
 _BIG = int(np.iinfo(np.int32).max)
-
-
-def _is_traced(*arrays) -> bool:
-  return any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
 # ---- geometry -------------------------------------------------------------------------------------
@@ -497,7 +493,7 @@ def _same_coords(a, b) -> bool | None:
   """True/False when both are concrete, None when traced (cannot tell)."""
   if a is b:
     return True
-  if _is_traced(a, b):
+  if is_traced(a, b):
     if eager_calls.collecting():  # eager execution would compare them, and recompute the map if they differ
       raise NeedsHostValues("the map's coordinates are compared on the host")
     return None

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import numpy as np
+from jax._src import core as jax_core  # trace_state_clean: whether any transformation is tracing
 
 from jsparse import dispatch
 
@@ -233,7 +234,9 @@ def compiled_when_eager(fn: Callable) -> Callable:
   @functools.wraps(fn)
   def op(*args, **kwargs):
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+    # Also a call of constants (closed-over arrays) under the caller's jit or scan is traced: its checks are the
+    # caller's program's, where raising them after the run read a traced flag on the host.
+    if not jax_core.trace_state_clean() or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
       return fn(*args, **kwargs)
     # Interpret mode (tests, debugging off the GPU) runs as it is: eagerly its kernels compile per grid block,
     # programs that calls of other sizes share, where one program of the whole op compiles anew for each size.

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config as _jax_config  # the one private import: a trace-context flag (see error_checks)
+from jax._src import config as _jax_config  # private: a trace-context flag (see error_checks)
 from jax.experimental import checkify
 
 from jsparse import eager as eager_calls

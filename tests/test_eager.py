@@ -162,3 +162,19 @@ def test_interpret_mode_runs_as_it_is():
   assert eager._interprets(sig, (x,), {"implementation": "pallas"})
   assert not eager._interprets(sig, (x,), {"implementation": "xla"})
   assert not eager._interprets(sig, (x,), {})
+
+
+def test_constant_arguments_under_the_callers_jit_run_the_op_as_it_is():
+  # Closed-over arrays are not tracers, but the call is traced all the same: its checks go to the overflow flag
+  # (as under jit), where raising them after the run read a traced flag on the host.
+  x, w = _tensor(20), _weight(21, (2, 2, 2, 5, 3))
+  step = lambda capacity: jsparse.sparse_conv3d(x, w, stride=2, out_capacity=capacity)
+  y = jax.jit(lambda: step(64))()
+  with eager.primitive_by_primitive():
+    expect = jax.jit(lambda: step(64))()
+  np.testing.assert_array_equal(y.coords, expect.coords)
+  np.testing.assert_allclose(y.feats, expect.feats, rtol=1e-6, atol=1e-6)
+  overflowed = jax.jit(lambda: jsparse.overflowed(step(4)))()
+  assert bool(overflowed)
+  carried = jax.lax.scan(lambda c, _: (c + step(64).feats.sum(), None), jnp.float32(0), None, length=2)[0]
+  np.testing.assert_allclose(carried, 2 * expect.feats.sum(), rtol=1e-5)

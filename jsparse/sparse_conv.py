@@ -538,15 +538,16 @@ def _check_same_geometry(y: SparseTensor, like: SparseTensor, geom: Geometry) ->
     grids = ("" if other.geom.in_shape == geom.in_shape else
              " (on like's spatial_shape={made_in_shape}, this inverse on {in_shape}: a module's padding \"SAME\" "
              "pads the grid by the sizes it is given)")
-    error = SizeError("sparse_inverse_conv{ndim}d: y was made from `like` by a convolution with "
-                      + _describe("made_") + ", but this inverse has " + _describe()
-                      + ": pass the forward convolution's" + grids, **_sizes(other.geom, "made_"), **_sizes(geom),
-                      made_in_shape=other.geom.in_shape, in_shape=geom.in_shape)
+    template = ("sparse_inverse_conv{ndim}d: y was made from `like` by a convolution with " + _describe("made_")
+                + ", but this inverse has " + _describe() + ": pass the forward convolution's" + grids)
+    values = dict(**_sizes(other.geom, "made_"), **_sizes(geom), made_in_shape=other.geom.in_shape,
+                  in_shape=geom.in_shape)
     if other.in_coords is like.coords and other.in_num is like.num:
-      raise error
+      raise SizeError(template, **values)
     made_from_like = jnp.array_equal(other.in_coords, like.coords) & (other.in_num == like.num)
-    # Raised as it is outside jit (so that a 2D or 1D op re-words it); under jit, checkify reports the text.
-    report(made_from_like, str(error), error=lambda text: error)
+    # Raised as it is outside jit (so that a 2D or 1D op re-words it); under jit, checkify reports the text. A new
+    # error at each raise: a compiled eager call (jsparse.eager) keeps this check with its program.
+    report(made_from_like, str(SizeError(template, **values)), error=lambda text: SizeError(template, **values))
 
 
 @compiled_when_eager

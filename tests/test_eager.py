@@ -178,3 +178,40 @@ def test_constant_arguments_under_the_callers_jit_run_the_op_as_it_is():
   assert bool(overflowed)
   carried = jax.lax.scan(lambda c, _: (c + step(64).feats.sum(), None), jnp.float32(0), None, length=2)[0]
   np.testing.assert_allclose(carried, 2 * expect.feats.sum(), rtol=1e-5)
+
+
+def test_a_compiled_check_raises_a_new_error_at_every_call():
+  # The checks are kept with the program: an error made while tracing and raised at every call was one object,
+  # whose traceback grew by the raising frames at each call and kept the callers' locals alive.
+  import gc
+  import weakref
+  x = _tensor(22)
+  down = jsparse.sparse_conv3d(x, _weight(23, (2, 2, 2, 5, 3)), stride=2, out_capacity=64)
+  like = x.replace(coords=jnp.array(np.asarray(x.coords)))  # x's sites in another array: compared on the device
+  inverse = lambda: jsparse.sparse_inverse_conv3d(down, _weight(24, (4, 4, 4, 3, 5)), like=like, stride=2, padding=1)
+
+  class Local:
+    pass
+
+  def failing_call():
+    local = Local()
+    with pytest.raises(ValueError, match="y was made from `like` by a convolution with kernel_size") as raised:
+      inverse()
+    return raised.value.with_traceback(None), weakref.ref(local)
+
+  first, _ = failing_call()
+  second, local = failing_call()
+  assert second is not first  # as eagerly: an error per call
+
+  def failing_call_keeping_nothing():
+    local = Local()
+    with pytest.raises(ValueError):
+      inverse()
+    return weakref.ref(local)
+
+  local = failing_call_keeping_nothing()
+  gc.collect()
+  assert local() is None  # nothing the program keeps refers to an earlier call's frames
+  with eager.primitive_by_primitive(), pytest.raises(ValueError) as by_primitive:
+    inverse()
+  assert str(second) == str(by_primitive.value)

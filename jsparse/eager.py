@@ -258,7 +258,9 @@ def compiled_when_eager(fn: Callable) -> Callable:
       else:
         slots.append(None)
         others.append(leaf)
-    if any(_made_per_call(leaf) for leaf in others):
+    # An object that reads as an array (__jax_array__: a parameter wrapper) is no pytree: as a key its value would
+    # be compiled into the program, and a value assigned to it later would give the old result.
+    if any(_made_per_call(leaf) or hasattr(leaf, "__jax_array__") for leaf in others):
       return fn(*args, **kwargs)
     # The types too: 1, 1.0 and True are equal keys, but an op rejects a float or a bool size.
     static = ((treedef, tuple(slots), tuple(others), tuple(map(type, others))), context)

@@ -215,3 +215,25 @@ def test_a_compiled_check_raises_a_new_error_at_every_call():
   with eager.primitive_by_primitive(), pytest.raises(ValueError) as by_primitive:
     inverse()
   assert str(second) == str(by_primitive.value)
+
+
+def test_an_object_that_reads_as_an_array_is_not_a_key():
+  # An object with __jax_array__ (a parameter wrapper) is no pytree: as a static argument its value was compiled
+  # into the program, keyed by the object, so a new value assigned to it gave the old result.
+  class Param:
+    def __init__(self, value):
+      self.value = value
+
+    def __jax_array__(self):
+      return self.value
+
+    shape = property(lambda self: self.value.shape)
+    dtype = property(lambda self: self.value.dtype)
+    ndim = property(lambda self: self.value.ndim)
+
+  x, param = _tensor(50), Param(_weight(51, (3, 3, 3, 5, 4)))
+  jsparse.submconv3d(x, param)
+  param.value = _weight(52, (3, 3, 3, 5, 4))
+  with eager.primitive_by_primitive():
+    expect = jsparse.submconv3d(x, param.value)
+  np.testing.assert_allclose(jsparse.submconv3d(x, param).feats, expect.feats, rtol=1e-6, atol=1e-6)

@@ -277,6 +277,11 @@ def compiled_when_eager(fn: Callable) -> Callable:
     except _HOST_VALUE_ERRORS:
       eager_only.add(key)
       return fn(*args, **kwargs)
+    except (TypeError, ValueError):
+      # An argument refused while tracing was a tracer there (its message named "DynamicJaxprTracer", not what the
+      # caller passed): eager execution raises the error in the caller's terms. Trace errors depend on the key only.
+      eager_only.add(key)
+      return fn(*args, **kwargs)
     reports.raise_first()
     return layout.rebuild(fresh, inputs, _nodes((args, kwargs)))
 

@@ -237,3 +237,20 @@ def test_an_object_that_reads_as_an_array_is_not_a_key():
   with eager.primitive_by_primitive():
     expect = jsparse.submconv3d(x, param.value)
   np.testing.assert_allclose(jsparse.submconv3d(x, param).feats, expect.feats, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: jsparse.global_pool(x.feats),
+    lambda x: jsparse.add(x, x.feats),
+    lambda x: norm.batch_norm(x, epsilon=jnp.float32(1e-5)),
+], ids=["global_pool-array", "add-array", "batch_norm-array-epsilon"])
+def test_an_argument_refused_while_tracing_is_named_as_eagerly(call):
+  # A concrete array that an op refuses was a tracer in the compiled call's trace, and the message named its type
+  # as "DynamicJaxprTracer", a value the caller never passed: the error must be eager execution's.
+  x = _tensor(53)
+  with eager.primitive_by_primitive(), pytest.raises(TypeError) as by_primitive:
+    call(x)
+  with pytest.raises(TypeError) as compiled:
+    call(x)
+  assert "Tracer" not in str(compiled.value)
+  assert str(compiled.value) == str(by_primitive.value)

@@ -859,5 +859,7 @@ def concat(a: SparseTensor, b: SparseTensor) -> SparseTensor:
   if a.dtype != b.dtype:
     raise ValueError(f"concat needs one dtype, got {a.dtype} and {b.dtype}")
   check_same_sites("concat", "b", b.coords, b.num, a.coords, a.num, " (concat needs tensors on the same coordinates)")
-  return dataclasses.replace(a, feats=jnp.concatenate([a.feats, b.feats], axis=1), caches={**b.caches, **a.caches},
-                             overflow=a.overflow | b.overflow)
+  # Padding rows written as zeros, as every op writes them: a copy passed an input's padding garbage (NaN in a sum
+  # of the output, a cotangent there flowing back). The select fuses into the concatenation's one write.
+  feats = jnp.where(a.valid_mask()[:, None], jnp.concatenate([a.feats, b.feats], axis=1), 0)
+  return dataclasses.replace(a, feats=feats, caches={**b.caches, **a.caches}, overflow=a.overflow | b.overflow)

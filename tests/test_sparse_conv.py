@@ -213,6 +213,27 @@ def test_pools_match_dense(ks, st, pad, dil):
   assert z.feats.shape == x.feats.shape
 
 
+def test_concat_writes_zeros_at_padding_rows():
+  # Every op writes zeros at padding rows; concat copied its inputs' padding, so garbage there (a tensor built
+  # by hand) reached a sum of the output as NaN, and a cotangent at padding rows flowed back to the inputs.
+  rng = np.random.default_rng(61)
+  x = random_sparse(rng, (5, 4, 6), 3, batch_size=2, density=0.3, pad=5)
+  y = x.replace(feats=jnp.asarray(rng.standard_normal((x.capacity, 2)), jnp.float32))
+  pad = np.arange(x.capacity) >= int(x.num)
+  garbage = lambda t: t.replace(feats=jnp.where(pad[:, None], jnp.nan, t.feats))
+  xg, yg = garbage(x), garbage(y)
+  for run in (concat, jax.jit(concat)):
+    out = np.asarray(run(xg, yg).feats)
+    np.testing.assert_array_equal(out[pad], 0)
+    np.testing.assert_array_equal(out[~pad], np.concatenate([x.feats, y.feats], axis=1)[~pad])
+  loss = lambda fa, fb: jnp.sum(concat(xg.replace(feats=fa), yg.replace(feats=fb)).feats ** 2)
+  ga, gb = (np.asarray(g) for g in jax.grad(loss, argnums=(0, 1))(xg.feats, yg.feats))
+  np.testing.assert_array_equal(ga[pad], 0)
+  np.testing.assert_array_equal(gb[pad], 0)
+  np.testing.assert_allclose(ga[~pad], 2 * np.asarray(x.feats)[~pad], rtol=1e-6)
+  np.testing.assert_allclose(gb[~pad], 2 * np.asarray(y.feats)[~pad], rtol=1e-6)
+
+
 def test_global_pool_and_concat():
   rng = np.random.default_rng(6)
   x = random_sparse(rng, (5, 4, 6), 3, batch_size=3, density=0.3, pad=4)

@@ -74,7 +74,13 @@ def activation(x: SparseTensor, fn: Callable[[jax.Array], jax.Array]) -> SparseT
     raise TypeError(f"fn must be a callable (e.g. jax.nn.relu), got {fn!r}")
   mask = _mask(x)
   # fn sees zeros on padding rows: a NaN or inf left there would give a NaN derivative (0 * NaN) in the backward.
-  return x.replace(feats=jnp.where(mask, fn(jnp.where(mask, x.feats, 0)), 0).astype(x.dtype))
+  y = fn(jnp.where(mask, x.feats, 0))
+  # A row per site: a result of another shape (a reduction over rows or channels) broadcast against the row mask
+  # into a [capacity, capacity] array. Channels may change (jax.nn.glu halves them).
+  if getattr(y, "ndim", None) != 2 or y.shape[0] != x.capacity:
+    raise ValueError(f"fn must map the [capacity, C] = {tuple(x.feats.shape)} features to [capacity, C'] "
+                     f"(a row per site), got shape {getattr(y, 'shape', type(y).__name__)}")
+  return x.replace(feats=jnp.where(mask, y, 0).astype(x.dtype))
 
 
 # ---- batch norm ------------------------------------------------------------------------------------------

@@ -341,6 +341,20 @@ def test_activation_keeps_padding_zero():
   assert np.all(np.asarray(g[n:]) == 0)
 
 
+def test_activation_takes_row_per_site_results_only():
+  # A result without a row per site broadcast against the row mask into [capacity, capacity]; a channel change
+  # (jax.nn.glu) is an activation's right.
+  x = _norm_input(5)
+  n = int(x.num)
+  for fn in (lambda f: f.sum(axis=1), lambda f: f.sum(axis=0), lambda f: f[:1]):
+    with pytest.raises(ValueError, match="fn must map"):
+      norm.activation(x, fn)
+  y = norm.activation(x, jax.nn.glu)
+  assert y.feats.shape == (x.capacity, x.num_channels // 2)
+  np.testing.assert_allclose(np.asarray(y.feats[:n]), np.asarray(jax.nn.glu(x.feats[:n])), rtol=1e-6)
+  assert np.all(np.asarray(y.feats[n:]) == 0)
+
+
 def test_norms_ignore_padding_amount():
   """The same sites with more padding rows (a bigger capacity bucket) give the same outputs."""
   x = _norm_input(4, pad=3)

@@ -225,14 +225,34 @@ def _interprets(signature: inspect.Signature, args, kwargs) -> bool:
   return implementation == "pallas" and not dispatch.on_gpu()
 
 
+def _sequences_as_arrays(signature: inspect.Signature, names: tuple[str, ...], args, kwargs):
+  """The call with its array-like arguments (a mask, per-item values, a weight) given as Python lists made numpy
+  arrays: as pytree leaves their numbers were static keys, one program compiled (and kept) per distinct value."""
+  try:
+    bound = signature.bind_partial(*args, **kwargs)
+  except TypeError:  # the op itself reports the bad call
+    return args, kwargs
+  for name in names:
+    value = bound.arguments.get(name)
+    if isinstance(value, (list, tuple)):
+      try:
+        bound.arguments[name] = np.asarray(value)
+      except (ValueError, TypeError):  # ragged or not numbers: the op says what it wants
+        pass
+  return bound.args, bound.kwargs
+
+
 def compiled_when_eager(fn: Callable) -> Callable:
   """`fn` (a public op) run under one `jax.jit` when no argument is traced (see the module docstring)."""
   jitted = jax.jit(functools.partial(_run_traced, fn), static_argnums=0)
   signature = inspect.signature(fn)
   eager_only: set = set()  # call shapes whose trace needed a host value
+  array_like = tuple(name for name, p in signature.parameters.items() if "ArrayLike" in str(p.annotation))
 
   @functools.wraps(fn)
   def op(*args, **kwargs):
+    if array_like and any(isinstance(a, (list, tuple)) for a in (*args, *kwargs.values())):
+      args, kwargs = _sequences_as_arrays(signature, array_like, args, kwargs)
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     # Also a call of constants (closed-over arrays) under the caller's jit or scan is traced: its checks are the
     # caller's program's, where raising them after the run read a traced flag on the host.

@@ -254,3 +254,27 @@ def test_an_argument_refused_while_tracing_is_named_as_eagerly(call):
     call(x)
   assert "Tracer" not in str(compiled.value)
   assert str(compiled.value) == str(by_primitive.value)
+
+
+def test_an_array_argument_given_as_a_list_is_an_array_not_a_key():
+  # A mask or per-item values given as a Python list: its numbers were pytree leaves, hence static keys, and every
+  # distinct value compiled (and kept) a program of its own.
+  x = _tensor(60, n=33, channels=3, pad=6)
+  rng = np.random.default_rng(61)
+  masks = [list(map(bool, rng.random(x.capacity) < 0.5)) for _ in range(3)]
+  jax.block_until_ready(jsparse.select(x, masks[0]).feats)
+  with _counting_compiles() as compiles:
+    got = [jax.block_until_ready(jsparse.select(x, mask)) for mask in masks[1:]]
+  assert compiles == []
+  for mask, out in zip(masks[1:], got):
+    with eager.primitive_by_primitive():
+      expect = jsparse.select(x, np.asarray(mask))
+    np.testing.assert_array_equal(out.coords, expect.coords)
+    np.testing.assert_array_equal(out.feats, expect.feats)
+  values = [[float(v) for v in rng.standard_normal(4)] for _ in range(x.batch_size)]
+  got = jsparse.broadcast_per_item(x, values)
+  with eager.primitive_by_primitive():
+    expect = jsparse.broadcast_per_item(x, jnp.asarray(values))
+  np.testing.assert_allclose(got.feats, expect.feats, rtol=1e-6)
+  with pytest.raises(ValueError, match="mask must be bool"):
+    jsparse.select(x, [True, False])

@@ -500,7 +500,7 @@ def test_back_to_back_probe_samples_clocks_and_spans_calls():
 
 def test_tune_layer_reads_extra_tiles_with_launch_order_and_split():
   """`tune_layer --extra-tiles`: five fields are a columns-first tile without a split, a sixth sets the launch
-  order, a seventh the split; any other count is refused by name."""
+  order, a seventh the split, an eighth the operand swap; any other count is refused by name."""
   from benchmarks.probes.tune_layer import extra_tile
   plain = extra_tile("128,128,32,4,5")
   assert (plain.block_m, plain.block_n, plain.block_k, plain.num_warps, plain.num_stages) == (128, 128, 32, 4, 5)
@@ -508,6 +508,11 @@ def test_tune_layer_reads_extra_tiles_with_launch_order_and_split():
   rows_first = extra_tile("64,256,32,8,5,0")
   assert not rows_first.columns_fastest and rows_first.split == 1
   split = extra_tile("64,128,32,4,5,1,22")
-  assert split.columns_fastest and split.split == 22 and split.block_m == 64
+  assert split.columns_fastest and split.split == 22 and split.block_m == 64 and split.swap_operands is None
+  assert extra_tile("256,128,32,8,4,1,1,0").swap_operands is False
+  assert extra_tile("128,256,32,8,4,1,1,1").swap_operands is True
+  assert extra_tile("128,256,32,8,4,1,1,-1").swap_operands is None
   with pytest.raises(ValueError, match="extra-tiles"):
     extra_tile("64,128,32")
+  with pytest.raises(ValueError, match="extra-tiles"):
+    extra_tile("64,128,32,4,5,1,1,0,0")

@@ -1,7 +1,7 @@
 """Probe: every candidate config of one submanifold layer's passes, timed on a sphere shell (what the tuner sees).
 
     python -m benchmarks.probes.tune_layer --res 512 --channels 32 --dtype tf32 [--passes forward,input_grad]
-                                           [--extra-tiles 128,128,64,8,3;128,256,32,8,4,0;64,128,32,4,5,1,22]
+                                           [--extra-tiles 128,128,64,8,3;128,256,32,8,4,0;64,128,32,4,5,1,22,0]
 
 Prints each candidate's time and the best per pass; used to find where `pass_config.heuristic` is far from the
 best config (e.g. a tile shape that is slow for one dtype only).
@@ -29,10 +29,11 @@ def main(argv=None):
   ap.add_argument("--passes", default="forward,input_grad,weight_grad")
   ap.add_argument("--weight-layout", default="ODHWI")
   ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--extra-tiles", default="", metavar="M,N,K,WARPS,STAGES[,COLUMNS_FASTEST[,SPLIT]][;...]",
+  ap.add_argument("--extra-tiles", default="", metavar="M,N,K,WARPS,STAGES[,COLUMNS_FASTEST[,SPLIT[,SWAP]]][;...]",
                   help="tile shapes to time beside the candidates (forward and input gradient, masked); a sixth "
                        "field 0 launches row blocks fastest (default 1: a row block's columns side by side), a "
-                       "seventh splits the reduction (default 1: no split)")
+                       "seventh splits the reduction (default 1: no split), an eighth swaps the operands (1), "
+                       "keeps them (0) or leaves it to the rule (-1, the default)")
   args = ap.parse_args(argv)
   extra = [extra_tile(t) for t in args.extra_tiles.split(";") if t]
   dtype = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "tf32": jnp.float32}[args.dtype]
@@ -52,13 +53,14 @@ def main(argv=None):
 
 
 def extra_tile(text: str) -> TileConfig:
-  """TileConfig of "M,N,K,WARPS,STAGES[,COLUMNS_FASTEST[,SPLIT]]"."""
+  """TileConfig of "M,N,K,WARPS,STAGES[,COLUMNS_FASTEST[,SPLIT[,SWAP]]]"."""
   fields = [int(f) for f in text.split(",")]
-  if len(fields) not in (5, 6, 7):
-    raise ValueError(f"--extra-tiles: want M,N,K,WARPS,STAGES[,COLUMNS_FASTEST[,SPLIT]], got {text!r}")
+  if len(fields) not in (5, 6, 7, 8):
+    raise ValueError(f"--extra-tiles: want M,N,K,WARPS,STAGES[,COLUMNS_FASTEST[,SPLIT[,SWAP]]], got {text!r}")
   columns_fastest = bool(fields[5]) if len(fields) > 5 else True
   split = fields[6] if len(fields) > 6 else 1
-  return TileConfig(*fields[:5], split=split, columns_fastest=columns_fastest)
+  swap = None if len(fields) < 8 or fields[7] < 0 else bool(fields[7])
+  return TileConfig(*fields[:5], split=split, columns_fastest=columns_fastest, swap_operands=swap)
 
 
 if __name__ == "__main__":

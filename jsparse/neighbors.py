@@ -19,9 +19,15 @@ from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_int, check_distinc
                                    check_sparse_tensor, outside_grid_mask, report, site_keys)
 
 
+def _is_scalar(value) -> bool:
+  """True for one size given for every axis: a 0-d array has __iter__ but iterating it raises a TypeError that
+  names no argument, so it counts as the scalar it holds (as_int takes it)."""
+  return isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or getattr(value, "ndim", None) == 0
+
+
 def as_triple(value, name: str) -> tuple[int, int, int]:
   """An int or 3 ints as a tuple of 3 Python ints; floats, bools and strings ("333" is a sequence) raise."""
-  if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+  if _is_scalar(value):
     return (as_int(value, name),) * 3
   triple = tuple(as_int(v, name) for v in value)
   if len(triple) != 3:
@@ -35,7 +41,7 @@ def lift_triple(value, name: str, ndim: int, fill: int = 1) -> tuple[int, int, i
   and 0 for a padding. ndim 3 is `as_triple`."""
   if ndim == 3:
     return as_triple(value, name)
-  if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+  if _is_scalar(value):
     return (fill,) * (3 - ndim) + (as_int(value, name),) * ndim
   sizes = tuple(as_int(v, name) for v in value)
   if len(sizes) != ndim:

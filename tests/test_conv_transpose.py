@@ -332,6 +332,23 @@ def test_bad_arguments():
 
 
 
+@pytest.mark.parametrize("stride", [np.array(2), jnp.int32(2), np.array([2, 1, 3]), jnp.asarray([2, 1, 3])],
+                         ids=["numpy_0d", "jax_0d", "numpy_3", "jax_3"])
+def test_sizes_given_as_arrays(stride):
+  """A stride held in a 0-d array (a config value read back through numpy or jax) is one int for every axis, as
+  as_int takes it: it raised `TypeError: iteration over a 0-d array`, naming no argument."""
+  rng = np.random.default_rng(19)
+  x = random_sparse(rng, (3, 4, 2), 2, batch_size=2, density=0.4)
+  st = tuple(np.broadcast_to(np.asarray(stride), (3,)).tolist())
+  w, b = _weights(rng, st, 2, 3)
+  y = sparse_conv_transpose3d(x, w, b, stride=stride, out_capacity="exact")
+  want = sparse_conv_transpose3d(x, w, b, stride=st, out_capacity="exact")
+  assert y.spatial_shape == want.spatial_shape and _sites(y) == _sites(want)
+  np.testing.assert_array_equal(np.asarray(y.feats), np.asarray(want.feats))
+  labels = jsparse.child_labels(x, y, stride)
+  assert labels.shape == (x.capacity, int(np.prod(st))) and bool(labels[: int(x.num)].all())
+
+
 @pytest.mark.parametrize("kernel_size,stride,padding,capacity,implementation", [
     (4, 4, 0, 2**25 + 8, "xla"), (4, 4, 0, 2**25 + 8, "pallas"),  # generative: capacity * 64 children
     ((2, 8, 8), (2, 8, 8), 0, 2**24 + 8, "xla"),

@@ -43,6 +43,15 @@ def _vec3(value, name):
   return np.broadcast_to(a, (3,))
 
 
+def _length(value, name):
+  """A radius or thickness as a finite float >= 0: sizes enter squared, so a negative one drew the shape of its
+  absolute value, NaN an empty mask, and an array broadcast against the grid."""
+  a = np.asarray(value, np.float64)
+  if a.shape != () or not np.isfinite(a) or a < 0:
+    raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+  return float(a)
+
+
 def _centre(resolution, center):
   return np.full(3, resolution / 2.0) if center is None else _vec3(center, "center")
 
@@ -50,7 +59,7 @@ def _centre(resolution, center):
 def sphere_mask(resolution, radius=None, center=None) -> np.ndarray:
   """Solid ball: |c - center| <= radius (default radius 0.4 * resolution, centred)."""
   resolution = _resolution(resolution)
-  radius = 0.4 * resolution if radius is None else radius
+  radius = 0.4 * resolution if radius is None else _length(radius, "radius")
   x, y, z = _centres(resolution)
   o = _centre(resolution, center)
   return (x - o[0]) ** 2 + (y - o[1]) ** 2 + (z - o[2]) ** 2 <= radius**2
@@ -59,7 +68,8 @@ def sphere_mask(resolution, radius=None, center=None) -> np.ndarray:
 def shell_mask(resolution, radius=None, thickness=1.5, center=None) -> np.ndarray:
   """Hollow sphere: radius - thickness < |c - center| <= radius."""
   resolution = _resolution(resolution)
-  radius = 0.4 * resolution if radius is None else radius
+  radius = 0.4 * resolution if radius is None else _length(radius, "radius")
+  thickness = _length(thickness, "thickness")
   x, y, z = _centres(resolution)
   o = _centre(resolution, center)
   d2 = (x - o[0]) ** 2 + (y - o[1]) ** 2 + (z - o[2]) ** 2
@@ -70,8 +80,8 @@ def shell_mask(resolution, radius=None, thickness=1.5, center=None) -> np.ndarra
 def torus_mask(resolution, major=None, minor=None, center=None, axis=2) -> np.ndarray:
   """Solid torus around `axis` (0, 1 or 2): (dist to axis - major)^2 + (height)^2 <= minor^2."""
   resolution = _resolution(resolution)
-  major = 0.3 * resolution if major is None else major
-  minor = 0.1 * resolution if minor is None else minor
+  major = 0.3 * resolution if major is None else _length(major, "major")
+  minor = 0.1 * resolution if minor is None else _length(minor, "minor")
   axis = as_int(axis, "axis")
   if axis not in (0, 1, 2):  # 3 raised IndexError, -1 read axis 2
     raise ValueError(f"axis must be 0, 1 or 2, got {axis}")
@@ -90,6 +100,8 @@ def box_mask(resolution, half_size=None, center=None) -> np.ndarray:
   """
   resolution = _resolution(resolution)
   half = np.full(3, 0.3 * resolution) if half_size is None else _vec3(half_size, "half_size")
+  if not np.all(np.isfinite(half) & (half >= 0)):  # a negative half size gave an empty box, NaN as well
+    raise ValueError(f"half_size must be finite and >= 0, got {half_size!r}")
   c = _centres(resolution)
   o = _centre(resolution, center)
   return np.all([np.abs(c[i] - o[i]) <= half[i] for i in range(3)], axis=0)

@@ -687,6 +687,15 @@ def test_lookup_rows_wide_and_float_queries():
     (lambda: shapes.random_shapes(jax.random.key(0), 2.7, 8), TypeError, "batch_size"),  # made 2 elements
     (lambda: shapes.random_shapes(jax.random.key(0), 0, 8), ValueError, "batch_size"),
     (lambda: shapes.masks_to_tensor(np.ones((4, 4, 4), bool), dtype=np.int32), TypeError, "dtype"),
+    # Sizes enter squared: a negative radius or minor radius drew the ball or torus of its absolute value.
+    (lambda: shapes.sphere_mask(8, radius=-3), ValueError, "radius"),
+    (lambda: shapes.shell(8, radius=-3), ValueError, "radius"),
+    (lambda: shapes.shell_mask(8, thickness=-1), ValueError, "thickness"),
+    (lambda: shapes.torus_mask(8, minor=-2), ValueError, "minor"),
+    (lambda: shapes.torus_mask(8, major=-2), ValueError, "major"),
+    (lambda: shapes.box_mask(8, half_size=(2, -1, 2)), ValueError, "half_size"),
+    (lambda: shapes.sphere_mask(8, radius=float("nan")), ValueError, "radius"),  # an empty mask
+    (lambda: shapes.sphere_mask(8, radius=[1.0, 2.0]), ValueError, "radius"),  # broadcast, or numpy's shape error
 ])
 def test_shape_generators_name_bad_arguments(call, error, name):
   with pytest.raises(error, match=name):

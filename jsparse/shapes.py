@@ -234,12 +234,17 @@ def random_shapes(key, batch_size, resolution, *, kinds=KINDS, num_shapes=(1, 3)
                   capacity=None, return_dense=False):
   """A batch of random unions (one per batch element) as one SparseTensor, deterministic per key.
 
-  Element i depends only on (key, i): it is generated from jax.random.split(key, batch_size)[i].
+  Element i depends only on (key, i): it is generated from jax.random.split(key, n)[i], n = batch_size (with
+  jax_threefry_partitionable off, where that key changes with n: n = i + 1).
   num_shapes: (min, max) shapes per element. capacity: None gives round_capacity(total voxels).
   return_dense=True returns (tensor, bool occupancy [B, R, R, R]).
   """
   kinds, num_shapes, resolution = _check_kinds(kinds), _check_num_shapes(num_shapes), _resolution(resolution)
-  keys = jax.random.split(key, as_int(batch_size, "batch_size", minimum=1))  # int() made 2.7 two elements
+  batch_size = as_int(batch_size, "batch_size", minimum=1)  # int() made 2.7 two elements
+  if jax.config.jax_threefry_partitionable:
+    keys = jax.random.split(key, batch_size)
+  else:  # there split(key, n)[i] changes with n: element i takes split(key, i + 1)[i], the same key for every n > i
+    keys = [jax.random.split(key, i + 1)[i] for i in range(batch_size)]
   masks = np.stack([_random_one(_rng(k), resolution, kinds, num_shapes) for k in keys])
   t = masks_to_tensor(masks, channels, capacity)
   return (t, masks) if return_dense else t

@@ -295,6 +295,18 @@ def test_random_shapes_deterministic_and_nonempty():
     shapes.random_shapes(key, 2, 8, kinds=("cone",))
 
 
+@pytest.mark.parametrize("partitionable", [True, False])
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_random_shapes_items_do_not_depend_on_the_batch_size(partitionable, impl):
+  """Element i depends only on (key, i), as documented: with jax_threefry_partitionable off (JAX's default before
+  0.5, still a supported setting) split(key, n)[i] changes with n, so a batch of 3 began with other shapes than a
+  batch of 2 from the same key."""
+  key = jax.random.key(3, impl=impl)
+  with jax.threefry_partitionable(partitionable):
+    _, two = shapes.random_shapes(key, 2, 8, return_dense=True)
+    _, three = shapes.random_shapes(key, 3, 8, return_dense=True)
+  np.testing.assert_array_equal(two, three[:2])
+
 def test_masks_to_tensor_matches_from_coords():
   m = shapes.random_shapes(jax.random.key(5), 3, 8, return_dense=True)[1]
   t = shapes.masks_to_tensor(m, channels=2, capacity=1024)

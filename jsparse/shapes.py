@@ -173,7 +173,14 @@ def _rng(key) -> np.random.Generator:
   try:
     data = jax.random.key_data(key)
   except TypeError:
-    data = key
+    # Raw key data must be integers: a float was truncated (1.5 drew seed 1's shapes), a negative one raised
+    # numpy's OverflowError and a string int()'s ValueError, naming no argument.
+    data = np.asarray(key)
+    if not np.issubdtype(data.dtype, np.integer):
+      raise TypeError(f"key must be a jax.random key (jax.random.key(seed)) or its raw uint32 data, "
+                      f"got {key!r}") from None
+    if np.any(data < 0):
+      raise ValueError(f"key must be a jax.random key or its raw uint32 data (non-negative), got {key!r}") from None
   return np.random.default_rng(np.asarray(data, np.uint32).ravel().tolist())
 
 

@@ -708,6 +708,10 @@ def test_lookup_rows_wide_and_float_queries():
     (lambda: shapes.box_mask(8, half_size=(2, -1, 2)), ValueError, "half_size"),
     (lambda: shapes.sphere_mask(8, radius=float("nan")), ValueError, "radius"),  # an empty mask
     (lambda: shapes.sphere_mask(8, radius=[1.0, 2.0]), ValueError, "radius"),  # broadcast, or numpy's shape error
+    (lambda: shapes.random_union_mask(1.5, 8), TypeError, "key"),  # drew seed 1's shapes
+    (lambda: shapes.random_union(jnp.asarray([0.0, 3.0]), 8), TypeError, "key"),  # drew key [0, 3]'s shapes
+    (lambda: shapes.random_union_mask("a", 8), TypeError, "key"),  # int()'s ValueError, naming nothing
+    (lambda: shapes.random_union_mask(-1, 8), ValueError, "key"),  # numpy's OverflowError
 ])
 def test_shape_generators_name_bad_arguments(call, error, name):
   with pytest.raises(error, match=name):

@@ -2,11 +2,13 @@
 
 Outside `jax.jit` JAX runs an op primitive by primitive, compiling one small XLA program per primitive and
 shape: a first eager `submconv3d` compiled about 70 of them where the same call under `jax.jit` compiles one
-(docs/perf_notes.md has the timings). `compiled_when_eager` wraps an op so that a call with no traced
-argument runs it under one `jax.jit`, cached by the op, its static arguments, the shapes of its arrays and the
-trace-time configuration (tuning tables, `sparse24.native_2to4`; JAX's own settings, such as
-`jax.default_matmul_precision` and `jsparse.error_checks()`, are part of jit's key already). A traced call (under
-the caller's `jit`, `grad`, `vmap`, ...) runs the op as it is, so traced programs do not change.
+(docs/perf_notes.md has the timings). `compiled_when_eager` wraps an op so that a call made while no
+transformation traces runs it under one `jax.jit`, cached by the op, its static arguments, the shapes of its
+arrays and the trace-time configuration (tuning tables, `sparse24.native_2to4`; JAX's own settings, such as
+`jax.default_matmul_precision` and `jsparse.error_checks()`, are part of jit's key already). Array-like
+arguments given as Python lists (a mask, per-item values, a norm's scale) are made numpy arrays first, so that
+their numbers are not static keys. A call under the caller's `jit`, `grad`, `vmap`, `scan`, ... (on traced
+arguments or on constants) runs the op as it is, so traced programs do not change.
 
 Eager semantics are kept:
 - a check that raises outside jit (`sparse_tensor.report`) is collected while tracing and raised after the run
@@ -14,6 +16,8 @@ Eager semantics are kept:
 - an op that needs a value on the host (a count for `out_capacity=None`, a comparison of concrete coordinates)
   cannot be traced; it raises `NeedsHostValues` (or JAX's concretization errors) at trace time, and that call
   shape then runs primitive by primitive, as before;
+- an argument refused while tracing (a TypeError or ValueError) was a tracer there: the call runs eagerly, which
+  raises the error in the caller's terms (and, should eager execution succeed, that call shape stays eager);
 - inside `map_gemm.recording` (autotune records concrete maps) ops run as they are, and so do calls that run
   the Pallas kernels in interpret mode (`implementation="pallas"` off the GPU), whose per-block programs are
   shared between calls of other sizes.
@@ -225,20 +229,30 @@ def _interprets(signature: inspect.Signature, args, kwargs) -> bool:
   return implementation == "pallas" and not dispatch.on_gpu()
 
 
+def _numbers_as_array(value):
+  """A list or tuple of Python numbers as a numpy array, else None (arrays inside stay on their device; ragged
+  or non-numeric lists are the op's to report)."""
+  if not isinstance(value, (list, tuple)) or any(_is_array(leaf) for leaf in jax.tree_util.tree_leaves(value)):
+    return None
+  try:
+    array = np.asarray(value)
+  except (ValueError, TypeError, OverflowError):
+    return None
+  return array if array.dtype.kind in "biuf" else None
+
+
 def _sequences_as_arrays(signature: inspect.Signature, names: tuple[str, ...], args, kwargs):
-  """The call with its array-like arguments (a mask, per-item values, a weight) given as Python lists made numpy
-  arrays: as pytree leaves their numbers were static keys, one program compiled (and kept) per distinct value."""
+  """The call with its array-like arguments (a mask, per-item values, a weight, a scale) given as Python lists of
+  numbers made numpy arrays: as pytree leaves their numbers were static keys, one program compiled (and kept) per
+  distinct value."""
   try:
     bound = signature.bind_partial(*args, **kwargs)
   except TypeError:  # the op itself reports the bad call
     return args, kwargs
   for name in names:
-    value = bound.arguments.get(name)
-    if isinstance(value, (list, tuple)):
-      try:
-        bound.arguments[name] = np.asarray(value)
-      except (ValueError, TypeError):  # ragged or not numbers: the op says what it wants
-        pass
+    array = _numbers_as_array(bound.arguments.get(name))
+    if array is not None:
+      bound.arguments[name] = array
   return bound.args, bound.kwargs
 
 
@@ -247,11 +261,17 @@ def compiled_when_eager(fn: Callable) -> Callable:
   jitted = jax.jit(functools.partial(_run_traced, fn), static_argnums=0)
   signature = inspect.signature(fn)
   eager_only: set = set()  # call shapes whose trace needed a host value
-  array_like = tuple(name for name, p in signature.parameters.items() if "ArrayLike" in str(p.annotation))
+  # The parameters that take arrays (annotated ArrayLike; the modules use postponed annotations, so these are
+  # strings), and the positions they can be passed at: kernel sizes and strides given as tuples cost no binding.
+  params = list(signature.parameters.values())
+  array_like = tuple(p.name for p in params if "ArrayLike" in str(p.annotation))
+  array_positions = tuple(i for i, p in enumerate(params) if p.name in array_like
+                          and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
   @functools.wraps(fn)
   def op(*args, **kwargs):
-    if array_like and any(isinstance(a, (list, tuple)) for a in (*args, *kwargs.values())):
+    if (any(i < len(args) and isinstance(args[i], (list, tuple)) for i in array_positions)
+        or any(isinstance(kwargs.get(name), (list, tuple)) for name in array_like)):
       args, kwargs = _sequences_as_arrays(signature, array_like, args, kwargs)
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     # Also a call of constants (closed-over arrays) under the caller's jit or scan is traced: its checks are the
@@ -299,9 +319,12 @@ def compiled_when_eager(fn: Callable) -> Callable:
       return fn(*args, **kwargs)
     except (TypeError, ValueError):
       # An argument refused while tracing was a tracer there (its message named "DynamicJaxprTracer", not what the
-      # caller passed): eager execution raises the error in the caller's terms. Trace errors depend on the key only.
+      # caller passed): eager execution raises the error in the caller's terms. Not remembered: the error can come
+      # from a JAX setting of the moment (jax.numpy_rank_promotion("raise")), which the key does not hold; only a
+      # call that eager execution runs where its trace failed stays eager.
+      out = fn(*args, **kwargs)
       eager_only.add(key)
-      return fn(*args, **kwargs)
+      return out
     reports.raise_first()
     return layout.rebuild(fresh, inputs, _nodes((args, kwargs)))
 

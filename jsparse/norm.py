@@ -17,6 +17,7 @@ from jax import lax
 
 from jsparse.eager import compiled_when_eager
 from jsparse import dispatch, per_item
+from jsparse._types import ArrayLike
 from jsparse.eager import host_check
 from jsparse.sparse_tensor import SparseTensor, as_int, check_feats_dtype, check_sparse_tensor
 from pallas_kernels import channel_moments
@@ -68,7 +69,9 @@ def _checked_epsilon(epsilon) -> float:
 
 
 def activation(x: SparseTensor, fn: Callable[[jax.Array], jax.Array]) -> SparseTensor:
-  """`fn` applied to the features of the valid rows; padding rows stay zero even where fn(0) != 0."""
+  """`fn` applied to the features of the valid rows; padding rows stay zero even where fn(0) != 0.
+
+  fn maps the [capacity, C] features to [capacity, C'] (C' = C for an elementwise fn; jax.nn.glu halves it)."""
   check_sparse_tensor(x)
   if not callable(fn):
     raise TypeError(f"fn must be a callable (e.g. jax.nn.relu), got {fn!r}")
@@ -140,7 +143,8 @@ def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None,
 
 
 @compiled_when_eager
-def batch_norm(x: SparseTensor, scale=None, bias=None, *, mean=None, var=None, epsilon: float = 1e-5,
+def batch_norm(x: SparseTensor, scale: ArrayLike | None = None, bias: ArrayLike | None = None, *,
+               mean: ArrayLike | None = None, var: ArrayLike | None = None, epsilon: float = 1e-5,
                axis_name=None, axis_index_groups=None, dtype=None, activation: Callable | None = None,
                return_statistics: bool = False, implementation: str | None = None):
   """activation((x - mean) / sqrt(var + epsilon) * scale + bias) on every valid row.
@@ -291,7 +295,8 @@ _batch_norm_train.defvjp(_batch_norm_train_fwd, _batch_norm_train_bwd)
 
 
 @compiled_when_eager
-def layer_norm(x: SparseTensor, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None) -> SparseTensor:
+def layer_norm(x: SparseTensor, scale: ArrayLike | None = None, bias: ArrayLike | None = None, *,
+               epsilon: float = 1e-6, dtype=None) -> SparseTensor:
   """Normalises each valid row over its channels (rows are independent, so padding cannot leak in)."""
   check_sparse_tensor(x)
   epsilon = _checked_epsilon(epsilon)
@@ -351,8 +356,8 @@ def group_statistics(x: SparseTensor, num_groups: int):
 
 
 @compiled_when_eager
-def group_norm(x: SparseTensor, num_groups: int, scale=None, bias=None, *, epsilon: float = 1e-6,
-               dtype=None, activation: Callable | None = None) -> SparseTensor:
+def group_norm(x: SparseTensor, num_groups: int, scale: ArrayLike | None = None, bias: ArrayLike | None = None,
+               *, epsilon: float = 1e-6, dtype=None, activation: Callable | None = None) -> SparseTensor:
   """activation(group-normalised x * scale + bias) per batch item: each group of channels is normalised with
   the statistics of that group over the valid rows of the row's batch item (the sparse twin of flax's GroupNorm
   on [B, X, Y, Z, C], counting active sites only).

@@ -46,7 +46,12 @@ def _vec3(value, name):
 def _length(value, name):
   """A radius or thickness as a finite float >= 0: sizes enter squared, so a negative one drew the shape of its
   absolute value, NaN an empty mask, and an array broadcast against the grid."""
-  a = np.asarray(value, np.float64)
+  if isinstance(value, (str, bytes, bool, np.bool_)):  # "3" was read as 3.0, True as 1.0
+    raise TypeError(f"{name} must be a number, got {value!r}")
+  try:
+    a = np.asarray(value, np.float64)
+  except (TypeError, ValueError):  # complex, ragged: numpy's own message names no argument
+    raise TypeError(f"{name} must be a number, got {value!r}") from None
   if a.shape != () or not np.isfinite(a) or a < 0:
     raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
   return float(a)
@@ -179,8 +184,8 @@ def _rng(key) -> np.random.Generator:
     if not np.issubdtype(data.dtype, np.integer):
       raise TypeError(f"key must be a jax.random key (jax.random.key(seed)) or its raw uint32 data, "
                       f"got {key!r}") from None
-    if np.any(data < 0):
-      raise ValueError(f"key must be a jax.random key or its raw uint32 data (non-negative), got {key!r}") from None
+    if np.any(data < 0) or np.any(data > np.iinfo(np.uint32).max):  # 2**32 wrapped to seed 0's shapes
+      raise ValueError(f"key must be a jax.random key or its raw uint32 data (0 to 2**32 - 1), got {key!r}") from None
   return np.random.default_rng(np.asarray(data, np.uint32).ravel().tolist())
 
 

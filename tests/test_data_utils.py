@@ -712,6 +712,10 @@ def test_lookup_rows_wide_and_float_queries():
     (lambda: shapes.random_union(jnp.asarray([0.0, 3.0]), 8), TypeError, "key"),  # drew key [0, 3]'s shapes
     (lambda: shapes.random_union_mask("a", 8), TypeError, "key"),  # int()'s ValueError, naming nothing
     (lambda: shapes.random_union_mask(-1, 8), ValueError, "key"),  # numpy's OverflowError
+    (lambda: shapes.random_union_mask(2**32, 8), ValueError, "key"),  # wrapped to seed 0's shapes
+    (lambda: shapes.random_union_mask([2**32 + 5, 1], 8), ValueError, "key"),  # wrapped to [5, 1]
+    (lambda: shapes.sphere_mask(8, radius="3"), TypeError, "radius"),  # read as 3.0
+    (lambda: shapes.shell_mask(8, thickness=True), TypeError, "thickness"),  # read as 1.0
 ])
 def test_shape_generators_name_bad_arguments(call, error, name):
   with pytest.raises(error, match=name):

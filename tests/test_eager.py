@@ -265,7 +265,7 @@ def test_an_array_argument_given_as_a_list_is_an_array_not_a_key():
   jax.block_until_ready(jsparse.select(x, masks[0]).feats)
   with _counting_compiles() as compiles:
     got = [jax.block_until_ready(jsparse.select(x, mask)) for mask in masks[1:]]
-  assert compiles == []
+  assert compiles == [] and not jsparse.select.eager_only  # the one compiled program, not cached primitives
   for mask, out in zip(masks[1:], got):
     with eager.primitive_by_primitive():
       expect = jsparse.select(x, np.asarray(mask))
@@ -278,3 +278,27 @@ def test_an_array_argument_given_as_a_list_is_an_array_not_a_key():
   np.testing.assert_allclose(got.feats, expect.feats, rtol=1e-6)
   with pytest.raises(ValueError, match="mask must be bool"):
     jsparse.select(x, [True, False])
+
+  # A norm's scale and bias as lists: array arguments too.
+  y = norm.layer_norm(x, [1.0, 2.0, 3.0], [0.5, 0.0, -0.5])
+  with _counting_compiles() as compiles:
+    again = norm.layer_norm(x, [3.0, 2.0, 1.0], [0.0, 0.5, 1.0])
+  assert compiles == [] and not norm.layer_norm.eager_only
+  with eager.primitive_by_primitive():
+    expect = norm.layer_norm(x, jnp.asarray([3.0, 2.0, 1.0]), jnp.asarray([0.0, 0.5, 1.0]))
+  np.testing.assert_allclose(again.feats, expect.feats, rtol=1e-5, atol=1e-6)  # fused vs op by op
+  assert y.feats.shape == again.feats.shape
+
+
+def test_an_error_of_a_jax_setting_does_not_make_the_call_eager_for_good():
+  # An argument error raised while tracing sends the call to eager execution, which raises it; it is not
+  # remembered, since a JAX setting of the moment (rank promotion "raise") can cause it and the key holds none.
+  x = _tensor(70, n=21, channels=4, pad=3)
+  scale = jnp.linspace(0.5, 2.0, 4)
+  with jax.numpy_rank_promotion("raise"), pytest.raises(ValueError):
+    norm.layer_norm(x, scale, scale)  # [capacity, C] * [C] promotes the rank
+  assert not norm.layer_norm.eager_only
+  with eager.primitive_by_primitive():
+    expect = norm.layer_norm(x, scale, scale)
+  np.testing.assert_allclose(norm.layer_norm(x, scale, scale).feats, expect.feats, rtol=1e-5, atol=1e-6)
+  assert not norm.layer_norm.eager_only

@@ -27,16 +27,17 @@ if jax.default_backend() == "cpu":
   jax.config.update("jax_disable_most_optimizations",
                     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in ("1", "true", "t", "yes", "y", "on"))
 
-# The xdist workers each compile what the other already compiled (the primitives that eager calls dispatch one
-# by one on common shapes above all, each its own XLA program at ~25 ms of CPU): a compilation cache shared by
-# the processes of this run turns the second compilation into a file read. Its directory is made by the first
-# process (pytest itself, before it starts the workers, which inherit the variable, as do the notebook kernels
-# and the subprocess checks) and removed when that process exits, so that every run compiles everything once:
-# no cache outlives its run. Every compilation is cached (the default keeps only those over a second).
-# JSPARSE_TEST_COMPILATION_CACHE=0 turns it off.
+# Opt-in (JSPARSE_TEST_COMPILATION_CACHE=1): a compilation cache shared by the processes of this run, so that a
+# program one xdist worker compiled is a file read for the other. Off by default: writing an entry serialises the
+# executable, and jaxlib's CPU serialisation segfaulted a worker now and then (a CI run lost a worker in
+# `put_executable_and_time` -> `executable.serialize()`, 2026-11-30), for about 4% of the suite's CPU time. Its
+# directory is made by the first process (pytest itself, before it starts the workers, which inherit the variable,
+# as do the notebook kernels and the subprocess checks) and removed when that process exits, so that every run
+# compiles everything once: no cache outlives its run. Every compilation is cached (the default keeps only those
+# over a second).
 _RUN_CACHE = "JSPARSE_TEST_COMPILATION_CACHE"
-if jax.default_backend() == "cpu" and os.environ.get(_RUN_CACHE) != "0":
-  if not os.environ.get(_RUN_CACHE):
+if jax.default_backend() == "cpu" and os.environ.get(_RUN_CACHE, "0") != "0":
+  if os.environ[_RUN_CACHE] == "1":
     os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="jsparse-tests-xla-cache-")
     atexit.register(shutil.rmtree, os.environ[_RUN_CACHE], ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_RUN_CACHE]

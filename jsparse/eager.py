@@ -257,7 +257,7 @@ def _sequences_as_arrays(signature: inspect.Signature, names: tuple[str, ...], a
 
 
 def compiled_when_eager(fn: Callable) -> Callable:
-  """`fn` (a public op) run under one `jax.jit` when no argument is traced (see the module docstring)."""
+  """`fn` (a public op) run under one `jax.jit` when no transformation traces (see the module docstring)."""
   jitted = jax.jit(functools.partial(_run_traced, fn), static_argnums=0)
   signature = inspect.signature(fn)
   eager_only: set = set()  # call shapes whose trace needed a host value

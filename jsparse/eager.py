@@ -13,9 +13,14 @@ arguments or on constants) runs the op as it is, so traced programs do not chang
 Eager semantics are kept:
 - a check that raises outside jit (`sparse_tensor.report`) is collected while tracing and raised after the run
   with the same error type and message (`collecting_reports`);
-- an op that needs a value on the host (a count for `out_capacity=None`, a comparison of concrete coordinates)
-  cannot be traced; it raises `NeedsHostValues` (or JAX's concretization errors) at trace time, and that call
-  shape then runs primitive by primitive, as before;
+- a capacity counted on the host (`out_capacity=None`: a strided convolution's output sites, a transposed one's
+  children, a union's sites) cannot be traced. The first call of a call shape runs eagerly and records the
+  capacities it resolved; later calls compile with those capacities, return the counts as outputs and compare
+  what they resolve to. A differing count (new data in another capacity bucket) runs that call eagerly again
+  and records its capacities for the next one, so every result is the one eager execution gives;
+- an op that needs another value on the host (a comparison of concrete coordinates, `out_capacity="exact"`)
+  raises `NeedsHostValues` (or JAX's concretization errors) at trace time, and that call shape then runs
+  primitive by primitive, as before;
 - an argument refused while tracing (a TypeError or ValueError) was a tracer there: the call runs eagerly, which
   raises the error in the caller's terms (and, should eager execution succeed, that call shape stays eager);
 - inside `map_gemm.recording` (autotune records concrete maps) ops run as they are, and so do calls that run
@@ -115,6 +120,54 @@ def host_check(what: str, value) -> None:
     raise NeedsHostValues(f"{what} is checked on the host")
 
 
+class _Guesses:
+  """The host-counted capacities a compiled eager call is traced with (those its last eager run resolved), and
+  the traced counts that each was resolved from, which the program returns to be checked."""
+
+  def __init__(self, capacities: tuple[int, ...]):
+    self.capacities, self.counts = capacities, []
+
+
+_GUESSES: contextvars.ContextVar[_Guesses | None] = contextvars.ContextVar("jsparse_guesses", default=None)
+_RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("jsparse_recording", default=None)
+
+
+def guessed_capacity(count) -> int | None:
+  """For `resolve_capacity` with a traced count and capacity None: the capacity the call being compiled was last
+  resolved to eagerly (the count is returned and compared after the run), or None outside such a trace."""
+  guesses = _GUESSES.get()
+  if guesses is None or len(guesses.counts) >= len(guesses.capacities):
+    return None
+  guesses.counts.append(count)
+  return guesses.capacities[len(guesses.counts) - 1]
+
+
+def note_capacity(capacity: int | None) -> None:
+  """For `resolve_capacity` with a concrete count: records the capacity it resolved (None: one that cannot be
+  guessed, such as "exact") while an eager call runs eagerly to learn them."""
+  recording = _RECORDING.get()
+  if recording is not None:
+    recording.append(capacity)
+
+
+def _run_recording(fn, args, kwargs) -> tuple[Any, tuple[int, ...] | None]:
+  """fn run eagerly, and the host-counted capacities it resolved in order (None if there were none, or one that
+  cannot be guessed). The ops it calls run as they are, so that their capacities are recorded in the order a
+  trace of fn meets them."""
+  recorded: list = []
+  token = _RECORDING.set(recorded)
+  try:
+    out = fn(*args, **kwargs)
+  finally:
+    _RECORDING.reset(token)
+  return out, (tuple(recorded) if recorded and None not in recorded else None)
+
+
+def _resolved(counts) -> tuple[int, ...]:
+  from jsparse.sparse_tensor import resolve_capacity  # sparse_tensor imports this module
+  return tuple(resolve_capacity(None, int(n)) for n in counts)
+
+
 @contextlib.contextmanager
 def collecting_reports() -> Iterator[list]:
   into: list = []
@@ -187,15 +240,22 @@ def _nodes(tree) -> list:
   return seen
 
 
-def _run_traced(fn, static, *arrays):
+def _run_traced(fn, static, capacities, *arrays):
   (treedef, slots, others, _), _ = static  # types and context are in the key only: the ops read them themselves
   others = iter(others)
   leaves = [next(others) if slot is None else arrays[slot] for slot in slots]
   args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
   arg_nodes = _nodes((args, kwargs))  # kept alive to the end: a dead node's id can be a new object's
   node_at = {id(node): i for i, node in enumerate(arg_nodes)}
-  with collecting_reports() as checks:
-    out = fn(*args, **kwargs)
+  guesses = None if capacities is None else _Guesses(capacities)
+  token = _GUESSES.set(guesses)
+  try:
+    with collecting_reports() as checks:
+      out = fn(*args, **kwargs)
+  finally:
+    _GUESSES.reset(token)
+  if guesses is not None and len(guesses.counts) != len(capacities):  # the trace took another path: run eagerly
+    raise NeedsHostValues("the call resolved another number of capacities than its eager run")
   whole = lambda node: id(node) in node_at and not isinstance(node, (bool, int, float, str))
   out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=whole)
   position = {id(a): i for i, a in enumerate(arrays)}
@@ -215,7 +275,8 @@ def _run_traced(fn, static, *arrays):
       fresh.append(leaf)
   reports = Reports(tuple(c for c, _ in checks), tuple(v for _, v in checks))
   del arg_nodes
-  return tuple(fresh), reports, _Layout(out_tree, tuple(sources))
+  counts = () if guesses is None else tuple(guesses.counts)
+  return tuple(fresh), reports, _Layout(out_tree, tuple(sources)), counts
 
 
 def _interprets(signature: inspect.Signature, args, kwargs) -> bool:
@@ -258,9 +319,10 @@ def _sequences_as_arrays(signature: inspect.Signature, names: tuple[str, ...], a
 
 def compiled_when_eager(fn: Callable) -> Callable:
   """`fn` (a public op) run under one `jax.jit` when no transformation traces (see the module docstring)."""
-  jitted = jax.jit(functools.partial(_run_traced, fn), static_argnums=0)
+  jitted = jax.jit(functools.partial(_run_traced, fn), static_argnums=(0, 1))
   signature = inspect.signature(fn)
   eager_only: set = set()  # call shapes whose trace needed a host value
+  capacities: dict = {}  # call shape -> the host-counted capacities its last eager run resolved
   # The parameters that take arrays (annotated ArrayLike; the modules use postponed annotations, so these are
   # strings), and the positions they can be passed at: kernel sizes and strides given as tuples cost no binding.
   params = list(signature.parameters.values())
@@ -277,6 +339,8 @@ def compiled_when_eager(fn: Callable) -> Callable:
     # Also a call of constants (closed-over arrays) under the caller's jit or scan is traced: its checks are the
     # caller's program's, where raising them after the run read a traced flag on the host.
     if not jax_core.trace_state_clean() or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+      return fn(*args, **kwargs)
+    if _RECORDING.get() is not None:  # inside an eager run that records capacities: the ops run as they are
       return fn(*args, **kwargs)
     # Interpret mode (tests, debugging off the GPU) runs as it is: eagerly its kernels compile per grid block,
     # programs that calls of other sizes share, where one program of the whole op compiles anew for each size.
@@ -312,11 +376,15 @@ def compiled_when_eager(fn: Callable) -> Callable:
       return fn(*args, **kwargs)
     if key in eager_only:
       return fn(*args, **kwargs)
+    guessed = capacities.get(key)
     try:
-      fresh, reports, layout = jitted(static, *inputs)
+      fresh, reports, layout, counts = jitted(static, guessed, *inputs)
     except _HOST_VALUE_ERRORS:
-      eager_only.add(key)
-      return fn(*args, **kwargs)
+      if guessed is not None:  # a host value other than a capacity: this call shape stays eager
+        capacities.pop(key, None)
+        eager_only.add(key)
+        return fn(*args, **kwargs)
+      return learn(key, args, kwargs)
     except (TypeError, ValueError):
       # An argument refused while tracing was a tracer there (its message named "DynamicJaxprTracer", not what the
       # caller passed): eager execution raises the error in the caller's terms. Not remembered: the error can come
@@ -325,8 +393,23 @@ def compiled_when_eager(fn: Callable) -> Callable:
       out = fn(*args, **kwargs)
       eager_only.add(key)
       return out
-    reports.raise_first()
+    # One transfer for every flag and count (each bool() of a device value waits for its own copy).
+    counts, values = jax.device_get((counts, reports.values))
+    if counts and _resolved(counts) != guessed:
+      return learn(key, args, kwargs)  # another capacity than last time: eager execution's result, and learn it
+    Reports(reports.checks, values).raise_first()
     return layout.rebuild(fresh, inputs, _nodes((args, kwargs)))
 
+  def learn(key, args, kwargs):
+    """Runs the call eagerly; remembers the capacities it resolved, or that its call shape stays eager."""
+    out, resolved = _run_recording(fn, args, kwargs)
+    if resolved is None:
+      capacities.pop(key, None)
+      eager_only.add(key)
+    else:
+      capacities[key] = resolved
+    return out
+
   op.eager_only = eager_only  # for tests: the call shapes that ran primitive by primitive
+  op.capacities = capacities  # for tests: the host-counted capacities each call shape is compiled with
   return op

@@ -98,19 +98,110 @@ def test_a_failed_check_raises_after_the_run_as_eager_execution_does():
   assert str(compiled.value) == str(by_primitive.value)
 
 
-def test_host_counted_capacities_run_eagerly_and_are_remembered():
-  # out_capacity=None counts the output sites on the host, which a trace cannot: that call shape runs as before.
-  x, w = _tensor(12), _weight(13, (2, 2, 2, 5, 3))
+def _same_tensor(a, b):
+  assert a.capacity == b.capacity
+  np.testing.assert_array_equal(a.coords, b.coords)
+  np.testing.assert_array_equal(a.num, b.num)
+  np.testing.assert_allclose(a.feats, b.feats, rtol=1e-5, atol=1e-6)
+
+
+def test_host_counted_capacities_are_learned_then_compiled():
+  # out_capacity=None counts the output sites on the host: the first call runs eagerly and records the capacity,
+  # later calls of that shape compile with it (one program, then none) and give eager execution's result.
+  x, w = _tensor(12, n=45, pad=9), _weight(13, (2, 2, 2, 5, 3))
+  with eager.primitive_by_primitive():
+    expect = jsparse.sparse_conv3d(x, w, stride=2)
+  assert expect.capacity == jsparse.round_capacity(int(expect.num))
+  first = jsparse.sparse_conv3d(x, w, stride=2)
+  key = next(k for k, v in jsparse.sparse_conv3d.capacities.items() if v == (expect.capacity,))
+  assert key not in jsparse.sparse_conv3d.eager_only
+  with _counting_compiles() as compiles:
+    second = jsparse.sparse_conv3d(x, w, stride=2)
+  assert 1 <= len(compiles) <= 2, len(compiles)
+  with _counting_compiles() as again:
+    third = jsparse.sparse_conv3d(x, w, stride=2)
+  assert again == []
+  for y in (first, second, third):
+    _same_tensor(y, expect)
+
+
+def test_a_count_in_another_bucket_gives_the_eager_result_and_is_learned():
+  # Same shapes, new data whose output sites fall in another capacity bucket: the compiled program's capacity
+  # would drop sites (and its overflow check would fail); the call must instead give the eager result, silently.
+  w = _weight(14, (2, 2, 2, 5, 3))
+  few = _tensor(20, n=6, extent=32, batch=1, pad=394)  # 6 input sites: at most 6 output sites
+  many = _tensor(21, n=400, extent=32, batch=1, pad=0)  # 400 scattered sites: far more output sites
+  assert few.capacity == many.capacity == 400
+  jsparse.sparse_conv3d(few, w, stride=2)
+  jsparse.sparse_conv3d(few, w, stride=2)  # compiled with the small capacity
+  y = jsparse.sparse_conv3d(many, w, stride=2)
+  with eager.primitive_by_primitive():
+    expect = jsparse.sparse_conv3d(many, w, stride=2)
+  assert expect.capacity > jsparse.round_capacity(6)
+  _same_tensor(y, expect)
+  assert (expect.capacity,) in jsparse.sparse_conv3d.capacities.values()
+  _same_tensor(jsparse.sparse_conv3d(many, w, stride=2), expect)  # now compiled with the learned capacity
+  with eager.primitive_by_primitive():
+    expect_few = jsparse.sparse_conv3d(few, w, stride=2)
+  _same_tensor(jsparse.sparse_conv3d(few, w, stride=2), expect_few)
+
+
+@pytest.mark.parametrize("op", ["transpose", "union"])
+def test_other_host_counted_capacities_compile_after_the_first_call(op):
+  a, b = _tensor(22, n=30, pad=2), _tensor(23, n=30, pad=2)
+  w = _weight(24, (2, 2, 2, 5, 4))
+  call = {"transpose": lambda: jsparse.sparse_conv_transpose3d(a, w, stride=2, out_capacity=None),
+          "union": lambda: jsparse.union(a, b)}[op]
+  fn = {"transpose": jsparse.sparse_conv_transpose3d, "union": jsparse.union}[op]
+  with eager.primitive_by_primitive():
+    expect = call()
+  call()
+  before = set(fn.eager_only)
+  call()
+  with _counting_compiles() as again:
+    y = call()
+  assert again == [] and set(fn.eager_only) == before
+  for got, want in zip(jax.tree_util.tree_leaves(y), jax.tree_util.tree_leaves(expect)):
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_exact_capacities_run_eagerly_and_are_remembered():
+  # "exact" has a new capacity for nearly every count: compiling one program per count would not pay.
+  x, w = _tensor(25), _weight(26, (2, 2, 2, 5, 3))
   before = len(jsparse.sparse_conv3d.eager_only)
-  y = jsparse.sparse_conv3d(x, w, stride=2)
+  y = jsparse.sparse_conv3d(x, w, stride=2, out_capacity="exact")
   assert len(jsparse.sparse_conv3d.eager_only) == before + 1
-  count = int(y.num)
-  assert y.capacity == jsparse.round_capacity(count)
+  assert y.capacity == int(y.num)
   expect = jax.jit(lambda x: jsparse.sparse_conv3d(x, w, stride=2, out_capacity=y.capacity))(x)
-  np.testing.assert_array_equal(y.coords, expect.coords)
-  np.testing.assert_allclose(y.feats, expect.feats, rtol=1e-5, atol=1e-6)
-  jsparse.sparse_conv3d(x, w, stride=2)
+  _same_tensor(y, expect)
+  jsparse.sparse_conv3d(x, w, stride=2, out_capacity="exact")
   assert len(jsparse.sparse_conv3d.eager_only) == before + 1
+
+
+def test_batch_norm_with_running_statistics_compiles_and_checks_var():
+  # Inference's batch norm (running mean and var given) checked var on the host, so every eager call of it ran
+  # primitive by primitive; the check is now reported from the program.
+  from jax.experimental import checkify
+  x = _tensor(27)
+  mean, var = jnp.linspace(-1, 1, 5), jnp.linspace(0.5, 2, 5)
+  norm.batch_norm(x, mean=mean, var=var)
+  with _counting_compiles() as again:
+    y = norm.batch_norm(x, mean=mean, var=var)
+  assert again == [] and not norm.batch_norm.eager_only
+  valid = np.arange(x.capacity) < int(x.num)
+  expect = np.where(valid[:, None], (np.asarray(x.feats) - mean) / np.sqrt(np.asarray(var) + 1e-5), 0)
+  np.testing.assert_allclose(y.feats, expect, rtol=1e-5, atol=1e-5)
+  bad = var.at[3].set(-1.0)
+  with pytest.raises(ValueError, match=r"batch_norm: var must be >= 0 .* 1 of its entries are negative"):
+    norm.batch_norm(x, mean=mean, var=bad)
+  with eager.primitive_by_primitive(), pytest.raises(ValueError, match="var must be >= 0"):
+    norm.batch_norm(x, mean=mean, var=bad)
+  run = jax.jit(lambda v: norm.batch_norm(x, mean=mean, var=v).feats)
+  run(bad)  # plain jit: no check, as for every reported check
+  with jsparse.error_checks():
+    err, _ = checkify.checkify(jax.jit(lambda v: norm.batch_norm(x, mean=mean, var=v).feats))(bad)
+  assert "var must be >= 0" in str(err.get())
 
 
 def test_traced_calls_run_the_op_as_it_is():

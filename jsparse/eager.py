@@ -14,10 +14,12 @@ Eager semantics are kept:
 - a check that raises outside jit (`sparse_tensor.report`) is collected while tracing and raised after the run
   with the same error type and message (`collecting_reports`);
 - a capacity counted on the host (`out_capacity=None`: a strided convolution's output sites, a transposed one's
-  children, a union's sites) cannot be traced. The first call of a call shape runs eagerly and records the
-  capacities it resolved; later calls compile with those capacities, return the counts as outputs and compare
-  what they resolve to. A differing count (new data in another capacity bucket) runs that call eagerly again
-  and records its capacities for the next one, so every result is the one eager execution gives;
+  children, a union's sites) is a static shape, which a trace cannot take from a traced count. The call is
+  traced with the capacities its call shape last resolved, and the program returns their counts, checked after
+  the run. Where a trace meets a capacity it has no value for (the first call), it stops there and that
+  program returns the count (the op's work up to it); a count whose capacity differs from the one given (new
+  data in another bucket) replaces it. Either way the call runs again with one more capacity known, until every
+  count agrees, so each result is the one eager execution gives and a call shape compiles once per bucket;
 - an op that needs another value on the host (a comparison of concrete coordinates, `out_capacity="exact"`)
   raises `NeedsHostValues` (or JAX's concretization errors) at trace time, and that call shape then runs
   primitive by primitive, as before;
@@ -121,46 +123,36 @@ def host_check(what: str, value) -> None:
 
 
 class _Guesses:
-  """The host-counted capacities a compiled eager call is traced with (those its last eager run resolved), and
-  the traced counts that each was resolved from, which the program returns to be checked."""
+  """The host-counted capacities a compiled eager call is traced with, and the traced counts each was resolved
+  from (returned by the program, so that the capacities are checked after the run)."""
 
   def __init__(self, capacities: tuple[int, ...]):
     self.capacities, self.counts = capacities, []
 
 
+class _CountNeeded(Exception):
+  """Ends the trace of a compiled eager call at a host-counted capacity that it has no value for yet: the program
+  returns the count instead (the op's work up to it), and the call is traced again with its capacity."""
+
+  def __init__(self, count):
+    super().__init__("a host-counted capacity")
+    self.count = count
+
+
+_MAX_ROUNDS = 64  # compiled runs of one eager call: one per host-counted capacity, and one more
 _GUESSES: contextvars.ContextVar[_Guesses | None] = contextvars.ContextVar("jsparse_guesses", default=None)
-_RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("jsparse_recording", default=None)
 
 
 def guessed_capacity(count) -> int | None:
-  """For `resolve_capacity` with a traced count and capacity None: the capacity the call being compiled was last
-  resolved to eagerly (the count is returned and compared after the run), or None outside such a trace."""
+  """For `resolve_capacity` with a traced count and capacity None: the capacity the compiled eager call being
+  traced was given (its count is returned and checked after the run), or None outside such a trace."""
   guesses = _GUESSES.get()
-  if guesses is None or len(guesses.counts) >= len(guesses.capacities):
+  if guesses is None:
     return None
+  if len(guesses.counts) == len(guesses.capacities):
+    raise _CountNeeded(count)
   guesses.counts.append(count)
   return guesses.capacities[len(guesses.counts) - 1]
-
-
-def note_capacity(capacity: int | None) -> None:
-  """For `resolve_capacity` with a concrete count: records the capacity it resolved (None: one that cannot be
-  guessed, such as "exact") while an eager call runs eagerly to learn them."""
-  recording = _RECORDING.get()
-  if recording is not None:
-    recording.append(capacity)
-
-
-def _run_recording(fn, args, kwargs) -> tuple[Any, tuple[int, ...] | None]:
-  """fn run eagerly, and the host-counted capacities it resolved in order (None if there were none, or one that
-  cannot be guessed). The ops it calls run as they are, so that their capacities are recorded in the order a
-  trace of fn meets them."""
-  recorded: list = []
-  token = _RECORDING.set(recorded)
-  try:
-    out = fn(*args, **kwargs)
-  finally:
-    _RECORDING.reset(token)
-  return out, (tuple(recorded) if recorded and None not in recorded else None)
 
 
 def _resolved(counts) -> tuple[int, ...]:
@@ -247,15 +239,17 @@ def _run_traced(fn, static, capacities, *arrays):
   args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
   arg_nodes = _nodes((args, kwargs))  # kept alive to the end: a dead node's id can be a new object's
   node_at = {id(node): i for i, node in enumerate(arg_nodes)}
-  guesses = None if capacities is None else _Guesses(capacities)
+  guesses = _Guesses(capacities)
   token = _GUESSES.set(guesses)
   try:
     with collecting_reports() as checks:
       out = fn(*args, **kwargs)
+  except _CountNeeded as needed:  # a program that counts: its checks run again in the whole op's program
+    return (), Reports(), None, tuple(guesses.counts), needed.count
   finally:
     _GUESSES.reset(token)
-  if guesses is not None and len(guesses.counts) != len(capacities):  # the trace took another path: run eagerly
-    raise NeedsHostValues("the call resolved another number of capacities than its eager run")
+  if len(guesses.counts) != len(capacities):  # fewer capacities than given: the trace took another path
+    raise NeedsHostValues("the call resolved fewer capacities than it was given")
   whole = lambda node: id(node) in node_at and not isinstance(node, (bool, int, float, str))
   out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=whole)
   position = {id(a): i for i, a in enumerate(arrays)}
@@ -275,8 +269,7 @@ def _run_traced(fn, static, capacities, *arrays):
       fresh.append(leaf)
   reports = Reports(tuple(c for c, _ in checks), tuple(v for _, v in checks))
   del arg_nodes
-  counts = () if guesses is None else tuple(guesses.counts)
-  return tuple(fresh), reports, _Layout(out_tree, tuple(sources)), counts
+  return tuple(fresh), reports, _Layout(out_tree, tuple(sources)), tuple(guesses.counts), None
 
 
 def _interprets(signature: inspect.Signature, args, kwargs) -> bool:
@@ -322,7 +315,7 @@ def compiled_when_eager(fn: Callable) -> Callable:
   jitted = jax.jit(functools.partial(_run_traced, fn), static_argnums=(0, 1))
   signature = inspect.signature(fn)
   eager_only: set = set()  # call shapes whose trace needed a host value
-  capacities: dict = {}  # call shape -> the host-counted capacities its last eager run resolved
+  capacities: dict = {}  # call shape -> the host-counted capacities its last call resolved
   # The parameters that take arrays (annotated ArrayLike; the modules use postponed annotations, so these are
   # strings), and the positions they can be passed at: kernel sizes and strides given as tuples cost no binding.
   params = list(signature.parameters.values())
@@ -339,8 +332,6 @@ def compiled_when_eager(fn: Callable) -> Callable:
     # Also a call of constants (closed-over arrays) under the caller's jit or scan is traced: its checks are the
     # caller's program's, where raising them after the run read a traced flag on the host.
     if not jax_core.trace_state_clean() or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-      return fn(*args, **kwargs)
-    if _RECORDING.get() is not None:  # inside an eager run that records capacities: the ops run as they are
       return fn(*args, **kwargs)
     # Interpret mode (tests, debugging off the GPU) runs as it is: eagerly its kernels compile per grid block,
     # programs that calls of other sizes share, where one program of the whole op compiles anew for each size.
@@ -376,40 +367,42 @@ def compiled_when_eager(fn: Callable) -> Callable:
       return fn(*args, **kwargs)
     if key in eager_only:
       return fn(*args, **kwargs)
-    guessed = capacities.get(key)
-    try:
-      fresh, reports, layout, counts = jitted(static, guessed, *inputs)
-    except _HOST_VALUE_ERRORS:
-      if guessed is not None:  # a host value other than a capacity: this call shape stays eager
+    # Host-counted capacities: the call is traced with those its call shape last resolved. A trace that meets one
+    # more returns its count instead; after each run a count whose capacity differs from the one given (new data)
+    # replaces it and drops the later ones. Each round fixes one more capacity, so the loop ends.
+    given = capacities.get(key, ())
+    for _ in range(_MAX_ROUNDS):
+      try:
+        fresh, reports, layout, counts, needed = jitted(static, given, *inputs)
+      except _HOST_VALUE_ERRORS:
         capacities.pop(key, None)
         eager_only.add(key)
         return fn(*args, **kwargs)
-      return learn(key, args, kwargs)
-    except (TypeError, ValueError):
-      # An argument refused while tracing was a tracer there (its message named "DynamicJaxprTracer", not what the
-      # caller passed): eager execution raises the error in the caller's terms. Not remembered: the error can come
-      # from a JAX setting of the moment (jax.numpy_rank_promotion("raise")), which the key does not hold; only a
-      # call that eager execution runs where its trace failed stays eager.
-      out = fn(*args, **kwargs)
+      except (TypeError, ValueError):
+        # An argument refused while tracing was a tracer there (its message named "DynamicJaxprTracer", not what
+        # the caller passed): eager execution raises the error in the caller's terms. Not remembered: the error
+        # can come from a JAX setting of the moment (jax.numpy_rank_promotion("raise")), which the key does not
+        # hold; only a call that eager execution runs where its trace failed stays eager.
+        out = fn(*args, **kwargs)
+        eager_only.add(key)
+        return out
+      # One transfer for every flag and count (each bool() of a device value waits for its own copy).
+      counts, needed, values = jax.device_get((counts, needed, reports.values))
+      resolved = _resolved(counts)
+      wrong = next((i for i, (r, g) in enumerate(zip(resolved, given)) if r != g), None)
+      if wrong is not None:
+        given = given[:wrong] + (resolved[wrong],)
+      elif needed is not None:
+        given = given + _resolved((needed,))
+      else:
+        break
+    else:  # not reached by a deterministic op (each round fixes a capacity); eager execution is the safe answer
       eager_only.add(key)
-      return out
-    # One transfer for every flag and count (each bool() of a device value waits for its own copy).
-    counts, values = jax.device_get((counts, reports.values))
-    if counts and _resolved(counts) != guessed:
-      return learn(key, args, kwargs)  # another capacity than last time: eager execution's result, and learn it
+      return fn(*args, **kwargs)
+    capacities[key] = given
     Reports(reports.checks, values).raise_first()
     return layout.rebuild(fresh, inputs, _nodes((args, kwargs)))
 
-  def learn(key, args, kwargs):
-    """Runs the call eagerly; remembers the capacities it resolved, or that its call shape stays eager."""
-    out, resolved = _run_recording(fn, args, kwargs)
-    if resolved is None:
-      capacities.pop(key, None)
-      eager_only.add(key)
-    else:
-      capacities[key] = resolved
-    return out
-
   op.eager_only = eager_only  # for tests: the call shapes that ran primitive by primitive
-  op.capacities = capacities  # for tests: the host-counted capacities each call shape is compiled with
+  op.capacities = capacities  # for tests: the host-counted capacities each call shape last resolved
   return op

@@ -273,15 +273,14 @@ def resolve_capacity(capacity, count, name: str = "capacity", what: str = "sites
   if capacity is not None and capacity != EXACT:
     return capacity
   if isinstance(count, jax.core.Tracer):
-    # A compiled eager call is traced with the capacity its eager run resolved, and checks it after the run.
+    # A compiled eager call is traced with the capacity its count last resolved to, and checks it after the run.
     guess = eager_calls.guessed_capacity(count) if capacity is None else None
     if guess is None:
       raise NeedsHostValues(f"{name}=None or {EXACT!r} counts the {what} on the host: under jax.jit (or jax.vmap) "
                             "pass an int (e.g. round_capacity of an upper bound)")
     return guess
-  resolved = int(count) if capacity == EXACT else round_capacity(int(count))
-  eager_calls.note_capacity(None if capacity == EXACT else resolved)
-  return resolved
+  count = int(count)
+  return count if capacity == EXACT else round_capacity(count)
 
 
 def as_spatial_shape(spatial_shape, ranks: Sequence[int] = (3,)) -> tuple[int, ...]:

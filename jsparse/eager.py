@@ -333,6 +333,10 @@ def compiled_when_eager(fn: Callable) -> Callable:
     # caller's program's, where raising them after the run read a traced flag on the host.
     if not jax_core.trace_state_clean() or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
       return fn(*args, **kwargs)
+    # Under jax.disable_jit the jit below would run the op eagerly, not trace it: the capacities given went unused,
+    # which made the call shape eager for good (after running the op twice).
+    if jax.config.jax_disable_jit:
+      return fn(*args, **kwargs)
     # Interpret mode (tests, debugging off the GPU) runs as it is: eagerly its kernels compile per grid block,
     # programs that calls of other sizes share, where one program of the whole op compiles anew for each size.
     if _interprets(signature, args, kwargs):

@@ -414,3 +414,21 @@ def test_an_error_of_a_jax_setting_does_not_make_the_call_eager_for_good():
     expect = norm.layer_norm(x, scale, scale)
   np.testing.assert_allclose(norm.layer_norm(x, scale, scale).feats, expect.feats, rtol=1e-5, atol=1e-6)
   assert not norm.layer_norm.eager_only
+
+
+def test_a_call_under_disable_jit_does_not_make_its_call_shape_eager_for_good():
+  # Under jax.disable_jit the wrapper's jit ran the op eagerly, so the learned capacities were never consumed: the
+  # call shape was made eager for good (and the op ran twice).
+  x, w = _tensor(71, n=23, pad=4), _weight(72, (2, 2, 2, 5, 3))
+  before = set(jsparse.sparse_conv3d.capacities)
+  jsparse.sparse_conv3d(x, w, stride=2)
+  (key,) = set(jsparse.sparse_conv3d.capacities) - before
+  with jax.disable_jit():
+    y = jsparse.sparse_conv3d(x, w, stride=2)
+  assert key in jsparse.sparse_conv3d.capacities and key not in jsparse.sparse_conv3d.eager_only
+  with eager.primitive_by_primitive():
+    expect = jsparse.sparse_conv3d(x, w, stride=2)
+  _same_tensor(y, expect)
+  with _counting_compiles() as compiles:
+    _same_tensor(jsparse.sparse_conv3d(x, w, stride=2), expect)
+  assert len(compiles) <= 2

@@ -40,6 +40,7 @@ import inspect
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core  # trace_state_clean: whether any transformation is tracing
 
@@ -212,10 +213,17 @@ class _Layout:
   def tree_unflatten(cls, aux, _):
     return cls(*aux)
 
-  def rebuild(self, fresh, inputs, nodes):
+  def rebuild(self, fresh, inputs, nodes, converted=frozenset()):
     take = {"fresh": fresh, "input": inputs, "node": nodes}
-    return jax.tree_util.tree_unflatten(self.tree, [take[kind][i] if kind in take else i
-                                                    for kind, i in self.sources])
+
+    def leaf(kind, i):
+      if kind == "input" and id(inputs[i]) in converted:
+        # A numpy array-like argument comes back as the device array eager execution's jnp.asarray makes of it
+        # (float64 as float32 without x64); a tensor's own numpy fields come back as they are, as eagerly.
+        return jnp.asarray(inputs[i])
+      return take[kind][i] if kind in take else i
+
+    return jax.tree_util.tree_unflatten(self.tree, [leaf(kind, i) for kind, i in self.sources])
 
 
 def _nodes(tree) -> list:
@@ -405,7 +413,14 @@ def compiled_when_eager(fn: Callable) -> Callable:
       return fn(*args, **kwargs)
     capacities[key] = given
     Reports(reports.checks, values).raise_first()
-    return layout.rebuild(fresh, inputs, _nodes((args, kwargs)))
+    converted: frozenset = frozenset()
+    if any(isinstance(a, np.ndarray) for a in inputs) and any(kind == "input" for kind, _ in layout.sources):
+      try:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+      except TypeError:
+        bound = {}
+      converted = frozenset(id(bound[n]) for n in array_like if isinstance(bound.get(n), np.ndarray))
+    return layout.rebuild(fresh, inputs, _nodes((args, kwargs)), converted)
 
   op.eager_only = eager_only  # for tests: the call shapes that ran primitive by primitive
   op.capacities = capacities  # for tests: the host-counted capacities each call shape last resolved

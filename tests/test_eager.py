@@ -432,3 +432,21 @@ def test_a_call_under_disable_jit_does_not_make_its_call_shape_eager_for_good():
   with _counting_compiles() as compiles:
     _same_tensor(jsparse.sparse_conv3d(x, w, stride=2), expect)
   assert len(compiles) <= 2
+
+
+def test_a_numpy_input_passed_through_comes_back_as_eager_execution_makes_it():
+  # Running statistics given as numpy float64 come back from return_statistics as float32 device arrays eagerly;
+  # the compiled call passed the caller's float64 numpy arrays through instead.
+  x = _tensor(73, n=19, pad=5)
+  mean, var = np.linspace(-1, 1, 5), np.linspace(0.5, 2, 5)
+  with eager.primitive_by_primitive():
+    expect = norm.batch_norm(x, mean=mean, var=var, return_statistics=True)
+  for _ in range(2):
+    y = norm.batch_norm(x, mean=mean, var=var, return_statistics=True)
+    for got, want in zip(jax.tree_util.tree_leaves(y), jax.tree_util.tree_leaves(expect)):
+      assert type(got) is type(want) and got.dtype == want.dtype and got.shape == want.shape
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # A directly built tensor's numpy fields are passed through as the caller's objects, as eagerly.
+  t = SparseTensor(np.asarray(x.coords), np.asarray(x.feats), np.asarray(x.num), x.spatial_shape, x.batch_size)
+  for _ in range(2):
+    assert jsparse.submconv3d(t, _weight(74, (3, 3, 3, 5, 2))).coords is t.coords

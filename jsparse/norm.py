@@ -190,9 +190,11 @@ def batch_norm(x: SparseTensor, scale: ArrayLike | None = None, bias: ArrayLike 
     mean, var = batch_statistics(x, axis_name=axis_name, axis_index_groups=axis_index_groups)
   _check_affine("mean", mean, c)
   _check_affine("var", var, c)
-  # A reported check, not a host one, so that an eager inference call (running statistics given) compiles.
+  # A reported check, not a host one, so that an eager inference call (running statistics given) compiles; a
+  # concrete var (also a constant under the caller's jit, where jnp would trace the comparison) is checked in numpy.
+  negative = (jnp.sum(jnp.asarray(var) < 0, dtype=jnp.int32) if isinstance(var, jax.core.Tracer)
+              else np.sum(np.asarray(var, np.float32) < 0, dtype=np.int32))
   var = jnp.asarray(var, jnp.float32)
-  negative = jnp.sum(var < 0, dtype=jnp.int32)
   report(negative > 0, "batch_norm: var must be >= 0 (running variances are); {count} of its entries are negative",
          count=negative)
   y = (_valid_feats_f32(x) - mean) * lax.rsqrt(var + epsilon)

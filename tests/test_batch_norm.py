@@ -454,3 +454,16 @@ def test_gpu_batch_norm_relu_chain_at_network_size(n, c, implementation):
   for g, w in zip(got, want):
     assert np.all(np.isfinite(np.asarray(g, np.float32)))
     assert rel_err(g, w) < 2e-3
+
+
+def test_a_constant_negative_running_var_raises_under_jit_too():
+  # Running statistics closed over by a jitted inference function are concrete there: a negative var raised
+  # ValueError at trace time, as eagerly; reporting it from the program alone made it a silent NaN under plain jit.
+  x = _tensor(np.random.default_rng(3), 20, 4, 3, jnp.float32)
+  mean, var = jnp.zeros(3), jnp.asarray([1.0, -1.0, 0.5])
+  with pytest.raises(ValueError, match=r"batch_norm: var must be >= 0 .* 1 of its entries are negative"):
+    jax.jit(lambda x: norm.batch_norm(x, mean=mean, var=var).feats)(x)
+  with pytest.raises(ValueError, match=r"batch_norm: var must be >= 0 .* 1 of its entries are negative"):
+    norm.batch_norm(x, mean=mean, var=var)
+  y = jax.jit(lambda x, v: norm.batch_norm(x, mean=mean, var=v).feats)(x, var)  # traced: reported, unchecked here
+  assert y.shape == x.feats.shape

@@ -6,9 +6,10 @@ shape: a first eager `submconv3d` compiled about 70 of them where the same call 
 transformation traces runs it under one `jax.jit`, cached by the op, its static arguments, the shapes of its
 arrays and the trace-time configuration (tuning tables, `sparse24.native_2to4`; JAX's own settings, such as
 `jax.default_matmul_precision` and `jsparse.error_checks()`, are part of jit's key already). Array-like
-arguments given as Python lists (a mask, per-item values, a norm's scale) are made numpy arrays first, so that
-their numbers are not static keys. A call under the caller's `jit`, `grad`, `vmap`, `scan`, ... (on traced
-arguments or on constants) runs the op as it is, so traced programs do not change.
+arguments given as Python lists or numpy arrays (a mask, per-item values, a norm's scale) are made device arrays
+first, as the ops' jnp.asarray makes them eagerly: a list's numbers are then no static keys. A call under the
+caller's `jit`, `grad`, `vmap`, `scan`, ... (on traced arguments or on constants) runs the op as it is, so traced
+programs do not change.
 
 Eager semantics are kept:
 - a check that raises outside jit (`sparse_tensor.report`) is collected while tracing and raised after the run
@@ -213,17 +214,10 @@ class _Layout:
   def tree_unflatten(cls, aux, _):
     return cls(*aux)
 
-  def rebuild(self, fresh, inputs, nodes, converted=frozenset()):
+  def rebuild(self, fresh, inputs, nodes):
     take = {"fresh": fresh, "input": inputs, "node": nodes}
-
-    def leaf(kind, i):
-      if kind == "input" and id(inputs[i]) in converted:
-        # A numpy array-like argument comes back as the device array eager execution's jnp.asarray makes of it
-        # (float64 as float32 without x64); a tensor's own numpy fields come back as they are, as eagerly.
-        return jnp.asarray(inputs[i])
-      return take[kind][i] if kind in take else i
-
-    return jax.tree_util.tree_unflatten(self.tree, [leaf(kind, i) for kind, i in self.sources])
+    return jax.tree_util.tree_unflatten(self.tree, [take[kind][i] if kind in take else i
+                                                    for kind, i in self.sources])
 
 
 def _nodes(tree) -> list:
@@ -303,16 +297,31 @@ def _numbers_as_array(value):
   return array if array.dtype.kind in "biuf" else None
 
 
-def _sequences_as_arrays(signature: inspect.Signature, names: tuple[str, ...], args, kwargs):
-  """The call with its array-like arguments (a mask, per-item values, a weight, a scale) given as Python lists of
-  numbers made numpy arrays: as pytree leaves their numbers were static keys, one program compiled (and kept) per
-  distinct value."""
+def _as_device_array(value):
+  """A numpy array or a Python list of numbers as the device array the op's jnp.asarray makes of it eagerly, else
+  None: as a list its numbers were static keys (one program per distinct value), and a numpy array the op passes
+  through came back as the caller's (float64) object instead of eager execution's device array."""
+  array = value if isinstance(value, np.ndarray) else _numbers_as_array(value)
+  if array is None:
+    return None
+  try:
+    return jnp.asarray(array)
+  except (TypeError, ValueError):  # not numbers (an object array): the op says what it wants
+    return None
+
+
+_HOST_ARRAY_LIKES = (list, tuple, np.ndarray)
+
+
+def _array_likes_on_device(signature: inspect.Signature, names: tuple[str, ...], args, kwargs):
+  """The call with its array-like arguments (a mask, per-item values, a weight, a norm's statistics) given as numpy
+  arrays or Python lists of numbers made device arrays (`_as_device_array`)."""
   try:
     bound = signature.bind_partial(*args, **kwargs)
   except TypeError:  # the op itself reports the bad call
     return args, kwargs
   for name in names:
-    array = _numbers_as_array(bound.arguments.get(name))
+    array = _as_device_array(bound.arguments.get(name))
     if array is not None:
       bound.arguments[name] = array
   return bound.args, bound.kwargs
@@ -333,9 +342,9 @@ def compiled_when_eager(fn: Callable) -> Callable:
 
   @functools.wraps(fn)
   def op(*args, **kwargs):
-    if (any(i < len(args) and isinstance(args[i], (list, tuple)) for i in array_positions)
-        or any(isinstance(kwargs.get(name), (list, tuple)) for name in array_like)):
-      args, kwargs = _sequences_as_arrays(signature, array_like, args, kwargs)
+    if (any(i < len(args) and isinstance(args[i], _HOST_ARRAY_LIKES) for i in array_positions)
+        or any(isinstance(kwargs.get(name), _HOST_ARRAY_LIKES) for name in array_like)):
+      args, kwargs = _array_likes_on_device(signature, array_like, args, kwargs)
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     # Also a call of constants (closed-over arrays) under the caller's jit or scan is traced: its checks are the
     # caller's program's, where raising them after the run read a traced flag on the host.
@@ -413,14 +422,7 @@ def compiled_when_eager(fn: Callable) -> Callable:
       return fn(*args, **kwargs)
     capacities[key] = given
     Reports(reports.checks, values).raise_first()
-    converted: frozenset = frozenset()
-    if any(isinstance(a, np.ndarray) for a in inputs) and any(kind == "input" for kind, _ in layout.sources):
-      try:
-        bound = signature.bind_partial(*args, **kwargs).arguments
-      except TypeError:
-        bound = {}
-      converted = frozenset(id(bound[n]) for n in array_like if isinstance(bound.get(n), np.ndarray))
-    return layout.rebuild(fresh, inputs, _nodes((args, kwargs)), converted)
+    return layout.rebuild(fresh, inputs, _nodes((args, kwargs)))
 
   op.eager_only = eager_only  # for tests: the call shapes that ran primitive by primitive
   op.capacities = capacities  # for tests: the host-counted capacities each call shape last resolved

@@ -2,6 +2,7 @@
 buffer-assignment reader, the network memory probe (its dump readers and a tiny network's training step), and
 the CPU voxelize probe."""
 import json
+import sys
 import time
 
 import jax
@@ -485,10 +486,14 @@ def test_back_to_back_probe_samples_clocks_and_spans_calls():
   assert back_to_back.parse_sample("1980, 312.45, 41\n") == (1980.0, 312.45, 41.0)
   assert back_to_back.parse_sample("[N/A], [N/A], 40") is None and back_to_back.parse_sample("") is None
   # A stand-in for nvidia-smi printing three samples (one unreadable): the sampler keeps the readable ones.
-  fake = ("python3", "-c", "import sys; print('1500, 200.0, 35'); print('[N/A], 1, 2'); print('1980, 650.5, 60'); "
-          "sys.stdout.flush(); import time; time.sleep(0.2)")
+  # It stays alive until the sampler terminates it, and the test waits for its lines rather than a fixed time,
+  # since a loaded CI machine can take over a second to start a Python process.
+  fake = (sys.executable, "-c", "import sys; print('1500, 200.0, 35'); print('[N/A], 1, 2'); print('1980, 650.5, 60'); "
+          "sys.stdout.flush(); import time; time.sleep(120)")
   with back_to_back.ClockSampler(command=fake) as clocks:  # its -lms argument lands in the script's sys.argv
-    time.sleep(0.5)
+    deadline = time.monotonic() + 90
+    while len(clocks.samples) < 2 and time.monotonic() < deadline:
+      time.sleep(0.05)
   assert [s[1:] for s in clocks.samples] == [(1500.0, 200.0, 35.0), (1980.0, 650.5, 60.0)]
   assert "1500 / 1740 / 1980 MHz" in back_to_back.clock_summary(clocks.samples)
   with back_to_back.ClockSampler(command=("no-such-command-here",)) as clocks:

@@ -18,7 +18,8 @@ from jax import lax
 from jsparse.eager import compiled_when_eager
 from jsparse import dispatch, per_item
 from jsparse._types import ArrayLike
-from jsparse.sparse_tensor import SparseTensor, as_int, check_feats_dtype, check_sparse_tensor, report
+from jsparse.sparse_tensor import (SparseTensor, as_int, as_nonnegative_float, check_feats_dtype, check_sparse_tensor,
+                                    report)
 from pallas_kernels import channel_moments
 from pallas_kernels.out_struct import same_vma
 
@@ -56,15 +57,6 @@ def _output_dtype(x: SparseTensor, dtype) -> np.dtype:
 def _check_affine(name: str, value, channels: int):
   if value is not None and jnp.shape(value) != (channels,):
     raise ValueError(f"{name} must have shape ({channels},) for {channels} channels, got {jnp.shape(value)}")
-
-
-def _checked_epsilon(epsilon) -> float:
-  """epsilon as a float: a negative or non-finite one turned every normalised row into NaN without a word."""
-  if isinstance(epsilon, (bool, np.bool_)) or not isinstance(epsilon, (int, float, np.integer, np.floating)):
-    raise TypeError(f"epsilon must be a Python number (a static constant), got {type(epsilon).__name__}")
-  if not (np.isfinite(epsilon) and epsilon >= 0):
-    raise ValueError(f"epsilon must be a finite number >= 0, got {epsilon!r}")
-  return float(epsilon)
 
 
 def activation(x: SparseTensor, fn: Callable[[jax.Array], jax.Array]) -> SparseTensor:
@@ -165,7 +157,7 @@ def batch_norm(x: SparseTensor, scale: ArrayLike | None = None, bias: ArrayLike 
   standard deviations out costs accuracy (percents at 1e5 rows); `batch_statistics` (two passes) is exact there.
   """
   check_sparse_tensor(x)
-  epsilon = _checked_epsilon(epsilon)
+  epsilon = as_nonnegative_float(epsilon, "epsilon", scalars_only=True)
   c = x.num_channels
   _check_affine("scale", scale, c)
   _check_affine("bias", bias, c)
@@ -301,7 +293,7 @@ def layer_norm(x: SparseTensor, scale: ArrayLike | None = None, bias: ArrayLike 
                epsilon: float = 1e-6, dtype=None) -> SparseTensor:
   """Normalises each valid row over its channels (rows are independent, so padding cannot leak in)."""
   check_sparse_tensor(x)
-  epsilon = _checked_epsilon(epsilon)
+  epsilon = as_nonnegative_float(epsilon, "epsilon", scalars_only=True)
   c = x.num_channels
   _check_affine("scale", scale, c)
   _check_affine("bias", bias, c)
@@ -371,7 +363,7 @@ def group_norm(x: SparseTensor, num_groups: int, scale: ArrayLike | None = None,
   training step holds only the input and the output of each normalisation.
   """
   check_sparse_tensor(x)
-  epsilon = _checked_epsilon(epsilon)
+  epsilon = as_nonnegative_float(epsilon, "epsilon", scalars_only=True)
   c = x.num_channels
   _check_groups(c, num_groups)
   num_groups = int(num_groups)

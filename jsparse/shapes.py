@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse.sparse_tensor import (SparseTensor, as_int, as_spatial_shape, check_capacity, key_width,
-                                   resolve_capacity)
+from jsparse.sparse_tensor import (SparseTensor, as_int, as_nonnegative_float, as_spatial_shape, check_capacity,
+                                   key_width, resolve_capacity)
 
 KINDS = ("sphere", "shell", "torus", "box")
 
@@ -43,20 +43,6 @@ def _vec3(value, name):
   return np.broadcast_to(a, (3,))
 
 
-def _length(value, name):
-  """A radius or thickness as a finite float >= 0: sizes enter squared, so a negative one drew the shape of its
-  absolute value, NaN an empty mask, and an array broadcast against the grid."""
-  if isinstance(value, (str, bytes, bool, np.bool_)):  # "3" was read as 3.0, True as 1.0
-    raise TypeError(f"{name} must be a number, got {value!r}")
-  try:
-    a = np.asarray(value, np.float64)
-  except (TypeError, ValueError):  # complex, ragged: numpy's own message names no argument
-    raise TypeError(f"{name} must be a number, got {value!r}") from None
-  if a.shape != () or not np.isfinite(a) or a < 0:
-    raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-  return float(a)
-
-
 def _centre(resolution, center):
   return np.full(3, resolution / 2.0) if center is None else _vec3(center, "center")
 
@@ -64,7 +50,7 @@ def _centre(resolution, center):
 def sphere_mask(resolution, radius=None, center=None) -> np.ndarray:
   """Solid ball: |c - center| <= radius (default radius 0.4 * resolution, centred)."""
   resolution = _resolution(resolution)
-  radius = 0.4 * resolution if radius is None else _length(radius, "radius")
+  radius = 0.4 * resolution if radius is None else as_nonnegative_float(radius, "radius")
   x, y, z = _centres(resolution)
   o = _centre(resolution, center)
   return (x - o[0]) ** 2 + (y - o[1]) ** 2 + (z - o[2]) ** 2 <= radius**2
@@ -73,8 +59,8 @@ def sphere_mask(resolution, radius=None, center=None) -> np.ndarray:
 def shell_mask(resolution, radius=None, thickness=1.5, center=None) -> np.ndarray:
   """Hollow sphere: radius - thickness < |c - center| <= radius."""
   resolution = _resolution(resolution)
-  radius = 0.4 * resolution if radius is None else _length(radius, "radius")
-  thickness = _length(thickness, "thickness")
+  radius = 0.4 * resolution if radius is None else as_nonnegative_float(radius, "radius")
+  thickness = as_nonnegative_float(thickness, "thickness")
   x, y, z = _centres(resolution)
   o = _centre(resolution, center)
   d2 = (x - o[0]) ** 2 + (y - o[1]) ** 2 + (z - o[2]) ** 2
@@ -85,8 +71,8 @@ def shell_mask(resolution, radius=None, thickness=1.5, center=None) -> np.ndarra
 def torus_mask(resolution, major=None, minor=None, center=None, axis=2) -> np.ndarray:
   """Solid torus around `axis` (0, 1 or 2): (dist to axis - major)^2 + (height)^2 <= minor^2."""
   resolution = _resolution(resolution)
-  major = 0.3 * resolution if major is None else _length(major, "major")
-  minor = 0.1 * resolution if minor is None else _length(minor, "minor")
+  major = 0.3 * resolution if major is None else as_nonnegative_float(major, "major")
+  minor = 0.1 * resolution if minor is None else as_nonnegative_float(minor, "minor")
   axis = as_int(axis, "axis")
   if axis not in (0, 1, 2):  # 3 raised IndexError, -1 read axis 2
     raise ValueError(f"axis must be 0, 1 or 2, got {axis}")

@@ -45,6 +45,27 @@ def as_int(value, name: str, minimum: int | None = None) -> int:
   return out
 
 
+def as_nonnegative_float(value, name: str, *, scalars_only: bool = False) -> float:
+  """`value` as a finite Python float >= 0, for static lengths and constants.
+
+  Python and numpy real numbers pass, and any concrete array-like of shape () unless `scalars_only` (a
+  normalisation's epsilon, which must be a compile-time constant). Bools and strings raise TypeError (float()
+  would read True as 1.0 and "3" as 3.0), as do complex numbers and other shapes' types; negative, NaN and
+  infinite values raise ValueError naming `name`.
+  """
+  if isinstance(value, (str, bytes, bool, np.bool_)):
+    raise TypeError(f"{name} must be a number, got {value!r}")
+  if scalars_only and not isinstance(value, (int, float, np.integer, np.floating)):
+    raise TypeError(f"{name} must be a Python number (a static constant), got {type(value).__name__}")
+  try:
+    a = np.asarray(value, np.float64)
+  except (TypeError, ValueError):  # complex, ragged: numpy's own message names no argument
+    raise TypeError(f"{name} must be a number, got {value!r}") from None
+  if a.shape != () or not np.isfinite(a) or a < 0:
+    raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+  return float(a)
+
+
 _INT32 = np.iinfo(np.int32)
 
 

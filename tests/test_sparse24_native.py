@@ -8,10 +8,12 @@ bfloat16 over several shapes, and submconv3d's values and gradients against the 
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
+import os
+import pathlib
 import shutil
+import subprocess
 import sys
 
 import jax
@@ -36,14 +38,24 @@ def _pruned(rng, shape, dtype, layout="DHWIO"):
 # ---- build, status, lowering (CPU) ---------------------------------------------------------------------------
 
 
+def _in_child_process(code: str) -> None:
+  """Runs `code` in a fresh Python (this file importable as `test_sparse24_native`): a CUDA library loaded into a
+  CPU test worker would share the process with XLA's CPU compiler for the rest of the suite."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  path = os.pathsep.join([str(root / "tests"), str(root), os.environ.get("PYTHONPATH", "")])
+  env = {**os.environ, "PYTHONPATH": path}
+  done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+  assert done.returncode == 0, done.stdout + done.stderr
+
+
 @needs_nvcc
 def test_cuda_source_compiles(tmp_path):
   """nvcc builds the library (sm_80 + sm_90) and it exports both FFI handlers; a second build is the cache."""
   status = build.build(directory=tmp_path)
   assert status.available, status.reason
-  library = ctypes.cdll.LoadLibrary(str(status.library))
-  for symbol in build.TARGETS.values():
-    assert getattr(library, symbol) is not None
+  symbols = list(build.TARGETS.values())
+  _in_child_process(f"import ctypes\nlibrary = ctypes.cdll.LoadLibrary({str(status.library)!r})\n"
+                    f"for symbol in {symbols!r}:\n  assert getattr(library, symbol) is not None")
   again = build.build(directory=tmp_path)
   assert again.library == status.library and again.reason.startswith("cached")
 
@@ -74,7 +86,12 @@ def test_failed_build_reports_its_log(tmp_path):
 
 @needs_nvcc
 def test_custom_call_lowers_for_cuda():
-  """The native forward and the probe lower to their FFI targets for CUDA on a CPU-only jax."""
+  """The native forward and the probe lower to their FFI targets for CUDA on a CPU-only jax (in a child process:
+  registering loads the CUDA library)."""
+  _in_child_process("import test_sparse24_native\ntest_sparse24_native.check_custom_call_lowers_for_cuda()")
+
+
+def check_custom_call_lowers_for_cuda():
   status = build.register()
   assert status.available, status.reason
   c = sparsity.compress_2to4(_pruned(np.random.default_rng(0), (3, 3, 3, 64, 32), jnp.float16))

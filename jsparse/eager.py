@@ -19,8 +19,10 @@ Eager semantics are kept:
   traced with the capacities its call shape last resolved, and the program returns their counts, checked after
   the run. Where a trace meets a capacity it has no value for (the first call), it stops there and that
   program returns the count (the op's work up to it); a count whose capacity differs from the one given (new
-  data in another bucket) replaces it. Either way the call runs again with one more capacity known, until every
-  count agrees, so each result is the one eager execution gives and a call shape compiles once per bucket;
+  data in another bucket) replaces it, as do the later counts unless that capacity dropped sites (they were
+  then counted from truncated data, and an earlier call that resolved the same first capacities lends the
+  rest). The call runs again until every count agrees, so each result is the one eager execution gives and a
+  call shape compiles once per bucket; data that moves between known buckets takes two runs;
 - an op that needs another value on the host (a comparison of concrete coordinates, `out_capacity="exact"`)
   raises `NeedsHostValues` (or JAX's concretization errors) at trace time, and that call shape then runs
   primitive by primitive, as before;
@@ -34,6 +36,7 @@ Eager semantics are kept:
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import functools
@@ -142,6 +145,7 @@ class _CountNeeded(Exception):
 
 
 _MAX_ROUNDS = 64  # compiled runs of one eager call: one per host-counted capacity, and one more
+_KNOWN_CAPACITIES = 8  # the capacities a call shape remembers resolving, for data that moves between buckets
 _GUESSES: contextvars.ContextVar[_Guesses | None] = contextvars.ContextVar("jsparse_guesses", default=None)
 
 
@@ -160,6 +164,16 @@ def guessed_capacity(count) -> int | None:
 def _resolved(counts) -> tuple[int, ...]:
   from jsparse.sparse_tensor import resolve_capacity  # sparse_tensor imports this module
   return tuple(resolve_capacity(None, int(n)) for n in counts)
+
+
+def _exact_prefix(given: tuple[int, ...], counts, needed) -> tuple[int, ...]:
+  """The capacities that a run's counts fix: every count up to and including the first whose capacity dropped
+  sites is the data's (later ones were counted from truncated inputs), and the needed count, if none did."""
+  resolved = _resolved(counts)
+  for i, (count, capacity) in enumerate(zip(counts, given)):
+    if count > capacity:
+      return resolved[:i + 1]
+  return resolved + (() if needed is None else _resolved((needed,)))
 
 
 @contextlib.contextmanager
@@ -333,6 +347,8 @@ def compiled_when_eager(fn: Callable) -> Callable:
   signature = inspect.signature(fn)
   eager_only: set = set()  # call shapes whose trace needed a host value
   capacities: dict = {}  # call shape -> the host-counted capacities its last call resolved
+  resolved_before: dict = {}  # call shape -> the capacities its calls resolved, most recent last (a few)
+  runs: collections.Counter = collections.Counter()  # call shape -> compiled runs, for tests
   # The parameters that take arrays (annotated ArrayLike; the modules use postponed annotations, so these are
   # strings), and the positions they can be passed at: kernel sizes and strides given as tuples cost no binding.
   params = list(signature.parameters.values())
@@ -389,10 +405,13 @@ def compiled_when_eager(fn: Callable) -> Callable:
     if key in eager_only:
       return fn(*args, **kwargs)
     # Host-counted capacities: the call is traced with those its call shape last resolved. A trace that meets one
-    # more returns its count instead; after each run a count whose capacity differs from the one given (new data)
-    # replaces it and drops the later ones. Each round fixes one more capacity, so the loop ends.
+    # more returns its count instead. After each run the counts up to the first capacity that dropped sites are
+    # the data's (`_exact_prefix`); the next run takes them, and the rest of the capacities of an earlier call
+    # that resolved the same ones (data that moves between buckets reuses that bucket's program). Each round
+    # lengthens the exact prefix, so the loop ends.
     given = capacities.get(key, ())
     for _ in range(_MAX_ROUNDS):
+      runs[key] += 1
       try:
         fresh, reports, layout, counts, needed = jitted(static, given, *inputs)
       except _HOST_VALUE_ERRORS:
@@ -409,21 +428,22 @@ def compiled_when_eager(fn: Callable) -> Callable:
         return out
       # One transfer for every flag and count (each bool() of a device value waits for its own copy).
       counts, needed, values = jax.device_get((counts, needed, reports.values))
-      resolved = _resolved(counts)
-      wrong = next((i for i, (r, g) in enumerate(zip(resolved, given)) if r != g), None)
-      if wrong is not None:
-        given = given[:wrong] + (resolved[wrong],)
-      elif needed is not None:
-        given = given + _resolved((needed,))
-      else:
+      exact = _exact_prefix(given, counts, needed)
+      if exact == given[:len(exact)]:  # every count agrees (a trace may use fewer capacities than it was given)
+        given = exact
         break
+      given = next((known for known in reversed(resolved_before.get(key, ())) if known[:len(exact)] == exact),
+                   exact)
     else:  # not reached by a deterministic op (each round fixes a capacity); eager execution is the safe answer
       eager_only.add(key)
       return fn(*args, **kwargs)
     capacities[key] = given
+    known = [c for c in resolved_before.get(key, ()) if c != given]
+    resolved_before[key] = (known + [given])[-_KNOWN_CAPACITIES:]
     Reports(reports.checks, values).raise_first()
     return layout.rebuild(fresh, inputs, _nodes((args, kwargs)))
 
   op.eager_only = eager_only  # for tests: the call shapes that ran primitive by primitive
   op.capacities = capacities  # for tests: the host-counted capacities each call shape last resolved
+  op.runs = runs  # for tests: compiled runs per call shape
   return op

@@ -167,6 +167,36 @@ def test_two_host_counted_capacities_in_one_call_are_each_counted_and_checked():
   assert again == []
 
 
+def test_data_moving_between_buckets_takes_two_runs_and_no_compilation():
+  # A run's counts are the data's up to the first capacity that dropped sites, so one run fixes every capacity
+  # it can; where one dropped sites, an earlier call that resolved the same first capacities gives the rest.
+  @eager.compiled_when_eager
+  def down_twice(x, w1, w2):
+    return jsparse.sparse_conv3d(jsparse.sparse_conv3d(x, w1, stride=2), w2, stride=2)
+
+  w1, w2 = _weight(40, (2, 2, 2, 5, 4)), _weight(41, (2, 2, 2, 4, 3))
+  many = _tensor(42, n=400, extent=32, batch=1, pad=0)
+  few = _tensor(43, n=20, extent=32, batch=1, pad=380)
+  expect = {}
+  for name, x in (("many", many), ("few", few)):
+    with eager.primitive_by_primitive():
+      expect[name] = down_twice(x, w1, w2)
+  assert expect["many"].capacity != expect["few"].capacity
+  _same_tensor(down_twice(many, w1, w2), expect["many"])
+  (key,) = down_twice.runs
+  runs = down_twice.runs[key]
+  _same_tensor(down_twice(few, w1, w2), expect["few"])  # smaller counts than given: all fixed in one run
+  assert down_twice.runs[key] - runs == 2
+  for name, x in (("many", many), ("few", few), ("many", many), ("few", few)):
+    runs = down_twice.runs[key]
+    with _counting_compiles() as compiles:
+      _same_tensor(down_twice(x, w1, w2), expect[name])
+    assert compiles == [] and down_twice.runs[key] - runs == 2, (name, down_twice.runs[key] - runs)
+  with _counting_compiles() as compiles:  # the same data again: one run
+    _same_tensor(down_twice(few, w1, w2), expect["few"])
+  assert compiles == [] and down_twice.runs[key] - runs == 3
+
+
 @pytest.mark.parametrize("op", ["transpose", "union"])
 def test_other_host_counted_capacities_compile_after_the_first_call(op):
   a, b = _tensor(22, n=30, pad=2), _tensor(23, n=30, pad=2)

@@ -118,7 +118,16 @@ def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None,
   # Slots by the index along the whole axis: with axis_index_groups the other groups' slots stay zero
   # (count 0), which the combination ignores.
   slot = jnp.arange(lax.axis_size(axis_name)) == lax.axis_index(axis_name)
-  slots = lax.psum(jnp.where(slot[:, None], mine[None], 0.0), axis_name, axis_index_groups=axis_index_groups)
+  try:
+    slots = lax.psum(jnp.where(slot[:, None], mine[None], 0.0), axis_name, axis_index_groups=axis_index_groups)
+  except NotImplementedError as e:
+    if axis_index_groups is None:
+      raise
+    # JAX's psum under jax.shard_map raises a bare NotImplementedError for groups, naming neither argument.
+    raise NotImplementedError(
+        f"axis_index_groups={axis_index_groups!r} is not supported by JAX's psum here (jax.shard_map has no "
+        "axis_index_groups; jax.pmap does): inside shard_map pool over a mesh axis of its own instead (axis_name "
+        "naming a sub-mesh axis)") from e
   counts = slots[:, 0]
   means, residuals, m2s = jnp.split(slots[:, 1:], 3, axis=1)
   total = jnp.sum(counts)

@@ -467,3 +467,18 @@ def test_a_constant_negative_running_var_raises_under_jit_too():
     norm.batch_norm(x, mean=mean, var=var)
   y = jax.jit(lambda x, v: norm.batch_norm(x, mean=mean, var=v).feats)(x, var)  # traced: reported, unchecked here
   assert y.shape == x.feats.shape
+
+
+def test_axis_index_groups_inside_shard_map_names_the_argument():
+  """JAX's psum inside shard_map has no axis_index_groups and raised a NotImplementedError with an empty message;
+  batch_statistics (and batch_norm through it) now says which argument and what to do instead."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  x = _tensor(np.random.default_rng(0), 5, 3, 2, jnp.float32)
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  stacked = jax.tree.map(lambda a: a[None], x)
+
+  def step(x):
+    return norm.batch_statistics(jax.tree.map(lambda a: a[0], x), axis_name="data", axis_index_groups=[[0]])
+
+  with pytest.raises(NotImplementedError, match="axis_index_groups"):
+    jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P()))(stacked)

@@ -217,9 +217,10 @@ checkpointer.wait_until_finished()                             # saving is async
 abstract = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
 restored = checkpointer.restore(ckpt_path, abstract)
 size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ckpt_path) for f in fs)
-args = (batches[0], jax.random.key(7))
-loss_fn = jax.jit(lambda p: vae_loss(p, *args)[0])
-a, b = float(loss_fn(params)), float(loss_fn(restored))
+args = (batches[0], jax.random.key(7))                        # arguments of loss_fn, not constants in it
+loss_fn = jax.jit(lambda p, x, key: vae_loss(p, x, key)[0])
+params = jax.device_put(params, jax.devices()[0])              # committed to the device, as restored arrays are:
+a, b = float(loss_fn(params, *args)), float(loss_fn(restored, *args))   # jit compiles once for both
 print(f"saved {size / 1e6:.1f} MB to {ckpt_path} | loss before {a:.6f}, after restore {b:.6f}"
       f" | identical: {a == b}")
 params = restored"""),

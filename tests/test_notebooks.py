@@ -15,9 +15,9 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "note
 # CI settings for the test run, set in a cell inserted right after the cell that defines them: every cell still
 # runs, on the same grid and the same compiled programs (training, checkpoint round trip, encode / decode, prior
 # sampling, plots). Only three things are cheaper. The loops repeat their step fewer times (each step runs the
-# program the first one compiled; the progress lines still print: at least 6 and 5 steps). The training set has
-# 256 shapes instead of 1024: 16 batches, still more than the 12 VAE steps read, so the training loop sees the same
-# number of distinct batches, and the prior's data (every training batch encoded, one call of the same compiled
+# program the first one compiled, a VAE step ~1.7 s on a CPU; the progress lines still print: 6 and 5 steps). The
+# training set has 256 shapes instead of 1024: 16 batches, more than the 6 VAE steps read, so each step still
+# trains on a batch of its own, and the prior's data (every training batch encoded, one call of the same compiled
 # encoder each, ~0.6 s on a CPU) shrinks to 256 coarse grids, still twice the prior's batch of 128. The plots render
 # the shapes pooled to 8^3 instead of 16^3 (plot_grid's max_resolution: the same panels, the same calls, a few
 # hundred voxel faces each instead of thousands, which matplotlib draws one polygon at a time). The test checks
@@ -25,7 +25,7 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "note
 # small configuration, ~4 min on a CPU). JSPARSE_FULL_NOTEBOOKS=1 runs the notebooks unchanged.
 SHORT_TRAINING = {
     "02_generation.ipynb": ("VAE_STEPS, PRIOR_STEPS, PRIOR_BATCH, KL_WEIGHT = ",
-                            "VAE_STEPS, PRIOR_STEPS = 12, 50   # tests/test_notebooks.py: shorter training\n"
+                            "VAE_STEPS, PRIOR_STEPS = 6, 50    # tests/test_notebooks.py: shorter training\n"
                             "NUM_SHAPES = 256                  # on fewer shapes (16 batches of 16)\n"
                             "PLOT_RES = 8                      # and coarser renders"),
 }

@@ -66,6 +66,18 @@ def as_nonnegative_float(value, name: str, *, scalars_only: bool = False) -> flo
   return float(a)
 
 
+def host_array(value) -> np.ndarray:
+  """Host data (numpy, lists, numbers) as the numpy array of the dtype jnp.asarray would give it (float64 ->
+  float32 unless x64), kept on the host: jnp.asarray of numpy compiles a program for every new shape, where
+  `jax.device_put` of the result does not."""
+  array = np.asarray(value)
+  try:
+    dtype = jax.dtypes.canonicalize_dtype(array.dtype)
+  except TypeError:  # strings, objects: the caller's dtype check names them
+    return array
+  return array.astype(dtype, copy=False)
+
+
 _INT32 = np.iinfo(np.int32)
 
 
@@ -83,7 +95,9 @@ def int32_values(value, name: str) -> jax.Array:
     value = xp.minimum(value, _INT32.max)
     if jnp.iinfo(value.dtype).min < _INT32.min:
       value = xp.maximum(value, _INT32.min)
-  return jnp.asarray(value.astype(np.int32))
+  if isinstance(value, np.ndarray):  # device_put: jnp.asarray of numpy compiles a program per new shape
+    return jax.device_put(value.astype(np.int32))
+  return value.astype(jnp.int32)
 
 
 def world_frame(voxel_size, origin, dtype, ndim: int = 3) -> tuple[jax.Array, jax.Array]:
@@ -471,7 +485,8 @@ class SparseTensor:
     spatial_shape = as_spatial_shape(spatial_shape, SPATIAL_RANKS)
     ndim = len(spatial_shape)
     coords = np.asarray(coords)
-    feats_arr = jnp.asarray(feats)
+    # Host features stay numpy until they are padded: eager jnp ops on [N] rows compiled programs for every new N.
+    feats_arr = feats if isinstance(feats, jax.Array) else host_array(feats)
     if not (np.issubdtype(coords.dtype, np.integer)):
       raise TypeError(f"coords must be integers, got dtype {coords.dtype}")
     if coords.ndim != 2 or coords.shape[1] not in (ndim, ndim + 1):
@@ -553,8 +568,11 @@ class SparseTensor:
       raise ValueError(f"capacity {capacity} is smaller than the number of sites {n}")
     pad = capacity - n
     coords_p = np.concatenate([coords.astype(np.int32), np.full((pad, 4), -1, np.int32)])
-    feats_p = jnp.concatenate([feats_arr, jnp.zeros((pad, feats_arr.shape[1]), feats_arr.dtype)])
-    return cls(jnp.asarray(coords_p), feats_p, jnp.asarray(n, jnp.int32), spatial_shape, batch_size,
+    if isinstance(feats_arr, np.ndarray):
+      feats_p = jax.device_put(np.concatenate([feats_arr, np.zeros((pad, feats_arr.shape[1]), feats_arr.dtype)]))
+    else:
+      feats_p = jnp.concatenate([feats_arr, jnp.zeros((pad, feats_arr.shape[1]), feats_arr.dtype)])
+    return cls(jax.device_put(coords_p), feats_p, jnp.asarray(n, jnp.int32), spatial_shape, batch_size,
                spatial_ndim=ndim)
 
   @classmethod

@@ -386,7 +386,13 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
     raise ValueError(f"capacity {capacity} is smaller than the number of occupied voxels {nvox}")
   coords, out, num = _reduce_jit(plan, _padded_feats(feats, n, padded), capacity=capacity, reduce=reduce)
   out = SparseTensor(coords, out, num, spatial_shape, int(batch_size))
-  return (out, _point_rows(plan.inverse[:n], capacity)) if return_index else out
+  if not return_index:
+    return out
+  if isinstance(plan.inverse, jax.core.Tracer):
+    return out, _point_rows(plan.inverse[:n], capacity)
+  # On the host: eager jnp ops on [N] rows (jnp.asarray of numpy too) compiled programs for every new point count.
+  inverse = np.asarray(plan.inverse)[:n]
+  return out, jax.device_put(np.where((inverse >= 0) & (inverse < capacity), inverse, -1).astype(np.int32))
 
 
 def _point_rows(inverse, capacity: int) -> jax.Array:

@@ -155,6 +155,36 @@ def test_voxelize_compiles_once_per_size_bucket(dedup):
   np.testing.assert_allclose(np.stack([got[k] for k in ref]), np.stack(list(ref.values())), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dedup", ["numpy", "xla"])
+def test_host_data_of_new_sizes_compiles_nothing_within_a_bucket(dedup):
+  """from_coords and voxelize(return_index=True) on numpy data of new sizes whose capacity bucket is known
+  compile no program: jnp.asarray of numpy compiled one per shape, and the eager ops on [N] rows more."""
+  rng = np.random.default_rng(11)
+  sizes = [3001, 3003, 3005, 3007, 3011]
+  clouds = [rng.uniform(0, 1, (n, 3)) for n in sizes]  # float64, as a LiDAR pipeline's numpy often is
+  feats = [rng.normal(size=(n, 2)) for n in sizes]
+  cells = [np.unique(np.floor(p / 0.02).astype(np.int32), axis=0) for p in clouds]
+  coords = [np.concatenate([np.zeros((len(c), 1), np.int32), c], 1) for c in cells]
+
+  def stream(i):
+    t, rows = voxelize(clouds[i], feats[i], voxel_size=0.02, origin=(0.0, 0.0, 0.0), spatial_shape=(50, 50, 50),
+                       dedup=dedup, return_index=True)
+    s = SparseTensor.from_coords(coords[i], feats[i][:len(coords[i])], (50, 50, 50), 1)
+    return jax.block_until_ready((t, rows, s))
+
+  first = stream(0)
+  outs, compiles = _count_compiles(lambda: [stream(i) for i in range(1, len(sizes))])
+  assert len({t.capacity for t, _, _ in [first, *outs]}) == 1 and len({s.capacity for *_, s in [first, *outs]}) == 1
+  assert compiles == 0
+  for (t, rows, s), p, f, c in zip(outs, clouds[1:], feats[1:], coords[1:]):
+    assert rows.dtype == jnp.int32 and rows.shape == (len(p),)
+    np.testing.assert_array_equal(np.asarray(t.coords)[np.asarray(rows), 1:], np.floor(p / 0.02).astype(np.int32))
+    assert s.feats.dtype == jnp.float32 and int(s.num) == len(c)
+    np.testing.assert_array_equal(np.asarray(s.coords[: len(c)]), c)
+    np.testing.assert_array_equal(np.asarray(s.feats), np.concatenate(
+        [f[: len(c)].astype(np.float32), np.zeros((s.capacity - len(c), 2), np.float32)]))
+
+
 def test_voxelize_capacity_and_dedup_options():
   pts, feats, batch = _cloud(3, 1000)
   kw = dict(voxel_size=0.5, batch=batch, reduce="sum")

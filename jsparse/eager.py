@@ -44,7 +44,6 @@ import inspect
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core  # trace_state_clean: whether any transformation is tracing
 
@@ -318,8 +317,9 @@ def _as_device_array(value):
   array = value if isinstance(value, np.ndarray) else _numbers_as_array(value)
   if array is None:
     return None
-  try:
-    return jnp.asarray(array)
+  from jsparse.sparse_tensor import host_array  # sparse_tensor imports this module
+  try:  # device_put: jnp.asarray of numpy compiles a program for every new shape
+    return jax.device_put(host_array(array))
   except (TypeError, ValueError):  # not numbers (an object array): the op says what it wants
     return None
 

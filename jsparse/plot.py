@@ -23,13 +23,13 @@ def _occupancy(x: SparseTensor, batch_index: int, color_by, max_resolution: int,
   if not 0 <= batch_index < x.batch_size:
     raise ValueError(f"batch_index {batch_index} outside batch_size={x.batch_size}")
   n = int(x.num)
-  coords = np.asarray(x.coords[:n])
+  coords = np.asarray(x.coords)[:n]  # sliced on the host: a device slice compiled a program per row count
   keep = coords[:, 0] == batch_index
   xyz = coords[keep, 1:].astype(np.int64)
   vals = None
   if color_by is not None:
     c = _channel(x, color_by)
-    vals = np.asarray(x.feats[:n, c], np.float64)[keep]
+    vals = np.asarray(x.feats)[:n, c].astype(np.float64)[keep]
   shape = np.array(x.spatial_shape)
   factor = 1
   if shape.max() > max_resolution:

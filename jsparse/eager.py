@@ -263,8 +263,8 @@ def _run_traced(fn, static, capacities, *arrays):
     return (), Reports(), None, tuple(guesses.counts), needed.count
   finally:
     _GUESSES.reset(token)
-  if len(guesses.counts) != len(capacities):  # fewer capacities than given: the trace took another path
-    raise NeedsHostValues("the call resolved fewer capacities than it was given")
+  # A trace may resolve fewer capacities than it was given: one that branches on a capacity (a user function's
+  # `if y.capacity > ...`) takes another path with another one. The run's counts say so, and the call runs again.
   whole = lambda node: id(node) in node_at and not isinstance(node, (bool, int, float, str))
   out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=whole)
   position = {id(a): i for i, a in enumerate(arrays)}

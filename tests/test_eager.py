@@ -197,6 +197,30 @@ def test_data_moving_between_buckets_takes_two_runs_and_no_compilation():
   assert compiles == [] and down_twice.runs[key] - runs == 3
 
 
+def test_a_function_that_branches_on_a_capacity_stays_compiled_and_gives_the_eager_result():
+  # A trace given another bucket's capacities can take another path (here one more strided level) and resolve
+  # more or fewer capacities than the data's: the call must still compile and give eager execution's result.
+  @eager.compiled_when_eager
+  def down(x, w1, w2):
+    y = jsparse.sparse_conv3d(x, w1, stride=2)
+    if y.capacity > 128:  # a larger level: one more strided convolution
+      y = jsparse.sparse_conv3d(y, w2, stride=2)
+    return y
+
+  w1, w2 = _weight(44, (2, 2, 2, 5, 5)), _weight(45, (2, 2, 2, 5, 5))
+  many = _tensor(42, n=400, extent=32, batch=1, pad=0)
+  few = _tensor(43, n=20, extent=32, batch=1, pad=380)
+  for x in (few, many, few, many):
+    with eager.primitive_by_primitive():
+      expect = down(x, w1, w2)
+    _same_tensor(down(x, w1, w2), expect)
+  assert not down.eager_only
+  (key,) = down.runs
+  runs = down.runs[key]
+  down(few, w1, w2)
+  assert down.runs[key] - runs == 2
+
+
 @pytest.mark.parametrize("op", ["transpose", "union"])
 def test_other_host_counted_capacities_compile_after_the_first_call(op):
   a, b = _tensor(22, n=30, pad=2), _tensor(23, n=30, pad=2)

@@ -61,6 +61,8 @@ def as_nonnegative_float(value, name: str, *, scalars_only: bool = False) -> flo
     a = np.asarray(value, np.float64)
   except (TypeError, ValueError):  # complex, ragged: numpy's own message names no argument
     raise TypeError(f"{name} must be a number, got {value!r}") from None
+  except OverflowError:  # an int past float64's range: infinite as a float
+    raise ValueError(f"{name} must be a finite number >= 0, got {value!r}") from None
   if a.shape != () or not np.isfinite(a) or a < 0:
     raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
   return float(a)

@@ -746,6 +746,7 @@ def test_lookup_rows_wide_and_float_queries():
     (lambda: shapes.random_union_mask([2**32 + 5, 1], 8), ValueError, "key"),  # wrapped to [5, 1]
     (lambda: shapes.sphere_mask(8, radius="3"), TypeError, "radius"),  # read as 3.0
     (lambda: shapes.shell_mask(8, thickness=True), TypeError, "thickness"),  # read as 1.0
+    (lambda: shapes.sphere_mask(8, radius=10**400), ValueError, "radius"),  # OverflowError, naming nothing
 ])
 def test_shape_generators_name_bad_arguments(call, error, name):
   with pytest.raises(error, match=name):

@@ -53,7 +53,7 @@ def as_nonnegative_float(value, name: str, *, scalars_only: bool = False) -> flo
   would read True as 1.0 and "3" as 3.0), as do complex numbers and other shapes' types; negative, NaN and
   infinite values raise ValueError naming `name`.
   """
-  if isinstance(value, (str, bytes, bool, np.bool_)):
+  if value is None or isinstance(value, (str, bytes, bool, np.bool_)):  # numpy reads None as NaN
     raise TypeError(f"{name} must be a number, got {value!r}")
   if scalars_only and not isinstance(value, (int, float, np.integer, np.floating)):
     raise TypeError(f"{name} must be a Python number (a static constant), got {type(value).__name__}")

@@ -747,6 +747,7 @@ def test_lookup_rows_wide_and_float_queries():
     (lambda: shapes.sphere_mask(8, radius="3"), TypeError, "radius"),  # read as 3.0
     (lambda: shapes.shell_mask(8, thickness=True), TypeError, "thickness"),  # read as 1.0
     (lambda: shapes.sphere_mask(8, radius=10**400), ValueError, "radius"),  # OverflowError, naming nothing
+    (lambda: shapes.shell_mask(8, thickness=None), TypeError, "thickness"),  # read as NaN: a ValueError
 ])
 def test_shape_generators_name_bad_arguments(call, error, name):
   with pytest.raises(error, match=name):

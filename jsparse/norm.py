@@ -121,7 +121,7 @@ def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None,
   try:
     slots = lax.psum(jnp.where(slot[:, None], mine[None], 0.0), axis_name, axis_index_groups=axis_index_groups)
   except NotImplementedError as e:
-    if axis_index_groups is None:
+    if axis_index_groups is None or str(e):  # vmap's says "not supported in vmap collectives": it stands
       raise
     # JAX's psum under jax.shard_map raises a bare NotImplementedError for groups, naming neither argument.
     raise NotImplementedError(

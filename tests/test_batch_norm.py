@@ -482,3 +482,14 @@ def test_axis_index_groups_inside_shard_map_names_the_argument():
 
   with pytest.raises(NotImplementedError, match="axis_index_groups"):
     jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P()))(stacked)
+
+
+def test_axis_index_groups_under_vmap_keeps_jaxs_message():
+  """Under jax.vmap JAX's psum refuses axis_index_groups in words of its own ("vmap collectives"); they were
+  replaced by the shard_map advice, which named a transformation the caller did not use."""
+  x = _tensor(np.random.default_rng(0), 5, 3, 2, jnp.float32)
+  stacked = jax.tree.map(lambda a: jnp.stack([a, a]), x)
+  step = lambda x: norm.batch_statistics(x, axis_name="i", axis_index_groups=[[0, 1]])
+  with pytest.raises(NotImplementedError, match="vmap") as raised:
+    jax.vmap(step, axis_name="i")(stacked)
+  assert "shard_map" not in str(raised.value)

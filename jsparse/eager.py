@@ -175,6 +175,16 @@ def _exact_prefix(given: tuple[int, ...], counts, needed) -> tuple[int, ...]:
   return resolved + (() if needed is None else _resolved((needed,)))
 
 
+def _trusted_prefix(given: tuple[int, ...], counts, needed) -> tuple[int, ...]:
+  """The capacities a run's counts fix whatever the op: every count up to and including the first whose capacity
+  differs from it (the earlier ones were the data's, so it was counted as eager execution counts it)."""
+  resolved = _resolved(counts)
+  for i, (capacity, wanted) in enumerate(zip(given, resolved)):
+    if capacity != wanted:
+      return resolved[:i + 1]
+  return resolved + (() if needed is None else _resolved((needed,)))
+
+
 @contextlib.contextmanager
 def collecting_reports() -> Iterator[list]:
   into: list = []
@@ -432,8 +442,12 @@ def compiled_when_eager(fn: Callable) -> Callable:
       if exact == given[:len(exact)]:  # every count agrees (a trace may use fewer capacities than it was given)
         given = exact
         break
-      given = next((known for known in reversed(resolved_before.get(key, ())) if known[:len(exact)] == exact),
-                   exact)
+      # A remembered vector must share the counts up to the first capacity that differed (those were counted with
+      # the data's capacities); the later counts of `exact` can come from another path (a function that branches
+      # on a capacity), so they only choose between such vectors.
+      trusted = _trusted_prefix(given, counts, needed)
+      known = [c for c in reversed(resolved_before.get(key, ())) if c[:len(trusted)] == trusted]
+      given = next((c for c in known if c[:len(exact)] == exact), known[0] if known else exact)
     else:  # not reached by a deterministic op (each round fixes a capacity); eager execution is the safe answer
       eager_only.add(key)
       return fn(*args, **kwargs)

@@ -221,6 +221,32 @@ def test_a_function_that_branches_on_a_capacity_stays_compiled_and_gives_the_eag
   assert down.runs[key] - runs == 2
 
 
+def test_data_moving_to_a_known_bucket_of_another_path_takes_two_runs_and_no_compilation():
+  # Traced with another bucket's capacities, a function that branches on a capacity counts its later capacities on
+  # the other path (here the children of a transposed convolution): those counts are not the data's, and an
+  # earlier call's capacities that share the counts before them are the ones to run with.
+  @eager.compiled_when_eager
+  def level(x, w1, w2):
+    y = jsparse.sparse_conv3d(x, w1, stride=2)
+    if y.capacity > 128:
+      return jsparse.sparse_conv_transpose3d(y, w2, stride=2)
+    return jsparse.sparse_conv3d(y, w2, stride=2)
+
+  w1, w2 = _weight(46, (2, 2, 2, 5, 5)), _weight(47, (2, 2, 2, 5, 5))
+  many = _tensor(42, n=400, extent=32, batch=1, pad=0)
+  few = _tensor(43, n=5, extent=32, batch=1, pad=395)
+  other_few = _tensor(44, n=100, extent=32, batch=1, pad=300)  # few's buckets; ~8 * 100 children on many's path
+  for x in (few, many):
+    level(x, w1, w2)
+  with eager.primitive_by_primitive():
+    expect = level(other_few, w1, w2)
+  (key,) = level.runs
+  runs = level.runs[key]
+  with _counting_compiles() as compiles:
+    _same_tensor(level(other_few, w1, w2), expect)
+  assert compiles == [] and level.runs[key] - runs == 2, level.runs[key] - runs
+
+
 @pytest.mark.parametrize("op", ["transpose", "union"])
 def test_other_host_counted_capacities_compile_after_the_first_call(op):
   a, b = _tensor(22, n=30, pad=2), _tensor(23, n=30, pad=2)

@@ -19,10 +19,11 @@ Eager semantics are kept:
   traced with the capacities its call shape last resolved, and the program returns their counts, checked after
   the run. Where a trace meets a capacity it has no value for (the first call), it stops there and that
   program returns the count (the op's work up to it); a count whose capacity differs from the one given (new
-  data in another bucket) replaces it, as do the later counts unless that capacity dropped sites (they were
-  then counted from truncated data, and an earlier call that resolved the same first capacities lends the
-  rest). The call runs again until every count agrees, so each result is the one eager execution gives and a
-  call shape compiles once per bucket; data that moves between known buckets takes two runs;
+  data in another bucket) replaces it. The capacities the call shape resolved before (the last few) that agree
+  with the counts up to there lend the rest, else the later counts do, up to the first capacity that dropped
+  sites. The call runs again until every capacity it used agrees with its count, so each result is the one
+  eager execution gives and a call shape compiles once per bucket; data that moves between known buckets takes
+  two runs;
 - an op that needs another value on the host (a comparison of concrete coordinates, `out_capacity="exact"`)
   raises `NeedsHostValues` (or JAX's concretization errors) at trace time, and that call shape then runs
   primitive by primitive, as before;
@@ -415,10 +416,11 @@ def compiled_when_eager(fn: Callable) -> Callable:
     if key in eager_only:
       return fn(*args, **kwargs)
     # Host-counted capacities: the call is traced with those its call shape last resolved. A trace that meets one
-    # more returns its count instead. After each run the counts up to the first capacity that dropped sites are
-    # the data's (`_exact_prefix`); the next run takes them, and the rest of the capacities of an earlier call
-    # that resolved the same ones (data that moves between buckets reuses that bucket's program). Each round
-    # lengthens the exact prefix, so the loop ends.
+    # more returns its count instead. After each run the counts up to the first capacity that differed are the
+    # data's (`_trusted_prefix`); the next run takes them, and the rest of the capacities of an earlier call that
+    # resolved the same ones (data that moves between buckets reuses that bucket's program), else the counts up
+    # to the first capacity that dropped sites (`_exact_prefix`). Each round lengthens the trusted prefix, so the
+    # loop ends; it ends when every capacity the trace used agrees with its count.
     given = capacities.get(key, ())
     for _ in range(_MAX_ROUNDS):
       runs[key] += 1

@@ -44,7 +44,7 @@ def _in_child_process(code: str) -> None:
   root = pathlib.Path(__file__).resolve().parents[1]
   path = os.pathsep.join([str(root / "tests"), str(root), os.environ.get("PYTHONPATH", "")])
   env = {**os.environ, "PYTHONPATH": path}
-  done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+  done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
   assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -166,24 +166,16 @@ def _resolved(counts) -> tuple[int, ...]:
   return tuple(resolve_capacity(None, int(n)) for n in counts)
 
 
-def _exact_prefix(given: tuple[int, ...], counts, needed) -> tuple[int, ...]:
-  """The capacities that a run's counts fix: every count up to and including the first whose capacity dropped
-  sites is the data's (later ones were counted from truncated inputs), and the needed count, if none did."""
+def _fixed_prefixes(given: tuple[int, ...], counts, needed) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """The capacities a run's counts fix, as (trusted, exact). trusted: up to and including the first count whose
+  capacity differs from the one given (the earlier ones were the data's, so it was counted as eager execution
+  counts it). exact: up to and including the first whose capacity dropped sites (later counts of an op that does
+  not branch on a capacity are still the data's). Each is every count, and the needed one, if none such."""
   resolved = _resolved(counts)
-  for i, (count, capacity) in enumerate(zip(counts, given)):
-    if count > capacity:
-      return resolved[:i + 1]
-  return resolved + (() if needed is None else _resolved((needed,)))
-
-
-def _trusted_prefix(given: tuple[int, ...], counts, needed) -> tuple[int, ...]:
-  """The capacities a run's counts fix whatever the op: every count up to and including the first whose capacity
-  differs from it (the earlier ones were the data's, so it was counted as eager execution counts it)."""
-  resolved = _resolved(counts)
-  for i, (capacity, wanted) in enumerate(zip(given, resolved)):
-    if capacity != wanted:
-      return resolved[:i + 1]
-  return resolved + (() if needed is None else _resolved((needed,)))
+  every = resolved + (() if needed is None else _resolved((needed,)))
+  differs = next((i + 1 for i, (capacity, r) in enumerate(zip(given, resolved)) if capacity != r), len(every))
+  drops = next((i + 1 for i, (capacity, n) in enumerate(zip(given, counts)) if n > capacity), len(every))
+  return every[:differs], every[:drops]
 
 
 @contextlib.contextmanager
@@ -417,9 +409,9 @@ def compiled_when_eager(fn: Callable) -> Callable:
       return fn(*args, **kwargs)
     # Host-counted capacities: the call is traced with those its call shape last resolved. A trace that meets one
     # more returns its count instead. After each run the counts up to the first capacity that differed are the
-    # data's (`_trusted_prefix`); the next run takes them, and the rest of the capacities of an earlier call that
+    # data's (`_fixed_prefixes`); the next run takes them, and the rest of the capacities of an earlier call that
     # resolved the same ones (data that moves between buckets reuses that bucket's program), else the counts up
-    # to the first capacity that dropped sites (`_exact_prefix`). Each round lengthens the trusted prefix, so the
+    # to the first capacity that dropped sites. Each round lengthens the trusted prefix, so the
     # loop ends; it ends when every capacity the trace used agrees with its count.
     given = capacities.get(key, ())
     for _ in range(_MAX_ROUNDS):
@@ -440,14 +432,12 @@ def compiled_when_eager(fn: Callable) -> Callable:
         return out
       # One transfer for every flag and count (each bool() of a device value waits for its own copy).
       counts, needed, values = jax.device_get((counts, needed, reports.values))
-      exact = _exact_prefix(given, counts, needed)
+      trusted, exact = _fixed_prefixes(given, counts, needed)
       if exact == given[:len(exact)]:  # every count agrees (a trace may use fewer capacities than it was given)
         given = exact
         break
-      # A remembered vector must share the counts up to the first capacity that differed (those were counted with
-      # the data's capacities); the later counts of `exact` can come from another path (a function that branches
-      # on a capacity), so they only choose between such vectors.
-      trusted = _trusted_prefix(given, counts, needed)
+      # A remembered vector must share the trusted counts; the later counts of `exact` can come from another path
+      # (a function that branches on a capacity), so they only choose between such vectors.
       known = [c for c in reversed(resolved_before.get(key, ())) if c[:len(trusted)] == trusted]
       given = next((c for c in known if c[:len(exact)] == exact), known[0] if known else exact)
     else:  # not reached by a deterministic op (each round fixes a capacity); eager execution is the safe answer

@@ -46,7 +46,8 @@ def as_int(value, name: str, minimum: int | None = None) -> int:
 
 
 def as_nonnegative_float(value, name: str, *, scalars_only: bool = False) -> float:
-  """`value` as a finite Python float >= 0, for static lengths and constants.
+  """`value` as a finite Python float >= 0, for static lengths and constants (a negative radius drew the shape of
+  its absolute value, a negative or NaN epsilon turned every normalised row into NaN).
 
   Python and numpy real numbers pass, and any concrete array-like of shape () unless `scalars_only` (a
   normalisation's epsilon, which must be a compile-time constant). Bools and strings raise TypeError (float()

@@ -388,17 +388,17 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
   out = SparseTensor(coords, out, num, spatial_shape, int(batch_size))
   if not return_index:
     return out
-  if isinstance(plan.inverse, jax.core.Tracer):
-    return out, _point_rows(plan.inverse[:n], capacity)
-  # On the host: eager jnp ops on [N] rows (jnp.asarray of numpy too) compiled programs for every new point count.
-  inverse = np.asarray(plan.inverse)[:n]
-  return out, jax.device_put(np.where((inverse >= 0) & (inverse < capacity), inverse, -1).astype(np.int32))
+  # On the host unless traced: eager jnp ops on [N] rows compiled programs for every new point count.
+  inverse = plan.inverse if isinstance(plan.inverse, jax.core.Tracer) else np.asarray(plan.inverse)
+  return out, _point_rows(inverse[:n], capacity)
 
 
 def _point_rows(inverse, capacity: int) -> jax.Array:
-  """Each point's voxel index as a row of the result: -1 for dropped points and voxels past the capacity."""
-  inverse = jnp.asarray(inverse)
-  return jnp.where((inverse >= 0) & (inverse < capacity), inverse, -1).astype(jnp.int32)
+  """Each point's voxel index as a row of the result: -1 for dropped points and voxels past the capacity (made
+  in numpy and device_put for a numpy `inverse`)."""
+  xp = np if isinstance(inverse, np.ndarray) else jnp
+  rows = xp.where((inverse >= 0) & (inverse < capacity), inverse, -1).astype(np.int32)
+  return jax.device_put(rows) if xp is np else rows
 
 
 def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capacity, batch=None,

@@ -8,7 +8,9 @@ Both sides start from the same host arrays and end with the merged voxels (coord
 side quantises in float64, then np.unique(keys, return_inverse, return_counts) and one np.bincount per
 channel; jsparse runs `voxelize` (dedup None, i.e. "numpy" on a CPU backend, and dedup="xla") and waits
 for the device. Each is warmed up, then timed as the median of --repeats calls. The stream part voxelizes
---stream clouds of distinct N (around 100k), from cold caches, and counts XLA backend compilations.
+--stream clouds of distinct N (around 100k), from cold caches, through each host entry point a streamed scan
+meets (voxelize, its point rows, SparseTensor.from_coords on numpy voxels), and counts XLA backend
+compilations and the time per cloud after the first; it runs on any backend.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import numpy as np
 from jax import monitoring
 
 from benchmarks.suite import time_calls
+from jsparse.sparse_tensor import SparseTensor
 from jsparse.voxelize import voxelize
 
 VOXEL = 0.1
@@ -71,6 +74,21 @@ def count_compiles(fn):
   return out, len(events)
 
 
+def stream_calls():
+  """The host entry points a streamed scan meets: {name: (prepare, call)}, prepare(points, feats) -> args (not
+  timed) and call(*args) -> arrays to wait for. voxelize with either dedup, voxelize with point rows, and
+  from_coords on the numpy voxels of the cloud (one point per voxel)."""
+  def voxels(pts, feats):
+    _, rows = np.unique(np.floor(pts / VOXEL).astype(np.int64) @ np.array([1 << 20, 1 << 10, 1]), return_index=True)
+    return np.floor(pts[rows] / VOXEL).astype(np.int32), feats[rows]
+  points = lambda pts, feats: (pts, feats)
+  return {
+      "voxelize": (points, lambda pts, feats: voxelize(pts, feats, voxel_size=VOXEL).feats),
+      "voxelize dedup=xla": (points, lambda pts, feats: voxelize(pts, feats, voxel_size=VOXEL, dedup="xla").feats),
+      "voxelize return_index": (points, lambda pts, feats: voxelize(pts, feats, voxel_size=VOXEL, return_index=True)),
+      "from_coords": (voxels, lambda coords, feats: SparseTensor.from_coords(coords, feats, (101,) * 3, 1).feats)}
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 300_000, 1_000_000])
@@ -99,18 +117,21 @@ def main(argv=None):
 
   rng = np.random.default_rng(1)
   sizes = rng.choice(np.arange(90_000, 110_000), args.stream, replace=False)
-  for dedup in (None, "xla"):
+  for name, (prepare, call) in stream_calls().items():
     jax.clear_caches()  # count from cold
 
     def stream():
-      start = time.perf_counter()
+      per_cloud = []
       for i, n in enumerate(sizes):
-        pts, feats = cloud(int(n), args.channels, 100 + i)
-        jax.block_until_ready(voxelize(pts, feats, voxel_size=VOXEL, dedup=dedup).feats)
-      return time.perf_counter() - start
-    seconds, compiles = count_compiles(stream)
-    print(f"stream of {args.stream} clouds, N in [{sizes.min()}, {sizes.max()}], dedup={dedup}: "
-          f"{compiles} compilations, {seconds:.2f} s in all")
+        call_args = prepare(*cloud(int(n), args.channels, 100 + i))
+        start = time.perf_counter()
+        jax.block_until_ready(call(*call_args))
+        per_cloud.append(time.perf_counter() - start)
+      return per_cloud
+    per_cloud, compiles = count_compiles(stream)
+    later = f", then median {1e3 * np.median(per_cloud[1:]):.1f} ms a cloud" if len(per_cloud) > 1 else ""
+    print(f"stream of {args.stream} clouds, N in [{sizes.min()}, {sizes.max()}], {name}: {compiles} compilations, "
+          f"{sum(per_cloud):.2f} s in all{later}")
   return 0
 
 

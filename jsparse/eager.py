@@ -349,8 +349,7 @@ def compiled_when_eager(fn: Callable) -> Callable:
   jitted = jax.jit(functools.partial(_run_traced, fn), static_argnums=(0, 1))
   signature = inspect.signature(fn)
   eager_only: set = set()  # call shapes whose trace needed a host value
-  capacities: dict = {}  # call shape -> the host-counted capacities its last call resolved
-  resolved_before: dict = {}  # call shape -> the capacities its calls resolved, most recent last (a few)
+  resolved: dict = {}  # call shape -> the host-counted capacities its calls resolved, most recent last (a few)
   runs: collections.Counter = collections.Counter()  # call shape -> compiled runs, for tests
   # The parameters that take arrays (annotated ArrayLike; the modules use postponed annotations, so these are
   # strings), and the positions they can be passed at: kernel sizes and strides given as tuples cost no binding.
@@ -413,13 +412,13 @@ def compiled_when_eager(fn: Callable) -> Callable:
     # resolved the same ones (data that moves between buckets reuses that bucket's program), else the counts up
     # to the first capacity that dropped sites. Each round lengthens the trusted prefix, so the
     # loop ends; it ends when every capacity the trace used agrees with its count.
-    given = capacities.get(key, ())
+    given = resolved[key][-1] if key in resolved else ()
     for _ in range(_MAX_ROUNDS):
       runs[key] += 1
       try:
         fresh, reports, layout, counts, needed = jitted(static, given, *inputs)
       except _HOST_VALUE_ERRORS:
-        capacities.pop(key, None)
+        resolved.pop(key, None)
         eager_only.add(key)
         return fn(*args, **kwargs)
       except (TypeError, ValueError):
@@ -438,18 +437,17 @@ def compiled_when_eager(fn: Callable) -> Callable:
         break
       # A remembered vector must share the trusted counts; the later counts of `exact` can come from another path
       # (a function that branches on a capacity), so they only choose between such vectors.
-      known = [c for c in reversed(resolved_before.get(key, ())) if c[:len(trusted)] == trusted]
+      known = [c for c in reversed(resolved.get(key, ())) if c[:len(trusted)] == trusted]
       given = next((c for c in known if c[:len(exact)] == exact), known[0] if known else exact)
     else:  # not reached by a deterministic op (each round fixes a capacity); eager execution is the safe answer
       eager_only.add(key)
       return fn(*args, **kwargs)
-    capacities[key] = given
-    known = [c for c in resolved_before.get(key, ()) if c != given]
-    resolved_before[key] = (known + [given])[-_KNOWN_CAPACITIES:]
+    known = [c for c in resolved.get(key, ()) if c != given]
+    resolved[key] = (known + [given])[-_KNOWN_CAPACITIES:]
     Reports(reports.checks, values).raise_first()
     return layout.rebuild(fresh, inputs, _nodes((args, kwargs)))
 
   op.eager_only = eager_only  # for tests: the call shapes that ran primitive by primitive
-  op.capacities = capacities  # for tests: the host-counted capacities each call shape last resolved
+  op.resolved = resolved  # for tests: the host-counted capacities each call shape resolved, most recent last
   op.runs = runs  # for tests: compiled runs per call shape
   return op

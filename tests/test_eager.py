@@ -115,7 +115,7 @@ def test_host_counted_capacities_compile_a_counting_program_and_the_op():
   with _counting_compiles() as compiles:
     first = jsparse.sparse_conv3d(x, w, stride=2)
   assert 2 <= len(compiles) <= 4, len(compiles)
-  assert (expect.capacity,) in jsparse.sparse_conv3d.capacities.values()
+  assert (expect.capacity,) in [v[-1] for v in jsparse.sparse_conv3d.resolved.values()]
   with _counting_compiles() as again:
     second = jsparse.sparse_conv3d(x, w, stride=2)
   assert again == []
@@ -136,7 +136,7 @@ def test_a_count_in_another_bucket_gives_the_eager_result_and_is_learned():
     expect = jsparse.sparse_conv3d(many, w, stride=2)
   assert expect.capacity > jsparse.round_capacity(6)
   _same_tensor(y, expect)
-  assert (expect.capacity,) in jsparse.sparse_conv3d.capacities.values()
+  assert (expect.capacity,) in [v[-1] for v in jsparse.sparse_conv3d.resolved.values()]
   with _counting_compiles() as again:
     _same_tensor(jsparse.sparse_conv3d(many, w, stride=2), expect)
   assert again == []
@@ -161,7 +161,7 @@ def test_two_host_counted_capacities_in_one_call_are_each_counted_and_checked():
     with eager.primitive_by_primitive():
       expect = down_twice(x, w1, w2)
     _same_tensor(down_twice(x, w1, w2), expect)
-  assert len(down_twice.capacities) == 1 and not down_twice.eager_only
+  assert len(down_twice.resolved) == 1 and not down_twice.eager_only
   with _counting_compiles() as again:
     down_twice(inputs[1], w1, w2)
   assert again == []
@@ -500,12 +500,12 @@ def test_a_call_under_disable_jit_does_not_make_its_call_shape_eager_for_good():
   # Under jax.disable_jit the wrapper's jit ran the op eagerly, so the learned capacities were never consumed: the
   # call shape was made eager for good (and the op ran twice).
   x, w = _tensor(71, n=23, pad=4), _weight(72, (2, 2, 2, 5, 3))
-  before = set(jsparse.sparse_conv3d.capacities)
+  before = set(jsparse.sparse_conv3d.resolved)
   jsparse.sparse_conv3d(x, w, stride=2)
-  (key,) = set(jsparse.sparse_conv3d.capacities) - before
+  (key,) = set(jsparse.sparse_conv3d.resolved) - before
   with jax.disable_jit():
     y = jsparse.sparse_conv3d(x, w, stride=2)
-  assert key in jsparse.sparse_conv3d.capacities and key not in jsparse.sparse_conv3d.eager_only
+  assert key in jsparse.sparse_conv3d.resolved and key not in jsparse.sparse_conv3d.eager_only
   with eager.primitive_by_primitive():
     expect = jsparse.sparse_conv3d(x, w, stride=2)
   _same_tensor(y, expect)

@@ -143,6 +143,24 @@ def test_bad_arguments():
     gather_sites(x.feats, np.zeros((3, 2), np.int32))
 
 
+@pytest.mark.parametrize("mode", ["trilinear", "nearest"])
+def test_grid_sample_batch_outside_the_items_raises(mode):
+  # A batch id past the tensor's items (an off-by-one, or -1) found no voxel and sampled zeros everywhere: a silent
+  # wrong answer. Outside jit it is a ValueError naming batch; under jit such points still sample zeros.
+  pts, feats, batch = _cloud(n=200, batch_size=2)
+  x = voxelize(pts, feats, voxel_size=VOXEL, origin=ORIGIN, batch=batch)
+  for bad in (2, -1):
+    wrong = batch.copy()
+    wrong[7] = bad
+    with pytest.raises(ValueError, match=r"batch must be in \[0, batch_size=2\).* point 7"):
+      grid_sample(x, pts, mode, batch=wrong, voxel_size=VOXEL, origin=ORIGIN)
+  got = jax.jit(lambda b: grid_sample(x, pts, mode, batch=b, voxel_size=VOXEL, origin=ORIGIN))(jnp.asarray(wrong))
+  want = np.asarray(grid_sample(x, pts, mode, batch=batch, voxel_size=VOXEL, origin=ORIGIN))
+  assert np.all(np.asarray(got)[7] == 0)
+  assert np.allclose(np.delete(np.asarray(got), 7, axis=0), np.delete(want, 7, axis=0))
+  assert np.any(want[7] != 0)  # the point's own voxel is active: zeros there were wrong
+
+
 def test_devoxelize_rows_past_the_capacity_under_jit():
   # Outside jit such rows raise; under jit the gather clamped them onto the last row, a valid voxel when
   # num == capacity, so points got another voxel's features silently.

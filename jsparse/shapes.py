@@ -189,7 +189,8 @@ def _random_one(rng, resolution, kinds, num_shapes):
   r = float(resolution)
   lo, hi = num_shapes
   m = np.zeros((resolution,) * 3, bool)
-  for _ in range(int(rng.integers(lo, hi + 1))):
+  count = int(rng.integers(lo, hi + 1))
+  for _ in range(count):
     kind = kinds[int(rng.integers(len(kinds)))]
     size = rng.uniform(0.15, 0.3) * r  # characteristic radius
     size = max(size, 1.5)
@@ -203,7 +204,7 @@ def _random_one(rng, resolution, kinds, num_shapes):
     else:
       s = box_mask(resolution, size * rng.uniform(0.5, 1.0, 3), center)
     m |= s
-  if not m.any():  # tiny grids: never hand back an empty shape
+  if count and not m.any():  # tiny grids: shapes drawn never hand back an empty mask (zero shapes drawn do)
     m[(resolution // 2,) * 3] = True
   return m
 
@@ -234,7 +235,8 @@ def random_shapes(key, batch_size, resolution, *, kinds=KINDS, num_shapes=(1, 3)
 
   Element i depends only on (key, i): it is generated from jax.random.split(key, n)[i], n = batch_size (with
   jax_threefry_partitionable off, where that key changes with n: n = i + 1).
-  num_shapes: (min, max) shapes per element. capacity: None gives round_capacity(total voxels).
+  num_shapes: (min, max) shapes per element; an element that draws none has no sites (min 0 gives empty items).
+  capacity: None gives round_capacity(total voxels).
   return_dense=True returns (tensor, bool occupancy [B, R, R, R]).
   """
   kinds, num_shapes, resolution = _check_kinds(kinds), _check_num_shapes(num_shapes), _resolution(resolution)

@@ -410,6 +410,21 @@ def test_sort_by(order):
     np.testing.assert_array_equal(path, c[:, 1:])
 
 
+def test_random_shapes_zero_shapes_give_empty_items():
+  # num_shapes=(0, k) allows elements with no shapes; such an element got one voxel at the grid's centre (the
+  # fallback for drawn shapes too small to cover a voxel centre), so a batch meant to hold empty items had none.
+  t, masks = shapes.random_shapes(jax.random.key(3), 4, 8, num_shapes=(0, 0), return_dense=True)
+  assert int(t.num) == 0 and not masks.any()
+  assert not shapes.random_union_mask(jax.random.key(3), 8, num_shapes=(0, 0)).any()
+  # Drawn shapes still never give an empty mask, on a grid too small for them too.
+  for k in range(4):
+    assert shapes.random_union_mask(jax.random.key(k), 1, num_shapes=(1, 1)).sum() == 1
+  t, masks = shapes.random_shapes(jax.random.key(5), 6, 8, num_shapes=(0, 1), return_dense=True)
+  counts = masks.reshape(6, -1).sum(axis=1)
+  assert (counts == 0).any() and (counts > 1).any()
+  np.testing.assert_array_equal(np.asarray(t.todense())[..., 0] > 0, masks)
+
+
 # ---- grid_sample -------------------------------------------------------------------------------------
 
 def _sample_tensor(seed=0, channels=3):

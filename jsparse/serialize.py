@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse.eager import host_check
-from jsparse.sparse_tensor import (SparseTensor, as_int, check_sparse_tensor, int32_values, outside_grid_mask,
-                                   site_keys)
+from jsparse.sparse_tensor import (SPATIAL_RANKS, SparseTensor, as_int, as_spatial_shape, check_sparse_tensor,
+                                   int32_values, outside_grid_mask, site_keys)
 
 MAX_BITS = 10  # bits per axis of a one-word (int32) key
 MAX_WIDE_BITS = 21  # bits per axis of a key in words (coordinates < sparse_tensor.MAX_EXTENT)
@@ -61,7 +61,8 @@ def _check_in_range(name: str, inside: jax.Array, limit: str, why: str = "it wou
 
 def bits_for(spatial_shape) -> int:
   """The smallest bits per axis covering spatial_shape (raises past 2**21 per axis); over 10 the keys are words."""
-  return _check_bits(max(1, math.ceil(math.log2(max(spatial_shape)))))
+  extents = as_spatial_shape(spatial_shape, SPATIAL_RANKS)  # a zero or negative extent is no grid
+  return _check_bits(max(1, math.ceil(math.log2(max(extents)))))
 
 
 # Magic-number bit spreading: 10 bits -> every third bit of 30.

@@ -104,6 +104,8 @@ _MASKS = dict(sphere=sphere_mask, shell=shell_mask, torus=torus_mask, box=box_ma
 def masks_to_tensor(masks, channels: int = 1, capacity=None, dtype=np.float32) -> SparseTensor:
   """Dense bool occupancy [B, X, Y, Z] (or [X, Y, Z]) -> SparseTensor with `channels` channels of ones.
 
+  masks: bool, or numbers that are all 0 or 1 (ValueError otherwise: threshold probabilities first).
+
   capacity: None gives round_capacity(number of occupied voxels), "exact" that number, an int that many
   (ValueError if fewer). dtype: a floating dtype (TypeError otherwise, as from_coords).
   """
@@ -111,7 +113,14 @@ def masks_to_tensor(masks, channels: int = 1, capacity=None, dtype=np.float32) -
   channels = as_int(channels, "channels", minimum=0)
   if not jnp.issubdtype(dtype, jnp.floating):  # an int32 tensor was made, which the layers refuse
     raise TypeError(f"dtype must be floating point (float16, bfloat16, float32), got {np.dtype(dtype)}")
-  m = np.asarray(masks, bool)
+  raw = np.asarray(masks)
+  if raw.dtype == object or not (raw.dtype == bool or np.issubdtype(raw.dtype, np.number)):
+    raise TypeError(f"masks must be a bool (or 0/1) array, got dtype {raw.dtype}")
+  # Probabilities or logits would read as occupied wherever they are non-zero (NaN included): only 0 and 1 pass.
+  if raw.dtype != bool and not np.isin(raw, (0, 1)).all():
+    raise ValueError("masks must hold occupancy (bool, or 0 and 1 only); threshold probabilities first, e.g. "
+                     "masks > 0.5")
+  m = raw.astype(bool)
   if m.ndim == 3:
     m = m[None]
   if m.ndim != 4:
@@ -128,7 +137,8 @@ def masks_to_tensor(masks, channels: int = 1, capacity=None, dtype=np.float32) -
   coords_p[:n] = coords
   feats_p = np.zeros((capacity, channels), dtype)
   feats_p[:n] = 1
-  return SparseTensor(jnp.asarray(coords_p), jnp.asarray(feats_p), jnp.asarray(n, jnp.int32),
+  # device_put: jnp.asarray of a numpy array compiles a program per new shape in this JAX.
+  return SparseTensor(jax.device_put(coords_p), jax.device_put(feats_p), jnp.asarray(n, jnp.int32),
                       as_spatial_shape(m.shape[1:]), m.shape[0])
 
 

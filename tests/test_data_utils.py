@@ -796,3 +796,25 @@ def test_linear_serialization_keys_of_sites_outside_the_grid_are_not_aliased(spa
   keys = np.asarray(jax.jit(serialize.serialization_keys, static_argnums=1)(bad, "linear")).reshape(4, -1)
   assert np.all(keys[0] == -1) and np.all(keys[2] == -1) and np.all(keys[1] >= 0)
   assert np.all(keys[3] == np.iinfo(np.int32).max)
+
+
+def test_masks_to_tensor_takes_occupancy_only():
+  # Probabilities (or NaN) read as occupied wherever non-zero: a 0.1 probability became a voxel silently.
+  probs = np.zeros((4, 4, 4), np.float32)
+  probs[1, 2, 3], probs[0, 0, 0] = 0.1, 0.9
+  with pytest.raises(ValueError, match="masks > 0.5"):
+    shapes.masks_to_tensor(probs)
+  with pytest.raises(ValueError, match="occupancy"):
+    shapes.masks_to_tensor(np.full((4, 4, 4), np.nan))
+  with pytest.raises(TypeError, match="masks"):
+    shapes.masks_to_tensor(np.full((4, 4, 4), "x"))
+  t = shapes.masks_to_tensor(probs > 0.5)
+  np.testing.assert_array_equal(np.asarray(t.coords[:int(t.num)]), [[0, 0, 0, 0]])
+  u = shapes.masks_to_tensor((probs > 0.05).astype(np.float32))  # 0/1 numbers are occupancy
+  np.testing.assert_array_equal(np.asarray(u.coords[:int(u.num)]), [[0, 0, 0, 0], [0, 1, 2, 3]])
+
+
+def test_bits_for_refuses_a_grid_with_an_empty_axis():
+  assert serialize.bits_for((5, 4, 4)) == 3
+  with pytest.raises(ValueError, match="spatial_shape"):
+    serialize.bits_for((0, 4, 4))

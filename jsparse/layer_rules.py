@@ -74,9 +74,11 @@ def check_sizes(module: str, kernel_size, strides, padding, kernel_dilation, ndi
   negative extent failed inside jnp's broadcasting, naming neither the module nor the argument."""
   lifted = lambda value, name, fill: (fill,) * (3 - ndim) + triple(value, name, module, ndim)
   pad = 0 if is_same_padding(padding) else explicit_padding(padding, module, ndim)
+  # Lifted before op_errors: triple's errors already name the module (op_errors would name it twice).
+  sizes = (lifted(kernel_size, "kernel_size", 1), lifted(strides, "strides", 1), lifted(pad, "padding", 0),
+           lifted(kernel_dilation, "kernel_dilation", 1))
   with op_errors(module, ndim):
-    sparse_conv.kernel_arguments(lifted(kernel_size, "kernel_size", 1), lifted(strides, "strides", 1),
-                                 lifted(pad, "padding", 0), lifted(kernel_dilation, "kernel_dilation", 1))
+    sparse_conv.kernel_arguments(*sizes)
 
 
 def is_same_padding(value) -> bool:

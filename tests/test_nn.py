@@ -580,6 +580,22 @@ def test_conv_modules_check_their_sizes_before_making_the_kernel():
     snn.SparseInverseConv3d(4, -1, padding="VALID").init(KEY, x, like=x)
 
 
+def test_size_of_wrong_rank_names_the_module_once():
+  """A size of the wrong length (strides=(2, 2) for a 3D module) raised "SparseConv3d: SparseConv3d: strides
+  must be ...": the size was lifted inside the block that prefixes the op's errors with the module's name, and
+  the lifting had named it already."""
+  x = random_sparse(np.random.default_rng(0), (4, 4, 4), 3, pad=2)
+  cases = [(snn.SparseConv3d(4, 2, strides=(2, 2)), {}, "SparseConv3d", "strides"),
+           (snn.SparseConv3d(4, (2, 2), strides=2), {}, "SparseConv3d", "kernel_size"),
+           (snn.SparseConv3d(4, 3, kernel_dilation=(1, 1)), {}, "SparseConv3d", "kernel_dilation"),
+           (snn.SparseInverseConv3d(4, 2, strides=(2, 2)), {"like": x}, "SparseInverseConv3d", "strides")]
+  for module, kwargs, name, arg in cases:
+    with pytest.raises(ValueError) as info:
+      module.init(KEY, x, **kwargs)
+    assert str(info.value).startswith(f"{name}: {arg} must be an int or 3 ints"), str(info.value)
+    assert str(info.value).count(name) == 1, str(info.value)
+
+
 def test_counts_take_numpy_integers():
   """features, feature_group_count and num_groups / group_size as numpy integers (a config read with numpy), as
   flax's modules and every size of the ops (kernel_size, strides) take them: the modules raised "must be a

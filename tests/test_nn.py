@@ -596,6 +596,22 @@ def test_size_of_wrong_rank_names_the_module_once():
     assert str(info.value).count(name) == 1, str(info.value)
 
 
+def test_pool_sizes_of_wrong_length_name_the_module():
+  """The pool modules passed kernel_size and strides to the op unchecked, so a size of the wrong length raised
+  "kernel_size must be an int or 3 ints" without the module's name (every other module names itself); a
+  SparseMaxPool2d still takes 2 ints and pools as the function does."""
+  x = random_sparse(np.random.default_rng(0), (4, 4, 4), 3, pad=2)
+  cases = [(snn.SparseMaxPool3d((2, 2)), "kernel_size"), (snn.SparseAvgPool3d(2, strides=(2, 2)), "strides")]
+  for module, arg in cases:
+    with pytest.raises(ValueError, match=rf"^{type(module).__name__}: {arg} must be an int or 3 ints"):
+      module.apply({}, x)
+  x2 = jsparse.SparseTensor.from_coords(np.array([[0, 1, 2], [0, 3, 3]], np.int32),
+                                        np.array([[1.0], [2.0]], np.float32), (4, 4))
+  y = snn.SparseMaxPool2d((2, 2), strides=(2, 2)).apply({}, x2)
+  np.testing.assert_array_equal(y.todense(), jsparse.sparse_max_pool2d(x2, 2).todense())
+  assert y.todense()[0, 0, 1, 0] == 1.0 and y.todense()[0, 1, 1, 0] == 2.0
+
+
 def test_counts_take_numpy_integers():
   """features, feature_group_count and num_groups / group_size as numpy integers (a config read with numpy), as
   flax's modules and every size of the ops (kernel_size, strides) take them: the modules raised "must be a

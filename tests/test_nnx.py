@@ -504,6 +504,10 @@ def test_bad_arguments_errors():
     snnx.SparseInverseConv3d(3, 4, rngs=r)
   with pytest.raises(ValueError, match="SparseMaxPool3d: padding must be"):
     snnx.SparseMaxPool3d(2, padding="FULL")
+  with pytest.raises(ValueError, match="^SparseMaxPool3d: kernel_size must be an int or 3 ints"):
+    snnx.SparseMaxPool3d((2, 2))(x)  # named the argument, not the module
+  with pytest.raises(ValueError, match="^SparseAvgPool3d: strides must be an int or 3 ints"):
+    snnx.SparseAvgPool3d(2, strides=(2, 2))(x)
   with pytest.raises(TypeError, match="rngs must be an nnx.Rngs"):
     snnx.SubMConv3d(3, 4, rngs=0)
   with pytest.raises(ValueError, match="expects 5 input channels but the input SparseTensor has 3"):

@@ -155,8 +155,9 @@ class _Pool(nn.Module):
   spatial_ndim: ClassVar[int] = 3
 
   def __call__(self, x: SparseTensor) -> SparseTensor:
-    return _call(self, self._op, _sparse(x, self), kernel_size=self.kernel_size, stride=self.strides,
-                 padding=_padding(self.padding, self), out_capacity=self.out_capacity)
+    strides = None if self.strides is None else _triple(self.strides, "strides", self)
+    return _call(self, self._op, _sparse(x, self), kernel_size=_triple(self.kernel_size, "kernel_size", self),
+                 stride=strides, padding=_padding(self.padding, self), out_capacity=self.out_capacity)
 
 
 class SparseMaxPool3d(_Pool):

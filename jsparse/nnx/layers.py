@@ -246,10 +246,11 @@ class _Pool(nnx.Module):
 
   def __call__(self, x: SparseTensor) -> SparseTensor:
     """The pooled tensor."""
-    name = type(self).__name__
-    return call_in_rank(self._op, self.spatial_ndim, name, rules.check_sparse(x, name), kernel_size=self.kernel_size,
-                        stride=self.strides, padding=rules.explicit_padding(self.padding, name, self.spatial_ndim),
-                        out_capacity=self.out_capacity)
+    name, ndim = type(self).__name__, self.spatial_ndim
+    strides = None if self.strides is None else rules.triple(self.strides, "strides", name, ndim)
+    return call_in_rank(self._op, ndim, name, rules.check_sparse(x, name),
+                        kernel_size=rules.triple(self.kernel_size, "kernel_size", name, ndim), stride=strides,
+                        padding=rules.explicit_padding(self.padding, name, ndim), out_capacity=self.out_capacity)
 
 
 class SparseMaxPool3d(_Pool):

@@ -325,6 +325,27 @@ def accepted_kwargs(fn: Callable, kwargs: dict) -> dict:
   return {k: v for k, v in kwargs.items() if k in names}
 
 
+# The two spellings of one mode: batch norm's use_running_average and the blocks' and models' train.
+_MODE_FLAGS = ("use_running_average", "train")
+
+
+def _with_mode_flags(module: str, kwargs: dict) -> dict:
+  """kwargs with the mode flag given also under its other name, so that Sequential(...)(x,
+  use_running_average=True) puts a SparseResNetBlock (which takes `train`) in eval mode too (it trained on the
+  batch's statistics silently), and `train=False` reaches a SparseBatchNorm."""
+  given = {name: kwargs[name] for name in _MODE_FLAGS if kwargs.get(name) is not None}
+  if len(given) == 2:
+    if bool(given["train"]) == bool(given["use_running_average"]):
+      raise ValueError(f"{module}: train={given['train']} and use_running_average={given['use_running_average']} "
+                       "contradict each other (train means use_running_average=False); pass one of them")
+    return kwargs
+  if "use_running_average" in given:
+    return {**kwargs, "train": not given["use_running_average"]}
+  if "train" in given:
+    return {**kwargs, "use_running_average": not given["train"]}
+  return kwargs
+
+
 def apply_layers(module: str, layers: Sequence[Callable[..., Any]], x: SparseTensor, kwargs: dict,
                  module_type: type) -> Any:
   """What Sequential does in either family: each layer of `module_type` gets the tensor and the keyword
@@ -339,8 +360,8 @@ def apply_layers(module: str, layers: Sequence[Callable[..., Any]], x: SparseTen
       raise TypeError(f"{module}: layer {index} ({type(layer).__name__}) gets a {type(x).__name__}: only the "
                       "last layer may return something other than a SparseTensor")
     if isinstance(layer, module_type):
-      accepted = accepted_kwargs(layer.__call__, kwargs)
-      unused -= set(accepted)
+      accepted = accepted_kwargs(layer.__call__, _with_mode_flags(module, kwargs))
+      unused -= {flag for name in accepted for flag in (_MODE_FLAGS if name in _MODE_FLAGS else (name,))}
       x = layer(x, **accepted)
     elif callable(layer):
       x = norm.activation(x, layer)

@@ -233,3 +233,35 @@ def test_readme_sequential_snippet():
   assert namespace["dense"].shape == (2, 8, 4, 4, 4)
   assert namespace["labels"].shape == (namespace["coarse"].capacity, 8)
   assert int(namespace["both"].num) == int(namespace["x"].num)  # kept's sites are x's
+
+
+def test_sequential_eval_flag_reaches_blocks_that_take_train():
+  # SparseResNetBlock takes `train`, not `use_running_average`: Sequential(...)(x, use_running_average=True) left it
+  # in train mode, normalising with the batch's statistics and (with mutable) overwriting its running averages.
+  x = _x(channels=8)
+  model = snn.Sequential([snn.SubMConv3d(8, 3), snn.SparseBatchNorm(), snn.SparseResNetBlock(8)])
+  variables = jax.jit(lambda t: model.init(KEY, t, use_running_average=False))(x)
+  # Running statistics unlike the batch's, so that eval mode and train mode give different outputs.
+  stats = jax.tree.map(lambda s: s + 0.5, variables["batch_stats"])
+  v = {"params": variables["params"], "batch_stats": stats}
+
+  @jax.jit
+  def both(v, x):
+    y, updates = model.apply(v, x, use_running_average=True, mutable=["batch_stats"])
+    y_train_flag = model.apply(v, x, train=False)
+    h = snn.SubMConv3d(8, 3).apply({"params": v["params"]["layers_0"]}, x)
+    h = snn.SparseBatchNorm().apply({"params": v["params"]["layers_1"], "batch_stats": v["batch_stats"]["layers_1"]},
+                                    h, use_running_average=True)
+    want = snn.SparseResNetBlock(8).apply({"params": v["params"]["layers_2"],
+                                           "batch_stats": v["batch_stats"]["layers_2"]}, h, train=False)
+    return y, updates, y_train_flag, want
+
+  y, updates, y_train_flag, want = both(v, x)
+  np.testing.assert_allclose(np.asarray(y.feats), np.asarray(want.feats), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(y_train_flag.feats), np.asarray(want.feats), rtol=1e-5, atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), updates["batch_stats"], stats)
+  with pytest.raises(ValueError, match="contradict"):
+    model.apply(v, x, train=True, use_running_average=True)
+  with pytest.raises(TypeError, match="no layer takes"):
+    snn.Sequential([snn.SubMConv3d(8, 3)]).apply({"params": {"layers_0": variables["params"]["layers_0"]}}, x,
+                                                use_running_average=True)

@@ -30,6 +30,8 @@ class Sequential(nn.Module):
   - a flax Module: called with the tensor (the output of the previous layer), plus those of Sequential's
     keyword arguments that its `__call__` names, so that `Sequential(...)(x, use_running_average=False,
     deterministic=False)` reaches every SparseBatchNorm and SparseDropout (and a nested Sequential gets all);
+    `use_running_average` and `train` are one flag under two names (`train = not use_running_average`), so either
+    also reaches the blocks and models that take `train` (SparseResNetBlock, SparseUNet), or the batch norms;
     a keyword that no layer names raises TypeError;
   - any other callable: a function of feature arrays (`nn.relu`, `jax.nn.gelu`, `functools.partial(...)`),
     applied to the valid rows' features by `jsparse.norm.activation` (padding rows stay zero even where

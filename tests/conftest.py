@@ -46,6 +46,29 @@ if jax.default_backend() == "cpu" and os.environ.get(_RUN_CACHE, "0") != "0":
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+# Every program XLA compiles for the CPU keeps its machine code in a few memory mappings of its own for as long as
+# jit's caches hold it, and Linux allows a process 65530 mappings (vm.max_map_count). A worker that runs several
+# hundred tests passes that: mmap then fails inside the compiler, which surfaced as a segfault in XLA's CPU
+# compiler or a MemoryError with most of the RAM free (2026-11-30; one module of tests adds about 7000 mappings).
+# After a test, a process above a third of the limit drops jit's caches, which unmaps their code.
+_MAPPINGS_BEFORE_CLEARING = 65530 // 3
+
+
+def _memory_mappings():
+  try:
+    with open("/proc/self/maps", "rb") as maps:
+      return sum(1 for _ in maps)
+  except OSError:  # not Linux: no such limit to keep under
+    return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_code_before_the_mapping_limit():
+  yield
+  if _memory_mappings() > _MAPPINGS_BEFORE_CLEARING:
+    jax.clear_caches()
+
+
 @pytest.fixture(autouse=True)
 def _full_float32_products_on_a_gpu(request):
   """On a GPU, the tests not marked `gpu` run under `jax.default_matmul_precision("float32")`.

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jsparse._types import ArrayLike
-from jsparse.eager import host_check
 from jsparse.neighbors import lookup_keys, sorted_site_keys
-from jsparse.sparse_tensor import (SparseTensor, check_sparse_tensor, int32_values, is_traced, site_keys,
+from jsparse.sparse_tensor import (SparseTensor, check_sparse_tensor, int32_values, report, site_keys,
                                    world_frame)
 
 MODES = ("trilinear", "nearest")
@@ -125,7 +123,8 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   map_coordinates(x.todense(), u - 0.5, order=1, mode="grid-constant", cval=0), which jax.scipy's
   mode="constant" also computes). Inactive or out-of-grid voxels count as zero; voxel_size must be positive.
   Batch of each point: the leading axis for [B, P, 3] points (B must equal x.batch_size), else `batch`
-  ([P] ints in [0, x.batch_size), default 0; ValueError outside jit for another id, under jit it samples zeros).
+  ([P] ints in [0, x.batch_size), default 0; another id is a ValueError outside jit, under jit its point samples
+  zeros and `error_checks()` reports it).
   Jit-able; differentiable with respect to x.feats (both modes, no scatter-add: `gather_sites`) and points
   (trilinear; piecewise linear, so the gradient jumps where u - 0.5 is an integer). u is computed in float32 (or
   float64 for float64 points), also for half-precision points.
@@ -167,15 +166,14 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   b = jnp.zeros((n,), jnp.int32) if batch is None else int32_values(batch, "batch")
   if b.shape != (n,):
     raise ValueError(f"batch must be [P={n}], got shape {b.shape}")
-  if batch is not None:
+  if batch is not None and n:
     # A batch id outside the tensor's items sampled zeros everywhere (lookup_rows finds no such item): a silent
-    # wrong answer for an off-by-one batch. Checked on the host; under jit such points sample zeros.
-    host_check("grid_sample's batch", b)
-    if not is_traced(b):
-      bad = np.flatnonzero((np.asarray(b) < 0) | (np.asarray(b) >= x.batch_size))
-      if bad.size:
-        raise ValueError(f"batch must be in [0, batch_size={x.batch_size}), got {int(np.asarray(b)[bad[0]])} for "
-                         f"point {int(bad[0])}")
+    # wrong answer for an off-by-one batch. Raised outside jit; under jit such points sample zeros, and inside
+    # error_checks() checkify reports them.
+    outside = (b < 0) | (b >= x.batch_size)
+    first = jnp.argmax(outside).astype(jnp.int32)
+    report(jnp.any(outside), f"grid_sample: batch must be in [0, batch_size={x.batch_size}), got {{value}} for "
+           "point {point}", point=first, value=b[first])
   if x.capacity == 0:  # nothing to gather from
     return jnp.zeros((n, x.num_channels), x.feats.dtype)
   u = (points - org) / vs

@@ -4,7 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
+import jsparse
 from jsparse.sampling import gather_sites, grid_sample
 from jsparse.voxelize import devoxelize, voxel_centres, voxelize, voxelize_jit
 
@@ -146,7 +148,8 @@ def test_bad_arguments():
 @pytest.mark.parametrize("mode", ["trilinear", "nearest"])
 def test_grid_sample_batch_outside_the_items_raises(mode):
   # A batch id past the tensor's items (an off-by-one, or -1) found no voxel and sampled zeros everywhere: a silent
-  # wrong answer. Outside jit it is a ValueError naming batch; under jit such points still sample zeros.
+  # wrong answer. Outside jit it is a ValueError naming batch; under jit such points sample zeros, and inside
+  # error_checks() checkify names the first of them.
   pts, feats, batch = _cloud(n=200, batch_size=2)
   x = voxelize(pts, feats, voxel_size=VOXEL, origin=ORIGIN, batch=batch)
   for bad in (2, -1):
@@ -159,6 +162,14 @@ def test_grid_sample_batch_outside_the_items_raises(mode):
   assert np.all(np.asarray(got)[7] == 0)
   assert np.allclose(np.delete(np.asarray(got), 7, axis=0), np.delete(want, 7, axis=0))
   assert np.any(want[7] != 0)  # the point's own voxel is active: zeros there were wrong
+  sample = jax.jit(checkify.checkify(lambda b: grid_sample(x, pts, mode, batch=b, voxel_size=VOXEL,
+                                                           origin=ORIGIN)))
+  with jsparse.error_checks():
+    err, got_checked = sample(jnp.asarray(wrong))
+    assert err.get() is not None and "batch must be in [0, batch_size=2), got -1 for point 7" in err.get()
+    np.testing.assert_array_equal(np.asarray(got_checked), np.asarray(got))
+    err, _ = sample(jnp.asarray(batch))
+    assert err.get() is None
 
 
 def test_devoxelize_rows_past_the_capacity_under_jit():

@@ -422,6 +422,11 @@ def compiled_when_eager(fn: Callable) -> Callable:
         eager_only.add(key)
         return fn(*args, **kwargs)
       except (TypeError, ValueError):
+        # Capacities taken from other calls of this shape can be what the trace refused (a product of two past
+        # an index bound): the data's own counts, counted afresh, decide before the call shape turns eager.
+        if given:
+          given = ()
+          continue
         # An argument refused while tracing was a tracer there (its message named "DynamicJaxprTracer", not what
         # the caller passed): eager execution raises the error in the caller's terms. Not remembered: the error
         # can come from a JAX setting of the moment (jax.numpy_rank_promotion("raise")), which the key does not

@@ -197,6 +197,27 @@ def test_data_moving_between_buckets_takes_two_runs_and_no_compilation():
   assert compiles == [] and down_twice.runs[key] - runs == 3
 
 
+def test_capacities_of_other_calls_that_the_trace_refuses_are_counted_afresh():
+  # A call is first traced with the capacities other calls of its shape resolved. If the trace refuses them (here
+  # a remembered first capacity whose 8 proposals per row pass the int32 index bound of the second convolution),
+  # the call counts its own capacities; it turned the call shape eager for good.
+  @eager.compiled_when_eager
+  def down_twice(x, w1, w2):
+    return jsparse.sparse_conv3d(jsparse.sparse_conv3d(x, w1, stride=2), w2, stride=2)
+
+  w1, w2 = _weight(48, (2, 2, 2, 5, 4)), _weight(49, (2, 2, 2, 4, 3))
+  x = _tensor(50, n=300, extent=32, batch=1, pad=0)
+  with eager.primitive_by_primitive():
+    expect = down_twice(x, w1, w2)
+  _same_tensor(down_twice(x, w1, w2), expect)
+  (key,) = down_twice.resolved
+  (good,) = down_twice.resolved[key]
+  assert len(good) == 2
+  down_twice.resolved[key] = [(2**29, good[1])]  # 2**29 rows x 8 proposals > MAX_PAIRS
+  _same_tensor(down_twice(x, w1, w2), expect)
+  assert not down_twice.eager_only and down_twice.resolved[key][-1] == good
+
+
 def test_a_function_that_branches_on_a_capacity_stays_compiled_and_gives_the_eager_result():
   # A trace given another bucket's capacities can take another path (here one more strided level) and resolve
   # more or fewer capacities than the data's: the call must still compile and give eager execution's result.

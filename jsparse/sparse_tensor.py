@@ -139,6 +139,13 @@ def check_sparse_tensor(x, name: str = "x") -> None:
   if not isinstance(x, SparseTensor):
     hint = " (build one with SparseTensor.from_dense or from_coords)" if hasattr(x, "shape") else ""
     raise TypeError(f"{name} must be a jsparse.SparseTensor, got {type(x).__name__}{hint}")
+  # Unflattening skips __post_init__'s checks, so a jax.tree.map that cast every leaf (e.g. astype(bfloat16) for
+  # mixed precision) reached the ops with float coordinates, which failed deep inside with JAX's errors.
+  for field in ("coords", "num"):
+    dtype = getattr(getattr(x, field), "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.integer):
+      raise TypeError(f"{name}.{field} must be integer, got dtype {dtype} (a jax.tree.map over a SparseTensor maps "
+                      f"its coords and num too: map {name}.feats alone, e.g. {name}.replace(feats=...))")
 
 
 def check_feats_dtype(dtype, name: str = "feats") -> None:
@@ -702,6 +709,7 @@ class SparseTensor:
     (spconv's `dense()` layout). A 2D tensor gives [B, H, W, C] ([B, C, H, W]), a 1D one [B, L, C]."""
     if not isinstance(channels_first, (bool, np.bool_)):
       raise TypeError(f"channels_first must be a bool, got {channels_first!r}")
+    check_sparse_tensor(self)  # float coordinates (a tree.map cast them) would fail as JAX's indexer error
     if channels_first:
       return jnp.moveaxis(self.todense(), -1, 1)
     if self.spatial_ndim != 3:

@@ -213,3 +213,17 @@ def test_linear_keys_of_rows_outside_the_grid_are_minus_one(spatial_shape, batch
     keys = keys.reshape(4, -1)
     assert np.all(keys[[0, 2, 3]] == -1) and np.all(keys[1] >= 0)
     assert keys[1, -1] == 2 * spatial_shape[1] * spatial_shape[2]
+
+
+def test_a_tree_map_that_cast_the_coordinates_is_named():
+  # jax.tree.map(astype(bfloat16)) over a batch casts coords and num too (unflattening skips the constructor's
+  # checks): a pool then failed with lax's "does not accept dtype bfloat16", todense with an indexer error.
+  x = jsparse.SparseTensor.from_coords(np.array([[0, 1, 2, 3], [0, 3, 3, 3]]), np.ones((2, 3), np.float32),
+                                       (4, 4, 4), 1, capacity=8)
+  cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16), x)
+  with pytest.raises(TypeError, match=r"x\.coords must be integer, got dtype bfloat16"):
+    jsparse.pool.sparse_max_pool3d(cast, 2, out_capacity=8)
+  with pytest.raises(TypeError, match=r"coords must be integer"):
+    cast.todense()
+  with pytest.raises(TypeError, match=r"x\.num must be integer"):
+    jsparse.norm.batch_norm(jax.tree.map(lambda a: a.astype(jnp.float32) if a.ndim == 0 else a, x))

@@ -50,8 +50,11 @@ if jax.default_backend() == "cpu" and os.environ.get(_RUN_CACHE, "0") != "0":
 # jit's caches hold it, and Linux allows a process 65530 mappings (vm.max_map_count). A worker that runs several
 # hundred tests passes that: mmap then fails inside the compiler, which surfaced as a segfault in XLA's CPU
 # compiler or a MemoryError with most of the RAM free (2026-11-30; one module of tests adds about 7000 mappings).
-# After a test, a process above a third of the limit drops jit's caches, which unmaps their code.
-_MAPPINGS_BEFORE_CLEARING = 65530 // 3
+# Between test modules, a process above a third of the limit drops jit's caches, which unmaps their code; a module
+# that alone takes it past two thirds drops them after its next test (a test that counts compilations may then see
+# one more, where a crash was certain).
+_MAPPINGS_BETWEEN_MODULES = 65530 // 3
+_MAPPINGS_WITHIN_A_MODULE = 2 * 65530 // 3
 
 
 def _memory_mappings():
@@ -62,10 +65,17 @@ def _memory_mappings():
     return 0
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code_between_modules():
+  yield
+  if _memory_mappings() > _MAPPINGS_BETWEEN_MODULES:
+    jax.clear_caches()
+
+
 @pytest.fixture(autouse=True)
 def _release_compiled_code_before_the_mapping_limit():
   yield
-  if _memory_mappings() > _MAPPINGS_BEFORE_CLEARING:
+  if _memory_mappings() > _MAPPINGS_WITHIN_A_MODULE:
     jax.clear_caches()
 
 

@@ -39,6 +39,8 @@ class ConfigTable:
   def __init__(self, entries: Mapping[ShapeKey | str, PassConfig] | None = None,
                device_kind: str | None = None) -> None:
     self.entries: dict[ShapeKey, PassConfig] = {}
+    if entries is not None and not isinstance(entries, Mapping):
+      raise TypeError(f"entries must be a mapping of table keys to PassConfigs or None, got {type(entries).__name__}")
     for key, cfg in (entries or {}).items():
       key = ShapeKey.parse(key)
       _check_entry(key, cfg)
@@ -46,7 +48,6 @@ class ConfigTable:
     if device_kind is not None and not isinstance(device_kind, str):
       raise TypeError(f"device_kind must be a str or None, got {device_kind!r}")
     self.device_kind = device_kind
-    self._tokens = []
 
   def get(self, key: ShapeKey | str) -> PassConfig | None:
     return self.entries.get(ShapeKey.parse(key))
@@ -55,11 +56,18 @@ class ConfigTable:
     return len(self.entries)
 
   def __enter__(self):
-    self._tokens.append(_ACTIVE.set(_ACTIVE.get() + (self,)))
+    _ACTIVE.set(_ACTIVE.get() + (self,))
     return self
 
   def __exit__(self, *exc):
-    _ACTIVE.reset(self._tokens.pop())
+    # Removes this table's innermost entry rather than resetting a token: a table shared by threads held their
+    # tokens in one list (each thread's exit reset the other's token, a ValueError), and exits out of nesting
+    # order re-activated a table that had already exited.
+    active = _ACTIVE.get()
+    if self not in active:
+      raise RuntimeError(f"{self!r} exited without being entered in this thread or context")
+    last = len(active) - 1 - active[::-1].index(self)
+    _ACTIVE.set(active[:last] + active[last + 1:])
 
   def to_json(self) -> str:
     return json.dumps({"schema": SCHEMA_VERSION, "device_kind": self.device_kind,

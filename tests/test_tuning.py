@@ -7,6 +7,7 @@ the convolution are exercised for real.
 import dataclasses
 import json
 import re
+import threading
 from typing import ClassVar
 
 import jax
@@ -236,6 +237,51 @@ def test_nested_tables_inner_wins_then_outer_then_heuristic():
   assert map_gemm.choose("forward", **SHAPE) == heur
   assert map_gemm.choose("weight_grad", **SHAPE) == pass_config.heuristic("weight_grad", **SHAPE)
 
+
+
+def test_a_table_shared_by_threads_or_exited_out_of_order_leaves_none_active():
+  # One table entered by two threads at once: its exits reset each other's contextvar tokens (a ValueError).
+  shared = tuning.ConfigTable({KEY: Masked(TileConfig(16, 16, 16, 4, 2, 1))})
+  first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+  errors, seen = [], []
+
+  def first():
+    try:
+      with shared:
+        first_in.set()
+        second_in.wait(5)
+    except Exception as e:  # noqa: BLE001 - reported below
+      errors.append(e)
+    first_out.set()
+
+  def second():
+    first_in.wait(5)
+    try:
+      with shared:
+        second_in.set()
+        first_out.wait(5)
+        seen.append(tuning.entered_tables())
+    except Exception as e:  # noqa: BLE001 - reported below
+      errors.append(e)
+
+  threads = [threading.Thread(target=first), threading.Thread(target=second)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert errors == [] and seen == [(shared,)]
+  # Exits out of nesting order (ExitStack-less manual enter/exit) re-activated the table exited first.
+  a, b = tuning.ConfigTable(), tuning.ConfigTable()
+  a.__enter__()
+  b.__enter__()
+  a.__exit__(None, None, None)
+  assert tuning.entered_tables() == (b,)
+  b.__exit__(None, None, None)
+  assert tuning.entered_tables() == ()
+  with pytest.raises(RuntimeError, match="without being entered"):
+    a.__exit__(None, None, None)
+  with pytest.raises(TypeError, match="entries must be a mapping"):
+    tuning.ConfigTable([(str(KEY), Masked(TileConfig()))])
 
 def test_convolutions_build_the_plans_their_configs_read():
   # neighbor_map builds the default block size's plan without reading tuning tables; a convolution whose tuned

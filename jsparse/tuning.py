@@ -87,8 +87,12 @@ class ConfigTable:
       raise ValueError(f"{source}: not valid JSON ({e})") from None
     if not isinstance(d, dict) or not isinstance(d.get("entries"), dict):
       raise ValueError(f"{source}: a config table is a JSON object with an 'entries' object")
+    unknown = sorted(set(d) - {"schema", "device_kind", "entries"})
+    if unknown:
+      raise TypeError(f"{source}: unknown fields {unknown} (a table has 'schema', 'device_kind' and 'entries')")
     schema = d.get("schema", 1)
-    if schema not in (1, SCHEMA_VERSION):
+    # `in (1, 2)` compares by ==: true (== 1) read a schema-2 table as schema 1, failing on its first entry.
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema not in (1, SCHEMA_VERSION):
       raise ValueError(f"{source}: table schema {schema!r} is not one this jsparse reads (1 or {SCHEMA_VERSION})")
     parse = config_from_json_v1 if schema == 1 else config_from_json
     try:

@@ -283,6 +283,17 @@ def test_a_table_shared_by_threads_or_exited_out_of_order_leaves_none_active():
   with pytest.raises(TypeError, match="entries must be a mapping"):
     tuning.ConfigTable([(str(KEY), Masked(TileConfig()))])
 
+
+@pytest.mark.parametrize("top, error, message", [
+    ({"schema": True}, ValueError, "table schema True"),  # True == 1: read as schema 1, failing on 'tiles'
+    ({"schema": 2.0}, ValueError, "table schema 2.0"),
+    ({"schema": 2, "device_knd": "Some GPU"}, TypeError, r"unknown fields \['device_knd'\]"),
+])
+def test_table_top_level_fields_of_the_wrong_type_or_name_raise(top, error, message):
+  entry = pass_config.config_to_json(Masked(TileConfig(16, 16, 16, 4, 2, 1)))
+  with pytest.raises(error, match=f"my.json: {message}"):
+    tuning.ConfigTable.from_json(json.dumps({**top, "entries": {str(KEY): entry}}), source="my.json")
+
 def test_convolutions_build_the_plans_their_configs_read():
   # neighbor_map builds the default block size's plan without reading tuning tables; a convolution whose tuned
   # config reads another block size builds that plan once and its output's cache carries it to later layers.

@@ -9,6 +9,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 
+MAX_WARPS = 32  # 1024 threads, a CUDA block's limit
+
+
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
   """Block sizes and launch parameters of one GEMM kernel launch.
@@ -43,6 +46,9 @@ class TileConfig:
         raise ValueError(f"{name} must be a power of two >= 16, got {v}")
     if self.split < 1:
       raise ValueError(f"split must be >= 1, got {self.split}")
+    # Triton aborts the process on other warp counts (3: an LLVM fatal error; 64: an invalid CUDA launch).
+    if self.num_warps < 1 or self.num_warps > MAX_WARPS or self.num_warps & (self.num_warps - 1):
+      raise ValueError(f"num_warps must be a power of two in [1, {MAX_WARPS}], got {self.num_warps}")
 
 
 def next_pow2(n: int) -> int:

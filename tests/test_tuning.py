@@ -294,6 +294,17 @@ def test_table_top_level_fields_of_the_wrong_type_or_name_raise(top, error, mess
   with pytest.raises(error, match=f"my.json: {message}"):
     tuning.ConfigTable.from_json(json.dumps({**top, "entries": {str(KEY): entry}}), source="my.json")
 
+
+@pytest.mark.parametrize("num_warps", [3, 6, 64])
+def test_a_warp_count_triton_cannot_launch_raises_on_load(num_warps):
+  # On an H200, 3 warps aborted the process (an LLVM fatal error) and 64 failed the CUDA launch.
+  tiles = dict(block_m=32, block_n=32, block_k=32, num_warps=num_warps, num_stages=2, split=1)
+  text = json.dumps({"schema": 2, "entries": {str(KEY): {"algorithm": "masked", "tiles": tiles}}})
+  with pytest.raises(ValueError, match=f"my.json: .*num_warps must be a power of two in \\[1, 32\\], got {num_warps}"):
+    tuning.ConfigTable.from_json(text, source="my.json")
+  with pytest.raises(ValueError, match="num_warps must be a power of two"):
+    TileConfig(32, 32, 32, num_warps=num_warps)
+
 def test_convolutions_build_the_plans_their_configs_read():
   # neighbor_map builds the default block size's plan without reading tuning tables; a convolution whose tuned
   # config reads another block size builds that plan once and its output's cache carries it to later layers.

@@ -142,6 +142,12 @@ def autotune(fn: Callable, *args: Any, passes: Sequence[str] = PASSES, warmup: i
   Returns a ConfigTable (a context manager; `.save(path)` / `ConfigTable.load(path)`). Functions traced
   while it is active use the tuned configs; functions already compiled keep theirs.
   """
+  # Checked before fn runs (it may take minutes): a string iterated as its letters failed with "got 'f'" after it.
+  if isinstance(passes, str) or not all(isinstance(p, str) for p in passes):
+    raise TypeError(f"autotune: passes must be a sequence of pass names from {PASSES}, got {passes!r}")
+  unknown = [p for p in passes if p not in PASSES]
+  if unknown:
+    raise ValueError(f"autotune: passes must be from {PASSES}, got {unknown}")
   calls: list[ConvCall] = []
   traced: list[tuple[int, int, int, int]] = []
   with recording(calls, traced), jax.disable_jit():

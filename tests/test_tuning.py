@@ -305,6 +305,19 @@ def test_a_warp_count_triton_cannot_launch_raises_on_load(num_warps):
   with pytest.raises(ValueError, match="num_warps must be a power of two"):
     TileConfig(32, 32, 32, num_warps=num_warps)
 
+
+@pytest.mark.parametrize("passes, error, message", [
+    ("forward", TypeError, "passes must be a sequence of pass names"),  # its letters were the passes
+    (("forward", 1), TypeError, "passes must be a sequence of pass names"),
+    (("forward", "forwad"), ValueError, r"passes must be from .* got \['forwad'\]"),
+])
+def test_autotune_checks_passes_before_running_fn(passes, error, message):
+  def fn():
+    raise AssertionError("fn ran before passes were checked")
+
+  with pytest.raises(error, match=message):
+    autotuning.autotune(fn, passes=passes)
+
 def test_convolutions_build_the_plans_their_configs_read():
   # neighbor_map builds the default block size's plan without reading tuning tables; a convolution whose tuned
   # config reads another block size builds that plan once and its output's cache carries it to later layers.

@@ -16,9 +16,9 @@ venv: $(VENV)/.installed
 demo: venv
 	$(PY) examples/demo.py
 
-# A test whose worker process dies (a segfault in jaxlib's native CPU compiler or executable serialisation, seen
-# about once per full run on 2026-11-30, each time in a different test that passes alone) runs once more in a new
-# worker; an ordinary failure never does (--only-rerun matches no failure message), and the summary counts reruns.
+# A test whose worker process dies runs once more in a new worker (a safety net: the crashes seen until 2026-12-01,
+# segfaults in XLA's CPU compiler, were workers out of memory mappings, which tests/conftest.py now prevents); an
+# ordinary failure never does (--only-rerun matches no failure message), and the summary counts reruns.
 CRASH_RERUN := --reruns 1 --only-rerun '^jsparse: no ordinary failure matches this$$'
 
 # One worker per core (pytest-xdist): the suite's time is mostly XLA compiling, which runs on one core per test.

@@ -143,8 +143,15 @@ def autotune(fn: Callable, *args: Any, passes: Sequence[str] = PASSES, warmup: i
   while it is active use the tuned configs; functions already compiled keep theirs.
   """
   # Checked before fn runs (it may take minutes): a string iterated as its letters failed with "got 'f'" after it.
-  if isinstance(passes, str) or not all(isinstance(p, str) for p in passes):
-    raise TypeError(f"autotune: passes must be a sequence of pass names from {PASSES}, got {passes!r}")
+  wrong_passes = TypeError(f"autotune: passes must be a sequence of pass names from {PASSES}, got {passes!r}")
+  if isinstance(passes, str):
+    raise wrong_passes
+  try:
+    passes = tuple(passes)  # once: a generator read by the checks below would leave nothing to tune
+  except TypeError:
+    raise wrong_passes from None
+  if not all(isinstance(p, str) for p in passes):
+    raise wrong_passes
   unknown = [p for p in passes if p not in PASSES]
   if unknown:
     raise ValueError(f"autotune: passes must be from {PASSES}, got {unknown}")

@@ -87,13 +87,14 @@ class ConfigTable:
       raise ValueError(f"{source}: not valid JSON ({e})") from None
     if not isinstance(d, dict) or not isinstance(d.get("entries"), dict):
       raise ValueError(f"{source}: a config table is a JSON object with an 'entries' object")
-    unknown = sorted(set(d) - {"schema", "device_kind", "entries"})
-    if unknown:
-      raise TypeError(f"{source}: unknown fields {unknown} (a table has 'schema', 'device_kind' and 'entries')")
     schema = d.get("schema", 1)
     # `in (1, 2)` compares by ==: true (== 1) read a schema-2 table as schema 1, failing on its first entry.
     if not isinstance(schema, int) or isinstance(schema, bool) or schema not in (1, SCHEMA_VERSION):
       raise ValueError(f"{source}: table schema {schema!r} is not one this jsparse reads (1 or {SCHEMA_VERSION})")
+    # After the schema: a newer table's new fields are named by its schema, not as unknown fields.
+    unknown = sorted(set(d) - {"schema", "device_kind", "entries"})
+    if unknown:
+      raise TypeError(f"{source}: unknown fields {unknown} (a table has 'schema', 'device_kind' and 'entries')")
     parse = config_from_json_v1 if schema == 1 else config_from_json
     try:
       entries = {ShapeKey.parse(k): parse(v, key=k) for k, v in d["entries"].items()}

@@ -4,10 +4,12 @@ Off the GPU the Pallas kernels run in interpret mode, so the autotuner's timings
 logic (recording the convolutions, timing every candidate, keying the winners) and the tables' effect on
 the convolution are exercised for real.
 """
+import contextlib
 import dataclasses
 import json
 import re
 import threading
+import types
 from typing import ClassVar
 
 import jax
@@ -288,6 +290,7 @@ def test_a_table_shared_by_threads_or_exited_out_of_order_leaves_none_active():
     ({"schema": True}, ValueError, "table schema True"),  # True == 1: read as schema 1, failing on 'tiles'
     ({"schema": 2.0}, ValueError, "table schema 2.0"),
     ({"schema": 2, "device_knd": "Some GPU"}, TypeError, r"unknown fields \['device_knd'\]"),
+    ({"schema": 3, "new_field": 1}, ValueError, "table schema 3 is not one"),  # a newer table: its schema says so
 ])
 def test_table_top_level_fields_of_the_wrong_type_or_name_raise(top, error, message):
   entry = pass_config.config_to_json(Masked(TileConfig(16, 16, 16, 4, 2, 1)))
@@ -317,6 +320,24 @@ def test_autotune_checks_passes_before_running_fn(passes, error, message):
 
   with pytest.raises(error, match=message):
     autotuning.autotune(fn, passes=passes)
+
+def test_autotune_reads_a_generator_of_passes_once_for_every_convolution(monkeypatch):
+  # The checks consumed a generator, so the convolutions were tuned for no pass: an empty table, silently.
+  maps = types.SimpleNamespace(nbr=np.zeros((8, 27)), transposed=None)
+  calls = [types.SimpleNamespace(maps=maps, cin=cin, cout=4, dtype=jnp.float32, weight_layout="DHWIO", groups=1)
+           for cin in (4, 8)]
+
+  @contextlib.contextmanager
+  def recording(into, traced):
+    into.extend(calls)
+    yield
+
+  tuned = []
+  monkeypatch.setattr(autotuning, "recording", recording)
+  monkeypatch.setattr(autotuning, "tune_call", lambda call, passes, *rest: tuned.append(tuple(passes)) or {})
+  autotuning.autotune(lambda: jnp.zeros(()), passes=(p for p in ("forward", "weight_grad")))
+  assert tuned == [("forward", "weight_grad")] * 2
+
 
 def test_convolutions_build_the_plans_their_configs_read():
   # neighbor_map builds the default block size's plan without reading tuning tables; a convolution whose tuned

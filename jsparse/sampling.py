@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jsparse._types import ArrayLike
 from jsparse.neighbors import lookup_keys, sorted_site_keys
-from jsparse.sparse_tensor import (SparseTensor, check_sparse_tensor, int32_values, report, site_keys,
+from jsparse.sparse_tensor import (SparseTensor, check_sparse_tensor, int32_values, is_traced, report, site_keys,
                                    world_frame)
 
 MODES = ("trilinear", "nearest")
@@ -168,12 +169,19 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
     raise ValueError(f"batch must be [P={n}], got shape {b.shape}")
   if batch is not None and n:
     # A batch id outside the tensor's items sampled zeros everywhere (lookup_rows finds no such item): a silent
-    # wrong answer for an off-by-one batch. Raised outside jit; under jit such points sample zeros, and inside
-    # error_checks() checkify reports them.
-    outside = (b < 0) | (b >= x.batch_size)
-    first = jnp.argmax(outside).astype(jnp.int32)
-    report(jnp.any(outside), f"grid_sample: batch must be in [0, batch_size={x.batch_size}), got {{value}} for "
-           "point {point}", point=first, value=b[first])
+    # wrong answer for an off-by-one batch. A concrete batch (also a constant under the caller's jit, where jnp
+    # would trace the comparison) is checked in numpy and raises; a traced one samples zeros there, and inside
+    # error_checks() checkify reports it.
+    message = f"grid_sample: batch must be in [0, batch_size={x.batch_size}), got {{value}} for point {{point}}"
+    if is_traced(batch):
+      outside = (b < 0) | (b >= x.batch_size)
+      first = jnp.argmax(outside).astype(jnp.int32)
+      report(jnp.any(outside), message, point=first, value=b[first])
+    else:
+      host = np.asarray(batch)  # not b: under jit, int32_values' device_put of host data is traced
+      bad = np.flatnonzero((host < 0) | (host >= x.batch_size))
+      if bad.size:
+        raise ValueError(message.format(value=int(host[bad[0]]), point=int(bad[0])))
   if x.capacity == 0:  # nothing to gather from
     return jnp.zeros((n, x.num_channels), x.feats.dtype)
   u = (points - org) / vs

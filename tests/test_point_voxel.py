@@ -157,6 +157,9 @@ def test_grid_sample_batch_outside_the_items_raises(mode):
     wrong[7] = bad
     with pytest.raises(ValueError, match=r"batch must be in \[0, batch_size=2\).* point 7"):
       grid_sample(x, pts, mode, batch=wrong, voxel_size=VOXEL, origin=ORIGIN)
+    # A constant batch under the caller's jit is concrete: it raises there too.
+    with pytest.raises(ValueError, match=r"batch must be in \[0, batch_size=2\).* point 7"):
+      jax.jit(lambda p: grid_sample(x, p, mode, batch=wrong, voxel_size=VOXEL, origin=ORIGIN))(pts)
   got = jax.jit(lambda b: grid_sample(x, pts, mode, batch=b, voxel_size=VOXEL, origin=ORIGIN))(jnp.asarray(wrong))
   want = np.asarray(grid_sample(x, pts, mode, batch=batch, voxel_size=VOXEL, origin=ORIGIN))
   assert np.all(np.asarray(got)[7] == 0)

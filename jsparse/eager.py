@@ -413,6 +413,7 @@ def compiled_when_eager(fn: Callable) -> Callable:
     # to the first capacity that dropped sites. Each round lengthens the trusted prefix, so the
     # loop ends; it ends when every capacity the trace used agrees with its count.
     given = resolved[key][-1] if key in resolved else ()
+    lent = bool(given)  # given holds capacities other calls resolved, not only this call's own counts
     for _ in range(_MAX_ROUNDS):
       runs[key] += 1
       try:
@@ -422,10 +423,16 @@ def compiled_when_eager(fn: Callable) -> Callable:
         eager_only.add(key)
         return fn(*args, **kwargs)
       except (TypeError, ValueError):
-        # Capacities taken from other calls of this shape can be what the trace refused (a product of two past
-        # an index bound): the data's own counts, counted afresh, decide before the call shape turns eager.
-        if given:
-          given = ()
+        # Capacities lent by other calls of this shape can be what the trace refused (a product of two past an
+        # index bound): that vector is forgotten and this call's own counts decide. Each such retry drops one
+        # remembered vector, so they end; a trace that refuses the call's own counts goes on below.
+        if lent:
+          others = [c for c in resolved.get(key, ()) if c != given]
+          if others:
+            resolved[key] = others
+          else:
+            resolved.pop(key, None)
+          given, lent = (), False
           continue
         # An argument refused while tracing was a tracer there (its message named "DynamicJaxprTracer", not what
         # the caller passed): eager execution raises the error in the caller's terms. Not remembered: the error
@@ -444,6 +451,7 @@ def compiled_when_eager(fn: Callable) -> Callable:
       # (a function that branches on a capacity), so they only choose between such vectors.
       known = [c for c in reversed(resolved.get(key, ())) if c[:len(trusted)] == trusted]
       given = next((c for c in known if c[:len(exact)] == exact), known[0] if known else exact)
+      lent = given != exact
     else:  # not reached by a deterministic op (each round fixes a capacity); eager execution is the safe answer
       eager_only.add(key)
       return fn(*args, **kwargs)

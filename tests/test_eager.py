@@ -10,7 +10,7 @@ import pytest
 
 import jsparse
 from jsparse import eager, norm
-from jsparse.sparse_tensor import SparseTensor
+from jsparse.sparse_tensor import SparseTensor, resolve_capacity
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -216,6 +216,31 @@ def test_capacities_of_other_calls_that_the_trace_refuses_are_counted_afresh():
   down_twice.resolved[key] = [(2**29, good[1])]  # 2**29 rows x 8 proposals > MAX_PAIRS
   _same_tensor(down_twice(x, w1, w2), expect)
   assert not down_twice.eager_only and down_twice.resolved[key][-1] == good
+
+
+def test_a_call_whose_trace_refuses_its_own_counts_raises_at_once_and_stays_compiled():
+  # Data past a bound the op checks at trace time: the error is eager execution's, raised after a few runs (a
+  # retry of the call's own counts looped through every round), and the call shape stays compiled for other data.
+  @eager.compiled_when_eager
+  def bounded(values):
+    capacity = resolve_capacity(None, jnp.sum(values > 0, dtype=jnp.int32), "out_capacity", "sites")
+    if capacity > 500:
+      raise ValueError(f"bounded: {capacity} rows is past the bound of 500")
+    return jnp.zeros((capacity,), values.dtype)
+
+  small, big = np.zeros(2000, np.float32), np.zeros(2000, np.float32)
+  small[:50], big[:1000] = 1, 1
+  small, big = jax.device_put(small), jax.device_put(big)
+  assert bounded(small).shape == (128,)
+  (key,) = bounded.runs
+  runs = bounded.runs[key]
+  with pytest.raises(ValueError, match="past the bound"):
+    bounded(big)
+  assert bounded.runs[key] - runs <= 3 and not bounded.eager_only
+  runs = bounded.runs[key]
+  with _counting_compiles() as compiles:
+    assert bounded(small).shape == (128,)
+  assert compiles == [] and bounded.runs[key] - runs == 1
 
 
 def test_a_function_that_branches_on_a_capacity_stays_compiled_and_gives_the_eager_result():

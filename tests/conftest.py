@@ -72,11 +72,21 @@ def _release_compiled_code_between_modules():
     jax.clear_caches()
 
 
+# Reading /proc/self/maps takes the kernel tens of milliseconds at tens of thousands of mappings, so within a
+# module it is read every few tests (a test adds a few hundred mappings; the margin above two thirds is ~20000).
+_TESTS_BETWEEN_READS = 8
+_tests_since_read = 0
+
+
 @pytest.fixture(autouse=True)
 def _release_compiled_code_before_the_mapping_limit():
+  global _tests_since_read
   yield
-  if _memory_mappings() > _MAPPINGS_WITHIN_A_MODULE:
-    jax.clear_caches()
+  _tests_since_read += 1
+  if _tests_since_read >= _TESTS_BETWEEN_READS:
+    _tests_since_read = 0
+    if _memory_mappings() > _MAPPINGS_WITHIN_A_MODULE:
+      jax.clear_caches()
 
 
 @pytest.fixture(autouse=True)

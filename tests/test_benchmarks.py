@@ -198,9 +198,9 @@ def test_row_order_probe_smoke(capsys):
   """The row-order probe builds a plan per order on a tiny shell, and every order's forward matches XLA's (any
   row order gives a correct plan; the fills differ)."""
   from benchmarks.probes import row_order
-  assert row_order.main(["--smoke", "--dtypes", "tf32", "--tiles", "4"]) == 0
+  assert row_order.main(["--smoke", "--dtypes", "tf32", "--tiles", "4", "--balanced"]) == 0
   rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| smoke")]
-  assert [r[4].strip() for r in rows] == ["gray", "tile4"]
+  assert [r[4].strip() for r in rows] == ["gray", "gray_balanced", "gray_again", "tile4"]
   assert all(float(r[8]) < 1e-5 and 0 < float(r[5]) <= 1 for r in rows)
   assert row_order.main(["--model", "--smoke", "--tiles", "4"]) == 0  # the traffic model: fills and estimates
   rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| smoke")]

@@ -208,6 +208,16 @@ def test_row_order_probe_smoke(capsys):
   assert all(float(r[6]) <= float(r[5]) <= float(r[7]) for r in rows)  # between x once and every pair
 
 
+def test_read_ceiling_probe_smoke(capsys):
+  """The read-ceiling probe times every op on a small array, and its column sums match float64 numpy."""
+  from benchmarks.probes import read_ceiling
+  assert read_ceiling.main(["--rows", "4096", "--channels", "16", "--inputs", "2", "--repeats", "1"]) == 0
+  rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 16 |")]
+  assert [r[2].strip() for r in rows] == ["total", "columns", "moments", "scale", "columns_2stage 64",
+                                          "columns_2stage 512", "columns_2stage 4096"]
+  assert all(float(r[5]) < 1e-5 for r in rows if r[2].strip().startswith("columns"))
+
+
 def test_merge_results_appends_runs_once(tmp_path):
   """A run's files go into the merged file under their names (JSON parsed, text as is), date and commit from the
   JSON meta; merging the same run again replaces it; a chart or other file is refused by name."""

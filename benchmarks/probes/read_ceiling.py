@@ -8,7 +8,7 @@ plain read of the same array costs, so this times, per array, in GB/s of bytes t
 - `columns`: the per-channel sums, as batch norm takes them (one XLA column reduction);
 - `columns_2stage R`: the per-channel sums of blocks of R rows first ([rows / R, R, C] summed over R), then of
   the blocks (a shape XLA tiles differently);
-- `moments`: batch norm's statistics as `jsparse.norm` computes them (shifted sum and sum of squares, rows < num);
+- `moments`: batch norm's statistics, `jsparse.norm`'s own pass (sums of the rows shifted by the first, rows < num);
 - `scale`: x * 2 written out (a read and a write).
 
     python -m benchmarks.probes.read_ceiling [--rows 1048576] [--channels 64,128,256] [--inputs 8] [--repeats 20]
@@ -25,6 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.suite import time_pipelined
+from jsparse import dispatch, norm
+
+XLA = dispatch.resolve("xla")
 
 
 def column_sums_two_stage(x, block_rows: int):
@@ -32,20 +35,14 @@ def column_sums_two_stage(x, block_rows: int):
   return jnp.sum(jnp.sum(x.reshape(rows // block_rows, block_rows, c).astype(jnp.float32), axis=1), axis=0)
 
 
-def shifted_moments(x, num):
-  valid = (jnp.arange(x.shape[0]) < num)[:, None]
-  d = jnp.where(valid, x.astype(jnp.float32) - x[0].astype(jnp.float32), 0)
-  return jnp.sum(d, axis=0), jnp.sum(d * d, axis=0)
-
-
-def main():
+def main(argv=None) -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--rows", type=int, default=1 << 20)
   ap.add_argument("--channels", default="64,128,256")
   ap.add_argument("--dtype", default="float16")
   ap.add_argument("--inputs", type=int, default=8)
   ap.add_argument("--repeats", type=int, default=20)
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   rng = np.random.default_rng(0)
   dtype = jnp.dtype(args.dtype)
   print(f"{jax.devices()[0].device_kind}, rows {args.rows}, {dtype.name}, {args.inputs} arrays a call")
@@ -60,7 +57,7 @@ def main():
     ops = {
         "total": (lambda x: jnp.sum(x.astype(jnp.float32)), 1),
         "columns": (lambda x: jnp.sum(x.astype(jnp.float32), axis=0), 1),
-        "moments": (lambda x: shifted_moments(x, num), 1),
+        "moments": (lambda x: norm._moments(x, num, XLA), 1),  # batch norm's own statistics pass
         "scale": (lambda x: x * 2, 2),
     }
     for block_rows in (64, 512, 4096):
@@ -74,7 +71,8 @@ def main():
         got = np.asarray(call(xs)[0], np.float64)
         err = f"{np.max(np.abs(got - want) / (np.abs(want) + 1.0)):.1e}"
       print(f"| {c} | {name} | {1e3 * t:.1f} | {passes * nbytes / t / 1e6:.0f} | {err} |", flush=True)
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  raise SystemExit(main())

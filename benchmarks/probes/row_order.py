@@ -54,26 +54,25 @@ def load(name: str):
   return workloads.sphere_shell_coords(res), (res,) * 3, 1
 
 
-def gray_key(nbr: np.ndarray, num: int) -> np.ndarray:
-  """The library's row key (`gemm_plan.gray_rank` of the neighbour bitmask), valid rows first."""
+def gray_key(nbr: np.ndarray, num: int, significance: np.ndarray | None = None) -> np.ndarray:
+  """The library's row key (`gemm_plan.gray_rank` of the neighbour bitmask), valid rows first; significance:
+  each offset's bit position in the mask (default: offset k at bit k, as the library)."""
   bits = min(nbr.shape[1], 31)
-  mask = ((nbr[:, :bits] >= 0) * (1 << np.arange(bits, dtype=np.int64))).sum(1).astype(np.int32)
+  significance = np.arange(bits) if significance is None else significance
+  mask = ((nbr[:, :bits] >= 0) * (1 << significance.astype(np.int64))).sum(1).astype(np.int32)
   rank = np.asarray(gemm_plan.gray_rank(jnp.asarray(mask))).astype(np.int64)
   return np.where(np.arange(len(rank)) < num, rank, np.iinfo(np.int64).max)
 
 
 def balanced_gray_key(nbr: np.ndarray, num: int) -> np.ndarray:
-  """The Gray rank of the neighbour bitmask with its bits reordered, the offset present in the closest to half of
-  the valid rows most significant: the order's first splits then halve the rows (the best fill of the CPU's
-  order study, +5% / +4% at RES 64 / 128 in the seventeenth session)."""
+  """The Gray key with the mask's bits reordered, the offset present in the closest to half of the valid rows
+  most significant: the order's first splits then halve the rows (the best fill of the CPU's order study, +5% /
+  +4% at RES 64 / 128 in the seventeenth session)."""
   bits = min(nbr.shape[1], 31)
-  has = nbr[:num, :bits] >= 0
-  balance = np.abs(has.mean(0) - 0.5) if num else np.zeros(bits)
+  balance = np.abs((nbr[:num, :bits] >= 0).mean(0) - 0.5) if num else np.zeros(bits)
   significance = np.empty(bits, np.int64)
   significance[np.argsort(balance, kind="stable")] = np.arange(bits - 1, -1, -1)
-  mask = ((nbr[:, :bits] >= 0) * (1 << significance)).sum(1).astype(np.int32)
-  rank = np.asarray(gemm_plan.gray_rank(jnp.asarray(mask))).astype(np.int64)
-  return np.where(np.arange(len(rank)) < num, rank, np.iinfo(np.int64).max)
+  return gray_key(nbr, num, significance)
 
 
 def orders(coords: np.ndarray, nbr: np.ndarray, num: int, tiles, balanced: bool = False) -> dict[str, np.ndarray]:

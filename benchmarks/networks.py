@@ -53,7 +53,7 @@ import numpy as np
 import jsparse
 from jsparse import norm
 from jsparse.progress import progress_bar
-from benchmarks import suite
+from benchmarks import suite, triton_tuning_shards
 
 # name -> (jax dtype, jsparse precision). "fp32" (no TF32 on either side) is for exact cross-checks.
 DTYPES = {"fp16": (jnp.float16, None), "tf32": (jnp.float32, None), "fp32": (jnp.float32, "highest")}
@@ -1099,6 +1099,8 @@ def run(args) -> dict:
   for name in args.anchors:
     try:
       libs[name] = import_spconv(name)
+      if name == "spconv-triton" and args.tune_shard is not None:
+        triton_tuning_shards.share_triton_autotuning(*args.tune_shard)
     except Exception as e:
       print(f"{name} not available: {suite.short_error(e, 160)}", flush=True)
   results = []
@@ -1294,6 +1296,9 @@ def parse_args(argv=None):
   ap.add_argument("--profile", action="store_true",
                   help="per-op GPU time of each step (traces; the tables show training): jsparse's, or the "
                        "anchors' with --skip-jsparse")
+  ap.add_argument("--tune-shard", default=None, metavar="I/N",
+                  help="tune only shard I of N of the anchors' Triton autotuning keys (spconv-triton's warm-up spread "
+                       "over processes: benchmarks/triton_tuning_shards.py)")
   ap.add_argument("--out", default=None)
   ap.add_argument("--chart", metavar="RESULT_JSON", default=None,
                   help="only draw the speed-up charts of a saved networks.json beside it: NAME.png against the first "
@@ -1302,6 +1307,11 @@ def parse_args(argv=None):
   for n in args.networks:
     if n not in NETWORKS:
       ap.error(f"unknown network {n!r}; have {list(NETWORKS)}")
+  if args.tune_shard is not None:
+    try:
+      args.tune_shard = triton_tuning_shards.parse_shard(args.tune_shard)
+    except ValueError as e:
+      ap.error(str(e))
   return args
 
 

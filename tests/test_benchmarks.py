@@ -451,8 +451,8 @@ def test_call_gaps_splits_waited_calls_into_lead_gpu_span_and_tail():
     call_gaps.waited_windows(host, [])
 
 
-def test_spconv_triton_warm_up_script_runs_one_process_per_network_and_dtype(tmp_path):
-  """scripts/warm_spconv_triton.sh starts one networks-benchmark process per (network, dtype), spconv-triton's
+def test_spconv_triton_warm_up_script_runs_processes_per_network_and_dtype(tmp_path):
+  """scripts/warm_spconv_triton.sh starts networks-benchmark processes per (network, dtype), spconv-triton's
   side only, JAX on the CPU, each with its own log; and the autotuning results it leaves round-trip through
   triton_autotune_cache.sh. A stand-in python3 records the processes' arguments instead of running them."""
   import os
@@ -489,6 +489,80 @@ def test_spconv_triton_warm_up_script_runs_one_process_per_network_and_dtype(tmp
   bad = subprocess.run(["bash", str(root / "scripts/warm_spconv_triton.sh"), "30", str(tmp_path / "l2")], env=env,
                        capture_output=True, text=True)
   assert bad.returncode != 0 and "TRITON_CACHE_DIR" in bad.stderr
+  # SHARDS processes per (network, dtype), each tuning its share, spread round-robin over the GPUs nvidia-smi lists.
+  (shim / "nvidia-smi").write_text('#!/usr/bin/env bash\necho "GPU 0: H200"\necho "GPU 1: H200"\n')
+  (shim / "nvidia-smi").chmod(0o755)
+  (shim / "python3").write_text('#!/usr/bin/env bash\necho "$CUDA_VISIBLE_DEVICES $*" >> "$CALLS"\n')
+  calls.unlink()
+  env["TRITON_CACHE_DIR"] = str(cache)
+  subprocess.run(["bash", str(root / "scripts/warm_spconv_triton.sh"), "30", str(tmp_path / "l3"), "minkunet",
+                  "tf32", "3"], env=env, capture_output=True, text=True, check=True)
+  lines = calls.read_text().splitlines()
+  assert sorted((line.split()[0], line.split("--tune-shard ")[1]) for line in lines) == [
+      ("0", "0/3"), ("0", "2/3"), ("1", "1/3")], lines
+  assert len(list((tmp_path / "l3").glob("warm_minkunet_tf32_*of3.log"))) == 3
+
+
+def test_triton_tuning_shards_split_the_keys_and_write_only_their_own():
+  """Each of N shards benchmarks and records exactly the keys it owns; for another shard's key it takes a result
+  already on disk, else the first candidate untimed, and writes nothing. A stand-in for Triton's Autotuner with
+  its check_disk_cache contract (read a result from disk, or call bench_fn and write its timings)."""
+  import types
+
+  from benchmarks import triton_tuning_shards as shards
+
+  disk = {}
+
+  def make_autotuner():
+    class FakeAutotuner:
+      def __init__(self, name):
+        self.base_fn = types.SimpleNamespace(__name__=name)
+        self.cache, self.benched = {}, []
+
+      def check_disk_cache(self, tuning_key, configs, bench_fn):
+        if (self.base_fn.__name__, tuning_key) in disk:
+          self.cache[tuning_key] = disk[self.base_fn.__name__, tuning_key]
+          return True
+        bench_fn()
+        disk[self.base_fn.__name__, tuning_key] = self.cache[tuning_key]
+        return False
+
+      def tune(self, key, configs):  # what Autotuner.run does with a new key
+        def bench():
+          self.benched.append(key)
+          self.cache[key] = configs[-1]
+        return self.check_disk_cache(key, configs, bench)
+    return FakeAutotuner
+
+  keys = [(n, "torch.float32") for n in range(40)]
+  configs = ["first", "best"]
+  benched = []
+  for s in range(3):  # each shard a process of its own: a fresh class to patch
+    cls = make_autotuner()
+    shards.share_triton_autotuning(s, 3, autotuner_cls=cls)
+    tuner = cls("gemm")
+    for key in keys:
+      tuner.tune(key, configs)
+      owned = shards.owns("gemm", key, s, 3)
+      # owned keys, and keys an earlier shard wrote, get the tuned config; the rest run the first one untimed
+      expected = "best" if owned or any(shards.owns("gemm", key, e, 3) for e in range(s)) else "first"
+      assert tuner.cache[key] == expected, (s, key)
+    assert all(shards.owns("gemm", k, s, 3) for k in tuner.benched)
+    benched += tuner.benched
+  assert sorted(benched) == sorted(keys)  # every key benchmarked once, by one shard
+  assert set(disk.values()) == {"best"} and len(disk) == len(keys)  # nothing untimed reached the disk
+  assert 5 < sum(shards.owns("gemm", k, 0, 3) for k in keys) < 25  # a spread, not all on one shard
+  for bad in ("3/3", "-1/2", "a/2", "1"):
+    with pytest.raises(ValueError, match="tune shard"):
+      shards.parse_shard(bad)
+  assert shards.parse_shard("2/8") == (2, 8)
+  from benchmarks import networks
+  assert networks.parse_args(["--tune-shard", "1/4"]).tune_shard == (1, 4)
+  assert networks.parse_args([]).tune_shard is None
+  with pytest.raises(SystemExit):
+    networks.parse_args(["--tune-shard", "4/4"])
+  with pytest.raises(ValueError, match="shard"):
+    shards.share_triton_autotuning(2, 2, autotuner_cls=make_autotuner())
 
 
 def test_back_to_back_probe_samples_clocks_and_spans_calls():

@@ -217,9 +217,10 @@ def row_inputs(row: workloads.Row, seed: int = 0):
 # ---- jsparse -----------------------------------------------------------------------------------------
 
 
-def jsparse_fns(implementation, precision, algorithm="auto", weight_layout="DHWIO"):
+def jsparse_fns(implementation, precision, algorithm="auto", weight_layout="DHWIO", input_grad=True):
   """The two timed functions, (x, params) -> outputs; the neighbour map is built inside both. Weights in
-  `weight_layout` (see `jsparse_weight`)."""
+  `weight_layout` (see `jsparse_weight`). train returns (d_feats, [(d_w, d_b), ...]); without `input_grad`,
+  d_feats is None and layer 0's input gradient is never computed (FlexGEMM's benchmark does not compute it)."""
 
   def layers(x, params, cache):
     for w, b in params:
@@ -237,7 +238,9 @@ def jsparse_fns(implementation, precision, algorithm="auto", weight_layout="DHWI
     def loss(feats, params):
       return jnp.sum(layers(x.replace(feats=feats), params, cache).astype(jnp.float32))
 
-    return jax.grad(loss, argnums=(0, 1))(x.feats, params)  # (d_feats, [(d_w, d_b), ...])
+    if not input_grad:
+      return None, jax.grad(loss, argnums=1)(x.feats, params)
+    return jax.grad(loss, argnums=(0, 1))(x.feats, params)
 
   return {"inference": inference, "train": train}
 
@@ -277,20 +280,22 @@ def compile_row(args):
   args.mode compiled for that row's inputs."""
   row = workloads.SUITE[args.row]
   x, params = jsparse_inputs(row, args.dtype, args)
-  fn = jsparse_fns(args.impl, DTYPES[args.dtype][1], weight_layout=args.weight_layout)[args.mode]
+  fn = jsparse_fns(args.impl, DTYPES[args.dtype][1], weight_layout=args.weight_layout,
+                   input_grad=getattr(args, "input_grad", True))[args.mode]
   return row, x, params, jax.jit(fn).lower(x, params).compile()
 
 
 def bench_jsparse(row, dtype_name, mode, args):
   """Compiles and times one workload. Returns (result dict, array for the cross-check)."""
   x, params = jsparse_inputs(row, dtype_name, args)
-  fns = jsparse_fns(args.impl, DTYPES[dtype_name][1], args.algorithm, args.weight_layout)
+  fns = jsparse_fns(args.impl, DTYPES[dtype_name][1], args.algorithm, args.weight_layout, args.input_grad)
   res = {}
   if TUNED is not None and args.autotune and (row.name, dtype_name) not in TUNED_ROWS:
     # Like FlexGEMM's Triton autotuning on its first calls: outside the timed region. The train function
     # runs every pass, so one tuning serves both modes.
     t0 = time.perf_counter()
-    table = jsparse.autotune(fns["train"], x, params, repeats=5, warmup=1)
+    every_pass = jsparse_fns(args.impl, DTYPES[dtype_name][1], args.algorithm, args.weight_layout)["train"]
+    table = jsparse.autotune(every_pass, x, params, repeats=5, warmup=1)
     TUNED.entries.update(table.entries)
     TUNED_ROWS.add((row.name, dtype_name))
     res["autotune_s"] = time.perf_counter() - t0
@@ -346,7 +351,7 @@ def flexgemm_call(fg, row, dtype_name, mode, args):
     wt = torch.from_numpy(w).to(dev).permute(4, 0, 1, 2, 3).to(tdtype).contiguous()
     params.append((torch.nn.Parameter(wt), torch.nn.Parameter(torch.from_numpy(b).to(dev, tdtype))))
   leaves = [p for wb_ in params for p in wb_]
-  if mode == "train" and args.flexgemm_input_grad:
+  if mode == "train" and args.input_grad:
     feats.requires_grad_(True)
     leaves.append(feats)
 
@@ -416,7 +421,7 @@ def run_suite(args, rows, out_dir):
   data = {
       "meta": metadata(),
       "settings": {k: getattr(args, k) for k in ("dtypes", "modes", "repeats", "warmup", "seed", "impl", "algorithm",
-                                                 "weight_layout", "smoke", "flexgemm_input_grad", "time_budget",
+                                                 "weight_layout", "smoke", "input_grad", "time_budget",
                                                  "pipelined_calls", "autotune", "tuned")},
       "results": [],
   }
@@ -549,6 +554,18 @@ def geomeans(results, key: str = "ratio") -> list[tuple[str, str, int, float]]:
   return [(d, m, len(v), math.exp(sum(math.log(r) for r in v) / len(v))) for (d, m), v in groups.items()]
 
 
+def train_gradients(settings) -> str:
+  """The report's line on what the training rows differentiate (runs before 2026-12-01 had jsparse compute layer
+  0's input gradient while FlexGEMM did not, unless --flexgemm-input-grad)."""
+  if "input_grad" in settings:
+    return ("- train: both sides differentiate w.r.t. weights and biases"
+            + (" and the input features (--input-grad)" if settings["input_grad"] else
+               " only, as FlexGEMM's benchmark (no input-feature gradient of layer 0)"))
+  return ("- train: jsparse differentiates w.r.t. input features, weights and biases; FlexGEMM "
+          + ("likewise (--flexgemm-input-grad)" if settings.get("flexgemm_input_grad") else
+             "w.r.t. weights and biases only, as its benchmark (no input-feature gradient of layer 0)"))
+
+
 def render_markdown(data) -> str:
   meta, settings, results = data["meta"], data["settings"], data["results"]
   lines = [
@@ -560,9 +577,7 @@ def render_markdown(data) -> str:
       f"weights {settings.get('weight_layout', 'DHWIO')}",
       f"- timing: {settings.get('timing')}; warmup {settings.get('warmup')}, repeats {settings.get('repeats')}; "
       "ms = median",
-      "- train: jsparse differentiates w.r.t. input features, weights and biases; FlexGEMM "
-      + ("likewise (--flexgemm-input-grad)" if settings.get("flexgemm_input_grad") else
-         "w.r.t. weights and biases only, as its benchmark (no input-feature gradient of layer 0)"),
+      train_gradients(settings),
       "- peak MB (1e6 bytes): jsparse = compiled executable's argument + output + temp bytes (memory_analysis); "
       "FlexGEMM = torch.cuda.max_memory_allocated over the timed calls (suite.json also has JAX's "
       "peak_bytes_in_use after each workload, cumulative over the process)",
@@ -730,8 +745,9 @@ def parse_args(argv=None):
   ap.add_argument("--weight-layout", default="ODHWI", choices=("ODHWI", "DHWIO"),
                   help="jsparse's weight layout: ODHWI = (Cout, 3, 3, 3, Cin), as FlexGEMM holds its weights; "
                        "DHWIO = flax's (3, 3, 3, Cin, Cout) (runs before 2026-11-23's fifth session)")
-  ap.add_argument("--flexgemm-input-grad", action="store_true",
-                  help="train: FlexGEMM also computes the input-feature gradient (its benchmark does not)")
+  ap.add_argument("--input-grad", action="store_true",
+                  help="train: both sides also compute layer 0's input-feature gradient (FlexGEMM's own benchmark "
+                       "does not; by default neither side does, so both compute the same gradients)")
   ap.add_argument("--time-budget", type=float, default=0,
                   help="seconds; start no new workload after this (0 = no limit)")
   ap.add_argument("--autotune", action="store_true",

@@ -35,6 +35,24 @@ def test_suite_layouts_compute_the_same_network():
     assert rel_err(db_b, db_a) < 1e-5
 
 
+def test_suite_train_without_the_input_gradient_computes_the_same_weight_gradients():
+  """The suite's default training step (as FlexGEMM's benchmark: no input gradient of layer 0, on both sides)
+  returns the weight and bias gradients of the full one, and no input gradient; the report says which ran."""
+  row = suite.SMOKE_ROW
+  coords, feats, wb = suite.row_inputs(row)
+  x = jsparse.SparseTensor.from_coords(coords, jnp.asarray(feats), (row.res,) * 3, 1)
+  params = [(jnp.asarray(w), jnp.asarray(b)) for w, b in wb]
+  dx_full, dp_full = jax.jit(suite.jsparse_fns("xla", "highest")["train"])(x, params)
+  dx_none, dp_none = jax.jit(suite.jsparse_fns("xla", "highest", input_grad=False)["train"])(x, params)
+  assert dx_none is None and dx_full.shape == x.feats.shape
+  for (dw_a, db_a), (dw_b, db_b) in zip(dp_full, dp_none):
+    assert rel_err(dw_b, dw_a) < 1e-6 and rel_err(db_b, db_a) < 1e-6
+  assert "both sides differentiate w.r.t. weights and biases only" in suite.train_gradients({"input_grad": False})
+  assert "(--input-grad)" in suite.train_gradients({"input_grad": True})
+  old = suite.train_gradients({"flexgemm_input_grad": False})  # a run from before both sides matched
+  assert old.startswith("- train: jsparse differentiates w.r.t. input features")
+
+
 @pytest.mark.parametrize("layout", ["ODHWI", "DHWIO"])
 def test_suite_smoke_records_the_layout(layout, tmp_path):
   rc = suite.main(["--smoke", "--dtypes", "fp32", "--out", str(tmp_path), "--weight-layout", layout])

@@ -80,14 +80,22 @@ def _sum_rows(one_hot: jax.Array, values: jax.Array) -> jax.Array:
   return (finite + non_finite).reshape((batch_size,) + tail)
 
 
+# Bits of the low word of a row's item in _gather_rows (int32 batch indices leave 19 for the high word).
+_ITEM_BITS = 12
+
+
 def _gather_rows(one_hot: jax.Array, table: jax.Array) -> jax.Array:
   """[capacity, ...]: each row's entry of table, zeros for padding rows; a gather from the small table (only
   its gradient would scatter-add, and the custom gradient below is a one-hot product instead)."""
   batch_size = one_hot.shape[1]
-  # 1 + the row's item, or 0 for padding rows (a one-hot row of zeros): exact small integers.
-  slot = jnp.dot(one_hot, jnp.arange(1, batch_size + 1, dtype=jnp.float32), precision=lax.Precision.HIGHEST)
-  padded = jnp.concatenate([jnp.zeros((1,) + table.shape[1:], table.dtype), table])
-  return jnp.take(padded, slot.astype(jnp.int32), axis=0)
+  # The row's item as two words (item >> 12 and its low 12 bits) and a third that is 1 for valid rows, 0 for padding
+  # rows (a one-hot row of zeros): each below 2**24, so exact in the float32 product. The item itself is not exact
+  # there past 2**24 (a batch_size above 2**24): it rounded to another item's, or past the table, whose fill gave NaN.
+  items = jnp.arange(batch_size, dtype=jnp.int32)
+  words = jnp.stack([items >> _ITEM_BITS, items & (2**_ITEM_BITS - 1), jnp.ones_like(items)], axis=1)
+  high, low, valid = jnp.dot(one_hot, words.astype(jnp.float32), precision=lax.Precision.HIGHEST).astype(jnp.int32).T
+  rows = jnp.take(table, (high << _ITEM_BITS) | low, axis=0)  # item 0 for padding rows, zeroed below
+  return jnp.where((valid > 0).reshape((-1,) + (1,) * (table.ndim - 1)), rows, 0)
 
 
 @jax.custom_vjp

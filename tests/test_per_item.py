@@ -98,6 +98,21 @@ def test_non_finite_counts_decode_per_chunk():
   np.testing.assert_allclose(sums[finite], want[finite], rtol=1e-5, atol=1e-4)
 
 
+def test_per_row_reads_items_past_float32_integers():
+  """per_row finds a row's table entry through a float32 product with the one-hot: items past 2**24 (batch_size
+  is limited only by the grid's 2**62 keys) must still read their own entry, not a neighbour's or NaN."""
+  batch_size = 2**24 + 3
+  items = np.array([2**24 + 2, 2**24 + 1, 2**24, 2**24 - 1, 0])
+  coords = np.zeros((len(items) + 1, 4), np.int32)  # and a padding row
+  coords[:len(items), 0] = items
+  x = jsparse.SparseTensor(jnp.asarray(coords), jnp.zeros((len(coords), 1)), jnp.asarray(len(items), jnp.int32),
+                           (2, 2, 2), batch_size)
+  table = (jnp.arange(batch_size, dtype=jnp.int32) % 1000).astype(jnp.float32)[:, None]  # exact in float32
+  want = np.append(items % 1000, 0)
+  np.testing.assert_array_equal(np.asarray(per_item.per_row(per_item.item_one_hot(x), table))[:, 0], want)
+  np.testing.assert_array_equal(np.asarray(jsparse.broadcast_per_item(x, table).feats)[:, 0], want)
+
+
 def test_global_pool_gradients_stay_row_sized():
   """global_pool's gradients need O(rows x C) memory, not O(rows x batch x C): a masked max over a
   [rows, batch, C] broadcast (once tried for "max") materialises that array in its gradient."""

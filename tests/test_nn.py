@@ -561,6 +561,31 @@ def test_norms_name_a_channel_mismatch_with_their_variables():
         m.apply(jax.jit(m.init)(KEY, x6), x)
 
 
+def test_batch_norms_name_running_statistics_of_another_shape():
+  """Running statistics loaded with a wrong shape (a PyTorch state dict's running_var reshaped to [C, 1], say):
+  a ValueError naming the variable, in jsparse.nn and jsparse.nnx, with batch or running statistics. The linen
+  module checked only "mean", so a [6, 1] "var" broadcast against the batch's [6] in the update and came back
+  [6, 6] (a (1,) one came back (6,)), silently."""
+  from flax import nnx
+  import jsparse.nnx as snnx
+  x = _norm_input(0, channels=6)
+  bn = snn.SparseBatchNorm(epsilon=1e-3, momentum=0.99)
+  variables = jax.jit(lambda t: bn.init(KEY, t, use_running_average=False))(x)
+  for bad in (jnp.ones((6, 1)), jnp.ones(1)):
+    for name in ("mean", "var"):
+      loaded = {**variables, "batch_stats": {**variables["batch_stats"], name: bad}}
+      for use_running_average in (False, True):
+        with pytest.raises(ValueError, match=rf"SparseBatchNorm: its batch_stats '{name}' has shape "
+                                             rf"\({bad.shape[0]},( 1)?\) but the input SparseTensor has 6 channels"):
+          bn.apply(loaded, x, use_running_average=use_running_average, mutable=["batch_stats"])
+      module = snnx.SparseBatchNorm(6, rngs=nnx.Rngs(0))
+      getattr(module, name).set_value(bad)  # as nnx.update puts a loaded state
+      for use_running_average in (False, True):
+        with pytest.raises(ValueError, match=rf"SparseBatchNorm: its BatchStat '{name}' has shape "
+                                             rf"\({bad.shape[0]},( 1)?\) but num_features is 6"):
+          module(x, use_running_average=use_running_average)
+
+
 def test_conv_modules_check_their_sizes_before_making_the_kernel():
   """kernel_size < 1 reached the kernel parameter's initialiser (jnp's TypeError on a negative shape, naming
   neither module nor argument) unless the op's checks ran first; they ran only for SparseConv3d with "SAME"."""

@@ -168,7 +168,7 @@ class SparseBatchNorm(_AffineNormAttributes):
     rules.check_sparse(x, type(self).__name__)
     use_running_average = nn.merge_param("use_running_average", self.use_running_average, use_running_average)
     c = (x.num_channels,)
-    _check_channels(self, x, ("params", "scale"), ("params", "bias"), ("batch_stats", "mean"))
+    _check_channels(self, x, ("params", "scale"), ("params", "bias"), ("batch_stats", "mean"), ("batch_stats", "var"))
     ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), c)
     ra_var = self.variable("batch_stats", "var", lambda s: jnp.ones(s, jnp.float32), c)
     scale, bias = _affine(self, c)

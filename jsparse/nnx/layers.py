@@ -334,6 +334,12 @@ class SparseBatchNorm(_Affine):
       raise ValueError("SparseBatchNorm: use_running_average is None both in the constructor and in the call; "
                        "set it in one of them (or call model.train() / model.eval())")
     x, scale, bias, out_dtype = self._affine_inputs(x)
+    # Running statistics loaded from a checkpoint of another shape broadcast against the batch's in the update
+    # (a [C, 1] var became [C, C]); name them instead.
+    for name, stat in (("mean", self.mean), ("var", self.var)):
+      if stat.shape != (self.num_features,):
+        raise ValueError(f"SparseBatchNorm: its BatchStat '{name}' has shape {tuple(stat.shape)} but num_features "
+                         f"is {self.num_features}")
     y, mean, var = rules.batch_norm_step(
         x, scale, bias, self.mean[...], self.var[...], use_running_average=use_ra, update_statistics=not use_ra,
         momentum=self.momentum, epsilon=self.epsilon, axis_name=self.axis_name,

@@ -583,9 +583,13 @@ def sparse_inverse_conv3d(y: SparseTensor, weight: ArrayLike | Compressed2to4,
   geom = geometry(like.spatial_shape, ks, stride, padding, dilation)
   spec = ConvSpec.build(ks, geom.dilation, implementation, layout, precision, algorithm, feature_group_count)
   if y.spatial_shape != geom.out_shape or y.batch_size != like.batch_size:
-    raise SizeError(f"y (spatial_shape={{y_shape}}, batch_size={y.batch_size}) is not on the output grid {{grid}} "
-                    f"(batch_size={like.batch_size}) of this convolution of `like`", y_shape=tuple(y.spatial_shape),
-                    grid=geom.out_shape)
+    # Quote the sizes: an inverse given another stride or padding than its forward's lands here (spconv reads
+    # them from the indice_key, so a port easily leaves them out).
+    raise SizeError("sparse_inverse_conv{ndim}d: "
+                    f"y (spatial_shape={{y_shape}}, batch_size={y.batch_size}) is not on the output grid {{grid}} "
+                    f"(batch_size={like.batch_size}) of this convolution of `like` (spatial_shape={{in_shape}}, "
+                    + _describe() + "): pass the forward convolution's sizes", y_shape=tuple(y.spatial_shape),
+                    grid=geom.out_shape, in_shape=geom.in_shape, **_sizes(geom))
   inv, nbr = _inverse_maps(y, like, geom)
   # The forward map of the inverse is the transposed map of the convolution, and vice versa.
   maps = ConvMaps(inv, like.num, nbr, y.num, classes=input_classes(like.coords, geom))

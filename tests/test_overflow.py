@@ -300,6 +300,24 @@ def test_inverse_conv_with_other_geometry_or_coordinates():
   assert "the pair map that y carries is on other coordinates" in _error(back, y, _other(x, 9))
 
 
+def test_inverse_off_the_forward_grid_names_its_sizes():
+  """An inverse given another padding or stride than its forward's, whose output grid is not y's (a port that
+  left out spconv's indice_key sizes): the ValueError named y's grid and the expected one only, not the op or
+  the sizes to fix. It now names the op and quotes like's grid and the inverse's sizes."""
+  x = _x(seed=8, shape=(8, 8, 8))
+  down = snn.SparseConv3d(4, 3, strides=2, padding=1, implementation="xla")
+  y = down.apply(down.init(jax.random.key(0), x), x)  # on the 4^3 grid
+  up = snn.SparseInverseConv3d(2, 3, strides=2, padding=0, implementation="xla")
+  match = ("^sparse_inverse_conv3d: y \\(spatial_shape=\\(4, 4, 4\\), batch_size=2\\) is not on the output grid "
+           "\\(3, 3, 3\\) \\(batch_size=2\\) of this convolution of `like` \\(spatial_shape=\\(8, 8, 8\\), "
+           "kernel_size=\\(3, 3, 3\\), stride=\\(2, 2, 2\\), padding=\\(0, 0, 0\\), dilation=\\(1, 1, 1\\)\\): "
+           "pass the forward convolution's sizes")
+  with pytest.raises(ValueError, match=match):
+    up.init(jax.random.key(1), y, like=x)
+  with pytest.raises(ValueError, match="of this convolution of `like` .*stride=\\(1, 1, 1\\), padding=\\(1, 1, 1\\)"):
+    jsparse.sparse_inverse_conv3d(y, _w((3, 3, 3, 4, 2)), like=x, stride=1, padding=1, implementation="xla")
+
+
 def test_inverse_on_a_padded_view_with_other_padding_raises():
   """spconv's SparseInverseConv3d takes no padding, so a port writes SparseConv3d(..., padding=1) and
   SparseInverseConv3d(...) with the module's default "SAME". On an even grid "SAME" pads `like` onto a grid one

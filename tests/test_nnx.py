@@ -1,5 +1,6 @@
 """jsparse.nnx (flax.nnx modules) against their jsparse.nn (flax.linen) twins and dense references, on the CPU."""
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -459,6 +460,33 @@ def test_conversion_errors_name_the_problem():
     snnx.linen_to_nnx(variables, snn.SubMConv3d(4))
   with pytest.raises(TypeError, match="model must be an nnx.Module"):
     snnx.nnx_to_linen(variables)
+
+
+def test_conv_layers_check_a_kernel_put_in_after_construction():
+  """A kernel of another shape put into an nnx conv (a state dict loaded by hand; linen_to_nnx and flax's linen
+  modules check shapes): a ValueError naming the layer and both shapes. The ops read the kernel size and output
+  width off the kernel, so spconv's (3, 1, 1) kernel in a layer built for (1, 1, 3), or a DHWIO kernel in an
+  ODHWI layer with as many input as output channels, ran as that other convolution, silently."""
+  r = nnx.Rngs(0)
+  x = random_sparse(np.random.default_rng(0), (6, 6, 6), 4, batch_size=2, pad=2)
+  y = jsparse.sparse_conv3d(x, jnp.ones((4, 1, 1, 3, 4)), stride=(1, 1, 2), padding=(0, 0, 1), weight_layout="ODHWI")
+  layers = [("SubMConv3d", snnx.SubMConv3d(4, 4, (1, 1, 3), use_bias=False, kernel_layout="ODHWI", rngs=r),
+             lambda m: m(x)),
+            ("SparseConv3d", snnx.SparseConv3d(4, 4, (1, 1, 3), (1, 1, 2), (0, 0, 1), use_bias=False,
+                                               kernel_layout="ODHWI", rngs=r), lambda m: m(x)),
+            ("SparseInverseConv3d", snnx.SparseInverseConv3d(4, 4, (1, 1, 3), (1, 1, 2), (0, 0, 1), use_bias=False,
+                                                             kernel_layout="ODHWI", rngs=r), lambda m: m(y, like=x)),
+            ("SparseConvTranspose3d", snnx.SparseConvTranspose3d(4, 4, (1, 1, 2), kernel_size=(1, 1, 3),
+                                                                 use_bias=False, kernel_layout="ODHWI", rngs=r),
+             lambda m: m(x))]
+  for name, layer, call in layers:
+    call(layer)  # its own kernel runs
+    for bad in ((4, 3, 1, 1, 4), (1, 1, 3, 4, 4)):  # spconv's axes order; the DHWIO layout
+      layer.kernel.set_value(jnp.ones(bad))
+      with pytest.raises(ValueError, match=rf"^{name}: its kernel has shape {re.escape(str(bad))} but "
+                                           r"kernel_size=\(1, 1, 3\), in_features=4, out_features=4 and "
+                                           r"kernel_layout='ODHWI' make it \(4, 1, 1, 3, 4\)"):
+        call(layer)
 
 
 def test_bad_arguments_errors():

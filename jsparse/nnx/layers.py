@@ -76,6 +76,15 @@ class _ConvParams(nnx.Module):
     x = rules.check_sparse(x, name)
     rules.check_kernel_inputs(name, tuple(self.kernel.shape), self.kernel_layout, x.num_channels,
                               self.feature_group_count)
+    # A kernel put in after construction (a loaded checkpoint) is checked here, as flax checks a linen module's
+    # parameters: the ops read the kernel size and output width off the kernel's shape, so another kernel size
+    # (spconv's (3, 1, 1) for (1, 1, 3)) or the other layout ran as that convolution, silently.
+    want = rules.kernel_shape(self.kernel_size, self.in_features, self.out_features, self.kernel_layout,
+                              self.feature_group_count)
+    if tuple(self.kernel.shape) != want:
+      raise ValueError(f"{name}: its kernel has shape {tuple(self.kernel.shape)} but kernel_size={self.kernel_size}, "
+                       f"in_features={self.in_features}, out_features={self.out_features} and "
+                       f"kernel_layout='{self.kernel_layout}' make it {want}")
     bias = None if self.bias is None else self.bias[...]
     kernel = rules.sparse_kernel(name, self.kernel[...], self.kernel_sparsity, self.kernel_layout)
     return rules.promote_conv(x, kernel, bias, self.dtype)

@@ -273,6 +273,8 @@ def add_row_arguments(ap, row: int) -> None:
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--impl", default=None, help="jsparse implementation (None: pallas on a GPU, xla elsewhere)")
   ap.add_argument("--weight-layout", default="ODHWI", choices=("ODHWI", "DHWIO"))
+  ap.add_argument("--input-grad", action="store_true",
+                  help="train: also layer 0's input-feature gradient (the suite's --input-grad; off, as the suite)")
 
 
 def compile_row(args):
@@ -281,7 +283,7 @@ def compile_row(args):
   row = workloads.SUITE[args.row]
   x, params = jsparse_inputs(row, args.dtype, args)
   fn = jsparse_fns(args.impl, DTYPES[args.dtype][1], weight_layout=args.weight_layout,
-                   input_grad=getattr(args, "input_grad", True))[args.mode]
+                   input_grad=args.input_grad)[args.mode]
   return row, x, params, jax.jit(fn).lower(x, params).compile()
 
 

@@ -53,6 +53,23 @@ def test_suite_train_without_the_input_gradient_computes_the_same_weight_gradien
   assert old.startswith("- train: jsparse differentiates w.r.t. input features")
 
 
+def test_probes_compile_the_suites_training_step(monkeypatch):
+  """The probes that compile one suite row (call_gaps, back_to_back, suite_timeline via compile_row) train as the
+  suite does by default, without layer 0's input gradient, and with it only under --input-grad: compile_row took
+  the input gradient unless a probe set args.input_grad, so call_gaps and back_to_back timed another program."""
+  import argparse
+
+  from benchmarks import workloads
+  monkeypatch.setattr(workloads, "SUITE", [suite.SMOKE_ROW])
+  for extra, has_dx in (([], False), (["--input-grad"], True)):
+    ap = argparse.ArgumentParser()
+    suite.add_row_arguments(ap, row=0)
+    args = ap.parse_args(["--mode", "train", "--dtype", "fp32", "--impl", "xla"] + extra)
+    _, x, params, compiled = suite.compile_row(args)
+    dx, _ = compiled(x, params)
+    assert (dx is not None) == has_dx
+
+
 @pytest.mark.parametrize("layout", ["ODHWI", "DHWIO"])
 def test_suite_smoke_records_the_layout(layout, tmp_path):
   rc = suite.main(["--smoke", "--dtypes", "fp32", "--out", str(tmp_path), "--weight-layout", layout])

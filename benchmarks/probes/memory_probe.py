@@ -60,6 +60,8 @@ def main(argv=None):
   ap.add_argument("--dtypes", default="fp16,tf32")
   ap.add_argument("--modes", default="inference")
   ap.add_argument("--layouts", default="DHWIO,ODHWI")
+  ap.add_argument("--input-grad", action="store_true",
+                  help="train: also layer 0's input-feature gradient (the suite's --input-grad; off, as the suite)")
   ap.add_argument("--tuned", default=None, help="a ConfigTable JSON (default: the shipped table for this GPU)")
   args = ap.parse_args(argv)
   # Before the first computation initialises the backend: XLA then writes each compiled module's buffer
@@ -80,7 +82,7 @@ def main(argv=None):
         for mode in args.modes.split(","):
           for layout in args.layouts.split(","):
             params = [(jnp.asarray(suite.jsparse_weight(w, layout), jdtype), jnp.asarray(b, jdtype)) for w, b in wb]
-            fn = suite.jsparse_fns(None, precision, "auto", layout)[mode]
+            fn = suite.jsparse_fns(None, precision, "auto", layout, args.input_grad)[mode]
             before = set(glob.glob(os.path.join(dump, "*buffer-assignment.txt")))
             compiled = jax.jit(fn).lower(x, params).compile()
             m = compiled.memory_analysis()

@@ -70,7 +70,6 @@ def main(argv=None):
   ap.add_argument("--min-us", type=float, default=2.0, help="hide launches shorter than this in the listing")
   ap.add_argument("--out", default=None, help="write both sides' launches here as JSON")
   args = ap.parse_args(argv)
-  args.input_grad = False  # neither side computes layer 0's input gradient, as FlexGEMM's benchmark
   row = workloads.SUITE[args.row]
   print(f"== suite row {args.row} ({row.name}), {args.dtype} {args.mode}, {jax.devices()[0].device_kind}")
   # (launches, median wall ms of a call timed alone, as the suite times it, median span us of a traced call)

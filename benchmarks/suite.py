@@ -7,8 +7,9 @@
 Each workload (workloads.SUITE): sphere-shell sites in a RES^3 grid, the 3x3x3 neighbour map built INSIDE
 the timed function (as FlexGEMM's benchmark does), then L SubMConv3d C -> C layers with bias.
 - inference: neighbour map + L forward layers.
-- train: neighbour map + forward + gradient of sum(output) w.r.t. the input features, all weights and all
-  biases (jsparse: one jitted jax.grad; FlexGEMM: backward with ones, as its train_benchmark.py).
+- train: neighbour map + forward + gradient of sum(output) w.r.t. all weights and all biases, and w.r.t. the
+  input features only with --input-grad, on both sides (FlexGEMM's train_benchmark.py skips it) (jsparse: one
+  jitted jax.grad; FlexGEMM: backward with ones, as its train_benchmark.py).
 - dtypes: fp16 (float16 features and weights), tf32 (float32, TF32 matmuls: jsparse precision=None,
   FlexGEMM allow_tf32), fp32 (float32 at full precision; not in the default set).
 Both libraries get the same sites (same row order), features, weights and biases (~N(0, 1/sqrt(27 C)), so

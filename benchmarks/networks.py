@@ -1098,9 +1098,10 @@ def run(args) -> dict:
   libs = {}
   for name in args.anchors:
     try:
-      libs[name] = import_spconv(name)
+      lib = import_spconv(name)
       if name == "spconv-triton" and args.tune_shard is not None:
         triton_tuning_shards.share_triton_autotuning(*args.tune_shard)
+      libs[name] = lib
     except Exception as e:
       print(f"{name} not available: {suite.short_error(e, 160)}", flush=True)
   results = []

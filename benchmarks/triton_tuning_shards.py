@@ -8,6 +8,11 @@ autotune cache (`TRITON_CACHE_DIR`). For any other key it takes a result already
 the first candidate untimed and records nothing. So `shards` processes tune a workload's keys once between them,
 in parallel, and a later process without sharding finds every result on disk. The untimed kernels only make a
 shard's own run slower; no result is ever written from them. Used by `scripts/warm_spconv_triton.sh`.
+
+Two limits: Triton never caches a kernel whose configurations carry pre-hooks (spconv-triton 1.0 has none), so
+such a kernel is tuned afresh by every process that is not sharded; and a first candidate that cannot run (e.g.
+out of shared memory) stops the shard that ran it untimed, leaving its own keys untuned: run again with another
+N to spread what is left.
 """
 
 from __future__ import annotations

@@ -17,14 +17,16 @@ logs=${2:?$usage}
 networks=${3:-second,second_pool,minkunet,decoder}
 dtypes=${4:-fp16,tf32}
 shards=${5:-1}
-gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-[ "$gpus" -ge 1 ] || gpus=1
+# The GPUs to spread over: CUDA_VISIBLE_DEVICES's list if set, else every GPU's index (one line each, MIG or not).
+IFS=, read -r -a gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null \
+  | tr -d ' ' | paste -sd, -)}"
+[ "${#gpus[@]}" -ge 1 ] || gpus=(0)
 mkdir -p "$logs"
 n=0
 for net in ${networks//,/ }; do
   for dt in ${dtypes//,/ }; do
     for ((s = 0; s < shards; s++)); do
-      JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=$((n % gpus)) timeout -k 10 "$limit" python3 -m benchmarks.networks \
+      JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=${gpus[n % ${#gpus[@]}]} timeout -k 10 "$limit" python3 -m benchmarks.networks \
         --networks "$net" --sizes small --dtypes "$dt" --modes train --anchors spconv-triton --skip-jsparse \
         --warmup 1 --repeats 1 --tune-shard "$s/$shards" > "$logs/warm_${net}_${dt}_${s}of${shards}.log" 2>&1 &
       n=$((n + 1))

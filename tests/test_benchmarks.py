@@ -525,7 +525,7 @@ def test_spconv_triton_warm_up_script_runs_processes_per_network_and_dtype(tmp_p
                        capture_output=True, text=True)
   assert bad.returncode != 0 and "TRITON_CACHE_DIR" in bad.stderr
   # SHARDS processes per (network, dtype), each tuning its share, spread round-robin over the GPUs nvidia-smi lists.
-  (shim / "nvidia-smi").write_text('#!/usr/bin/env bash\necho "GPU 0: H200"\necho "GPU 1: H200"\n')
+  (shim / "nvidia-smi").write_text('#!/usr/bin/env bash\necho "0"\necho "1"\n')
   (shim / "nvidia-smi").chmod(0o755)
   (shim / "python3").write_text('#!/usr/bin/env bash\necho "$CUDA_VISIBLE_DEVICES $*" >> "$CALLS"\n')
   calls.unlink()
@@ -536,6 +536,11 @@ def test_spconv_triton_warm_up_script_runs_processes_per_network_and_dtype(tmp_p
   assert sorted((line.split()[0], line.split("--tune-shard ")[1]) for line in lines) == [
       ("0", "0/3"), ("0", "2/3"), ("1", "1/3")], lines
   assert len(list((tmp_path / "l3").glob("warm_minkunet_tf32_*of3.log"))) == 3
+  # A CUDA_VISIBLE_DEVICES already set is the list to spread over.
+  calls.unlink()
+  subprocess.run(["bash", str(root / "scripts/warm_spconv_triton.sh"), "30", str(tmp_path / "l4"), "minkunet",
+                  "tf32", "3"], env=dict(env, CUDA_VISIBLE_DEVICES="5,7"), capture_output=True, text=True, check=True)
+  assert sorted(line.split()[0] for line in calls.read_text().splitlines()) == ["5", "5", "7"]
 
 
 def test_triton_tuning_shards_split_the_keys_and_write_only_their_own():

@@ -27,6 +27,11 @@ SCHEMA_VERSION = 2
 def _check_entry(key: ShapeKey, cfg) -> None:
   if not isinstance(cfg, (Explicit, Implicit, Depthwise)):
     raise TypeError(f"{key}: entries must be a PassConfig (Explicit, Implicit, Masked or Depthwise), got {cfg!r}")
+  # Balanced weight-gradient tiles walk pair lists, which only the plan-using kind builds: said when the table is
+  # made or loaded, rather than by the kernel at the first training step.
+  if key.pass_name == "weight_grad" and isinstance(cfg, Implicit) and not cfg.uses_plan and cfg.tiles.balanced:
+    raise ValueError(f"{key}: {type(cfg).__name__} with balanced tiles (TileConfig.balanced): a balanced weight "
+                     f"gradient walks pair lists, which only Masked builds; use Masked({cfg.tiles!r})")
 
 
 class ConfigTable:

@@ -167,6 +167,18 @@ def test_config_json_rejects_bad_entries():
     pass_config.config_from_json_v1({"algorithm": "auto"})
   with pytest.raises(TypeError):
     Masked(None)
+  # Balanced weight-gradient tiles need the pair lists only Masked builds: said when the entry is read, not by the
+  # kernel at the first training step.
+  balanced = TileConfig(64, 64, 32, 4, 3, 2, balanced=True)
+  weight_grad_key = ShapeKey.of("weight_grad", num_rows=4096, cin=64, cout=64, num_offsets=27, dtype=jnp.float16)
+  with pytest.raises(ValueError, match="only Masked builds"):
+    tuning.ConfigTable({weight_grad_key: Implicit(balanced)})
+  with pytest.raises(ValueError, match="only Masked builds"):
+    tuning.ConfigTable.from_json(tuning.ConfigTable({weight_grad_key: Masked(balanced)}).to_json().replace(
+        '"masked"', '"implicit"'))
+  assert tuning.ConfigTable({weight_grad_key: Masked(balanced)}).get(weight_grad_key) == Masked(balanced)
+  assert tuning.ConfigTable({ShapeKey.of("forward", num_rows=4096, cin=64, cout=64, num_offsets=27,
+                                         dtype=jnp.float16): Implicit(balanced)})  # no pair lists on a forward
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -487,6 +487,11 @@ def test_conv_layers_check_a_kernel_put_in_after_construction():
                                            r"kernel_size=\(1, 1, 3\), in_features=4, out_features=4 and "
                                            r"kernel_layout='ODHWI' make it \(4, 1, 1, 3, 4\)"):
         call(layer)
+  # And a bias of another width, named with the layer (the op's own error named neither).
+  layer = snnx.SubMConv3d(4, 4, 3, rngs=r)
+  layer.bias.set_value(jnp.ones((4, 1)))
+  with pytest.raises(ValueError, match=r"^SubMConv3d: its bias has shape \(4, 1\) but out_features=4 makes it \(4,\)"):
+    layer(x)
 
 
 def test_bad_arguments_errors():

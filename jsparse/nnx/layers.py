@@ -85,6 +85,9 @@ class _ConvParams(nnx.Module):
       raise ValueError(f"{name}: its kernel has shape {tuple(self.kernel.shape)} but kernel_size={self.kernel_size}, "
                        f"in_features={self.in_features}, out_features={self.out_features} and "
                        f"kernel_layout='{self.kernel_layout}' make it {want}")
+    if self.bias is not None and tuple(self.bias.shape) != (self.out_features,):
+      raise ValueError(f"{name}: its bias has shape {tuple(self.bias.shape)} but out_features={self.out_features} "
+                       f"makes it ({self.out_features},)")
     bias = None if self.bias is None else self.bias[...]
     kernel = rules.sparse_kernel(name, self.kernel[...], self.kernel_sparsity, self.kernel_layout)
     return rules.promote_conv(x, kernel, bias, self.dtype)

@@ -26,8 +26,8 @@ n=0
 for net in ${networks//,/ }; do
   for dt in ${dtypes//,/ }; do
     for ((s = 0; s < shards; s++)); do
-      JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=${gpus[n % ${#gpus[@]}]} timeout -k 10 "$limit" python3 -m benchmarks.networks \
-        --networks "$net" --sizes small --dtypes "$dt" --modes train --anchors spconv-triton --skip-jsparse \
+      JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=${gpus[n % ${#gpus[@]}]} timeout -k 10 "$limit" \
+        python3 -m benchmarks.networks --networks "$net" --sizes small --dtypes "$dt" --modes train --anchors spconv-triton --skip-jsparse \
         --warmup 1 --repeats 1 --tune-shard "$s/$shards" > "$logs/warm_${net}_${dt}_${s}of${shards}.log" 2>&1 &
       n=$((n + 1))
     done

@@ -141,6 +141,11 @@ def autotune(fn: Callable, *args: Any, passes: Sequence[str] = PASSES, warmup: i
 
   Returns a ConfigTable (a context manager; `.save(path)` / `ConfigTable.load(path)`). Functions traced
   while it is active use the tuned configs; functions already compiled keep theirs.
+
+  fn runs once with jit disabled to record its convolutions (ValueError if it runs none on the Pallas path).
+  passes: which of "forward", "input_grad", "weight_grad" to tune (all by default). warmup / repeats: untimed
+  and timed calls per candidate config (the median of the timed ones counts). log: a function given one line
+  of text per timed candidate and per chosen config (e.g. `print`), or None.
   """
   # Checked before fn runs (it may take minutes): a string iterated as its letters failed with "got 'f'" after it.
   wrong_passes = TypeError(f"autotune: passes must be a sequence of pass names from {PASSES}, got {passes!r}")

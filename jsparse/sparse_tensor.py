@@ -187,6 +187,8 @@ def error_checks(enabled: bool = True) -> contextlib.AbstractContextManager[None
   Off by default because a check is an effect to JAX: a jitted function that holds one loses jit's C++
   dispatch path and pays Python dispatch on every call (hundreds of microseconds for a network's step).
   Also `JSPARSE_ERROR_CHECKS=1` in the environment. Outside jit failed checks raise either way.
+  enabled=False turns the checks off inside the block (e.g. within a region where the environment variable
+  turned them on).
   """
   return _ERROR_CHECKS(bool(enabled))
 

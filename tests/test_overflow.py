@@ -4,6 +4,11 @@ Ops whose output sites do not fit `out_capacity`: outside jit a ValueError namin
 output's flag (`jsparse.overflowed`, carried on by later layers) and a `jax.experimental.checkify` error naming
 the op and the counts. Maps or tensors from other coordinates: ValueError outside jit, checkify under jit.
 """
+import os
+import pathlib
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -127,6 +132,27 @@ def test_error_checks_are_part_of_the_trace_context():
     err, _ = checked(x)
   assert err.get() is not None and err.get().startswith("sparse_max_pool3d")
 
+
+
+def test_error_checks_environment_variable_and_enabled_false():
+  # README / error_checks: JSPARSE_ERROR_CHECKS=1 turns the checks on everywhere; error_checks(False) turns them
+  # off inside a block. The variable is read when jsparse is imported, hence the fresh process.
+  code = """
+import jax, jsparse
+from test_overflow import _x
+step = lambda x: jsparse.sparse_max_pool3d(x, 2, out_capacity=128).feats.sum()
+x = _x()
+on = bool(jax.make_jaxpr(step)(x).effects)
+with jsparse.error_checks(False):
+  off = bool(jax.make_jaxpr(step)(x).effects)
+print(on, off)
+"""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = {**os.environ, "JSPARSE_ERROR_CHECKS": "1", "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])}
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split()[-2:] == ["True", "False"]
 
 @pytest.mark.parametrize("name", ["sparse_conv3d", "sparse_conv_transpose3d"])
 def test_pallas_interpret_flags_and_reports(name):

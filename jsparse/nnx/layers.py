@@ -106,6 +106,8 @@ class SubMConv3d(_ConvParams):
       promoted dtype of the features and the parameters).
     implementation: None | "xla" | "pallas"; algorithm: "auto" or a forced Pallas algorithm; kernel_layout:
       "DHWIO" or "ODHWI"; feature_group_count: channel groups, as nnx.Conv (see `jsparse.submconv3d`).
+    kernel_sparsity: None or "2:4" (the forward prunes the kernel 2:4 over input channels at each call, as
+      `jsparse.nn.SubMConv3d`'s).
     rngs: an nnx.Rngs for the initial parameters.
   """
 

@@ -97,8 +97,8 @@ def submconv2d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = None
   Equals `lax.conv_general_dilated(x.todense(), weight, (1, 1), "SAME", rhs_dilation=dilation,
   dimension_numbers=("NHWC", "HWIO", "NHWC"))` (+ bias) read at x's sites. weight: (Kh, Kw, Cin, Cout), odd
   sizes, or (Cout, Kh, Kw, Cin) with weight_layout="ODHWI". dilation: an int or 2 ints.
-  options: submconv3d's other keyword arguments (cache, implementation, precision, algorithm); a cache comes
-  from `neighbor_map(x, kernel_size)` with 2D sizes.
+  options: submconv3d's other keyword arguments (cache, implementation, precision, algorithm,
+  feature_group_count); a cache comes from `neighbor_map(x, kernel_size)` with 2D sizes.
   """
   return call_in_rank(submconv3d, 2, "submconv2d", x, weight=weight, bias=bias, dilation=dilation,
                       weight_layout=weight_layout, **options)
@@ -113,8 +113,8 @@ def sparse_conv2d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike | None = N
   dimension_numbers=("NHWC", "HWIO", "NHWC"))` (+ bias) read at the output sites (every output position whose
   window holds an active input). weight: (Kh, Kw, Cin, Cout) or (Cout, Kh, Kw, Cin) with weight_layout="ODHWI";
   stride, padding, dilation: an int or 2 ints. options: sparse_conv3d's other keyword arguments (out_capacity,
-  cache, implementation, precision, algorithm, with_overflow). The output carries the pair map for
-  `sparse_inverse_conv2d`.
+  cache, implementation, precision, algorithm, with_overflow, feature_group_count). The output carries the pair
+  map for `sparse_inverse_conv2d`.
   """
   return call_in_rank(sparse_conv3d, 2, "sparse_conv2d", x, weight=weight, bias=bias, stride=stride, padding=padding,
                       dilation=dilation, weight_layout=weight_layout, **options)
@@ -129,7 +129,7 @@ def sparse_inverse_conv2d(y: SparseTensor, weight: ArrayLike, bias: ArrayLike | 
   dense convolution (`jax.vjp` of `lax.conv_general_dilated(d, weight.swapaxes(2, 3), stride, [(p, p)] * 2,
   rhs_dilation=dilation, dimension_numbers=("NHWC", "HWIO", "NHWC"))` at like.todense(), applied to
   y.todense()) read at like's sites. weight: (Kh, Kw, C_y, Cout) or (Cout, Kh, Kw, C_y) with
-  weight_layout="ODHWI". options: implementation, precision, algorithm.
+  weight_layout="ODHWI". options: implementation, precision, algorithm, feature_group_count.
   """
   return call_in_rank(sparse_inverse_conv3d, 2, "sparse_inverse_conv2d", y, weight=weight, bias=bias, like=like,
                       stride=stride, padding=padding, dilation=dilation, weight_layout=weight_layout, **options)
@@ -149,7 +149,8 @@ def sparse_conv_transpose2d(x: SparseTensor, weight: ArrayLike, bias: ArrayLike 
   padding (the default form) is generative upsampling: every site c spawns its children c * stride + (i, j),
   child (i, j) getting x[c] @ weight[i, j], in (parent, child) row order.
   options: sparse_conv_transpose3d's other keyword arguments (out_capacity, mask: bool [x.capacity, sh*sw] in
-  the C order of (i, j), generative form only; implementation, precision, algorithm, with_overflow).
+  the C order of (i, j), generative form only; implementation, precision, algorithm, with_overflow,
+  feature_group_count).
   """
   return call_in_rank(sparse_conv_transpose3d, 2, "sparse_conv_transpose2d", x, weight=weight, bias=bias,
                       stride=stride, padding=padding, output_padding=output_padding, dilation=dilation,

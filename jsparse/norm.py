@@ -110,10 +110,12 @@ def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None,
   local_mean = lax.optimization_barrier(local_mean)
   centred = jnp.where(mask, f - local_mean, 0)
   m2 = jnp.sum(centred * centred, axis=0)
-  if axis_name is None:
-    var = m2 / jnp.maximum(count, 1.0)
-    return (local_mean, var, count) if return_count else (local_mean, var)
   residual = jnp.sum(centred, axis=0) / jnp.maximum(count, 1.0)  # the exact mean is ~ local_mean + residual
+  if axis_name is None:
+    # As the combination below: the residual added back (XLA divides by the count as a product with its rounded
+    # reciprocal, so 300 rows of 12345.678 gave a mean 1 ulp off, and those rows normalised to +-0.3, not 0).
+    var = jnp.maximum(m2 / jnp.maximum(count, 1.0) - residual * residual, 0.0)
+    return (local_mean + residual, var, count) if return_count else (local_mean + residual, var)
   mine = jnp.concatenate([count[None], local_mean, residual, m2])
   # Slots by the index along the whole axis: with axis_index_groups the other groups' slots stay zero
   # (count 0), which the combination ignores.
@@ -307,9 +309,12 @@ def layer_norm(x: SparseTensor, scale: ArrayLike | None = None, bias: ArrayLike 
   _check_affine("scale", scale, c)
   _check_affine("bias", bias, c)
   f = _valid_feats_f32(x)
-  mean = jnp.mean(f, axis=-1, keepdims=True)
-  var = jnp.mean(jnp.square(f - mean), axis=-1, keepdims=True)
-  return _finish(x, (f - mean) * lax.rsqrt(var + epsilon), scale, bias, _output_dtype(x, dtype))
+  centred = f - jnp.mean(f, axis=-1, keepdims=True)
+  # The mean of the centred row is what rounding left out of the mean (a constant row of 12345.678 in 5 channels
+  # came out off by 1 ulp, and normalised to +-0.7 instead of 0): centring on it too, its square leaves the variance.
+  residual = jnp.mean(centred, axis=-1, keepdims=True)
+  var = jnp.maximum(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) - residual * residual, 0.0)
+  return _finish(x, (centred - residual) * lax.rsqrt(var + epsilon), scale, bias, _output_dtype(x, dtype))
 
 
 # ---- group norm ------------------------------------------------------------------------------------------
@@ -329,7 +334,12 @@ def _rows_of(one_hot: jax.Array) -> jax.Array:
 
 def _group_stats(feats: jax.Array, one_hot: jax.Array, num_groups: int):
   """(mean, biased var) float32 [batch_size, G] over each item's valid rows and each group's channels: a pass for
-  the means, then one over the rows centred on them (float32 sums of squares about zero cancel badly)."""
+  the means, then one over the rows centred on them (float32 sums of squares about zero cancel badly).
+
+  The second pass also sums the centred rows, whose mean (the residual) is what rounding left out of the first
+  mean: XLA divides by the counts as a product with their rounded reciprocals, so a constant 1000 came out 1 ulp
+  off, and (x - mean) / sqrt(0 + 1e-6) gave +-0.06 instead of 0. The residual is added back, and the sum of
+  squares about the rounded mean loses its square (as `batch_statistics` does across devices)."""
   cap, c = feats.shape
   group_size = c // num_groups
   valid = _rows_of(one_hot)
@@ -337,8 +347,12 @@ def _group_stats(feats: jax.Array, one_hot: jax.Array, num_groups: int):
   denom = jnp.maximum(per_item.count_per_item(one_hot) * group_size, 1.0)[:, None]
   mean = per_item.sum_per_item(one_hot, jnp.sum(f, axis=-1)) / denom
   centred = jnp.where(valid[:, None, None], f - per_item.per_row(one_hot, mean)[..., None], 0)
-  var = per_item.sum_per_item(one_hot, jnp.sum(centred * centred, axis=-1)) / denom
-  return mean, var
+  # One per-item product for both sums of the second pass.
+  sums = per_item.sum_per_item(one_hot, jnp.stack([jnp.sum(centred, axis=-1), jnp.sum(centred * centred, axis=-1)],
+                                                  axis=-1))
+  residual = sums[..., 0] / denom
+  var = jnp.maximum(sums[..., 1] / denom - residual * residual, 0.0)
+  return mean + residual, var
 
 
 def _group_normalised(feats, one_hot, mean, inv_std, num_groups):

@@ -186,6 +186,22 @@ def test_layer_norm_matches_flax_on_valid_rows():
   assert rel_err(g, gr) < 1e-5
 
 
+def test_norms_of_constant_features_are_zero():
+  """A constant row (layer norm) or a constant group of an item (group norm) normalises to 0: XLA divides by a count
+  as a product with its rounded reciprocal, so a mean left 1 ulp off gave +-0.7 (12345.678 over 5 channels) and
+  +-0.06 (1000 over 194 rows of 4 channels) against sqrt(epsilon) = 1e-3."""
+  sizes = (194, 196, 210)
+  coords = np.concatenate([np.stack([np.full(k, b), np.arange(k) % 8, np.arange(k) // 8 % 8, np.arange(k) // 64], 1)
+                           for b, k in enumerate(sizes)]).astype(np.int32)
+  n = len(coords)
+  for value, c, norm_fn in [(12345.678, 5, norm.layer_norm), (1000.0, 8, lambda x: norm.group_norm(x, 2))]:
+    x = jsparse.SparseTensor.from_coords(coords, np.full((n, c), value, np.float32), (8, 8, 4), 3, capacity=n + 3)
+    np.testing.assert_allclose(np.asarray(norm_fn(x).feats), 0.0, atol=1e-6)
+  mean, var = norm.group_statistics(x, 2)
+  np.testing.assert_array_equal(np.asarray(mean), 1000.0)
+  np.testing.assert_allclose(np.asarray(var), 0.0, atol=1e-12)
+
+
 @pytest.mark.parametrize("num_groups,group_size", [(4, None), (None, 2), (1, None)])
 def test_group_norm_per_batch_item(num_groups, group_size):
   x = _norm_input(2, batch=3, channels=8)

@@ -142,6 +142,32 @@ def sparse_avg_pool3d(x: SparseTensor, kernel_size: Size3, stride: Size3 | None 
   return _pool(x, kernel_size, stride, padding, dilation, out_capacity, "mean", with_overflow, implementation)
 
 
+@jax.custom_vjp
+def _max_per_item(feats, seg, one_hot):
+  """[batch_size, C]: the max of each item's rows (seg: the row's item, batch_size for padding rows)."""
+  return jax.ops.segment_max(feats, seg, num_segments=one_hot.shape[1] + 1)[:-1]
+
+
+def _max_per_item_fwd(feats, seg, one_hot):
+  out = _max_per_item(feats, seg, one_hot)
+  return out, (feats, one_hot, out)
+
+
+def _max_per_item_bwd(res, g):
+  """The item's cotangent split evenly among its rows at the max, as jnp.max's gradient does. Not autodiff of the
+  scatter-max: that counts the -inf the scatter starts from as one more tie, so an item whose maximum is -inf
+  passed 1 / (ties + 1) of its cotangent (half of it for a single row) to its rows."""
+  feats, one_hot, out = res
+  valid = (jnp.sum(one_hot, axis=1) > 0)[:, None]
+  at_max = valid & (feats.astype(jnp.float32) == per_item.per_row(one_hot, out))
+  ties = per_item.sum_per_item(one_hot, at_max)
+  grad = jnp.where(at_max, per_item.per_row(one_hot, g / jnp.maximum(ties, 1.0)), 0)
+  return grad.astype(feats.dtype), None, jnp.zeros_like(one_hot)
+
+
+_max_per_item.defvjp(_max_per_item_fwd, _max_per_item_bwd)
+
+
 @compiled_when_eager
 def global_pool(x: SparseTensor, reduce: str = "mean") -> jax.Array:
   """[batch_size, C]: per batch item, the "mean" | "max" | "sum" of the feats of its valid rows.
@@ -160,7 +186,7 @@ def global_pool(x: SparseTensor, reduce: str = "mean") -> jax.Array:
     # A scatter-max (no one-hot form for max: a masked max over [rows, batch, C] materialises that whole
     # array in its gradient). Padding rows go to an extra segment that is dropped.
     seg = jnp.where(x.valid_mask(), x.coords[:, 0], x.batch_size)
-    out = jax.ops.segment_max(x.feats, seg, num_segments=x.batch_size + 1)[:-1]
+    out = _max_per_item(x.feats, seg, one_hot)
     out = jnp.where(counts[:, None] > 0, out, 0)
   else:
     out = per_item.sum_per_item(one_hot, x.feats)

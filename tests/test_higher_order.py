@@ -148,6 +148,8 @@ _FEATURE_OPS = {
                                                  for rows in _valid_rows_per_item(x)])),
     "global_pool_mean": (lambda x, f: jsparse.global_pool(x.replace(feats=f), "mean"),
                          lambda x, f: jnp.stack([jnp.mean(f[rows], 0) for rows in _valid_rows_per_item(x)])),
+    "global_pool_max": (lambda x, f: jsparse.global_pool(x.replace(feats=f), "max"),
+                        lambda x, f: jnp.stack([jnp.max(f[rows], 0) for rows in _valid_rows_per_item(x)])),
     "max_pool": (lambda x, f: jsparse.sparse_max_pool3d(x.replace(feats=f), 3, 2, 1, out_capacity=64).feats,
                  lambda x, f: _no_inf(_pool_reference(x, f, "max"))),
     "avg_pool": (lambda x, f: jsparse.sparse_avg_pool3d(x.replace(feats=f), 3, 2, 1, out_capacity=64).feats,

@@ -205,3 +205,17 @@ def test_global_max_gradient_splits_evenly_among_tied_maxima():
   g = jax.grad(lambda f: jnp.sum(jsparse.global_pool(x.replace(feats=f), "max")))(x.feats)
   want = np.array([[0.5, 0], [0.5, 0.5], [0, 0.5], [1, 0.5], [0, 0.5], [0, 0], [0, 0]], np.float32)
   np.testing.assert_array_equal(np.asarray(g), want)
+
+
+def test_global_max_gradient_of_a_minus_inf_maximum_reaches_its_rows_whole():
+  """An item whose maximum is -inf passes its whole cotangent to its rows at the max, as jnp.max does: autodiff of
+  the scatter-max counted the -inf it starts from as one more tie (a single row got half, two tied rows a third)."""
+  coords = np.array([[0, 0, 0, 0], [0, 1, 0, 0], [1, 0, 0, 0]], np.int32)
+  feats = np.array([[-np.inf, 1], [-np.inf, 2], [-np.inf, -np.inf]], np.float32)
+  x = jsparse.SparseTensor.from_coords(coords, feats, (4, 4, 4), 2, capacity=5)
+  g = jax.grad(lambda f: jnp.sum(jsparse.global_pool(x.replace(feats=f), "max")))(x.feats)
+  want = np.array([[0.5, 0], [0.5, 1], [1, 1], [0, 0], [0, 0]], np.float32)
+  np.testing.assert_array_equal(np.asarray(g), want)
+  for item in range(2):
+    np.testing.assert_array_equal(np.asarray(g)[:3][coords[:, 0] == item],
+                                  jax.grad(lambda f: jnp.sum(jnp.max(f, axis=0)))(feats[coords[:, 0] == item]))

@@ -747,6 +747,12 @@ class SparseTensor:
                     "x.coords for the rows")
 
   def __repr__(self) -> str:
+    static = f"spatial_shape={self.spatial_shape}, batch_size={self.batch_size}, spatial_ndim={self.spatial_ndim}"
+    if not all(len(getattr(getattr(self, name), "shape", ())) >= 2 for name in ("coords", "feats")):
+      # A tree.map's result holds what it mapped to (jax.tree.map(jnp.shape, x), an optimizer's bool mask):
+      # shown as it is, where reading a capacity off it raised.
+      leaves = ", ".join(f"{name}={getattr(self, name)!r}" for name in ("coords", "feats", "num", "overflow"))
+      return f"SparseTensor({leaves}, {static})"
     # Tensors stacked for jax.vmap have leading axes on every leaf: one num per element, capacity on axis -2.
     # Only values can be shown: jax.eval_shape's tensors hold ShapeDtypeStructs, jit's tracers.
     lead = tuple(self.coords.shape[:-2])

@@ -720,3 +720,13 @@ def test_error_checks_apply_to_an_already_jitted_function():
       assert (err.get() is not None) == on, (first_on, on)
       if on:
         assert "out_capacity=8" in err.get()
+
+
+@pytest.mark.parametrize("leaf", [jnp.shape, lambda a: a.dtype, lambda a: None, lambda a: True])
+def test_repr_of_a_tensor_whose_leaves_a_tree_map_replaced(leaf):
+  # jax.tree.map(jnp.shape, batch) and optimizers' masks leave other values than arrays at the leaves: printing
+  # one raised AttributeError / IndexError reading its capacity.
+  x = _small_tensor()
+  text = repr(jax.tree.map(leaf, x))
+  assert text.startswith("SparseTensor(coords=") and "spatial_shape=(4, 4, 4)" in text
+  assert f"num={leaf(x.num)!r}" in text

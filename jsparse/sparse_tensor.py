@@ -389,7 +389,7 @@ def _check_arrays(coords, feats, num) -> None:
     raise ValueError(f"num must be an integer {what} in [0, capacity={capacity}], got {num!r}")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class SparseTensor:
   """The active sites of `batch_size` voxel grids of shape `spatial_shape`, with a feature vector each.
 
@@ -740,6 +740,18 @@ class SparseTensor:
     keyed = self.valid_mask() & ~outside_grid_mask(self.coords, self.num, self.batch_size, self.spatial_shape)
     keys = jnp.stack([jnp.where(keyed, k, -1) for k in keys], axis=-1)
     return keys[:, 0] if keys.shape[1] == 1 else keys
+
+  def __eq__(self, other):
+    # The dataclass's == compared the fields as a tuple: arrays' truth values ("ambiguous") raised unless every
+    # array was the same object (then True, whatever maps the two carried).
+    if self is other:
+      return True
+    if not isinstance(other, SparseTensor):
+      return NotImplemented
+    raise TypeError("SparseTensors are not compared with ==: compare the arrays, e.g. jnp.array_equal(a.todense(), "
+                    "b.todense()), or a.coords / a.feats / a.num and the static spatial_shape, batch_size")
+
+  __hash__ = None  # it holds arrays (jax arrays are unhashable too)
 
   def __array__(self, *args, **kwargs):
     # Without it np.asarray / jnp.asarray made a 0-d object array of the tensor (or failed on float()) silently.

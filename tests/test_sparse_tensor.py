@@ -227,3 +227,14 @@ def test_a_tree_map_that_cast_the_coordinates_is_named():
     cast.todense()
   with pytest.raises(TypeError, match=r"x\.num must be integer"):
     jsparse.norm.batch_norm(jax.tree.map(lambda a: a.astype(jnp.float32) if a.ndim == 0 else a, x))
+
+
+def test_equality_and_hashing_are_clear():
+  # The dataclass's == compared the fields' arrays as a tuple: "truth value of an array ... is ambiguous" for two
+  # tensors; hash() named jaxlib's array type.
+  x = jsparse.SparseTensor.from_coords(np.array([[0, 1, 2, 3]]), np.ones((1, 2), np.float32), (4, 4, 4), capacity=4)
+  assert x == x and x != 3 and not (x == None)  # noqa: E711 (== None is the comparison tested)
+  with pytest.raises(TypeError, match="not compared with ==.*array_equal"):
+    x == x.replace(feats=2 * x.feats)  # noqa: B015
+  with pytest.raises(TypeError, match="unhashable type: 'SparseTensor'"):
+    hash(x)

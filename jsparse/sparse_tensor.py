@@ -5,7 +5,7 @@ import contextlib
 import dataclasses
 import math
 import operator
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -784,12 +784,20 @@ def _has_value(v) -> bool:
   return isinstance(v, (np.ndarray, np.generic, int, bool, jax.Array)) and not isinstance(v, jax.core.Tracer)
 
 
-_STATIC = ("spatial_shape", "batch_size", "spatial_ndim")
+class _Static(NamedTuple):
+  # The pytree metadata, named: JAX's errors for a loop carry or cond branch whose tensor has another grid print
+  # it, where a bare ((8, 8, 8), 2, 3) left the reader to guess which number differs.
+  spatial_shape: tuple[int, int, int]
+  batch_size: int
+  spatial_ndim: int
+
+
+_STATIC = _Static._fields
 
 
 def _flatten_with_keys(x: SparseTensor):
   leaves = tuple((jax.tree_util.GetAttrKey(name), getattr(x, name)) for name in _LEAVES)
-  return leaves, tuple(getattr(x, name) for name in _STATIC)
+  return leaves, _Static(*(getattr(x, name) for name in _STATIC))
 
 
 def _unflatten(static, leaves) -> SparseTensor:
@@ -803,7 +811,7 @@ def _unflatten(static, leaves) -> SparseTensor:
 
 jax.tree_util.register_pytree_with_keys(
     SparseTensor, _flatten_with_keys, _unflatten,
-    lambda x: (tuple(getattr(x, name) for name in _LEAVES), tuple(getattr(x, name) for name in _STATIC)))
+    lambda x: (tuple(getattr(x, name) for name in _LEAVES), _Static(*(getattr(x, name) for name in _STATIC))))
 
 
 def key_width(batch_size: int, spatial_shape: Sequence[int]) -> int:

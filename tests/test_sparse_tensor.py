@@ -238,3 +238,13 @@ def test_equality_and_hashing_are_clear():
     x == x.replace(feats=2 * x.feats)  # noqa: B015
   with pytest.raises(TypeError, match="unhashable type: 'SparseTensor'"):
     hash(x)
+
+
+def test_loop_carries_of_another_grid_name_the_static_fields():
+  # JAX's error for a carry or branch whose tensor has another grid printed the bare metadata ((4, 4, 4), 1, 3).
+  x = jsparse.SparseTensor.from_coords(np.array([[0, 1, 2, 3]]), np.ones((1, 2), np.float32), (4, 4, 4), capacity=4)
+  wider = x.replace(batch_size=2)
+  with pytest.raises(TypeError, match=r"spatial_shape=\(4, 4, 4\), batch_size=1.*batch_size=2"):
+    jax.lax.cond(True, lambda: x, lambda: wider)
+  with pytest.raises(TypeError, match=r"batch_size=1.*batch_size=2"):
+    jax.lax.while_loop(lambda t: False, lambda t: wider, x)

@@ -410,7 +410,11 @@ class SparseTensor:
     sparse_conv.pair_map_key). Convolutions look here first and attach what they build to their output, so
     layers on the same coordinates share one map without the caller threading it (spconv's indice_key,
     automatic). Replacing coords or num drops them. They are pytree leaves (arrays under jit), but not a
-    dataclass field, so summaries such as flax's `nn.tabulate` show the tensor without them.
+    dataclass field, so summaries such as flax's `nn.tabulate` show the tensor without them. A map holds the
+    very coords and num arrays of the tensor it was built on, so a tensor carrying maps built outside jit (an
+    eager op's output, `with_maps`) has those arrays as two leaves each, which `jax.jit(..., donate_argnums=...)`
+    refuses ("Attempt to donate the same buffer twice"): donate `x.replace(caches={})`, whose maps the jitted
+    function rebuilds.
 
   overflow: bool scalar, True if an op on the way to this tensor dropped sites that did not fit its
     out_capacity, or a GPU hash table ran out of probes (`jsparse.overflowed`). Ops that make new sites OR

@@ -248,3 +248,15 @@ def test_loop_carries_of_another_grid_name_the_static_fields():
     jax.lax.cond(True, lambda: x, lambda: wider)
   with pytest.raises(TypeError, match=r"batch_size=1.*batch_size=2"):
     jax.lax.while_loop(lambda t: False, lambda t: wider, x)
+
+
+def test_donating_a_tensor_without_its_maps():
+  # A map holds its tensor's coords and num (the same arrays): donated together they are one buffer twice, which
+  # XLA refuses; the class docstring's way out is to donate the tensor without its maps.
+  x = jsparse.with_maps(jsparse.SparseTensor.from_coords(np.array([[0, 1, 2, 3], [0, 1, 2, 2]]),
+                                                         np.ones((2, 2), np.float32), (4, 4, 4), capacity=4),
+                        3, implementation="xla")
+  w = jnp.ones((3, 3, 3, 2, 2), jnp.float32)
+  step = jax.jit(lambda t: jsparse.submconv3d(t, w, implementation="xla"), donate_argnums=0)
+  expected = np.asarray(jsparse.submconv3d(x, w, implementation="xla").todense())
+  np.testing.assert_array_equal(np.asarray(step(x.replace(caches={})).todense()), expected)

@@ -134,11 +134,18 @@ def check_frame_values(name: str, host: np.ndarray, given, where: str = "") -> N
     raise ValueError(f"{name} must be {what}{where}, got {given!r}")
 
 
-def check_sparse_tensor(x, name: str = "x") -> None:
-  """Raises TypeError unless x is a SparseTensor (a dense array passed by mistake fails here, clearly)."""
+def check_sparse_tensor(x, name: str = "x", *, stacked: bool = False) -> None:
+  """Raises TypeError unless x is a SparseTensor (a dense array passed by mistake fails here, clearly), and
+  ValueError for tensors stacked for jax.vmap unless `stacked` (ops take one tensor: inside vmap they get one)."""
   if not isinstance(x, SparseTensor):
     hint = " (build one with SparseTensor.from_dense or from_coords)" if hasattr(x, "shape") else ""
     raise TypeError(f"{name} must be a jsparse.SparseTensor, got {type(x).__name__}{hint}")
+  lead = tuple(getattr(x.coords, "shape", (0, 0))[:-2])
+  if lead and not stacked:
+    # Outside vmap an op read the stack's axis as the rows: JAX's broadcasting errors named no tensor.
+    raise ValueError(f"{name} is a stack of SparseTensors (leading axes {lead} on every leaf, for jax.vmap): apply "
+                     f"the op inside jax.vmap or jax.lax.map, or take element i with jax.tree.map(lambda a: a[i], "
+                     f"{name}) (inside shard_map, a[0] drops the device's axis of 1)")
   # Unflattening skips __post_init__'s checks, so a jax.tree.map that cast every leaf (e.g. astype(bfloat16) for
   # mixed precision) reached the ops with float coordinates, which failed deep inside with JAX's errors.
   for field in ("coords", "num"):
@@ -280,7 +287,7 @@ def overflowed(x: "SparseTensor") -> jax.Array:
   (outside jit they raise). Inside `jsparse.error_checks()`, `jax.experimental.checkify` also reports which
   op overflowed, with its counts.
   Results that are plain arrays (`global_pool`, `todense`) carry no flag: ask their input."""
-  check_sparse_tensor(x)
+  check_sparse_tensor(x, stacked=True)  # a stack's flags, one per element
   return jnp.asarray(x.overflow)
 
 
@@ -432,7 +439,9 @@ class SparseTensor:
 
   `jax.vmap` maps the ops over tensors of one capacity, spatial_shape and batch_size stacked leaf by leaf
   (`jax.tree.map(lambda *a: jnp.stack(a), *tensors)`; each element keeps its own num and sites). Inside it the ops
-  run as under jit: capacities must be ints, and an overflow sets each element's flag instead of raising.
+  run as under jit: capacities must be ints, and an overflow sets each element's flag instead of raising. Outside
+  it the ops refuse a stack (ValueError; `overflowed` gives its flags), as they do a shard_map block that still has
+  the device's leading axis of 1.
   """
 
   coords: jax.Array
@@ -639,7 +648,7 @@ class SparseTensor:
 
   @property
   def capacity(self) -> int:
-    return self.coords.shape[0]
+    return self.coords.shape[-2]  # axis -2: a stack's leading axes (jax.vmap) come first
 
   @property
   def num_channels(self) -> int:

@@ -203,3 +203,21 @@ def test_vmap_over_stacked_tensors(implementation):
                                                              out_capacity=3, implementation=implementation))
   flags = jax.vmap(small) if implementation == "xla" else jax.jit(jax.vmap(small))
   np.testing.assert_array_equal(flags(stacked), [True, True, True])
+
+
+def test_a_stack_outside_vmap_is_named():
+  # Ops given a stack for jax.vmap outside it read the stack's axis as the rows: todense and submconv3d raised
+  # JAX's "Incompatible shapes for broadcasting", batch norm returned wrong rows, capacity was the stack's length.
+  tensors = _same_capacity(3, 3, 96)
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *tensors)
+  assert stacked.capacity == 96
+  w = jnp.zeros((3, 3, 3, CHANNELS, 2), jnp.float32)
+  with pytest.raises(ValueError, match=r"x is a stack of SparseTensors \(leading axes \(3,\).*inside jax.vmap"):
+    jsparse.submconv3d(stacked, w, implementation="xla")
+  with pytest.raises(ValueError, match="x is a stack of SparseTensors"):
+    stacked.todense()
+  # A shard_map block keeps the device's axis of 1: batch norm normalised it as [1, capacity, C] silently wrong.
+  with pytest.raises(ValueError, match=r"leading axes \(1,\).*a\[0\] drops the device's axis"):
+    jsparse.norm.batch_norm(jax.tree.map(lambda a: a[None], tensors[0]))
+  np.testing.assert_array_equal(jsparse.overflowed(stacked), [False, False, False])  # one flag per element
+  assert jax.vmap(lambda x: x.todense())(stacked).shape == (3,) + tensors[0].dense_shape

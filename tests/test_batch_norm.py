@@ -505,3 +505,40 @@ def test_axis_index_groups_under_vmap_keeps_jaxs_message():
   with pytest.raises(NotImplementedError, match="vmap") as raised:
     jax.vmap(step, axis_name="i")(stacked)
   assert "shard_map" not in str(raised.value)
+
+
+def test_epsilon_sits_inside_the_square_root():
+  """(x - mean) / sqrt(var + eps), not / (sqrt(var) + eps), in every normalisation: batch norm on batch and on
+  running statistics, layer norm and group norm, against float64 numpy on rows whose variance (1e-4) is comparable
+  to epsilon (at a variance near 1 the two differ by ~eps / 2, inside any tolerance). Three items, padding rows."""
+  rng = np.random.default_rng(5)
+  n, pad, c, groups, eps, batch = 90, 11, 6, 3, 1e-4, 3
+  sites = rng.choice(batch * 5 * 6 * 7, n, replace=False)
+  coords = np.full((n + pad, 4), -1, np.int32)
+  coords[:n] = np.stack(np.unravel_index(sites, (batch, 5, 6, 7)), 1)
+  f = np.zeros((n + pad, c))
+  f[:n] = rng.standard_normal((n, c)) * 0.01 * rng.uniform(0.5, 2.0, c) + rng.standard_normal(c)
+  x = jsparse.SparseTensor(jnp.asarray(coords), jnp.asarray(f, jnp.float32), jnp.asarray(n, jnp.int32), (5, 6, 7),
+                           batch)
+  v = f[:n]
+  check = lambda got, want: np.testing.assert_allclose(np.asarray(got.feats[:n]), want, rtol=2e-3, atol=2e-3)
+  check(norm.batch_norm(x, epsilon=eps), (v - v.mean(0)) / np.sqrt(v.var(0) + eps))
+  mean, var = rng.standard_normal(c), rng.uniform(0.5, 2.0, c) * 1e-4
+  check(norm.batch_norm(x, mean=jnp.asarray(mean, jnp.float32), var=jnp.asarray(var, jnp.float32), epsilon=eps),
+        (v - mean) / np.sqrt(var + eps))
+  rows = np.zeros((n + pad, c))  # layer norm's statistics are over each row's channels: spread 0.01 there
+  rows[:n] = rng.standard_normal((n, c)) * 0.01 + rng.standard_normal((n, 1))
+  r = rows[:n]
+  check(norm.layer_norm(x.replace(feats=jnp.asarray(rows, jnp.float32)), epsilon=eps),
+        (r - r.mean(1, keepdims=True)) / np.sqrt(r.var(1, keepdims=True) + eps))
+  # Group norm's are over an item's rows and a group's channels: an offset per (item, group), spread 0.01 about it.
+  grouped = np.zeros((n + pad, c))
+  grouped[:n] = rng.standard_normal((n, c)) * 0.01 + np.repeat(rng.standard_normal((batch, groups)), c // groups,
+                                                                axis=1)[coords[:n, 0]]
+  want = np.zeros((n, c))
+  for b in range(batch):
+    rows = coords[:n, 0] == b
+    g = grouped[:n][rows].reshape(-1, groups, c // groups)
+    m, s2 = g.mean((0, 2), keepdims=True), g.var((0, 2), keepdims=True)
+    want[rows] = ((g - m) / np.sqrt(s2 + eps)).reshape(-1, c)
+  check(norm.group_norm(x.replace(feats=jnp.asarray(grouped, jnp.float32)), groups, epsilon=eps), want)

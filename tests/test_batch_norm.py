@@ -542,3 +542,27 @@ def test_epsilon_sits_inside_the_square_root():
     m, s2 = g.mean((0, 2), keepdims=True), g.var((0, 2), keepdims=True)
     want[rows] = ((g - m) / np.sqrt(s2 + eps)).reshape(-1, c)
   check(norm.group_norm(x.replace(feats=jnp.asarray(grouped, jnp.float32)), groups, epsilon=eps), want)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.float16, 2e-3)])
+def test_running_statistics_apply_the_affine_before_the_activation(dtype, tol):
+  """batch_norm on given (running) statistics with a fused activation: act(xhat * scale + bias), against float64
+  numpy, with negative scales and biases (relu before the affine, or the affine applied twice, differ there) and
+  padding rows left zero; the module in eval mode gives the same."""
+  rng = np.random.default_rng(7)
+  n, pad, c = 60, 9, 5
+  x = _tensor(rng, n, pad, c, dtype, offset=0.5, spread=1.5)
+  mean, var = rng.standard_normal(c), rng.uniform(0.5, 3.0, c)
+  scale, bias = rng.standard_normal(c) * 2, rng.standard_normal(c)
+  f = np.asarray(x.feats[:n], np.float64)
+  want = np.maximum((f - mean) / np.sqrt(var + 1e-5) * scale + bias, 0)
+  as32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+  y = norm.batch_norm(x, as32(scale), as32(bias), mean=as32(mean), var=as32(var), activation=jax.nn.relu)
+  assert y.dtype == dtype
+  np.testing.assert_allclose(np.asarray(y.feats[:n], np.float64), want, rtol=tol, atol=tol * 4)
+  assert np.all(np.asarray(y.feats[n:]) == 0)
+  bn = jsparse.nn.SparseBatchNorm(activation=jax.nn.relu, use_running_average=True)
+  variables = {"params": {"scale": as32(scale), "bias": as32(bias)},
+               "batch_stats": {"mean": as32(mean), "var": as32(var)}}
+  np.testing.assert_allclose(np.asarray(bn.apply(variables, x).feats, np.float32), np.asarray(y.feats, np.float32),
+                             rtol=tol, atol=tol)

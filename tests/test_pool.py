@@ -219,3 +219,22 @@ def test_global_max_gradient_of_a_minus_inf_maximum_reaches_its_rows_whole():
   for item in range(2):
     np.testing.assert_array_equal(np.asarray(g)[:3][coords[:, 0] == item],
                                   jax.grad(lambda f: jnp.sum(jnp.max(f, axis=0)))(feats[coords[:, 0] == item]))
+
+
+def test_avg_pool_accumulates_half_precision_in_float32():
+  """fp16 window sums accumulate in float32 (module docstring): windows mixing 2048 with small integers, where an
+  fp16 sum drops the small terms (2048 + 1 rounds back to 2048). Against the float32 dense reference, each mean
+  within half an fp16 ulp. Two items, a non-cubic grid, partial windows, padding rows, padding 1."""
+  rng = np.random.default_rng(11)
+  x = random_sparse(rng, (6, 4, 8), 3, batch_size=2, density=0.7, pad=6)
+  n = int(x.num)
+  f = np.where(rng.random((n, 3)) < 0.25, 2048.0, rng.integers(1, 4, (n, 3)))
+  feats = jnp.asarray(np.concatenate([f, np.zeros((x.capacity - n, 3))]), jnp.float16)
+  x = x.replace(feats=feats)
+  for ks, st_, pad in ((2, 2, 0), (3, 2, 1)):
+    y = jsparse.sparse_avg_pool3d(x, ks, st_, pad)
+    want = np.asarray(_at(_dense_pool(x, feats, ks, st_, pad, "mean"), y), np.float64)
+    got = np.asarray(y.feats, np.float64)
+    assert y.dtype == jnp.float16
+    ulp = np.maximum(np.spacing(np.abs(want).astype(np.float16)), np.spacing(np.abs(got).astype(np.float16)))
+    assert np.all(np.abs(got - want) <= 0.5 * ulp.astype(np.float64)), np.max(np.abs(got - want) / ulp)

@@ -566,3 +566,34 @@ def test_running_statistics_apply_the_affine_before_the_activation(dtype, tol):
                "batch_stats": {"mean": as32(mean), "var": as32(var)}}
   np.testing.assert_allclose(np.asarray(bn.apply(variables, x).feats, np.float32), np.asarray(y.feats, np.float32),
                              rtol=tol, atol=tol)
+
+
+def test_half_precision_inputs_normalise_in_float32():
+  """fp16 features far from zero (offset 200, spread 1: fp16's ulp there is 0.125) normalise in float32: batch,
+  layer and group norm against float64 numpy of the same fp16 values, each output within fp16 rounding of itself.
+  A mean rounded to fp16, or x - mean taken in fp16, is off by up to a few hundredths there. Three items, padding."""
+  rng = np.random.default_rng(9)
+  n, pad, c, groups, batch = 120, 7, 6, 2, 3
+  sites = rng.choice(batch * 4 * 5 * 6, n, replace=False)
+  coords = np.full((n + pad, 4), -1, np.int32)
+  coords[:n] = np.stack(np.unravel_index(sites, (batch, 4, 5, 6)), 1)
+  item = coords[:n, 0]
+  offset = 200 + 20 * rng.standard_normal((batch, c))  # per item and channel: every statistic is far from zero
+  f = np.zeros((n + pad, c), np.float16)
+  f[:n] = rng.standard_normal((n, c)) + offset[item]
+  x = jsparse.SparseTensor(jnp.asarray(coords), jnp.asarray(f), jnp.asarray(n, jnp.int32), (4, 5, 6), batch)
+  v = f[:n].astype(np.float64)
+
+  def check(y, want):
+    assert y.dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(y.feats[:n], np.float64), want, rtol=2e-3, atol=2e-3)
+    assert np.all(np.asarray(y.feats[n:]) == 0)
+
+  check(norm.batch_norm(x), (v - v.mean(0)) / np.sqrt(v.var(0) + 1e-5))
+  check(norm.layer_norm(x), (v - v.mean(1, keepdims=True)) / np.sqrt(v.var(1, keepdims=True) + 1e-6))
+  want = np.zeros((n, c))
+  for b in range(batch):
+    g = v[item == b].reshape(-1, groups, c // groups)
+    g = (g - g.mean((0, 2), keepdims=True)) / np.sqrt(g.var((0, 2), keepdims=True) + 1e-6)
+    want[item == b] = g.reshape(-1, c)
+  check(norm.group_norm(x, groups), want)

@@ -671,3 +671,21 @@ def test_counts_take_numpy_integers():
       snn.SubMConv3d(bad).init(KEY, x)
     with pytest.raises(ValueError, match="num_groups must be a positive int"):
       snn.SparseGroupNorm(bad).init(KEY, x)
+
+
+def test_norm_defaults_are_flaxs_and_the_default_momentum_moves_running_averages():
+  """The norm modules' defaults are flax's (momentum 0.99, epsilons, num_groups), and a training call with the
+  default momentum moves the running averages by 1 - 0.99 towards the batch's statistics (two items, padding)."""
+  for ours, theirs, fields in ((snn.SparseBatchNorm, nn.BatchNorm, ("momentum", "epsilon")),
+                               (snn.SparseLayerNorm, nn.LayerNorm, ("epsilon",)),
+                               (snn.SparseGroupNorm, nn.GroupNorm, ("epsilon", "num_groups", "group_size"))):
+    for field in fields:
+      assert getattr(ours(), field) == getattr(theirs(), field), (ours.__name__, field)
+  x = random_sparse(np.random.default_rng(4), (3, 4, 5), 3, batch_size=2, pad=4)
+  x = x.replace(feats=jnp.where(x.valid_mask()[:, None], x.feats * 2 + 1, 0))
+  bn = snn.SparseBatchNorm()
+  variables = bn.init(jax.random.key(0), x, use_running_average=False)
+  _, state = bn.apply(variables, x, use_running_average=False, mutable=["batch_stats"])
+  f = np.asarray(x.feats[: int(x.num)], np.float64)
+  np.testing.assert_allclose(np.asarray(state["batch_stats"]["mean"]), 0.01 * f.mean(0), rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(state["batch_stats"]["var"]), 0.99 + 0.01 * f.var(0), rtol=1e-5)

@@ -100,12 +100,20 @@ def test_sparse_conv3d_matches_dense(case):
     assert rel_err(a, r) < 1e-5
 
 
-@pytest.mark.parametrize("case", CASES[:4], ids=[str(i) for i in range(4)])
+# A unit-stride, padded convolution whose output has more sites than its input: the inverse's input gradient
+# (over the forward map, one row per site of y) must run over all of y's rows, not like's count of them.
+MORE_OUTPUTS = ((6, 5, 7), 2, (3, 1, 3), 1, 1, 1, 3, 2, True)
+INVERSE_CASES = CASES[:4] + [MORE_OUTPUTS]
+
+
+@pytest.mark.parametrize("case", INVERSE_CASES, ids=[str(i) for i in range(len(INVERSE_CASES))])
 def test_inverse_conv_matches_dense_transpose(case):
   shape, batch, ks, st, pad, dil, cin, cout, use_bias = case
   rng = np.random.default_rng(1 + abs(hash(case)) % 2**32)
   x = random_sparse(rng, shape, cin, batch_size=batch, density=0.25, pad=5)
   y = sparse_conv3d(x, _w(rng, ks + (cin, cout)), stride=st, padding=pad, dilation=dil)
+  if case == MORE_OUTPUTS:
+    assert int(y.num) > int(x.num)
   y = y.replace(feats=jnp.where(y.valid_mask()[:, None], rng.standard_normal(y.feats.shape).astype(np.float32), 0))
   c2 = 3
   w = _w(rng, ks + (cout, c2))

@@ -1,4 +1,5 @@
 """submconv3d against the dense convolution (XLA path) and the Pallas kernels against the XLA path."""
+import dataclasses
 import functools
 
 import jax
@@ -468,6 +469,26 @@ def test_bad_input_errors():
     jsparse.submconv3d(x, w, cache=cache)
   with pytest.raises(ValueError, match="precision"):
     jsparse.submconv3d(x, w, precision="fp8", implementation="xla")
+
+
+def test_a_passed_cache_must_match_the_conv_and_carries_its_overflow_flag():
+  """A map of the right kernel size but another dilation or capacity is refused (its offsets or rows are not
+  this convolution's), and a map whose hash table overflowed marks the output (`jsparse.overflowed`)."""
+  rng = np.random.default_rng(5)
+  x = random_sparse(rng, (5, 6, 4), 3, batch_size=2)
+  w, _ = random_weights(rng, (3, 1, 3), 3, 2, False)
+  with pytest.raises(ValueError, match="cache was built"):
+    jsparse.submconv3d(x, w, cache=jsparse.neighbor_map(x, (3, 1, 3), (1, 1, 2), implementation="xla"),
+                       implementation="xla")
+  wider = x.replace(coords=jnp.pad(x.coords, ((0, 2), (0, 0)), constant_values=-1),
+                    feats=jnp.pad(x.feats, ((0, 2), (0, 0))))
+  with pytest.raises(ValueError, match="cache was built"):
+    jsparse.submconv3d(x, w, cache=jsparse.neighbor_map(wider, (3, 1, 3), implementation="xla"),
+                       implementation="xla")
+  cache = jsparse.neighbor_map(x, (3, 1, 3), implementation="xla")
+  assert not bool(jsparse.overflowed(jsparse.submconv3d(x, w, cache=cache, implementation="xla")))
+  bad = dataclasses.replace(cache, overflow=jnp.asarray(True))
+  assert bool(jsparse.overflowed(jsparse.submconv3d(x, w, cache=bad, implementation="xla")))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])

@@ -90,6 +90,44 @@ def test_xla_half_precision(dtype, tol):
   assert rel_err(y.feats.astype(np.float32), ref) < tol
 
 
+def _eqns_outside_kernels(jaxpr):
+  """Every equation of `jaxpr` and of its sub-jaxprs (custom_vjp rules, jit), but not inside Pallas kernels."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    if eqn.primitive.name == "pallas_call":
+      continue
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _eqns_outside_kernels(sub)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_half_precision_passes_accumulate_in_float32(implementation):
+  """Every matmul of the float16 forward, input gradient and weight gradient outside the Pallas kernels
+  accumulates in float32, and so does the bias gradient's sum over rows. The CPU sums float16 in float32
+  whatever the program asks, so the values cannot tell: the program is read instead."""
+  rng = np.random.default_rng(0)
+  x = random_sparse(rng, (5, 4, 6), 3, batch_size=2)
+  x = x.replace(feats=x.feats.astype(jnp.float16))
+  w, b = random_weights(rng, (3, 1, 3), 3, 2, True, dtype=np.float16)
+
+  def loss(feats, w, b):
+    y = jsparse.submconv3d(x.replace(feats=feats), w, b, implementation=implementation)
+    return jnp.sum(y.feats.astype(jnp.float32))
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x.feats, w, b).jaxpr
+  eqns = list(_eqns_outside_kernels(jaxpr))
+  dots = [e for e in eqns if e.primitive.name == "dot_general"]
+  sums = [e for e in eqns if e.primitive.name == "reduce_sum" and jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating)]
+  assert len(dots) == (3 if implementation == "xla" else 0) and sums
+  for e in dots:
+    assert e.params["preferred_element_type"] == jnp.float32, e
+  for e in sums:
+    assert e.invars[0].aval.dtype == jnp.float32, e
+
+
 # Pallas kernels in interpret mode against the XLA path (small inputs: interpret mode is slow). CASES[0]'s shape,
 # kernel and bias are test_pallas_algorithms_interpret_match_xla's, run there with every algorithm; these three
 # add dilation, flat and non-cubic kernels, no bias, and a cache built by the XLA path.

@@ -26,6 +26,8 @@ CASES = [
     ((7, 8, 5), 2, (3, 3, 3), 1, 0, (1, 2, 1), 3, 3, True),
     ((6, 5, 7), 2, (1, 1, 1), 2, 0, 1, 3, 2, True),
     ((5, 6, 4), 2, (3, 1, 2), 3, 2, 2, 2, 3, False),
+    # Stride, padding and dilation that read differently backwards (the cases above are palindromes in both).
+    ((8, 7, 6), 2, (3, 2, 3), (1, 2, 3), (1, 0, 2), (2, 1, 1), 3, 2, True),
 ]
 
 

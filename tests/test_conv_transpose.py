@@ -299,6 +299,33 @@ def test_generative_path_is_unchanged():
                              atol=1e-6)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_generative_padding_rows_of_the_output_feed_no_gradient(implementation):
+  """Generative upsampling with spare output rows (out_capacity past the kept children) and pruned children:
+  the cotangent at the padding rows reaches neither gradient, so the values and gradients equal those of the
+  exact capacity on the XLA path (checked against the dense reference by the tests above)."""
+  rng = np.random.default_rng(23)
+  x = random_sparse(rng, (3, 4, 3), 3, batch_size=2, density=0.4, pad=2)
+  w, b = _weights(rng, (2, 1, 2), 3, 2)
+  mask = jnp.asarray(rng.random((x.capacity, 4)) < 0.7)
+  kw = dict(stride=(2, 1, 2), mask=mask, precision="highest")
+  n = int(sparse_conv_transpose3d(x, w, b, out_capacity="exact", **kw).num)
+  cot = jnp.asarray(rng.standard_normal((n + 6, 2)).astype(np.float32))
+
+  def values_and_grads(capacity, impl):
+    def loss(f, w, b):
+      y = sparse_conv_transpose3d(x.replace(feats=f), w, b, out_capacity=capacity, implementation=impl, **kw)
+      return jnp.sum(y.feats * cot[:capacity]), y.feats
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(x.feats, w, b)
+
+  (_, spare), grads = values_and_grads(n + 6, implementation)
+  (_, exact), want = values_and_grads(n, "xla")
+  np.testing.assert_array_equal(np.asarray(spare[n:]), 0)
+  assert rel_err(spare[:n], exact) < 1e-6
+  for name, g, r in zip(("features", "weight", "bias"), grads, want):
+    assert rel_err(g, r) < 1e-5, name
+
+
 def test_bad_arguments():
   rng = np.random.default_rng(18)
   x = random_sparse(rng, (4, 4, 4), 2, batch_size=1, density=0.4)

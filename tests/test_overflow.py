@@ -214,11 +214,14 @@ def test_flag_propagates_and_is_part_of_the_pytree():
     fine = _OPS["sparse_conv3d"](x, n, "xla")
     # Inverse back onto x's sites: x's flag or y's; concat: either input's.
     back = jsparse.sparse_inverse_conv3d(y, _w((2, 2, 2, 4, 2)), like=x, stride=2)
+    # Transposed convolutions with room for every output: the general path and generative upsampling.
+    up = jsparse.sparse_conv_transpose3d(y, _w((3, 3, 3, 4, 2)), stride=2, padding=1, out_capacity=27 * y.capacity)
+    children = jsparse.sparse_conv_transpose3d(y, _w((2, 2, 2, 4, 2)), stride=2, out_capacity=8 * y.capacity)
     return (y, jsparse.norm.layer_norm(y), y.replace(feats=y.feats * 2), back, jsparse.concat(x, back),
-            jsparse.concat(fine, fine), jsparse.sparse_max_pool3d(y, 1, out_capacity=y.capacity))
+            jsparse.concat(fine, fine), jsparse.sparse_max_pool3d(y, 1, out_capacity=y.capacity), up, children)
 
-  y, normed, replaced, back, cat, fine, pooled = f(x)
-  assert all(bool(jsparse.overflowed(t)) for t in (y, normed, replaced, back, cat, pooled))
+  y, normed, replaced, back, cat, fine, pooled, up, children = f(x)
+  assert all(bool(jsparse.overflowed(t)) for t in (y, normed, replaced, back, cat, pooled, up, children))
   assert not bool(jsparse.overflowed(fine)) and not bool(jsparse.overflowed(x))
   leaves, treedef = jax.tree_util.tree_flatten(y)
   assert bool(jax.tree_util.tree_unflatten(treedef, leaves).overflow)

@@ -90,6 +90,19 @@ def test_xla_half_precision(dtype, tol):
   assert rel_err(y.feats.astype(np.float32), ref) < tol
 
 
+def test_submconv_xla_input_gradient_sums_half_precision_in_float32():
+  """submconv_xla differentiated by JAX (not through map_gemm's custom_vjp): the transpose of its gather adds
+  every row's cotangent into the rows it read in float32. 4096 rows read row 0, half with cotangent +60 and half
+  -60: float16 partial sums pass 65504 and gave inf, where the sum is 0."""
+  m = 4096
+  feats = jnp.ones((m, 2), jnp.float16)
+  w = jnp.ones((1, 2, 3), jnp.float16)
+  nbr = jnp.zeros((m, 1), jnp.int32)
+  g = jnp.asarray(np.repeat(np.r_[np.full(m // 2, 60.0), np.full(m // 2, -60.0)][:, None], 3, 1), jnp.float16)
+  _, vjp = jax.vjp(lambda f: jsparse.submconv_xla(f, w, None, nbr, m), feats)
+  np.testing.assert_array_equal(np.asarray(vjp(g)[0], np.float32), 0)
+
+
 def _eqns_outside_kernels(jaxpr):
   """Every equation of `jaxpr` and of its sub-jaxprs (custom_vjp rules, jit), but not inside Pallas kernels."""
   for eqn in jaxpr.eqns:

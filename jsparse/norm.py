@@ -80,6 +80,16 @@ def activation(x: SparseTensor, fn: Callable[[jax.Array], jax.Array]) -> SparseT
 # ---- batch norm ------------------------------------------------------------------------------------------
 
 
+def _corrected_moments(mean: jax.Array, centred_mean: jax.Array, centred_square_mean: jax.Array):
+  """(mean, biased var) from a first mean and the mean and mean square of the values centred on it.
+
+  The centred values' mean is what rounding left out of the first mean (XLA divides by a count as a product with
+  its rounded reciprocal): added back, a constant feature's mean is exact and it normalises to 0, where a mean 1
+  ulp off divided by sqrt(epsilon) gave up to +-0.7; its square comes off the variance.
+  """
+  return mean + centred_mean, jnp.maximum(centred_square_mean - centred_mean * centred_mean, 0.0)
+
+
 def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None, return_count: bool = False):
   """(mean, var), float32 [C]: per channel over the valid rows of the whole batch.
 
@@ -112,10 +122,8 @@ def batch_statistics(x: SparseTensor, *, axis_name=None, axis_index_groups=None,
   m2 = jnp.sum(centred * centred, axis=0)
   residual = jnp.sum(centred, axis=0) / jnp.maximum(count, 1.0)  # the exact mean is ~ local_mean + residual
   if axis_name is None:
-    # As the combination below: the residual added back (XLA divides by the count as a product with its rounded
-    # reciprocal, so 300 rows of 12345.678 gave a mean 1 ulp off, and those rows normalised to +-0.3, not 0).
-    var = jnp.maximum(m2 / jnp.maximum(count, 1.0) - residual * residual, 0.0)
-    return (local_mean + residual, var, count) if return_count else (local_mean + residual, var)
+    mean, var = _corrected_moments(local_mean, residual, m2 / jnp.maximum(count, 1.0))
+    return (mean, var, count) if return_count else (mean, var)
   mine = jnp.concatenate([count[None], local_mean, residual, m2])
   # Slots by the index along the whole axis: with axis_index_groups the other groups' slots stay zero
   # (count 0), which the combination ignores.
@@ -309,12 +317,11 @@ def layer_norm(x: SparseTensor, scale: ArrayLike | None = None, bias: ArrayLike 
   _check_affine("scale", scale, c)
   _check_affine("bias", bias, c)
   f = _valid_feats_f32(x)
-  centred = f - jnp.mean(f, axis=-1, keepdims=True)
-  # The mean of the centred row is what rounding left out of the mean (a constant row of 12345.678 in 5 channels
-  # came out off by 1 ulp, and normalised to +-0.7 instead of 0): centring on it too, its square leaves the variance.
-  residual = jnp.mean(centred, axis=-1, keepdims=True)
-  var = jnp.maximum(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) - residual * residual, 0.0)
-  return _finish(x, (centred - residual) * lax.rsqrt(var + epsilon), scale, bias, _output_dtype(x, dtype))
+  first_mean = jnp.mean(f, axis=-1, keepdims=True)
+  centred = f - first_mean
+  mean, var = _corrected_moments(first_mean, jnp.mean(centred, axis=-1, keepdims=True),
+                                 jnp.mean(jnp.square(centred), axis=-1, keepdims=True))
+  return _finish(x, (f - mean) * lax.rsqrt(var + epsilon), scale, bias, _output_dtype(x, dtype))
 
 
 # ---- group norm ------------------------------------------------------------------------------------------
@@ -327,22 +334,13 @@ def _check_groups(channels: int, num_groups: int) -> int:
   return channels // num_groups
 
 
-def _rows_of(one_hot: jax.Array) -> jax.Array:
-  """bool [capacity]: the valid rows (a padding row's one-hot row is zero)."""
-  return jnp.sum(one_hot, axis=1) > 0
-
-
 def _group_stats(feats: jax.Array, one_hot: jax.Array, num_groups: int):
   """(mean, biased var) float32 [batch_size, G] over each item's valid rows and each group's channels: a pass for
-  the means, then one over the rows centred on them (float32 sums of squares about zero cancel badly).
-
-  The second pass also sums the centred rows, whose mean (the residual) is what rounding left out of the first
-  mean: XLA divides by the counts as a product with their rounded reciprocals, so a constant 1000 came out 1 ulp
-  off, and (x - mean) / sqrt(0 + 1e-6) gave +-0.06 instead of 0. The residual is added back, and the sum of
-  squares about the rounded mean loses its square (as `batch_statistics` does across devices)."""
+  the means, then one over the rows centred on them (float32 sums of squares about zero cancel badly), which also
+  sums the centred rows for `_corrected_moments`."""
   cap, c = feats.shape
   group_size = c // num_groups
-  valid = _rows_of(one_hot)
+  valid = per_item.valid_rows(one_hot)
   f = jnp.where(valid[:, None], feats.astype(jnp.float32), 0).reshape(cap, num_groups, group_size)
   denom = jnp.maximum(per_item.count_per_item(one_hot) * group_size, 1.0)[:, None]
   mean = per_item.sum_per_item(one_hot, jnp.sum(f, axis=-1)) / denom
@@ -350,9 +348,7 @@ def _group_stats(feats: jax.Array, one_hot: jax.Array, num_groups: int):
   # One per-item product for both sums of the second pass.
   sums = per_item.sum_per_item(one_hot, jnp.stack([jnp.sum(centred, axis=-1), jnp.sum(centred * centred, axis=-1)],
                                                   axis=-1))
-  residual = sums[..., 0] / denom
-  var = jnp.maximum(sums[..., 1] / denom - residual * residual, 0.0)
-  return mean + residual, var
+  return _corrected_moments(mean, sums[..., 0] / denom, sums[..., 1] / denom)
 
 
 def _group_normalised(feats, one_hot, mean, inv_std, num_groups):
@@ -360,7 +356,7 @@ def _group_normalised(feats, one_hot, mean, inv_std, num_groups):
   cap, c = feats.shape
   f = feats.astype(jnp.float32).reshape(cap, num_groups, c // num_groups)
   xhat = (f - per_item.per_row(one_hot, mean)[..., None]) * per_item.per_row(one_hot, inv_std)[..., None]
-  return jnp.where(_rows_of(one_hot)[:, None], xhat.reshape(cap, c), 0)
+  return jnp.where(per_item.valid_rows(one_hot)[:, None], xhat.reshape(cap, c), 0)
 
 
 def group_statistics(x: SparseTensor, num_groups: int):
@@ -412,7 +408,7 @@ def _group_norm_unit_fwd(feats, one_hot, scale, bias, num_groups, epsilon, activ
   inv_std = lax.rsqrt(var + epsilon)
   z = _group_normalised(feats, one_hot, mean, inv_std, num_groups) * scale + bias
   y = z if activation is None else activation(z)
-  y = jnp.where(_rows_of(one_hot)[:, None], y, 0).astype(out_dtype)
+  y = jnp.where(per_item.valid_rows(one_hot)[:, None], y, 0).astype(out_dtype)
   return y, (feats, one_hot, scale, bias, mean, inv_std)
 
 
@@ -422,7 +418,7 @@ def _group_norm_unit_bwd(num_groups, epsilon, activation, out_dtype, res, g_y):
   g_y, feats, mean, inv_std = lax.optimization_barrier((g_y, feats, mean, inv_std))
   cap, c = feats.shape
   group_size = c // num_groups
-  valid = _rows_of(one_hot)[:, None]
+  valid = per_item.valid_rows(one_hot)[:, None]
   # One pulled-back cotangent shared by the three passes: recomputing it per pass behind barriers measured slower
   # (decoder large fp16 training 139.0 -> 146.2 ms, +2.3 GB; docs/perf_notes.md).
   xhat = _group_normalised(feats, one_hot, mean, inv_std, num_groups)

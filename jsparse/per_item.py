@@ -35,6 +35,11 @@ def item_one_hot(x: SparseTensor) -> jax.Array:
   return jax.nn.one_hot(item, x.batch_size, dtype=jnp.float32)  # index -1: a zero row
 
 
+def valid_rows(one_hot: jax.Array) -> jax.Array:
+  """bool [capacity]: the valid rows of a one-hot from item_one_hot (a padding row's one-hot row is zero)."""
+  return jnp.sum(one_hot, axis=1) > 0
+
+
 # Rows per chunk in the first stage of the per-item sums (see _sum_rows).
 SUM_CHUNK_ROWS = 512
 # Weight of a "-inf or NaN" entry in the flag column ("+inf or NaN" weighs 1): a chunk's flag sum

@@ -158,7 +158,7 @@ def _max_per_item_bwd(res, g):
   scatter-max: that counts the -inf the scatter starts from as one more tie, so an item whose maximum is -inf
   passed 1 / (ties + 1) of its cotangent (half of it for a single row) to its rows."""
   feats, one_hot, out = res
-  valid = (jnp.sum(one_hot, axis=1) > 0)[:, None]
+  valid = per_item.valid_rows(one_hot)[:, None]
   at_max = valid & (feats.astype(jnp.float32) == per_item.per_row(one_hot, out))
   ties = per_item.sum_per_item(one_hot, at_max)
   grad = jnp.where(at_max, per_item.per_row(one_hot, g / jnp.maximum(ties, 1.0)), 0)

@@ -91,12 +91,14 @@ def test_batch_norm_statistics_accurate_far_from_zero():
 def test_batch_statistics_of_a_constant_channel_are_exact():
   """batch_statistics on one device adds back the mean of the rows centred on its mean, as its cross-device
   combination does: 300 rows of 12345.678 gave a mean 1 ulp off (XLA divides by the count as a product with its
-  rounded reciprocal), and batch_norm with those statistics gave +-0.3 instead of 0."""
+  rounded reciprocal), and batch_norm with those statistics gave +-0.3 instead of 0. The variance is the centred
+  mean square less the centred mean's square, two roundings of ~1e-6 that need not cancel exactly (5.7e-14 on an
+  H200): it must stay orders of magnitude below epsilon, where it cannot move the normalised rows."""
   x = _tensor(np.random.default_rng(4), 300, 3, 2, jnp.float32)
   x = x.replace(feats=jnp.where(x.valid_mask()[:, None], jnp.float32(12345.678), 0))
   mean, var = norm.batch_statistics(x)
   np.testing.assert_array_equal(np.asarray(mean), np.float32(12345.678))
-  np.testing.assert_array_equal(np.asarray(var), 0.0)
+  assert np.all((np.asarray(var) >= 0) & (np.asarray(var) < 1e-12)), var
   np.testing.assert_array_equal(np.asarray(norm.batch_norm(x, mean=mean, var=var).feats), 0.0)
 
 

@@ -180,6 +180,56 @@ def test_interpret_overflow_flag_with_tiny_probe_bound():
   assert ovf
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_interpret_padding_rows_next_to_valid_sites_are_never_neighbours(interleave):
+  """Padding rows (>= num) may hold in-grid sites right next to valid rows (a shrunk tensor's stale rows): they
+  must not be inserted, or a lookup of that site finds a key whose value no valid row wrote (with two tables
+  the value table is not initialised)."""
+  shape = (6, 6, 6)
+  rng = np.random.default_rng(23)
+  coords = random_points(rng, shape, 1, 40, 64)
+  occupied = {tuple(c) for c in coords[:40].tolist()}
+  stale = []
+  for b, x, y, z in coords[:40].tolist():  # empty in-grid sites one step from a valid row
+    for d in ((1, 0, 0), (0, 1, 0), (0, 0, 1), (-1, 0, 0)):
+      site = (b, x + d[0], y + d[1], z + d[2])
+      if all(0 <= c < n for c, n in zip(site[1:], shape)) and site not in occupied and site not in stale:
+        stale.append(site)
+  coords[40:] = np.asarray(stale[:24], np.int32)
+  nbr, ovf = _run_interpret(coords, 40, shape, OFFS_333, interleave=interleave)
+  assert not ovf
+  np.testing.assert_array_equal(nbr, ref_dict(coords, 40, shape, OFFS_333))
+
+
+def test_table_size_below_twice_the_capacity_raises():
+  """table_size must hold the load factor at 1/2 or below (what bounds every probe loop): a table of exactly
+  `capacity` slots is refused, in interpret mode too (no Triton lowering that could fail first)."""
+  coords = jnp.asarray(random_points(np.random.default_rng(2), (4, 4, 4), 1, 16, 16))
+  with pytest.raises(ValueError, match="table_size must be a power of two >= 2\\*capacity"):
+    neighbor_map_hashed(coords, 16, spatial_shape=(4, 4, 4), offsets=OFFS_333, table_size=16, interpret=True)
+  nbr, ovf = _run_interpret(coords, 16, (4, 4, 4), OFFS_333, table_size=32)
+  assert not ovf
+  np.testing.assert_array_equal(nbr, ref_dict(coords, 16, (4, 4, 4), OFFS_333))
+
+
+def test_max_probes_bounds_the_probes_exactly():
+  """Two sites with one home slot: the second insertion takes two swaps, so max_probes=1 must flag overflow and
+  max_probes=2 must not (a bound of one too many probes would hide the first)."""
+  shape, tsize = (4, 4, 4), 16
+  sites = [(0, x, y, z) for x in range(4) for y in range(4) for z in range(4)]
+  homes = [int(_home(jnp.int32(((b * 4 + x) * 4 + y) * 4 + z), tsize - 1)) for b, x, y, z in sites]
+  first = 0
+  second = next(i for i in range(1, len(sites)) if homes[i] == homes[first])
+  coords = np.full((8, 4), -1, np.int32)
+  coords[:2] = [sites[first], sites[second]]
+  centre = ((0, 0, 0),)  # answered without a lookup: only the build and the fill probe
+  _, ovf = _run_interpret(coords, 2, shape, centre, table_size=tsize, max_probes=1)
+  assert ovf
+  nbr, ovf = _run_interpret(coords, 2, shape, centre, table_size=tsize, max_probes=2)
+  assert not ovf
+  np.testing.assert_array_equal(nbr[:, 0], [0, 1, -1, -1, -1, -1, -1, -1])
+
+
 def test_bad_arguments():
   c = jnp.zeros((8, 4), jnp.int32)
   with pytest.raises(ValueError):

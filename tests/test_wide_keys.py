@@ -129,6 +129,26 @@ def test_neighbor_map(grid, implementation):
   np.testing.assert_array_equal(nbr, _ref_neighbors(sites, x.capacity, shape, offsets))
 
 
+def test_wide_lookups_compare_the_batch_too():
+  """Wide tables hold rows and compare the probed site's 4 coordinates: a site of another batch item at the same
+  (x, y, z), met along the probe run (here at the looked-up site's very home slot), is no match."""
+  from pallas_kernels.hash_table import neighbor_map_hashed, site_home
+
+  shape, tsize = (2048,) * 3, 16
+  xs = jnp.arange(200, dtype=jnp.int32)
+  five = jnp.full_like(xs, 5)
+  home0 = np.asarray(site_home((jnp.zeros_like(xs), xs, five, five), shape, tsize - 1))
+  home1 = np.asarray(site_home((jnp.ones_like(xs), xs, five, five), shape, tsize - 1))
+  x = int(np.flatnonzero(home0 == home1)[0])  # (0, x, 5, 5) sits where (1, x, 5, 5) is looked up first
+  coords = np.full((4, 4), -1, np.int32)
+  coords[:2] = [(0, x, 5, 5), (1, x, 5, 4)]  # row 1's +z neighbour would be (1, x, 5, 5): absent
+  offsets = ((0, 0, -1), (0, 0, 0), (0, 0, 1))
+  nbr, ovf = neighbor_map_hashed(jnp.asarray(coords), jnp.int32(2), spatial_shape=shape, offsets=offsets,
+                                 interpret=True, table_size=tsize, wide_keys=True)
+  assert not bool(ovf)
+  np.testing.assert_array_equal(nbr, [[-1, 0, -1], [-1, 1, -1], [-1, -1, -1], [-1, -1, -1]])
+
+
 def test_direct_tensor_under_jit_does_not_wrap():
   """Issue 16: a SparseTensor built under jit on 2048^3 gave (0,0,0) the feature of (1024,0,1) as its +z
   neighbour (their int32 keys differ by 2**32)."""

@@ -233,6 +233,16 @@ def test_masked_plan_and_pair_lists():
     assert np.all(np.asarray(pairs.sources[v, count:]) == -1)
 
 
+def test_gray_rank_inverts_gray_code_on_all_31_mask_bits():
+  """gray_rank(n ^ (n >> 1)) == n for masks of up to _MASK_BITS = 31 offsets (27 for a 3x3x3 kernel), not only
+  small ones: a rank built from too few shifts orders rows of far-apart masks together."""
+  from pallas_kernels.gemm_plan import gray_rank
+
+  rng = np.random.default_rng(3)
+  n = np.concatenate([rng.integers(0, 2**31, 4096), 2 ** np.arange(31), 2 ** np.arange(1, 32) - 1]).astype(np.int32)
+  np.testing.assert_array_equal(np.asarray(gray_rank(jnp.asarray(n ^ (n >> 1)))), n)
+
+
 # Examples draw their own shapes, so each compiles the kernel and its reference anew (some 2 s): 8 a run, on
 # fresh draws each run, rather than 12.
 @settings(max_examples=8, deadline=None)
@@ -712,6 +722,28 @@ def test_weight_grad_balanced_matches_unbalanced_and_xla(dtype, precision, tol, 
       assert np.all(np.asarray(dw)[counts == 0] == 0)
       out[balanced] = dw
     assert rel_err(out[True], out[False]) < tol
+
+
+@pytest.mark.parametrize("use_pairs", [False, True], ids=["map", "pairs"])
+def test_weight_grad_split_pieces_stop_at_the_last_row(use_pairs):
+  """Per-offset split pieces are cut in block_k multiples, so the last pieces start past the last row (150 rows,
+  split 8: pieces of 32): they must stop at it. Every row valid, the last ones with neighbours and one offset
+  full (its list as long as the capacity), so a piece reading past the end would count real rows twice."""
+  from pallas_kernels.gemm_plan import pair_lists
+  from pallas_kernels.tiling import TileConfig
+
+  rng = np.random.default_rng(41)
+  m, v, k, n = 150, 5, 7, 9
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  nbr = np.where(rng.random((m, v)) < 0.6, rng.integers(0, m, (m, v)), -1).astype(np.int32)
+  nbr[:, v // 2] = np.arange(m)  # the centre: every row
+  nbr[-1] = rng.integers(0, m, v)
+  nbr = jnp.asarray(nbr)
+  pairs = pair_lists(nbr, interpret=True) if use_pairs else None
+  cfg = TileConfig(block_m=16, block_n=16, block_k=16, split=8)
+  dw = _weight_grad_interpret(x, dy, nbr, pairs=pairs, config=cfg, precision="highest")
+  assert rel_err(dw, _weight_grad_reference(x, dy, nbr)) < 1e-6
 
 
 def test_weight_grad_balanced_all_offsets_empty_and_needs_pairs():

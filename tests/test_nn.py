@@ -689,3 +689,39 @@ def test_norm_defaults_are_flaxs_and_the_default_momentum_moves_running_averages
   f = np.asarray(x.feats[: int(x.num)], np.float64)
   np.testing.assert_allclose(np.asarray(state["batch_stats"]["mean"]), 0.01 * f.mean(0), rtol=1e-4, atol=1e-7)
   np.testing.assert_allclose(np.asarray(state["batch_stats"]["var"]), 0.99 + 0.01 * f.var(0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("use_scale,use_bias", [(True, False), (False, True)])
+def test_norm_with_one_affine_parameter_promotes_as_flax(use_scale, use_bias):
+  """With only a scale (or only a bias) in float32, a bfloat16 input's output is float32, as flax's LayerNorm and
+  GroupNorm give (the promotion reads the parameters that exist), with flax's values on the valid rows."""
+  x = _norm_input(1)
+  x = x.replace(feats=x.feats.astype(jnp.bfloat16))
+  n = int(x.num)
+  kw = dict(use_scale=use_scale, use_bias=use_bias)
+  for ours, theirs in ((snn.SparseLayerNorm(**kw), nn.LayerNorm(**kw)),
+                       (snn.SparseGroupNorm(num_groups=None, group_size=x.num_channels, **kw),
+                        nn.GroupNorm(num_groups=None, group_size=x.num_channels, **kw))):
+    params = perturb(jax.jit(ours.init)(KEY, x))
+    y = jax.jit(ours.apply)(params, x)
+    assert y.feats.dtype == jnp.float32, type(ours).__name__
+    if isinstance(ours, snn.SparseLayerNorm):
+      ref = jax.jit(theirs.apply)(params, x.feats[:n])
+      assert ref.dtype == jnp.float32 and rel_err(y.feats[:n], ref) < 1e-5
+
+
+def test_norm_dtype_sets_the_output_dtype_as_flax():
+  """dtype=bfloat16 on float32 features and parameters: the output is bfloat16 (flax's rule), close to flax's
+  LayerNorm on the valid rows, for layer, group and batch norm."""
+  x = _norm_input(2)
+  n = int(x.num)
+  ln = snn.SparseLayerNorm(dtype=jnp.bfloat16)
+  params = perturb(jax.jit(ln.init)(KEY, x))
+  y = jax.jit(ln.apply)(params, x)
+  ref = jax.jit(nn.LayerNorm(dtype=jnp.bfloat16).apply)(params, x.feats[:n])
+  assert y.feats.dtype == ref.dtype == jnp.bfloat16 and rel_err(y.feats[:n], ref) < 1e-2
+  for m in (snn.SparseGroupNorm(num_groups=2, dtype=jnp.bfloat16), snn.SparseBatchNorm(dtype=jnp.bfloat16)):
+    kw = {"use_running_average": False} if isinstance(m, snn.SparseBatchNorm) else {}
+    variables = jax.jit(lambda x: m.init(KEY, x, **kw))(x)  # noqa: B023
+    out = m.apply(variables, x, mutable=["batch_stats"], **kw)[0] if kw else m.apply(variables, x)
+    assert out.feats.dtype == jnp.bfloat16, type(m).__name__

@@ -233,6 +233,8 @@ def test_same_padding_conv_and_inverse_match_linen(kernel_size, strides, dilatio
   assert_trees_close(nnx.to_pure_dict(gmn[1]), gpl[1], tol)
   z = nnx_pair((down, up), x.feats)
   assert z.spatial_shape == x.spatial_shape and np.array_equal(np.asarray(z.coords), np.asarray(x.coords))
+  z_l = jax.jit(up_l.apply)(v_up, y_l, like=x)  # linen's too: on x's grid, not on the "SAME"-padded one
+  assert z_l.spatial_shape == x.spatial_shape and np.array_equal(np.asarray(z_l.coords), np.asarray(x.coords))
   assert float(jnp.max(jnp.abs(zn.astype(jnp.float32)))) > 0
 
 
@@ -782,3 +784,31 @@ def test_unet_features_must_be_a_nonempty_sequence(features):
   with pytest.raises(ValueError, match="SparseUNet: features must be a positive int, got 0"):
     snnx.SparseUNet(3, (8, 0), rngs=nnx.Rngs(0))
   assert snnx.SparseUNet(3, [8], rngs=nnx.Rngs(0))(x).num_channels == 1  # a list (or one level) is fine
+
+
+def test_norm_defaults_are_nnxs():
+  """The nnx norms' defaults are flax.nnx's (momentum, epsilons, use_running_average, num_groups), as the linen
+  twins' are flax.linen's (test_nn.test_norm_defaults_are_flaxs_...)."""
+  r = nnx.Rngs(0)
+  for ours, theirs, fields in ((snnx.SparseBatchNorm(64, rngs=r), nnx.BatchNorm(64, rngs=r),
+                                ("momentum", "epsilon", "use_running_average")),
+                               (snnx.SparseLayerNorm(64, rngs=r), nnx.LayerNorm(64, rngs=r), ("epsilon",)),
+                               (snnx.SparseGroupNorm(64, rngs=r), nnx.GroupNorm(64, rngs=r),
+                                ("epsilon", "num_groups"))):
+    for field in fields:
+      assert getattr(ours, field) == getattr(theirs, field), (type(ours).__name__, field)
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float16])
+def test_norm_parameters_take_param_dtype_as_nnxs(param_dtype):
+  """scale and bias are made in param_dtype with nnx's shapes (and running statistics in float32), as flax.nnx's
+  norms make theirs."""
+  r = nnx.Rngs(0)
+  kw = dict(param_dtype=param_dtype, rngs=r)
+  for ours, theirs in ((snnx.SparseBatchNorm(8, **kw), nnx.BatchNorm(8, **kw)),
+                       (snnx.SparseLayerNorm(8, **kw), nnx.LayerNorm(8, **kw)),
+                       (snnx.SparseGroupNorm(8, num_groups=2, **kw), nnx.GroupNorm(8, num_groups=2, **kw))):
+    for kind in (nnx.Param, nnx.BatchStat):
+      a, b = nnx.to_pure_dict(nnx.state(ours, kind)), nnx.to_pure_dict(nnx.state(theirs, kind))
+      assert jax.tree.map(lambda v: (v.shape, v.dtype), a) == jax.tree.map(lambda v: (v.shape, v.dtype), b), \
+          (type(ours).__name__, kind.__name__)

@@ -362,3 +362,15 @@ def test_nvcc_lookup_prefers_path(monkeypatch, tmp_path):
   fake.chmod(0o755)
   monkeypatch.setenv("PATH", str(tmp_path))
   assert build.find_nvcc() == shutil.which("nvcc") == str(fake)
+
+
+def test_route_shape_limits_are_the_documented_ones():
+  """The native kernel's shape rule at its edges: V = MAX_OFFSETS (1024) kernel offsets, Cin = 32 and Cout = 16
+  pass it (the route then stops at the opt-in), V = 1025, Cin = 16 or Cout = 8 do not."""
+  c = sparsity.compress_2to4(_pruned(np.random.default_rng(1), (3, 3, 3, 32, 16), jnp.float16))
+  route = functools.partial(sparse24.forward_route, jnp.float16, c, implementation_is_pallas_on_gpu=True)
+  assert sparse24.MAX_OFFSETS == 1024
+  assert "opt-in" in route(num_offsets=1024, cin=32, cout=16)[1]
+  assert "V=1025" in route(num_offsets=1025, cin=32, cout=16)[1]
+  assert "Cin=16" in route(num_offsets=27, cin=16, cout=16)[1]
+  assert "Cout=8" in route(num_offsets=27, cin=32, cout=8)[1]

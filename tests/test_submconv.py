@@ -837,3 +837,17 @@ def test_training_keeps_no_gathered_operand_per_layer(path):
   keeps them apart). tests/test_gpu.py runs this on the GPU, whose sibling fusion adds a third way."""
   growth, gathered = gathered_operand_growth_per_layer(path)
   assert growth < gathered / 4, (growth, gathered)
+
+
+def test_a_stack_of_dilations_on_one_tensor_keeps_a_map_per_dilation():
+  """Two convolutions of one kernel size and different dilations on the same coordinates (the first's output
+  carries its map on): each equals the dense dilated convolution, and the output carries both maps."""
+  rng = np.random.default_rng(5)
+  x = random_sparse(rng, (7, 6, 8), 3, batch_size=2, density=0.4)
+  w1 = jnp.asarray(rng.standard_normal((3, 3, 3, 3, 4)), jnp.float32)
+  w2 = jnp.asarray(rng.standard_normal((3, 3, 3, 4, 2)), jnp.float32)
+  y = jsparse.submconv3d(x, w1, dilation=1, implementation="xla", precision="highest")
+  z = jsparse.submconv3d(y, w2, dilation=(2, 1, 2), implementation="xla", precision="highest")
+  assert rel_err(y.feats, dense_submconv_at_sites(x, x.feats, w1)) < 1e-5
+  assert rel_err(z.feats, dense_submconv_at_sites(y, y.feats, w2, dilation=(2, 1, 2))) < 1e-5
+  assert len(z.caches) == 2

@@ -725,3 +725,17 @@ def test_norm_dtype_sets_the_output_dtype_as_flax():
     variables = jax.jit(lambda x: m.init(KEY, x, **kw))(x)  # noqa: B023
     out = m.apply(variables, x, mutable=["batch_stats"], **kw)[0] if kw else m.apply(variables, x)
     assert out.feats.dtype == jnp.bfloat16, type(m).__name__
+
+
+def test_norm_epsilons_are_used():
+  """A large epsilon (1.0, against features of variance ~1-9) changes the answer: layer and group norm use the
+  module's, as flax's LayerNorm and GroupNorm on the valid rows (one item's rows as a flax batch of one)."""
+  x = _norm_input(3, batch=1, channels=8)
+  n = int(x.num)
+  for ours, theirs in ((snn.SparseLayerNorm(epsilon=1.0), nn.LayerNorm(epsilon=1.0)),
+                       (snn.SparseGroupNorm(num_groups=2, epsilon=1.0), nn.GroupNorm(num_groups=2, epsilon=1.0))):
+    params = perturb(jax.jit(ours.init)(KEY, x))
+    y = jax.jit(ours.apply)(params, x)
+    rows = x.feats[:n] if isinstance(ours, snn.SparseLayerNorm) else x.feats[:n][None]
+    ref = jax.jit(theirs.apply)(params, rows).reshape(n, 8)
+    assert rel_err(y.feats[:n], ref) < 1e-5, type(ours).__name__

@@ -812,3 +812,19 @@ def test_norm_parameters_take_param_dtype_as_nnxs(param_dtype):
       a, b = nnx.to_pure_dict(nnx.state(ours, kind)), nnx.to_pure_dict(nnx.state(theirs, kind))
       assert jax.tree.map(lambda v: (v.shape, v.dtype), a) == jax.tree.map(lambda v: (v.shape, v.dtype), b), \
           (type(ours).__name__, kind.__name__)
+
+
+@pytest.mark.parametrize("dtype,in_dtype", [(None, jnp.bfloat16), (jnp.bfloat16, jnp.float32)])
+def test_norm_output_dtypes_are_nnxs(dtype, in_dtype):
+  """The output dtype of each nnx norm is that of its flax.nnx twin: the promoted input and parameter dtypes
+  with dtype None (bfloat16 features, float32 parameters: float32), else dtype."""
+  x = random_sparse(np.random.default_rng(3), (4, 5, 3), 8, batch_size=2, pad=3)
+  x = x.replace(feats=x.feats.astype(in_dtype))
+  r = nnx.Rngs(0)
+  for ours, theirs in ((snnx.SparseLayerNorm(8, dtype=dtype, rngs=r), nnx.LayerNorm(8, dtype=dtype, rngs=r)),
+                       (snnx.SparseGroupNorm(8, num_groups=2, dtype=dtype, rngs=r),
+                        nnx.GroupNorm(8, num_groups=2, dtype=dtype, rngs=r)),
+                       (snnx.SparseBatchNorm(8, use_running_average=True, dtype=dtype, rngs=r),
+                        nnx.BatchNorm(8, use_running_average=True, dtype=dtype, rngs=r))):
+    want = theirs(x.feats[None]).dtype
+    assert ours(x).feats.dtype == want, (type(ours).__name__, want)

@@ -103,6 +103,48 @@ def test_submconv_xla_input_gradient_sums_half_precision_in_float32():
   np.testing.assert_array_equal(np.asarray(vjp(g)[0], np.float32), 0)
 
 
+def _map_with_rows_past_num(rng, m, n_in, v, num):
+  """An int32 [m, v] map whose offsets each read distinct input rows (some -1), rows from num on included, and its
+  transposed map over the valid rows only (t[j, v] = i iff nbr[i, v] = j and i < num), as a strided map's `inv`."""
+  nbr = np.full((m, v), -1, np.int32)
+  t_map = np.full((n_in, v), -1, np.int32)
+  for k in range(v):
+    rows = rng.permutation(n_in)[:m]
+    keep = rng.random(m) < 0.7
+    nbr[keep, k] = rows[keep]
+    valid = keep & (np.arange(m) < num)
+    t_map[rows[valid], k] = np.arange(m)[valid]
+  return jnp.asarray(nbr), jnp.asarray(t_map)
+
+
+def test_map_gemm_xla_rows_from_num_on_are_zero_and_feed_no_gradient():
+  """map_gemm_xla over a map that lists neighbours at rows from num on (an array-level caller's map, or one whose
+  count shrank): those outputs are zeros, so neither the weight nor the bias gradient may take their cotangent,
+  and the input gradient reads the transposed map, which never lists them. Checked against autodiff of the
+  plain gather-and-sum."""
+  from jsparse.gemm_xla import XlaPasses, map_gemm_xla
+  from pallas_kernels.weight_layout import WeightLayout
+  rng = np.random.default_rng(5)
+  m, n_in, v, cin, cout, num = 12, 15, 4, 3, 2, 7
+  nbr, t_map = _map_with_rows_past_num(rng, m, n_in, v, num)
+  feats = jnp.asarray(rng.standard_normal((n_in, cin)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((v, cin, cout)), jnp.float32)
+  b = jnp.asarray(rng.standard_normal(cout), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((m, cout)), jnp.float32)
+  opts = XlaPasses("highest", WeightLayout.DHWIO, 1, False)
+
+  def reference(feats, w, b):
+    gathered = jnp.where((nbr >= 0)[..., None], feats[jnp.maximum(nbr, 0)], 0)
+    out = jnp.einsum("mvc,vco->mo", gathered, w, precision="highest") + b
+    return jnp.where((jnp.arange(m) < num)[:, None], out, 0)
+
+  y, vjp = jax.vjp(lambda f, w, b: map_gemm_xla(f, w, b, nbr, num, t_map, n_in, opts), feats, w, b)
+  y_ref, vjp_ref = jax.vjp(reference, feats, w, b)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for name, got, want in zip(("feats", "weight", "bias"), vjp(g), vjp_ref(g)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def _eqns_outside_kernels(jaxpr):
   """Every equation of `jaxpr` and of its sub-jaxprs (custom_vjp rules, jit), but not inside Pallas kernels."""
   for eqn in jaxpr.eqns:
@@ -116,18 +158,25 @@ def _eqns_outside_kernels(jaxpr):
           yield from _eqns_outside_kernels(sub)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_half_precision_passes_accumulate_in_float32(implementation):
+@pytest.mark.parametrize("implementation, weight_layout, groups",
+                         [("xla", "DHWIO", 1), ("pallas", "DHWIO", 1), ("xla", "ODHWI", 1), ("xla", "DHWIO", 2),
+                          ("xla", "ODHWI", 2)])
+def test_half_precision_passes_accumulate_in_float32(implementation, weight_layout, groups):
   """Every matmul of the float16 forward, input gradient and weight gradient outside the Pallas kernels
-  accumulates in float32, and so does the bias gradient's sum over rows. The CPU sums float16 in float32
-  whatever the program asks, so the values cannot tell: the program is read instead."""
+  accumulates in float32, and so does the bias gradient's sum over rows (each weight layout's and the grouped
+  matmuls too). The CPU sums float16 in float32 whatever the program asks, so the values cannot tell: the
+  program is read instead."""
   rng = np.random.default_rng(0)
-  x = random_sparse(rng, (5, 4, 6), 3, batch_size=2)
+  cin, cout = 3 * groups, 2 * groups
+  x = random_sparse(rng, (5, 4, 6), cin, batch_size=2)
   x = x.replace(feats=x.feats.astype(jnp.float16))
-  w, b = random_weights(rng, (3, 1, 3), 3, 2, True, dtype=np.float16)
+  w, b = random_weights(rng, (3, 1, 3), cin // groups, cout, True, dtype=np.float16)
+  if weight_layout == "ODHWI":
+    w = jnp.moveaxis(w, -1, 0)
 
   def loss(feats, w, b):
-    y = jsparse.submconv3d(x.replace(feats=feats), w, b, implementation=implementation)
+    y = jsparse.submconv3d(x.replace(feats=feats), w, b, implementation=implementation, weight_layout=weight_layout,
+                           feature_group_count=groups)
     return jnp.sum(y.feats.astype(jnp.float32))
 
   jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x.feats, w, b).jaxpr

@@ -802,6 +802,27 @@ def test_autotune_says_which_convolutions_ran_under_remat(monkeypatch):
   # The eager convolution is tuned, the one under remat is not.
   assert {(k.cin, k.cout) for k in table.entries} == {(CIN, COUT)}
 
+def test_autotune_tunes_calls_of_one_map_that_differ_in_dtype_or_groups(monkeypatch):
+  """Convolutions on one map that differ only in the features' dtype or in feature_group_count have other shape
+  keys, so each is tuned: a call is skipped only where an earlier one had every field of its key the same."""
+  x, w, _ = _problem()
+  monkeypatch.setattr(pass_config, "candidates", lambda pass_name, *a, **k: list(
+      WG_CANDIDATES if pass_name == "weight_grad" else GEMM_CANDIDATES)[:1])
+
+  def fn(feats, w):
+    y = jsparse.submconv3d(x.replace(feats=feats), w, implementation="pallas")  # its map serves the others
+    y16 = jsparse.submconv3d(y.replace(feats=feats.astype(jnp.float16)), w.astype(jnp.float16),
+                             implementation="pallas")
+    y2 = jsparse.submconv3d(y.replace(feats=feats), w[..., : CIN // 2, :], feature_group_count=2,
+                            implementation="pallas")
+    return y.feats + y16.feats.astype(jnp.float32) + y2.feats
+
+  table = jsparse.autotune(fn, x.feats, w, warmup=0, repeats=1)
+  cap = x.capacity
+  assert set(table.entries) == {ShapeKey.of(p, cap, CIN, COUT, 27, dtype, groups) for p in pass_config.PASSES
+                                for dtype, groups in ((jnp.float32, 1), (jnp.float16, 1), (jnp.float32, 2))}
+
+
 def test_autotune_tunes_strided_convolutions(monkeypatch):
   """A strided sparse_conv3d under autotune reports its rectangular maps: forward and weight gradient are
   keyed by the output rows, the input gradient by the input rows, each tuned on its own map; the table then

@@ -453,6 +453,9 @@ def test_heuristic_and_shape_keys_with_groups():
     assert type(pass_config.heuristic(pass_name, 5000, 8, 8, 27, jnp.float16)) is Masked
     cfg = pass_config.heuristic(pass_name, 5000, 64, 64, 27, jnp.float16, "depthwise_splitk", groups=64)
     assert cfg.tiles.split >= 2
+    # What a convolution gets untuned: choose passes its groups on to the heuristic.
+    from jsparse import map_gemm
+    assert type(map_gemm.choose(pass_name, 5000, 64, 64, 27, jnp.float16, groups=64)) is Depthwise
   key = ShapeKey.of("forward", 1000, 64, 64, 27, jnp.float16, groups=64)
   assert str(key) == "forward/n1024/ci64/co64/v27/g64/float16"
   assert ShapeKey.parse(str(key)) == key

@@ -384,6 +384,49 @@ def test_convolutions_build_the_plans_their_configs_read():
   assert sorted(next(iter(y_plain.caches.values())).plans) == [base]
 
 
+def test_a_tuned_block_size_missing_from_the_cache_gets_its_own_plan():
+  """A tuned forward and input gradient on a block size the neighbour cache has no plan for build that block
+  size's plan (not the cached one of another block size): values and gradients match the XLA path."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("a shipped table may be active on a GPU")
+  rng = np.random.default_rng(1)
+  x = random_sparse(rng, (6, 6, 6), 4, density=0.4, pad=5)
+  cap = x.capacity
+  odd = 16 if default_block_m(cap) != 16 else 32
+  shape = dict(num_rows=cap, cin=4, cout=8, num_offsets=27, dtype=jnp.float32)
+  table = tuning.ConfigTable({ShapeKey.of(p, **shape): Masked(TileConfig(odd, 16, 16)) for p in ("forward",
+                                                                                                  "input_grad")})
+  w = jnp.asarray(rng.standard_normal((3, 3, 3, 4, 8)), jnp.float32) * 0.2
+  cot = jnp.asarray(rng.standard_normal((cap, 8)), jnp.float32)
+
+  def run(implementation):
+    def loss(feats, w):
+      y = jsparse.submconv3d(x.replace(feats=feats), w, implementation=implementation, precision="highest")
+      return jnp.sum(y.feats * cot), y.feats
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x.feats, w)
+
+  with table:
+    (_, yp), gp = run("pallas")
+  (_, yx), gx = run("xla")
+  assert rel_err(yp, yx) < 1e-5
+  for a, r in zip(gp, gx):
+    assert rel_err(a, r) < 1e-5
+
+
+def test_a_strided_input_gradient_is_configured_by_its_input_rows():
+  """map_gemm.configs keys a strided map's input gradient by the rows it writes (the input's), as autotune records
+  it, so a tuned input-gradient entry is found."""
+  from jsparse.map_gemm import ConvMaps, ConvSpec
+  in_rows, out_rows = 200, 40
+  cfg = Masked(TileConfig(16, 16, 16))
+  maps = ConvMaps(jnp.zeros((out_rows, 27), jnp.int32), jnp.int32(out_rows), jnp.zeros((in_rows, 27), jnp.int32),
+                  jnp.int32(in_rows))
+  spec = ConvSpec.build((3, 3, 3), (1, 1, 1), "pallas", "DHWIO")
+  feats, w = jnp.zeros((in_rows, CIN), jnp.float32), jnp.zeros((27, CIN, COUT), jnp.float32)
+  with tuning.ConfigTable({ShapeKey.of("input_grad", in_rows, CIN, COUT, 27, jnp.float32): cfg}):
+    assert map_gemm.configs(feats, w, maps, spec)[1] == cfg
+
+
 # ----------------------------------------------------------------------------------------------------------
 # shipped tables
 

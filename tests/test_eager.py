@@ -379,6 +379,10 @@ def test_the_tuning_tables_are_part_of_the_key():
   with jsparse.ConfigTable({}):
     assert eager._context() != key
   assert eager._context() == key
+  # So must sparse24.native_2to4 (it picks a convolution's forward route at trace time).
+  with jsparse.sparse24.native_2to4():
+    assert eager._context() != key
+  assert eager._context() == key
 
 
 @pytest.mark.parametrize("bad", [1.0, True])

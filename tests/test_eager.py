@@ -373,6 +373,22 @@ def test_functions_made_per_call_are_not_keys():
                              norm.batch_norm(x, activation=jax.nn.relu).feats, rtol=1e-6, atol=1e-6)
 
 
+def test_nested_functions_made_per_call_are_not_keys():
+  # So is a function defined inside another (a closure made at each call), which is no lambda.
+  def make_relu():
+    def relu(v):
+      return jnp.maximum(v, 0)
+    return relu
+
+  x = _tensor(17)
+  with _counting_compiles() as first:
+    norm.batch_norm(x, activation=make_relu())
+  with _counting_compiles() as second:
+    y = norm.batch_norm(x, activation=make_relu())
+  assert second == [] or len(second) < len(first)
+  np.testing.assert_allclose(y.feats, norm.batch_norm(x, activation=jax.nn.relu).feats, rtol=1e-6, atol=1e-6)
+
+
 def test_the_tuning_tables_are_part_of_the_key():
   # A table entered after a first call must reach the next one, as it would eagerly (it is read at trace time).
   key = eager._context()

@@ -218,6 +218,31 @@ def test_capacities_of_other_calls_that_the_trace_refuses_are_counted_afresh():
   assert not down_twice.eager_only and down_twice.resolved[key][-1] == good
 
 
+def test_a_refused_vector_lent_after_a_first_run_is_counted_afresh():
+  # As above, but the refused capacities are lent after a first run: its first count chose the remembered vector
+  # that shares it (whose second capacity, 8 proposals per row past MAX_PAIRS, the third convolution refuses).
+  # That vector is forgotten and the call's own counts decide; the call shape stays compiled.
+  @eager.compiled_when_eager
+  def down_thrice(x, w1, w2, w3):
+    return jsparse.sparse_conv3d(jsparse.sparse_conv3d(jsparse.sparse_conv3d(x, w1, stride=2), w2, stride=2), w3,
+                                 stride=2)
+
+  w1, w2, w3 = _weight(48, (2, 2, 2, 5, 4)), _weight(49, (2, 2, 2, 4, 3)), _weight(51, (2, 2, 2, 3, 2))
+  x = _tensor(50, n=300, extent=32, batch=1, pad=0)
+  with eager.primitive_by_primitive():
+    expect = down_thrice(x, w1, w2, w3)
+  _same_tensor(down_thrice(x, w1, w2, w3), expect)
+  (key,) = down_thrice.resolved
+  (good,) = down_thrice.resolved[key]
+  assert len(good) == 3
+  # Tried first: a vector whose first capacity is another bucket's; its count then picks the refused one.
+  refused = (good[0], 2**29, good[2])
+  down_thrice.resolved[key] = [refused, (2 * good[0],) + good[1:]]
+  _same_tensor(down_thrice(x, w1, w2, w3), expect)
+  assert not down_thrice.eager_only and down_thrice.resolved[key][-1] == good
+  assert refused not in down_thrice.resolved[key]
+
+
 def test_a_call_whose_trace_refuses_its_own_counts_raises_at_once_and_stays_compiled():
   # Data past a bound the op checks at trace time: the error is eager execution's, raised after a few runs (a
   # retry of the call's own counts looped through every round), and the call shape stays compiled for other data.

@@ -739,3 +739,20 @@ def test_norm_epsilons_are_used():
     rows = x.feats[:n] if isinstance(ours, snn.SparseLayerNorm) else x.feats[:n][None]
     ref = jax.jit(theirs.apply)(params, rows).reshape(n, 8)
     assert rel_err(y.feats[:n], ref) < 1e-5, type(ours).__name__
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_norms_without_scale_or_bias_keep_the_input_dtype_as_flax(affine):
+  """flax's normalisations return the input's dtype when they have no scale or bias (nothing to promote with),
+  else the promotion of the input's and the parameters' dtypes."""
+  rng = np.random.default_rng(4)
+  x = random_sparse(rng, (4, 4, 4), 4, density=0.5)
+  x = x.replace(feats=x.feats.astype(jnp.float16))
+  for sparse_norm, flax_norm in ((snn.SparseLayerNorm, nn.LayerNorm), (snn.SparseGroupNorm, nn.GroupNorm)):
+    kw = dict(use_scale=affine, use_bias=affine, param_dtype=jnp.float32)
+    if sparse_norm is snn.SparseGroupNorm:
+      kw["num_groups"] = 2
+    m = sparse_norm(**kw)
+    y, _ = m.init_with_output(jax.random.PRNGKey(0), x)
+    ref, _ = flax_norm(**kw).init_with_output(jax.random.PRNGKey(0), x.feats)
+    assert y.feats.dtype == ref.dtype == (jnp.float32 if affine else jnp.float16), sparse_norm

@@ -265,3 +265,15 @@ def test_sequential_eval_flag_reaches_blocks_that_take_train():
   with pytest.raises(TypeError, match="no layer takes"):
     snn.Sequential([snn.SubMConv3d(8, 3)]).apply({"params": {"layers_0": variables["params"]["layers_0"]}}, x,
                                                 use_running_average=True)
+
+
+def test_sequential_takes_either_mode_flag_when_its_layers_name_only_the_other():
+  # train=False reaches a Sequential of batch norms (which name use_running_average only), and is not reported as a
+  # keyword that no layer takes.
+  x = _x(channels=8)
+  model = snn.Sequential([snn.SubMConv3d(8, 3), snn.SparseBatchNorm()])
+  variables = model.init(KEY, x, use_running_average=False)
+  stats = jax.tree.map(lambda s: s + 0.5, variables["batch_stats"])
+  v = {"params": variables["params"], "batch_stats": stats}
+  y = model.apply(v, x, train=False)
+  np.testing.assert_array_equal(np.asarray(y.feats), np.asarray(model.apply(v, x, use_running_average=True).feats))

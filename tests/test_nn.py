@@ -756,3 +756,14 @@ def test_norms_without_scale_or_bias_keep_the_input_dtype_as_flax(affine):
     y, _ = m.init_with_output(jax.random.PRNGKey(0), x)
     ref, _ = flax_norm(**kw).init_with_output(jax.random.PRNGKey(0), x.feats)
     assert y.feats.dtype == ref.dtype == (jnp.float32 if affine else jnp.float16), sparse_norm
+
+
+def test_an_odhwi_kernel_is_initialised_as_the_dhwio_one_transposed():
+  """kernel_layout="ODHWI" draws the DHWIO kernel (the fan-in and fan-out that nn.Conv's initialiser reads) and
+  moves its output axis first: the same values as the DHWIO module's, for any initialiser."""
+  x = random_sparse(np.random.default_rng(2), (4, 4, 4), 6, density=0.5)
+  for kernel_init in (nn.initializers.lecun_normal(), nn.initializers.variance_scaling(2.0, "fan_out", "uniform")):
+    dhwio = snn.SubMConv3d(5, (3, 1, 3), kernel_init=kernel_init).init(jax.random.PRNGKey(3), x)
+    odhwi = snn.SubMConv3d(5, (3, 1, 3), kernel_init=kernel_init, kernel_layout="ODHWI").init(jax.random.PRNGKey(3), x)
+    np.testing.assert_array_equal(np.asarray(odhwi["params"]["kernel"]),
+                                  np.moveaxis(np.asarray(dhwio["params"]["kernel"]), -1, 0))

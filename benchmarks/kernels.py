@@ -9,8 +9,10 @@ batch norm's column reductions.
 
 - matmul peak: jnp.dot of two random 8192x8192 matrices (fp16, bf16, and float32 at default precision =
   TF32), the ceiling each kernel's useful rate is compared with (fp16 kernels with fp16, tf32 with TF32).
-- neighbour map: jsparse.neighbor_map (jitted) on the sphere shells of RES in --res; FlexGEMM's
-  SubMConv3dFunction._compute_neighbor_cache (masked-GEMM plan, no backward data) beside it.
+- neighbour map: jsparse.neighbor_map (jitted) on the sphere shells of RES in --res, alone, with the masked plan's
+  row order, with the forward's plan and with every plan; FlexGEMM's SubMConv3dFunction._compute_neighbor_cache
+  (masked forward, no backward data: the map, Gray codes and sorted rows) beside it, alone and with the per-block
+  offset lists its forward adds on its first call (`compute_kernel_idx`, jsparse's block size).
 - GEMM kernels on (RES, C) in --shapes, C -> C, 3x3x3, fp16 and tf32, the weight in --weight-layout: each
   pass exactly as jsparse.submconv3d runs it (`jsparse.map_gemm.run_pass` with the config
   `jsparse.map_gemm.choose` picks), and for a masked weight gradient beside it the same with
@@ -56,7 +58,7 @@ from benchmarks.suite import (Interrupted, import_flexgemm, install_sigterm_hand
                               short_error, time_calls)
 from jsparse import map_gemm  # noqa: E402
 from jsparse.pass_config import PASSES, PassInputs, RunOptions, describe  # noqa: E402
-from pallas_kernels import channel_moments_config  # noqa: E402
+from pallas_kernels import channel_moments_config, gemm_plan  # noqa: E402
 
 DTYPES = {"fp16": jnp.float16, "tf32": jnp.float32}
 SECTIONS = ("matmul", "neighbor_map", "gemm", "batch_norm")
@@ -126,7 +128,8 @@ def bench_neighbor_maps(args, fg) -> list[dict]:
     xs = [sparse_tensor(res, coords, np.zeros((n, 1), np.float32)) for _ in range(args.inner)]
     # "map": the neighbour map alone; "map+plans": the whole NeighborCache a convolution uses (with the Pallas
     # implementation also the masked-GEMM plan and the weight-gradient pair lists); "map+plan": the map and the
-    # forward's masked plan only, what FlexGEMM's cache holds (no backward data) and what inference builds.
+    # forward's masked plan only, what inference builds; "map+order": the map and the plan's row order, what
+    # FlexGEMM's cache holds (its per-block offset lists are built by the forward's first call).
     rec["jsparse_map"] = guarded(f"neighbor_map RES {res}", bench_jax,
                                  lambda x: jsparse.neighbor_map(x, 3, 1, implementation=args.impl).nbr,
                                  [(x,) for x in xs], args.warmup, args.repeats)
@@ -140,6 +143,13 @@ def bench_neighbor_maps(args, fg) -> list[dict]:
 
     rec["jsparse_map_plan"] = guarded(f"neighbor_map+forward plan RES {res}", bench_jax, map_and_forward_plan,
                                       [(x,) for x in xs], args.warmup, args.repeats)
+
+    def map_and_row_order(x):  # the plan's row order alone: jit drops the block kernel, whose outputs go unused
+      cache = jsparse.neighbor_map(x, 3, 1, implementation=args.impl)
+      return cache.nbr, [plan.order for plan in cache.plans.values()]
+
+    rec["jsparse_map_order"] = guarded(f"neighbor_map+row order RES {res}", bench_jax, map_and_row_order,
+                                       [(x,) for x in xs], args.warmup, args.repeats)
     try:
       rec["pairs"] = int(jsparse.neighbor_map(xs[0], 3, 1, implementation=args.impl).num_pairs())
     except Exception as e:  # noqa: BLE001
@@ -147,10 +157,14 @@ def bench_neighbor_maps(args, fg) -> list[dict]:
     del xs
     if fg:
       rec["flexgemm"] = guarded(f"FlexGEMM neighbour cache RES {res}", flexgemm_neighbor_map, fg, res, coords, args)
+      rec["flexgemm_plan"] = guarded(f"FlexGEMM neighbour cache + block offsets RES {res}", flexgemm_neighbor_map,
+                                     fg, res, coords, args, gemm_plan.default_block_m(n))
     rows.append(rec)
-    print(f"  neighbor map RES {res}: N {n:,}, jsparse map {fmt(rec['jsparse_map'])} ms, map+plans "
+    print(f"  neighbor map RES {res}: N {n:,}, jsparse map {fmt(rec['jsparse_map'])} ms, map+order "
+          f"{fmt(rec['jsparse_map_order'])} ms, map+plan {fmt(rec['jsparse_map_plan'])} ms, map+plans "
           f"{fmt(rec['jsparse'])} ms"
-          + (f", FlexGEMM {fmt(rec['flexgemm'])} ms" if fg else ""), flush=True)
+          + (f", FlexGEMM cache {fmt(rec['flexgemm'])} ms, + block offsets {fmt(rec['flexgemm_plan'])} ms"
+             if fg else ""), flush=True)
   return rows
 
 
@@ -162,13 +176,21 @@ def flexgemm_setup(fg):
   return torch, SubMConv3dFunction, sparse_submanifold_conv3d
 
 
-def flexgemm_neighbor_map(fg, res, coords, args) -> dict:
+def flexgemm_neighbor_map(fg, res, coords, args, block_m: int | None = None) -> dict:
+  """FlexGEMM's neighbour cache for a masked forward (map, Gray codes, sorted rows); with block_m also the
+  per-block offset lists of blocks of block_m rows (`compute_kernel_idx`), which its forward builds on its first
+  call: then the same contents as jsparse's map + forward plan."""
   torch, fn_cls, _ = flexgemm_setup(fg)
   shape = torch.Size([1, 1, res, res, res])
   sets = [(torch.from_numpy(coords).cuda().contiguous(),) for _ in range(args.inner)]
-  r = bench_torch(torch, lambda c: fn_cls._compute_neighbor_cache(c, shape, (3, 3, 3), (1, 1, 1), False), sets,
-                  args.warmup, args.repeats)
-  return r
+
+  def cache(c):
+    built = fn_cls._compute_neighbor_cache(c, shape, (3, 3, 3), (1, 1, 1), False)
+    if block_m is not None:
+      built.compute_kernel_idx(block_m)
+    return built
+
+  return bench_torch(torch, cache, sets, args.warmup, args.repeats)
 
 
 def pass_fn(pass_name, cfg, interpret, weight_layout, groups=1):
@@ -404,15 +426,18 @@ def render(data) -> str:
   lines += ["## Dense matmul peak", "", "| dtype | ms | TFLOP/s |", "|---|---|---|"]
   for name, r in data.get("matmul", {}).items():
     lines.append(f"| {name} | {fmt(r)} | {r['tflops']:.1f} |" if "tflops" in r else f"| {name} | {fmt(r)} | - |")
-  lines += ["", "## Neighbour map (FlexGEMM: _compute_neighbor_cache, masked plan, no backward data; ratio = "
-            "FlexGEMM / jsparse map + forward plan, the same contents; map+plans adds the backward's pair lists)", "",
-            "| RES | N | pairs | jsparse map ms | jsparse map + forward plan ms | jsparse map+plans ms | FlexGEMM ms | "
-            "ratio |", "|---|---|---|---|---|---|---|---|"]
+  lines += ["", "## Neighbour map (FlexGEMM cache: _compute_neighbor_cache for a masked forward, no backward data: "
+            "map, Gray codes, sorted rows; + offsets: also compute_kernel_idx(block_m), the per-block offset lists its "
+            "forward builds on its first call. Ratios pair equal contents: cache / (jsparse map + row order), "
+            "(cache + offsets) / (jsparse map + forward plan); map+plans adds the backward's pair lists)", "",
+            "| RES | N | pairs | jsparse map ms | map + row order ms | map + forward plan ms | map+plans ms | "
+            "FlexGEMM cache ms | cache + offsets ms | ratio order | ratio plan |", "|---" * 11 + "|"]
+  ratio = lambda a, b: f"{a['ms'] / b['ms']:.2f}" if a and b and "ms" in a and "ms" in b else "-"  # noqa: E731
   for rec in data.get("neighbor_map", []):
-    js, fgr = rec.get("jsparse_map_plan", {}), rec.get("flexgemm")
-    ratio = f"{fgr['ms'] / js['ms']:.2f}" if fgr and "ms" in fgr and "ms" in js else "-"
+    order, js, fgr, fgp = (rec.get(k) for k in ("jsparse_map_order", "jsparse_map_plan", "flexgemm", "flexgemm_plan"))
     lines.append(f"| {rec['res']} | {rec['voxels']:,} | {rec.get('pairs', 0):,} | {fmt(rec.get('jsparse_map'))} | "
-                 f"{fmt(js)} | {fmt(rec.get('jsparse'))} | {fmt(fgr)} | {ratio} |")
+                 f"{fmt(order)} | {fmt(js)} | {fmt(rec.get('jsparse'))} | {fmt(fgr)} | {fmt(fgp)} | "
+                 f"{ratio(fgr, order)} | {ratio(fgp, js)} |")
   groups = data["settings"].get("groups", 1)
   lines += ["", "## GEMM kernels (ratio = FlexGEMM forward time / jsparse forward time)"
             + (f"; feature_group_count {groups}" if groups > 1 else ""), "",
@@ -444,7 +469,8 @@ def render(data) -> str:
   errors = [f"{k}: {r['error']}" for k, r in data.get("matmul", {}).items() if "error" in r]
   for sec in ("neighbor_map", "gemm", "batch_norm"):
     for rec in data.get(sec, []):
-      for side in ("jsparse_map", "jsparse", "flexgemm", "pallas", "xla"):
+      for side in ("jsparse_map", "jsparse_map_order", "jsparse_map_plan", "jsparse", "flexgemm", "flexgemm_plan",
+                   "pallas", "xla"):
         if isinstance(rec.get(side), dict) and "error" in rec[side]:
           where = f"RES {rec['res']}" if "res" in rec else f"C {rec['channels']}"
           errors.append(f"{sec} {rec.get('kernel', '')} {where} {rec.get('dtype', '')} {side}: "

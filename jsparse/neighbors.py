@@ -14,7 +14,7 @@ from jsparse import dispatch
 from jsparse._types import Size3
 from jsparse.map_gemm import ConvMaps
 from jsparse.size_errors import SizeError, sizes_in_rank
-from pallas_kernels import gemm_plan
+from pallas_kernels import gemm_plan, hash_table, occupancy_neighbors
 from jsparse.sparse_tensor import (MAX_KEYS, SparseTensor, as_int, check_distinct_sites, check_inside_grid,
                                    check_sparse_tensor, outside_grid_mask, report, site_keys)
 
@@ -181,28 +181,33 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
   check_distinct_sites("neighbor_map", x.coords, x.num)
   offsets = _offsets(kernel_size, dilation)
   occupancy = _ranking_occupancy(x) if impl.is_pallas else None
+  # Under jit a row outside the grid is keyed as padding, as on the XLA path: the occupancy kernels neither mark
+  # nor query a row outside the grid, and the hash table takes it at (-1, 0, 0, -1), whose key -X*Y*Z - 1 is
+  # negative (no in-grid site's, nor EMPTY's) and whose shifted sites stay in batch -1.
+  overflow, masks = jnp.zeros((), bool), None  # masks: the rows' neighbour bitmasks, where the map's kernel gives them
   if occupancy is not None:
-    from pallas_kernels.occupancy_neighbors import neighbor_map_from_occupancy
-
-    nbr = neighbor_map_from_occupancy(x.coords, x.num, occupancy, spatial_shape=x.spatial_shape,
-                                      batch_size=x.batch_size, offsets=offsets, interpret=impl.interpret)
-    overflow = jnp.zeros((), bool)
+    nbr, masks = occupancy_neighbors.neighbor_map_and_masks(
+        x.coords, x.num, occupancy, spatial_shape=x.spatial_shape, batch_size=x.batch_size, offsets=offsets,
+        interpret=impl.interpret)
+  elif impl.is_pallas and x.key_width == 1 and occupancy_neighbors.rows_fit(x.capacity, len(offsets),
+                                                                             x.spatial_shape, x.batch_size):
+    occupancy, rows_by_rank = occupancy_neighbors.rows_occupancy(
+        x.coords, x.num, spatial_shape=x.spatial_shape, batch_size=x.batch_size, interpret=impl.interpret)
+    nbr, masks = occupancy_neighbors.neighbor_map_and_masks(
+        x.coords, x.num, occupancy, spatial_shape=x.spatial_shape, batch_size=x.batch_size, offsets=offsets,
+        rows_by_rank=rows_by_rank, interpret=impl.interpret)
   elif impl.is_pallas:
-    from pallas_kernels.hash_table import neighbor_map_hashed
-
-    # Under jit such a row is keyed as padding, as on the XLA path: it is hashed at (-1, 0, 0, -1), whose key
-    # -X*Y*Z - 1 is negative (no in-grid site's, nor EMPTY's) and whose shifted sites stay in batch -1.
-    hashed_coords = jnp.where(outside[:, None], jnp.asarray([-1, 0, 0, -1], jnp.int32), x.coords)
-    nbr, overflow = neighbor_map_hashed(
-        hashed_coords, x.num, spatial_shape=x.spatial_shape, offsets=offsets, interpret=impl.interpret,
+    padded_coords = jnp.where(outside[:, None], jnp.asarray([-1, 0, 0, -1], jnp.int32), x.coords)
+    nbr, overflow = hash_table.neighbor_map_hashed(
+        padded_coords, x.num, spatial_shape=x.spatial_shape, offsets=offsets, interpret=impl.interpret,
         wide_keys=x.key_width == 2)
   else:
     nbr = _neighbor_map_sorted(x, offsets)
-    overflow = jnp.zeros((), bool)
   plans, pairs = {}, None
   if impl.is_pallas:
     sizes = plan_block_sizes if plan_block_sizes is not None else (gemm_plan.default_block_m(x.capacity),)
-    plans = {int(bm): gemm_plan.masked_plan(nbr, x.num, int(bm), interpret=impl.interpret) for bm in sizes}
+    plans = {int(bm): gemm_plan.masked_plan(nbr, x.num, int(bm), row_masks=masks, interpret=impl.interpret)
+             for bm in sizes}
     pairs = ConvMaps(nbr, x.num, plans=plans).pair_lists(impl.interpret)
   cache = NeighborCache(nbr, overflow, kernel_size, dilation, plans, pairs, x.num, x.coords)
   report(overflow, "neighbor_map: the neighbour hash table overflowed (a probe ran past its bound); the map is "

@@ -39,7 +39,7 @@ from pallas_kernels.out_struct import out_struct, same_vma
 
 # Bitmask keys are int32: sort by the first 31 offsets' bits when V is larger (the per-block offset lists
 # stay exact; only the grouping is coarser).
-_MASK_BITS = 31
+MASK_BITS = 31
 
 
 class MaskedPlan(NamedTuple):
@@ -94,9 +94,12 @@ def gray_rank(mask: jax.Array) -> jax.Array:
 MAX_ROW_CLASSES = 255
 
 
-def _row_order(nbr: jax.Array, num: jax.Array, row_classes: jax.Array | None = None) -> jax.Array:
+def row_order(nbr: jax.Array, num: jax.Array, row_classes: jax.Array | None = None,
+              row_masks: jax.Array | None = None) -> jax.Array:
   """int32 [capacity]: the valid rows by the Gray-code rank of their neighbour bitmask (or by their class, when
-  the classes are given), then the others."""
+  the classes are given), then the others. row_masks: None, or int32 [capacity] the valid rows' bitmasks (bit v
+  set where nbr[i, v] >= 0, v < MASK_BITS; occupancy_neighbors.neighbor_map_and_masks writes them with the map),
+  so that the map is not read for them."""
   cap, v = nbr.shape
   valid = jnp.arange(cap, dtype=jnp.int32) < num
   if row_classes is not None:  # an 8-bit key: one radix pass of the sort instead of four, no read of the map
@@ -104,10 +107,15 @@ def _row_order(nbr: jax.Array, num: jax.Array, row_classes: jax.Array | None = N
       raise ValueError(f"row_classes must have shape ({cap},), one class per map row, got {jnp.shape(row_classes)}")
     key = jnp.where(valid, row_classes.astype(jnp.uint8), jnp.uint8(MAX_ROW_CLASSES))
     return jnp.argsort(key, stable=True).astype(jnp.int32)
-  has = (nbr >= 0) & valid[:, None]
-  bits = min(v, _MASK_BITS)
-  weights = jnp.left_shift(jnp.int32(1), jnp.arange(bits, dtype=jnp.int32))
-  mask = jnp.sum(jnp.where(has[:, :bits], weights[None, :], 0), axis=1, dtype=jnp.int32)
+  if row_masks is not None:
+    if jnp.shape(row_masks) != (cap,):
+      raise ValueError(f"row_masks must have shape ({cap},), one bitmask per map row, got {jnp.shape(row_masks)}")
+    mask = jnp.asarray(row_masks, jnp.int32)
+  else:
+    has = (nbr >= 0) & valid[:, None]
+    bits = min(v, MASK_BITS)
+    weights = jnp.left_shift(jnp.int32(1), jnp.arange(bits, dtype=jnp.int32))
+    mask = jnp.sum(jnp.where(has[:, :bits], weights[None, :], 0), axis=1, dtype=jnp.int32)
   key = jnp.where(valid, gray_rank(mask), jnp.iinfo(jnp.int32).max)
   return jnp.argsort(key, stable=True).astype(jnp.int32)
 
@@ -117,7 +125,8 @@ BLOCK_PLAN_WARPS = 4
 
 
 def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int, *, row_classes: jax.Array | None = None,
-                num_warps: int = BLOCK_PLAN_WARPS, interpret: bool = False) -> MaskedPlan:
+                row_masks: jax.Array | None = None, num_warps: int = BLOCK_PLAN_WARPS,
+                interpret: bool = False) -> MaskedPlan:
   """The MaskedPlan of map `nbr` (int32 [capacity, V]) with `num` (int32 [1]) valid rows, in blocks of block_m
   rows: the row order by XLA's sort, each block's offsets and rows by `_block_plan_kernel`.
 
@@ -125,11 +134,13 @@ def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int, *, row_classes: ja
     class use the same offsets but for a few (a strided convolution's transposed map: an input row's offsets
     follow from its position modulo the stride). Rows are then ordered by class instead of by their masks.
     Any classes give a correct plan; good ones only make it as tight as the masks' order.
+  row_masks: None, or the rows' neighbour bitmasks as the map's kernel wrote them (see row_order): the same plan,
+    without a pass over the map for them.
   num_warps: warps of each block-plan program (a tuning knob; the plan is the same).
   """
   cap, v = nbr.shape
   num = jnp.asarray(num, jnp.int32).reshape(1)
-  order = _row_order(nbr, num, row_classes)
+  order = row_order(nbr, num, row_classes, row_masks)
   num_blocks = -(-cap // block_m)
   if cap == 0:  # no rows: nothing to trace a kernel over
     return MaskedPlan(order, jnp.zeros((0, v), jnp.int32), jnp.zeros((0,), jnp.int32),
@@ -180,7 +191,7 @@ def masked_plan_reference(nbr: jax.Array, num: jax.Array, block_m: int,
   """`masked_plan` in plain XLA ops (the tests' reference)."""
   cap, v = nbr.shape
   valid = jnp.arange(cap, dtype=jnp.int32) < num
-  order = _row_order(nbr, num, row_classes)
+  order = row_order(nbr, num, row_classes)
   num_blocks = -(-cap // block_m)
   padded = num_blocks * block_m
   # Whole rows are gathered in processing order (contiguous V-int rows), then each block picks its used

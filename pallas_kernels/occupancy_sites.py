@@ -16,8 +16,8 @@ instead of 8.
    * ``occupancy_mark``: every valid proposal stores 1 into the byte of its site (int8 [G], G = batch_size *
      |output grid|, zeroed first). All writers of a byte store the same value, so plain stores in any order
      give the same map: no atomics.
-   * XLA: the bytes packed 32 to an int32 word, and the exclusive prefix sum of the words' bit counts. The
-     rank of site k among the occupied sites, which is its output row, is then
+   * XLA: the bytes packed 32 to an int32 word; occupancy_prefix.py: the exclusive prefix sum of the words' bit
+     counts. The rank of site k among the occupied sites, which is its output row, is then
      ``prefix[k >> 5] + popcount(word[k >> 5] & ((1 << (k & 31)) - 1))``; ``count`` is the total.
 2. ``occupied_sites``, ``occupancy_lookup``: each valid proposal (j, v) computes its site's rank and
    stores ``inv[j, v]`` (the rest of inv is -1 from the start), ``out_keys[rank] = key`` (every proposal of a
@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.hash_table import linear_key
+from pallas_kernels.occupancy_prefix import prefix_counts
 from pallas_kernels.out_struct import out_struct, same_vma
 from pallas_kernels.unique_keys import (BIG, ProposalGeometry, check_coords, offsets_by_residue, proposal_operands,
                                         proposal_site_at)
@@ -239,9 +240,7 @@ def mark_occupancy(coords, num, *, geometry: ProposalGeometry, batch_size: int,
         name="occupancy_mark",
     )(*same_vma(*operands, occupied))
   words = _pack_words(occupied[:num_words * WORD_BITS])
-  per_word = lax.population_count(words)
-  ends = jnp.cumsum(per_word, dtype=jnp.int32)
-  return Occupancy(words, ends - per_word, ends[-1])
+  return Occupancy(words, *prefix_counts(words, interpret=interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("out_capacity", "geometry", "batch_size", "interpret"))

@@ -423,7 +423,7 @@ def test_kernel_timeline_keeps_launches_apart():
 
 def test_probe_variants_compute_the_same_sums_and_keys():
   """The two GPU probes time several ways to compute one quantity: each way must give it. Row keys: the
-  plan's Gray-ranked neighbour bitmask, against `gemm_plan._row_order`'s ordering; folded column sums: the
+  plan's Gray-ranked neighbour bitmask, against `gemm_plan.row_order`'s ordering; folded column sums: the
   plain float32 sums over the valid rows, for folds that do and do not split a row group."""
   import jax.numpy as jnp
   import numpy as np
@@ -438,7 +438,7 @@ def test_probe_variants_compute_the_same_sums_and_keys():
   for k in keys[1:]:
     np.testing.assert_array_equal(k, keys[0])
   assert (keys[0][90:] == np.iinfo(np.int32).max).all() and len(set(keys[0][:90].tolist())) > 10
-  order = np.asarray(gemm_plan._row_order(jnp.asarray(nbr), jnp.asarray([90], jnp.int32)))
+  order = np.asarray(gemm_plan.row_order(jnp.asarray(nbr), jnp.asarray([90], jnp.int32)))
   np.testing.assert_array_equal(order, np.argsort(keys[0], kind="stable"))
 
   x = rng.standard_normal((64, 6)).astype(np.float16)

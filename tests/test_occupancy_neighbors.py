@@ -3,8 +3,11 @@
 CPU: the interpret-mode kernel and its XLA form against a numpy dictionary of the sites (hypothesis over grids,
 offsets, batches, padding rows and occupied sites that are not rows), the rule that picks it in
 `build_neighbor_map` (the output of a strided convolution or pool, and nothing else), whole convolutions
-through it against the XLA path (values and gradients), and Triton lowering. GPU (``-m gpu``): the kernel on
-the output of a strided convolution of a 1M-site sphere shell against the XLA map.
+through it against the XLA path (values and gradients), and Triton lowering. Rows in any order
+(`rows_occupancy`, a network's first level on a dense enough grid): its occupancy and rank-to-row table against
+numpy, the map through it, the rule that picks it, and convolutions through it against dense references. GPU
+(``-m gpu``): the kernel on the output of a strided convolution of a 1M-site sphere shell against the XLA map,
+and a shuffled 1M-site shell's first-level map against the XLA map.
 """
 from __future__ import annotations
 
@@ -21,8 +24,11 @@ import jsparse
 from jsparse import neighbors
 from jsparse.sparse_conv import pair_map
 from pallas_kernels import occupancy_sites
-from pallas_kernels.occupancy_neighbors import (neighbor_map_from_occupancy,
-                                                neighbor_map_from_occupancy_reference)
+from pallas_kernels import occupancy_neighbors
+from pallas_kernels.gemm_plan import MASK_BITS, masked_plan
+from pallas_kernels.occupancy_neighbors import (neighbor_map_and_masks, neighbor_map_from_occupancy,
+                                                neighbor_map_from_occupancy_reference, rows_occupancy,
+                                                rows_occupancy_reference)
 
 _on_gpu = jax.default_backend() == "gpu"
 
@@ -77,10 +83,18 @@ def _offsets(kernel_size, dilation=(1, 1, 1)):
 _reference = jax.jit(neighbor_map_from_occupancy_reference, static_argnames=("spatial_shape", "batch_size", "offsets"))
 
 
+def _expected_masks(nbr) -> np.ndarray:
+  """int32 [capacity]: each row's neighbour bitmask over its first MASK_BITS offsets (as the plan's sort reads)."""
+  bits = min(nbr.shape[1], MASK_BITS)
+  return ((nbr[:, :bits] >= 0).astype(np.int64) << np.arange(bits)).sum(axis=1).astype(np.uint32).view(np.int32)
+
+
 def _both(coords, num, occ, shape, batch, offsets):
+  """The kernel's map (its row masks checked against the map) and the XLA form's."""
   kwargs = dict(spatial_shape=shape, batch_size=batch, offsets=offsets)
-  got = neighbor_map_from_occupancy(jnp.asarray(coords), jnp.int32(num), occ, interpret=True, **kwargs)
+  got, masks = neighbor_map_and_masks(jnp.asarray(coords), jnp.int32(num), occ, interpret=True, **kwargs)
   ref = _reference(jnp.asarray(coords), jnp.int32(num), occ, **kwargs)
+  np.testing.assert_array_equal(masks, _expected_masks(np.asarray(got)))
   return np.asarray(got), np.asarray(ref)
 
 
@@ -299,3 +313,227 @@ def check_map_of_a_strided_output(res, kernel_size, dilation):
     mism = np.argwhere(got != want)
     assert mism.size == 0, f"{len(mism)} mismatches, first {mism[:5].tolist()}"
     assert (want >= 0).sum() > 5 * int(out_num)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rows in any order: rows_occupancy (the rows' own sites marked, each stored at its rank) and the map through it
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _unordered_rows(rng, shape, batch, num, capacity, pad, strays=0):
+  """coords [capacity, 4]: `num` distinct random sites in random order (`strays` of them then moved outside the
+  grid or the batch, as only a directly built tensor holds them), then padding rows."""
+  X, Y, Z = shape
+  keys = rng.choice(batch * X * Y * Z, size=num, replace=False)
+  coords = np.empty((capacity, 4), np.int32)
+  coords[:num] = np.stack(np.unravel_index(keys, (batch, X, Y, Z)), axis=1)
+  for i in rng.choice(num, size=min(strays, num), replace=False):
+    axis = rng.integers(0, 4)
+    coords[i, axis] = -1 - rng.integers(0, 3) if rng.random() < 0.5 else (batch, X, Y, Z)[axis] + rng.integers(0, 3)
+  coords[num:] = -1 if pad == "neg1" else rng.integers(-9, 9 + max(shape), size=(capacity - num, 4))
+  if pad == "copies" and capacity > num > 0:
+    coords[num:] = coords[rng.integers(0, num, capacity - num)]
+  return coords
+
+
+def _inside(coords, shape, batch):
+  return np.all((coords >= 0) & (coords < np.asarray((batch,) + tuple(shape))), axis=1)
+
+
+def _check_rows_occupancy(coords, num, shape, batch, offsets):
+  """rows_occupancy (interpret) and its XLA form against numpy, then the map through it against the dictionary
+  map of the in-grid rows (a valid row outside the grid is padding: no neighbours, nobody's neighbour)."""
+  c, n = jnp.asarray(coords), jnp.int32(num)
+  occ, rows = rows_occupancy(c, n, spatial_shape=shape, batch_size=batch, interpret=True)
+  ref_occ, ref_rows = rows_occupancy_reference(c, n, spatial_shape=shape, batch_size=batch)
+  inside = _inside(coords[:num], shape, batch)
+  keys = np.ravel_multi_index(tuple(coords[:num][inside].T), (batch,) + tuple(shape))
+  expect_occ = _occupancy_of_keys(keys, batch * int(np.prod(shape)))
+  expect_rows = np.flatnonzero(inside)[np.argsort(keys)]
+  for got in (occ, ref_occ):
+    np.testing.assert_array_equal(got.words, expect_occ.words)
+    np.testing.assert_array_equal(got.prefix, expect_occ.prefix)
+    assert int(got.count) == len(keys)
+  np.testing.assert_array_equal(np.asarray(rows)[:len(keys)], expect_rows)
+  np.testing.assert_array_equal(np.asarray(ref_rows)[:len(keys)], expect_rows)
+  kwargs = dict(spatial_shape=shape, batch_size=batch, offsets=offsets)
+  got, masks = neighbor_map_and_masks(c, n, occ, rows_by_rank=rows, interpret=True, **kwargs)
+  ref = neighbor_map_from_occupancy_reference(c, n, occ, rows_by_rank=rows, **kwargs)
+  np.testing.assert_array_equal(masks, _expected_masks(np.asarray(got)))
+  kept = coords.copy()
+  kept[:num][~inside] = (-1, 0, 0, -1)  # keyed as padding, as build_neighbor_map hands them over
+  expect = _numpy_map(kept, num, shape, offsets)
+  expect[:num][~inside] = -1
+  np.testing.assert_array_equal(np.asarray(got), expect)
+  np.testing.assert_array_equal(np.asarray(ref), expect)
+  return expect
+
+
+@pytest.mark.parametrize("shape,batch,num,capacity,kernel_size,dilation,pad,strays", [
+    ((7, 6, 9), 2, 150, 170, (3, 3, 3), (1, 1, 1), "garbage", 0),
+    ((12, 10, 5), 3, 260, 300, (3, 3, 3), (2, 1, 1), "copies", 5),
+    ((9, 9, 9), 1, 90, 90, (5, 1, 3), (1, 1, 1), "neg1", 3),  # anisotropic kernel, no padding rows
+    ((4, 33, 2), 2, 60, 64, (1, 3, 1), (1, 3, 1), "garbage", 0),  # a word boundary inside a y-column
+])
+def test_rows_in_any_order_match_numpy(shape, batch, num, capacity, kernel_size, dilation, pad, strays):
+  rng = np.random.default_rng(num * 7 + capacity)
+  coords = _unordered_rows(rng, shape, batch, num, capacity, pad, strays)
+  expect = _check_rows_occupancy(coords, num, shape, batch, _offsets(kernel_size, dilation))
+  assert (expect >= 0).sum() > num - strays  # real neighbours besides the centres
+
+
+def test_plan_from_the_kernels_masks_equals_the_plan_from_the_map():
+  # The masked plan sorting by the query kernel's row masks is the plan built from the map alone (V 27, and V 125,
+  # where only the first MASK_BITS offsets key the sort), with padding rows.
+  rng = np.random.default_rng(14)
+  for kernel_size, block_m in (((3, 3, 3), 16), ((5, 5, 5), 32)):
+    coords = _unordered_rows(rng, (9, 8, 7), 2, 300, 330, "garbage")
+    c, n = jnp.asarray(coords), jnp.int32(300)
+    occ, rows = rows_occupancy(c, n, spatial_shape=(9, 8, 7), batch_size=2, interpret=True)
+    nbr, masks = neighbor_map_and_masks(c, n, occ, spatial_shape=(9, 8, 7), batch_size=2,
+                                        offsets=_offsets(kernel_size), rows_by_rank=rows, interpret=True)
+    with_masks = masked_plan(nbr, n, block_m, row_masks=masks, interpret=True).comparable()
+    from_map = masked_plan(nbr, n, block_m, interpret=True).comparable()
+    for a, b in zip(with_masks, from_map):
+      np.testing.assert_array_equal(a, b)
+    assert int(jnp.sum(from_map.block_counts)) < from_map.block_counts.shape[0] * nbr.shape[1]  # blocks skip offsets
+  with pytest.raises(ValueError, match="row_masks must have shape"):
+    masked_plan(nbr, n, 16, row_masks=masks[:-1], interpret=True)
+
+
+@settings(max_examples=15, deadline=None)  # every example's shapes compile the kernels anew
+@given(data=st.data())
+def test_rows_in_any_order_property(data):
+  # Any grid, batch, density, offsets, row order, padding, rows outside the grid or the batch, and empty tensors:
+  # the occupancy, the rank-to-row table and the map are numpy's exactly.
+  draw = data.draw
+  shape = tuple(draw(st.integers(1, 12)) for _ in range(3))
+  batch = draw(st.integers(1, 3))
+  num = draw(st.integers(0, min(batch * int(np.prod(shape)), 120)))
+  capacity = max(1, num + draw(st.integers(0, 6)))
+  offsets = tuple(tuple(o) for o in draw(st.lists(st.lists(st.integers(-4, 4), min_size=3, max_size=3),
+                                                  min_size=1, max_size=12)))
+  rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+  coords = _unordered_rows(rng, shape, batch, num, capacity, draw(st.sampled_from(["neg1", "garbage", "copies"])),
+                           draw(st.integers(0, 3)))
+  _check_rows_occupancy(coords, num, shape, batch, offsets)
+
+
+def test_rows_fit_rule():
+  # At most BYTES_PER_OFFSET bytes of words and prefix counts (a quarter of a byte per site) per row and offset,
+  # and int32 keys: a 512^3 sphere shell (1M rows) and a 1M-site LiDAR batch of four 41 x 1600 x 1408 grids fit a
+  # 3^3 map; 110k rows on one such grid fit too (SECOND's small input has 125k), 100k do not; nor does a 2**31-site
+  # grid.
+  sites_per_row = 4 * occupancy_neighbors.BYTES_PER_OFFSET * 27
+  assert occupancy_neighbors.rows_fit(1_026_536, 27, (512,) * 3, 1)
+  assert occupancy_neighbors.rows_fit(1_000_000, 27, (41, 1600, 1408), 4)
+  assert occupancy_neighbors.rows_fit(110_000, 27, (41, 1600, 1408), 1)
+  assert not occupancy_neighbors.rows_fit(100_000, 27, (41, 1600, 1408), 1)
+  assert occupancy_neighbors.rows_fit(1000, 27, (60,) * 3, 1) == (60**3 <= sites_per_row * 1000)
+  assert not occupancy_neighbors.rows_fit(2**26, 27, (2048, 1024, 1024), 1)
+  assert occupancy_neighbors.rows_fit(1024, 1, (32,) * 3, 1) and not occupancy_neighbors.rows_fit(1023, 1, (32,) * 3, 1)
+  with pytest.raises(ValueError, match="rows_by_rank must have shape"):
+    neighbor_map_from_occupancy(jnp.zeros((8, 4), jnp.int32), 0, occupancy_sites.Occupancy(
+        jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.int32(0)), spatial_shape=(4, 4, 4), batch_size=1,
+        offsets=((0, 0, 0),), rows_by_rank=jnp.zeros((7,), jnp.int32), interpret=True)
+
+
+def _pallas_kernel_names(fn, *args):
+  """The names of the Pallas kernels in fn's jaxpr (interpret mode keeps them as pallas_call equations)."""
+  text = str(jax.make_jaxpr(fn)(*args))
+  return {name for name in ("occupancy_mark_bits", "occupancy_rank_rows", "occupancy_query", "hash_build",
+                            "hash_query")
+          if name in text}
+
+
+def test_first_level_map_picks_the_occupancy_where_the_grid_is_dense_enough():
+  # A shuffled tensor on a 16^3 grid (the occupancy: no hash table) and the same rows on a 16 x 16 x 65536 grid
+  # (too sparse: the hash table): both maps equal the XLA map, under jit, with padding rows.
+  rng = np.random.default_rng(11)
+  for shape, path in (((16, 16, 16), "occupancy_rank_rows"), ((16, 16, 2**16), "hash_query")):
+    coords = _unordered_rows(rng, (16, 16, 16), 2, 700, 720, "garbage")[:700]
+    x = jsparse.SparseTensor.from_coords(coords, np.ones((700, 2), np.float32), shape, 2, capacity=720)
+    build = lambda impl: (lambda t: neighbors.build_neighbor_map(  # noqa: E731
+        t, (3, 3, 3), (1, 1, 1), jsparse.dispatch.resolve(impl)).nbr)
+    names = _pallas_kernel_names(build("pallas"), x)
+    assert path in names and ({"hash_query", "occupancy_rank_rows"} - {path}).isdisjoint(names), names
+    np.testing.assert_array_equal(jax.jit(build("pallas"))(x), jax.jit(build("xla"))(x))
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.float16, 2e-2)])
+def test_first_level_convolution_matches_dense(dtype, tol):
+  # submconv3d on shuffled rows through the rows' occupancy (Pallas, interpret) against lax.conv_general_dilated
+  # on todense(): values and the input and weight gradients, float32 and float16.
+  from jax import lax
+
+  rng = np.random.default_rng(12)
+  shape, batch, num = (9, 8, 7), 2, 300
+  coords = _unordered_rows(rng, shape, batch, num, num, "neg1")
+  feats = jnp.asarray(rng.standard_normal((num, 4)), dtype)
+  x = jsparse.SparseTensor.from_coords(coords, feats, shape, batch, capacity=num + 12)
+  assert occupancy_neighbors.rows_fit(x.capacity, 27, shape, batch)
+  weight = jnp.asarray(rng.standard_normal((3, 3, 3, 4, 5)) * 0.2, dtype)
+  cot = jnp.asarray(rng.standard_normal((x.capacity, 5)), jnp.float32)
+  sites = tuple(np.asarray(x.coords[:num]).T)
+
+  def sparse_loss(f, w):
+    y = jsparse.submconv3d(x.replace(feats=f), w, implementation="pallas")
+    return jnp.sum(y.feats[:num].astype(jnp.float32) * cot[:num]), y.feats[:num]
+
+  def dense_loss(f, w):
+    d = x.replace(feats=f).todense().astype(jnp.float32)
+    y = lax.conv_general_dilated(d, w.astype(jnp.float32), (1, 1, 1), "SAME",
+                                 dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision="highest")
+    return jnp.sum(y[sites] * cot[:num]), y[sites]
+
+  (_, got), g_got = jax.jit(jax.value_and_grad(sparse_loss, argnums=(0, 1), has_aux=True))(x.feats, weight)
+  (_, want), g_want = jax.value_and_grad(dense_loss, argnums=(0, 1), has_aux=True)(x.feats, weight)
+  scale = float(jnp.max(jnp.abs(want)))
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=tol * scale, rtol=tol)
+  for a, b in zip(g_got, g_want):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, atol=tol * float(np.max(np.abs(b))), rtol=tol)
+
+
+def test_rows_occupancy_triton_lowering():
+  from triton_lowering import lower_for_cuda
+
+  def first_level(c, n):
+    occ, rows = rows_occupancy(c, n, spatial_shape=(8, 12, 8), batch_size=2)
+    return neighbor_map_from_occupancy(c, n, occ, spatial_shape=(8, 12, 8), batch_size=2, offsets=_offsets((3, 3, 3)),
+                                       rows_by_rank=rows)
+
+  text = lower_for_cuda(first_level, jnp.zeros((1000, 4), jnp.int32), jnp.int32(0))
+  assert text.count("__gpu$xla.gpu.triton") == 5
+  assert all(name in text for name in ("occupancy_mark_bits", "occupancy_chunk_counts", "occupancy_prefix",
+                                       "occupancy_rank_rows", "occupancy_query"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_gpu, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("res", [64, 512])
+def test_gpu_first_level_map_of_a_shuffled_shell_matches_xla(res):
+  # A sphere shell (1M sites at RES 512, two items) in random order with spare rows: the map through the rows'
+  # occupancy (atomic_or marks on the GPU) equals the XLA map, the rule picked the occupancy, and the forward plan
+  # built from the kernel's row masks is the plan of the map.
+  from benchmarks.workloads import sphere_shell_coords
+
+  pts = sphere_shell_coords(res, 2)
+  pts = pts[np.random.default_rng(13).permutation(len(pts))]
+  x = jsparse.SparseTensor.from_coords(pts, np.zeros((len(pts), 1), np.float32), (res,) * 3, 2,
+                                       capacity=len(pts) + 100)
+  assert occupancy_neighbors.rows_fit(x.capacity, 27, x.spatial_shape, 2)
+  block_m = 128
+
+  def maps(t):
+    cache = neighbors.build_neighbor_map(t, (3, 3, 3), (1, 1, 1), jsparse.dispatch.resolve("pallas"), (block_m,))
+    want = neighbors.build_neighbor_map(t, (3, 3, 3), (1, 1, 1), jsparse.dispatch.resolve("xla")).nbr
+    return cache.nbr, cache.plans[block_m].comparable(), want
+
+  assert "occupancy_rank_rows" in jax.jit(maps).lower(x).as_text()
+  got, plan, want = jax.jit(maps)(x)
+  mism = np.argwhere(np.asarray(got) != np.asarray(want))
+  assert mism.size == 0, f"{len(mism)} mismatches, first {mism[:5].tolist()}"
+  # The plan sorted by the query kernel's row masks is the plan of the map itself.
+  for a, b in zip(plan, masked_plan(got, x.num, block_m).comparable()):
+    np.testing.assert_array_equal(a, b)

@@ -374,6 +374,6 @@ def test_triton_lowering():
     return occ.count, *occupancy_sites.occupied_sites(c, n, occ, out_capacity=700, geometry=geom, batch_size=2)
 
   text = lower_for_cuda(f, jnp.zeros((1000, 4), jnp.int32), jnp.int32(0))
-  assert text.count("__gpu$xla.gpu.triton") == 2
-  for name in ("occupancy_mark", "occupancy_lookup"):
+  assert text.count("__gpu$xla.gpu.triton") == 4  # the mark, the two prefix-count passes, the lookup
+  for name in ("occupancy_mark", "occupancy_chunk_counts", "occupancy_prefix", "occupancy_lookup"):
     assert name in text

@@ -283,7 +283,7 @@ def test_masked_plan_and_pair_lists():
 
 
 def test_gray_rank_inverts_gray_code_on_all_31_mask_bits():
-  """gray_rank(n ^ (n >> 1)) == n for masks of up to _MASK_BITS = 31 offsets (27 for a 3x3x3 kernel), not only
+  """gray_rank(n ^ (n >> 1)) == n for masks of up to MASK_BITS = 31 offsets (27 for a 3x3x3 kernel), not only
   small ones: a rank built from too few shifts orders rows of far-apart masks together."""
   from pallas_kernels.gemm_plan import gray_rank
 

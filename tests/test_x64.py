@@ -208,12 +208,13 @@ def test_kernels_lower_without_64_bit_integers_under_x64(monkeypatch):
       return sum(jnp.sum(t.feats.astype(jnp.float32) ** 2) for t in (y, grouped, depthwise, normed))
     return lambda coords, feats, num, w: jax.grad(loss, argnums=(0, 1))(feats, w, coords, num)
 
-  common = {"hash_build", "hash_query", "masked_plan_blocks", "pair_list_counts", "pair_lists", "gather_gemm",
-            "gather_gemm_t", "weight_grad", "depthwise", "depthwise_t", "depthwise_weight_grad", "channel_moments",
-            "bn_grad_sums"}
-  hashed = {"unique_insert", "unique_mark", "unique_lookup"}
-  # grid: the site search's kernels (the hash table's with the cut, unique_kth_smallest, on narrow keys).
-  searches = {(16, 16, 16): {"occupancy_mark", "occupancy_lookup", "occupancy_query"},
+  common = {"masked_plan_blocks", "pair_list_counts", "pair_lists", "gather_gemm", "gather_gemm_t", "weight_grad",
+            "depthwise", "depthwise_t", "depthwise_weight_grad", "channel_moments", "bn_grad_sums"}
+  hashed = {"unique_insert", "unique_mark", "unique_lookup", "hash_build", "hash_query"}
+  # grid: the first level's map and the site search's kernels (on a small grid both through occupancy maps; on
+  # larger ones the hash tables, with the cut unique_kth_smallest on narrow keys).
+  searches = {(16, 16, 16): {"occupancy_mark_bits", "occupancy_chunk_counts", "occupancy_prefix",
+                             "occupancy_rank_rows", "occupancy_mark", "occupancy_lookup", "occupancy_query"},
               (512, 512, 512): hashed | {"unique_kth_smallest"},
               (3000, 3000, 3000): hashed}
   for grid, search in searches.items():

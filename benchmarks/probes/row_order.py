@@ -5,7 +5,7 @@
     python -m benchmarks.probes.row_order --model [--inputs ...]   # the CPU traffic model only (numpy)
     python -m benchmarks.probes.row_order --balanced --tiles "" ...  # the balanced-bit Gray order beside gray
 
-The masked plan orders rows by the Gray-code rank of their neighbour bitmask (`gemm_plan._row_order`), which
+The masked plan orders rows by the Gray-code rank of their neighbour bitmask (`gemm_plan.row_order`), which
 fills blocks well (few offsets per block) but scatters each block's rows over the whole input: the rows a block
 gathers are spread over all of x, and on large inputs x does not fit in L2. A CPU model (docs/perf_notes.md,
 seventeenth session) estimates the RES 512 shell's forward gathers ~3.6 GB a layer from HBM in mask order and
@@ -15,7 +15,7 @@ seventeenth session) estimates the RES 512 shell's forward gathers ~3.6 GB a lay
 For each input, dtype and order (`gray` = the library's; `tileT` = rows sorted by (T^3 spatial tile, Gray rank)):
 the plan's block fill (real pairs / rows x offsets looped over), the forward pass's time with the config the
 library picks for the shape (`map_gemm.choose`: the shipped table or the heuristic), and its output checked
-against the XLA forward. The order is swapped in by replacing `gemm_plan._row_order` while the plan is built
+against the XLA forward. The order is swapped in by replacing `gemm_plan.row_order` while the plan is built
 (a probe-only patch: any row order gives a correct plan). Off the GPU it runs a tiny shell in interpret mode
 (`--smoke`), checking the harness only.
 
@@ -132,12 +132,12 @@ def model(names, tiles) -> None:
 @contextlib.contextmanager
 def row_order(order: np.ndarray):
   """gemm_plan builds its plans with `order` while inside."""
-  saved = gemm_plan._row_order
-  gemm_plan._row_order = lambda nbr, num, row_classes=None: jnp.asarray(order)
+  saved = gemm_plan.row_order
+  gemm_plan.row_order = lambda nbr, num, row_classes=None, row_masks=None: jnp.asarray(order)
   try:
     yield
   finally:
-    gemm_plan._row_order = saved
+    gemm_plan.row_order = saved
 
 
 def main(argv=None) -> int:

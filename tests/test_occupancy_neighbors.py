@@ -115,20 +115,27 @@ def test_map_matches_numpy(shape, batch, occupied, num, capacity, kernel_size, d
   np.testing.assert_array_equal(ref, expect)
 
 
+def _draw_grid(draw):
+  """(shape, batch, offsets) for the property tests: grids of 1-12 per axis (a 32-site word spanning several rows,
+  or one row spanning several words), 1-3 items, 1-12 offsets (negative, repeated, past the grid)."""
+  shape = tuple(draw(st.integers(1, 12)) for _ in range(3))
+  batch = draw(st.integers(1, 3))
+  offsets = tuple(tuple(o) for o in draw(st.lists(st.lists(st.integers(-4, 4), min_size=3, max_size=3),
+                                                  min_size=1, max_size=12)))
+  return shape, batch, offsets
+
+
 @settings(max_examples=15, deadline=None)  # every example's shapes compile the kernel anew
 @given(data=st.data())
 def test_map_property(data):
   # Any grid (a 32-site word spanning several rows, or one row spanning several words), batch, density, offsets
   # (negative, repeated, past the grid), rows beyond num, and a traced num: the dictionary map exactly.
   draw = data.draw
-  shape = tuple(draw(st.integers(1, 12)) for _ in range(3))
-  batch = draw(st.integers(1, 3))
+  shape, batch, offsets = _draw_grid(draw)
   sites = batch * int(np.prod(shape))
   occupied = draw(st.integers(0, min(sites, 120)))
   num = draw(st.integers(0, occupied))
   capacity = num + draw(st.integers(0, 6))
-  offsets = tuple(tuple(o) for o in draw(st.lists(st.lists(st.integers(-4, 4), min_size=3, max_size=3),
-                                                  min_size=1, max_size=12)))
   rng = np.random.default_rng(draw(st.integers(0, 2**31)))
   coords, occ = _ranked_sites(rng, shape, batch, occupied, num, capacity,
                               draw(st.sampled_from(["neg1", "garbage", "copies"])))
@@ -407,12 +414,9 @@ def test_rows_in_any_order_property(data):
   # Any grid, batch, density, offsets, row order, padding, rows outside the grid or the batch, and empty tensors:
   # the occupancy, the rank-to-row table and the map are numpy's exactly.
   draw = data.draw
-  shape = tuple(draw(st.integers(1, 12)) for _ in range(3))
-  batch = draw(st.integers(1, 3))
+  shape, batch, offsets = _draw_grid(draw)
   num = draw(st.integers(0, min(batch * int(np.prod(shape)), 120)))
   capacity = max(1, num + draw(st.integers(0, 6)))
-  offsets = tuple(tuple(o) for o in draw(st.lists(st.lists(st.integers(-4, 4), min_size=3, max_size=3),
-                                                  min_size=1, max_size=12)))
   rng = np.random.default_rng(draw(st.integers(0, 2**31)))
   coords = _unordered_rows(rng, shape, batch, num, capacity, draw(st.sampled_from(["neg1", "garbage", "copies"])),
                            draw(st.integers(0, 3)))

@@ -150,7 +150,10 @@ class ConvMaps(NamedTuple):
     Pallas' interpret mode if asked)."""
     if self.plans and block_m in self.plans:
       return self.plans[block_m]
-    return gemm_plan.masked_plan(self.nbr, self.num, block_m, row_classes=self.classes, interpret=interpret)
+    # Another block size's plan has the rows' order already (it does not depend on block_m): no second sort.
+    order = next(iter(self.plans.values())).order if self.plans else None
+    return gemm_plan.masked_plan(self.nbr, self.num, block_m, row_classes=self.classes, order=order,
+                                 interpret=interpret)
 
   def input_grad_map(self) -> tuple[jax.Array, jax.Array]:
     """(map, valid rows) the input gradient runs over: the transposed map, or a submanifold map itself."""

@@ -206,8 +206,11 @@ def build_neighbor_map(x: SparseTensor, kernel_size: tuple[int, int, int], dilat
   plans, pairs = {}, None
   if impl.is_pallas:
     sizes = plan_block_sizes if plan_block_sizes is not None else (gemm_plan.default_block_m(x.capacity),)
-    plans = {int(bm): gemm_plan.masked_plan(nbr, x.num, int(bm), row_masks=masks, interpret=impl.interpret)
-             for bm in sizes}
+    plans = {}
+    for bm in sizes:  # one sort of the rows: every block size's plan shares the first one's order
+      order = next(iter(plans.values())).order if plans else None
+      plans[int(bm)] = gemm_plan.masked_plan(nbr, x.num, int(bm), row_masks=masks, order=order,
+                                             interpret=impl.interpret)
     pairs = ConvMaps(nbr, x.num, plans=plans).pair_lists(impl.interpret)
   cache = NeighborCache(nbr, overflow, kernel_size, dilation, plans, pairs, x.num, x.coords)
   report(overflow, "neighbor_map: the neighbour hash table overflowed (a probe ran past its bound); the map is "

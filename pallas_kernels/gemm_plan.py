@@ -125,8 +125,8 @@ BLOCK_PLAN_WARPS = 4
 
 
 def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int, *, row_classes: jax.Array | None = None,
-                row_masks: jax.Array | None = None, num_warps: int = BLOCK_PLAN_WARPS,
-                interpret: bool = False) -> MaskedPlan:
+                row_masks: jax.Array | None = None, order: jax.Array | None = None,
+                num_warps: int = BLOCK_PLAN_WARPS, interpret: bool = False) -> MaskedPlan:
   """The MaskedPlan of map `nbr` (int32 [capacity, V]) with `num` (int32 [1]) valid rows, in blocks of block_m
   rows: the row order by XLA's sort, each block's offsets and rows by `_block_plan_kernel`.
 
@@ -136,11 +136,16 @@ def masked_plan(nbr: jax.Array, num: jax.Array, block_m: int, *, row_classes: ja
     Any classes give a correct plan; good ones only make it as tight as the masks' order.
   row_masks: None, or the rows' neighbour bitmasks as the map's kernel wrote them (see row_order): the same plan,
     without a pass over the map for them.
+  order: None, or the row order of another plan of this map and classes (`MaskedPlan.order`, which does not
+    depend on block_m): the same plan, without sorting the rows again.
   num_warps: warps of each block-plan program (a tuning knob; the plan is the same).
   """
   cap, v = nbr.shape
   num = jnp.asarray(num, jnp.int32).reshape(1)
-  order = row_order(nbr, num, row_classes, row_masks)
+  if order is None:
+    order = row_order(nbr, num, row_classes, row_masks)
+  elif jnp.shape(order) != (cap,):
+    raise ValueError(f"order must have shape ({cap},), one row per map row, got {jnp.shape(order)}")
   num_blocks = -(-cap // block_m)
   if cap == 0:  # no rows: nothing to trace a kernel over
     return MaskedPlan(order, jnp.zeros((0, v), jnp.int32), jnp.zeros((0,), jnp.int32),

@@ -309,6 +309,46 @@ def test_masked_plan_kernel_matches_xla_reference(cap, v, fill, num_frac, block_
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
+def test_plans_of_other_block_sizes_reuse_the_first_plans_row_order():
+  """A plan built with another plan's row order is the plan built from scratch (the order does not depend on
+  block_m); a map's cache with several block sizes sorts its rows once, and a convolution's plan for a block size
+  the cache lacks reuses the cache's order (no second sort, which XLA could not merge with the first: that one
+  sorts by the query kernel's row masks)."""
+  from jsparse import map_gemm, neighbors
+
+  rng = np.random.default_rng(21)
+  nbr = jnp.asarray(np.where(rng.random((300, 27)) < 0.4, rng.integers(0, 300, (300, 27)), -1), jnp.int32)
+  num = jnp.asarray([280], jnp.int32)
+  first = _masked_plan_interpret(nbr, num, 16)
+  for block_m in (32, 64):
+    reused = masked_plan(nbr, num, block_m, order=first.order, interpret=True).comparable()
+    for name, a, b in zip(reused._fields, reused, _masked_plan_reference(nbr, num, block_m)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  with pytest.raises(ValueError, match="order must have shape"):
+    masked_plan(nbr, num, 16, order=first.order[:-1], interpret=True)
+
+  x = random_sparse(np.random.default_rng(22), (8, 8, 8), 3, batch_size=2)
+  impl = jsparse.dispatch.resolve("pallas")
+
+  def sorts(fn):  # the argsort calls (the printer shows a shared nested jaxpr once, so not its sort equations)
+    return str(jax.make_jaxpr(fn)(x)).count("name=argsort")
+
+  def two_sizes(t):
+    return neighbors.build_neighbor_map(t, (3, 3, 3), (1, 1, 1), impl, (16, 64)).plans
+
+  def plan_later(t):
+    cache = neighbors.build_neighbor_map(t, (3, 3, 3), (1, 1, 1), impl, (16,))
+    return map_gemm.ConvMaps(cache.nbr, cache.num, plans=cache.plans).plan(64, interpret=True)
+
+  assert sorts(two_sizes) == sorts(plan_later) == 1
+  plans = jax.jit(two_sizes)(x)
+  later = jax.jit(plan_later)(x)
+  cache = jax.jit(lambda t: neighbors.build_neighbor_map(t, (3, 3, 3), (1, 1, 1), impl, (16,)).nbr)(x)
+  for got in (plans[64].comparable(), later.comparable()):
+    for name, a, b in zip(got._fields, got, _masked_plan_reference(cache, x.num.reshape(1), 64)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 # Each example compiles anew (its own shapes, some 1.3 s): 10 a run, on fresh draws each run, rather than 16.
 @settings(max_examples=10, deadline=None)
 @given(cap=st.integers(0, 600), v=st.sampled_from([1, 8, 27, 125]), fill=st.floats(0.0, 1.0), mirrored=st.booleans(),

@@ -158,8 +158,9 @@ def neighbor_map(x: SparseTensor, kernel_size: Size3 = 3, dilation: Size3 = 1, i
   """The submanifold neighbour map of `x`'s coordinates for a kernel of `kernel_size` and `dilation`, in x's
   rank (a 2D tensor takes an int or 2 ints, as submconv2d).
 
-  implementation: None (Pallas on a GPU: an occupancy bitmap of the grid where it is no larger than the map,
-    else a GPU hash table; XLA elsewhere), "pallas" or "xla".
+  implementation: None (the Pallas kernels on a GPU, XLA elsewhere), "pallas" or "xla". Pallas reads the map from
+    an occupancy map where one fits (a strided output's, or the rows' own on a dense enough grid, `rows_fit`),
+    else from a hash table.
   plan_block_sizes: block sizes to build masked-GEMM plans for now (Pallas only); None = the kernels' default
     block size for this capacity. A convolution builds any other plan it needs (a tuned block size) and its
     output carries it on with the map.

@@ -49,7 +49,8 @@ NUM_WARPS = 4
 # Bytes of occupancy map (words and prefix counts, a quarter of a byte per grid site) allowed per row and kernel
 # offset for rows in any order: 8, so the map stays within twice the int32 [capacity, V] map it is built for (a
 # 1M-row sphere shell on a 512^3 grid needs 33 bytes a row, a 1M-site LiDAR batch of four 41 x 1600 x 1408 grids
-# about 90, against the 3^3 map's 108; a 100k-site scan on one such grid, 213, is just within the bound of 216).
+# about 90, against the 3^3 map's 108; SECOND's 108k-site "100k" scan on one such grid, 213, is just within the
+# bound of 216, and 100k rows would not be).
 BYTES_PER_OFFSET = 8
 
 
@@ -125,7 +126,7 @@ def neighbor_map_from_occupancy(coords, num, occupancy: Occupancy, *, spatial_sh
                                 rows_by_rank=None, interpret: bool = False) -> jax.Array:
   """nbr int32 [capacity, V]: nbr[i, v] = the rank of site coords[i] + (0, *offsets[v]) in `occupancy` (or, with
   rows_by_rank, the row of that rank) when that site is occupied and its rank is below num, else -1 (also for
-  rows i >= num and sites outside the grid).
+  rows i >= num, rows whose own site lies outside the grid or the batch, and sites outside the grid).
 
   coords: int32 [capacity, 4] (batch, x, y, z), rows >= num are padding (any contents); for the result to be
     the submanifold map of these rows, valid row i must be the site of rank i (as occupied_sites leaves them),

@@ -52,12 +52,15 @@ def test_prefix_counts_property(n, density, seed):
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 257, 1000])
-def test_several_tiles_per_chunk(monkeypatch, n):
+def test_several_tiles_per_chunk(monkeypatch, request, n):
   # Tiles of 8 words and at most 4 chunks: a chunk then loops over several tiles, carrying its running offset,
-  # and the chunks' offsets add the counts of all the chunks before them. (Lengths no other test traces, since
-  # the jitted entry point caches by shape, not by the module's constants.)
+  # and the chunks' offsets add the counts of all the chunks before them. (The jitted entry point caches by shape,
+  # not by the module's constants: its cache is cleared on the way in and out, so that a length traced elsewhere
+  # with the real constants does not stand in for this trace, nor this one for a later caller.)
   monkeypatch.setattr(occupancy_prefix, "TILE", 8)
   monkeypatch.setattr(occupancy_prefix, "MAX_CHUNKS", 4)
+  occupancy_prefix._prefix_counts.clear_cache()
+  request.addfinalizer(occupancy_prefix._prefix_counts.clear_cache)
   assert occupancy_prefix.chunk_words(1000) == 256 and occupancy_prefix.chunk_words(33) == 16
   words = _words(np.random.default_rng(n), n + 11, 0.4)
   _check(words)

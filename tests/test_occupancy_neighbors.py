@@ -196,6 +196,10 @@ def test_strided_output_reads_its_occupancy():
     for ks, dil in kernels_here:
       got, want = _both_maps(y, ks, dil)
       np.testing.assert_array_equal(got, want)
+  # It queries the search's occupancy: no second one built from the rows (mark, rank), nor a hash table.
+  names = _pallas_kernel_names(lambda: neighbors.build_neighbor_map(
+      y, (3, 3, 3), (1, 1, 1), jsparse.dispatch.resolve("pallas")).nbr)
+  assert names == {"occupancy_query"}, names
 
 
 def test_only_the_ranked_coordinates_read_the_occupancy():
@@ -389,13 +393,27 @@ def test_rows_in_any_order_match_numpy(shape, batch, num, capacity, kernel_size,
   assert (expect >= 0).sum() > num - strays  # real neighbours besides the centres
 
 
+def test_rows_just_outside_the_grid_are_padding():
+  # A nearly full grid with valid rows one site past each edge (-1 and the extent on the batch and on each axis):
+  # such a row's own key aliases an in-grid site (or lies outside the words), and its shifted sites reach occupied
+  # in-grid sites. It marks and ranks nothing, gets no neighbours (kernel and XLA form) and is nobody's neighbour.
+  rng = np.random.default_rng(16)
+  shape, batch, num = (4, 5, 6), 2, 220
+  coords = _unordered_rows(rng, shape, batch, num, num + 4, "garbage")
+  for j, (axis, past) in enumerate(itertools.product(range(4), (False, True))):
+    coords[j, axis] = ((batch,) + shape)[axis] if past else -1
+  expect = _check_rows_occupancy(coords, num, shape, batch, _offsets((3, 3, 3)))
+  assert (expect[:8] == -1).all() and (expect[8:num] >= 0).sum() > 10 * num
+
+
 def test_plan_from_the_kernels_masks_equals_the_plan_from_the_map():
   # The masked plan sorting by the query kernel's row masks is the plan built from the map alone (V 27, and V 125,
-  # where only the first MASK_BITS offsets key the sort), with padding rows.
+  # where only the first MASK_BITS offsets key the sort), with padding rows; and a nearly full grid, whose rows'
+  # masks often differ in one bit only (offset 0's: every bit of the key orders rows).
   rng = np.random.default_rng(14)
-  for kernel_size, block_m in (((3, 3, 3), 16), ((5, 5, 5), 32)):
-    coords = _unordered_rows(rng, (9, 8, 7), 2, 300, 330, "garbage")
-    c, n = jnp.asarray(coords), jnp.int32(300)
+  for kernel_size, block_m, num in (((3, 3, 3), 16, 300), ((5, 5, 5), 32, 300), ((3, 3, 3), 16, 950)):
+    coords = _unordered_rows(rng, (9, 8, 7), 2, num, num + 30, "garbage")
+    c, n = jnp.asarray(coords), jnp.int32(num)
     occ, rows = rows_occupancy(c, n, spatial_shape=(9, 8, 7), batch_size=2, interpret=True)
     nbr, masks = neighbor_map_and_masks(c, n, occ, spatial_shape=(9, 8, 7), batch_size=2,
                                         offsets=_offsets(kernel_size), rows_by_rank=rows, interpret=True)

@@ -397,11 +397,16 @@ def test_rows_just_outside_the_grid_are_padding():
   # A nearly full grid with valid rows one site past each edge (-1 and the extent on the batch and on each axis):
   # such a row's own key aliases an in-grid site (or lies outside the words), and its shifted sites reach occupied
   # in-grid sites. It marks and ranks nothing, gets no neighbours (kernel and XLA form) and is nobody's neighbour.
+  # So do padding rows at free in-grid sites.
   rng = np.random.default_rng(16)
   shape, batch, num = (4, 5, 6), 2, 220
   coords = _unordered_rows(rng, shape, batch, num, num + 4, "garbage")
   for j, (axis, past) in enumerate(itertools.product(range(4), (False, True))):
     coords[j, axis] = ((batch,) + shape)[axis] if past else -1
+  # Padding rows at free in-grid sites: marked, they would add bits (and ranks) of their own.
+  free = np.setdiff1d(np.arange(batch * int(np.prod(shape))), np.ravel_multi_index(tuple(coords[8:num].T),
+                                                                                     (batch,) + shape))
+  coords[num:] = np.stack(np.unravel_index(free[:4], (batch,) + shape), axis=1)
   expect = _check_rows_occupancy(coords, num, shape, batch, _offsets((3, 3, 3)))
   assert (expect[:8] == -1).all() and (expect[8:num] >= 0).sum() > 10 * num
 

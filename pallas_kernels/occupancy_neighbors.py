@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gemm_plan import MASK_BITS
 from pallas_kernels.hash_table import MAX_PAIRS, linear_key
-from pallas_kernels.occupancy_prefix import prefix_counts
+from pallas_kernels.occupancy_prefix import prefix_counts, prefix_counts_reference
 from pallas_kernels.occupancy_sites import WORD_BITS, Occupancy, site_rank
 from pallas_kernels.out_struct import out_struct, same_vma
 
@@ -54,16 +54,21 @@ NUM_WARPS = 4
 BYTES_PER_OFFSET = 8
 
 
+def _grid_words(spatial_shape, batch_size: int) -> tuple[int, int]:
+  """(sites, words) of the grid over the batch, after checking that int32 keys and word indices name them."""
+  sites = int(batch_size) * int(np.prod(spatial_shape))
+  if not 0 < sites < 2**31 - WORD_BITS:
+    raise ValueError(f"the grid over the batch must have 1 to 2**31 - 33 sites, got {sites}")
+  return sites, -(-sites // WORD_BITS)
+
+
 def _check(coords, occupancy: Occupancy, spatial_shape, batch_size: int, offsets) -> tuple[int, int]:
   """(capacity, V) after checking that the words cover the grid and the flat lane index fits int32."""
   if coords.ndim != 2 or coords.shape[1] != 4:
     raise ValueError(f"coords must be [capacity, 4], got {coords.shape}")
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-  sites = batch_size * int(np.prod(spatial_shape))
-  if not 0 < sites < 2**31 - WORD_BITS:
-    raise ValueError(f"the grid over the batch must have 1 to 2**31 - 33 sites, got {sites}")
-  words = -(-sites // WORD_BITS)
+  sites, words = _grid_words(spatial_shape, batch_size)
   if occupancy.words.shape != (words,) or occupancy.prefix.shape != (words,):
     raise ValueError(f"occupancy must hold {words} words for a grid of {sites} sites, got words "
                      f"{occupancy.words.shape} and prefix {occupancy.prefix.shape}")
@@ -185,10 +190,7 @@ def rows_occupancy(coords, num, *, spatial_shape, batch_size: int, interpret: bo
 def _rows_occupancy(coords, num, *, spatial_shape, batch_size, interpret):
   coords = jnp.asarray(coords, jnp.int32)
   capacity = int(coords.shape[0])
-  sites = batch_size * int(np.prod(spatial_shape))
-  if not 0 < sites < 2**31 - WORD_BITS:
-    raise ValueError(f"the grid over the batch must have 1 to 2**31 - 33 sites, got {sites}")
-  words = jnp.zeros((-(-sites // WORD_BITS),), jnp.int32)
+  words = jnp.zeros((_grid_words(spatial_shape, batch_size)[1],), jnp.int32)
   num = jnp.reshape(jnp.asarray(num, jnp.int32), (1,))
   if capacity:
     block = 1 if interpret else BLOCK_PAIRS
@@ -281,17 +283,14 @@ def rows_occupancy_reference(coords, num, *, spatial_shape, batch_size: int):
   key = coords[:, 0]
   for axis, extent in enumerate(spatial_shape):
     key = key * extent + coords[:, 1 + axis]
-  sites = int(batch_size) * int(np.prod(spatial_shape))
-  num_words = -(-sites // WORD_BITS)
+  num_words = _grid_words(spatial_shape, batch_size)[1]
   occupied = jnp.zeros((num_words * WORD_BITS,), bool).at[jnp.where(inside, key, num_words * WORD_BITS)].set(
       True, mode="drop")
   bits = occupied.reshape(num_words, WORD_BITS).astype(jnp.uint32) << jnp.arange(WORD_BITS, dtype=jnp.uint32)
   words = lax.bitcast_convert_type(jnp.sum(bits, axis=1, dtype=jnp.uint32), jnp.int32)
-  per_word = lax.population_count(words)
-  ends = jnp.cumsum(per_word, dtype=jnp.int32)
-  prefix = ends - per_word
+  prefix, count = prefix_counts_reference(words)
   rank = prefix[key >> 5] + lax.population_count(words[key >> 5] & (jnp.left_shift(1, key & 31) - 1))
   rows = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(inside, rank, capacity)].set(
       jnp.arange(capacity, dtype=jnp.int32), mode="drop")
-  return Occupancy(words, prefix, ends[-1]), rows
+  return Occupancy(words, prefix, count), rows
 

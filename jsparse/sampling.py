@@ -19,8 +19,8 @@ from jax import lax
 
 from jsparse._types import ArrayLike
 from jsparse.neighbors import lookup_keys, sorted_site_keys
-from jsparse.sparse_tensor import (SparseTensor, check_sparse_tensor, int32_values, is_traced, report, site_keys,
-                                   world_frame)
+from jsparse.sparse_tensor import (SparseTensor, check_sparse_tensor, int32_values, is_traced, real_points, report,
+                                   site_keys, voxel_units, world_frame)
 
 MODES = ("trilinear", "nearest")
 
@@ -134,7 +134,7 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   check_sparse_tensor(x)
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-  points = jnp.asarray(points)
+  points = jnp.asarray(real_points(points))
   # Voxel units in float32 at least: in bfloat16 (float16) u ~ 1000 on a 1024^3 grid rounds to 8 (0.5) voxels, and
   # most half-precision points sampled another voxel than their exact values name. The gradient comes back in
   # the points' dtype.
@@ -148,7 +148,7 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
     vs, org = world_frame(voxel_size, origin, points.dtype, ndim)
     # The lifted axes (extent 1) are sampled at their one voxel's centre, where the blend gives that voxel
     # weight 1: 3-value points at 0 there halved every value.
-    u = (points - org) / vs
+    u = voxel_units(points, org, vs)
     lifted = jnp.concatenate([jnp.full(u.shape[:-1] + (3 - ndim,), 0.5, u.dtype), u], axis=-1)
     return grid_sample(x.replace(spatial_ndim=3), lifted, mode, batch)
   if points.ndim == 3:
@@ -184,7 +184,7 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
         raise ValueError(message.format(value=int(host[bad[0]]), point=int(bad[0])))
   if x.capacity == 0:  # nothing to gather from
     return jnp.zeros((n, x.num_channels), x.feats.dtype)
-  u = (points - org) / vs
+  u = voxel_units(points, org, vs)
   finite = jnp.all(jnp.isfinite(u), axis=-1)
   # Clamp far-away points so the int32 cast cannot overflow (they sample zeros either way).
   lim = float(max(x.spatial_shape) + 2)

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax._src import config as _jax_config  # private: a trace-context flag (see error_checks)
 from jax.experimental import checkify
 
@@ -123,6 +124,25 @@ def world_frame(voxel_size, origin, dtype, ndim: int = 3) -> tuple[jax.Array, ja
       check_frame_values(name, host, value, f" (in {jnp.dtype(dtype).name})")
     out.append(jnp.broadcast_to(a, (ndim,)))
   return out[0], out[1]
+
+
+def real_points(points, name: str = "points"):
+  """points as an array, TypeError naming `name` for complex ones (a cast to float drops the imaginary part)."""
+  points = np.asarray(points) if not isinstance(points, jax.Array) else points
+  if jnp.issubdtype(points.dtype, jnp.complexfloating):
+    raise TypeError(f"{name} must be real, got dtype {points.dtype}")
+  return points
+
+
+def voxel_units(points: jax.Array, origin: jax.Array, voxel_size: jax.Array) -> jax.Array:
+  """(points - origin) / voxel_size, a true division as voxelize's on the host.
+
+  XLA rewrites a division by a broadcast divisor as a multiplication by its reciprocal, an ulp off: 0.3 / 0.1 is
+  2.9999999999999996 (voxel 2) but 0.3 * 10.0 is 3.0000000000000004 (voxel 3), so points on a voxel face landed in
+  the neighbouring voxel of voxelize's. The barrier hides the broadcast from that rewrite.
+  """
+  shift = points - origin
+  return shift / lax.optimization_barrier(jnp.broadcast_to(voxel_size, shift.shape))
 
 
 def check_frame_values(name: str, host: np.ndarray, given, where: str = "") -> None:

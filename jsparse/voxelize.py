@@ -28,8 +28,9 @@ from jax import lax
 from jsparse._types import ArrayLike
 from jsparse.sampling import gather_sites
 from jsparse.sparse_tensor import (MAX_EXTENT, MAX_KEYS, SparseTensor, as_int, as_spatial_shape, check_capacity,
-                                   check_frame_values, check_sparse_tensor, int32_values, key_width, report,
-                                   resolve_capacity, round_capacity, site_keys, wide_divmod, world_frame)
+                                   check_frame_values, check_sparse_tensor, int32_values, key_width, real_points,
+                                   report, resolve_capacity, round_capacity, site_keys, voxel_units, wide_divmod,
+                                   world_frame)
 from pallas_kernels.distinct_stores import store_distinct
 
 REDUCTIONS = ("mean", "sum", "max", "first")
@@ -312,7 +313,7 @@ def voxelize(points, feats=None, *, voxel_size, origin=None, spatial_shape=None,
   _check_reduce(reduce)
   capacity = check_capacity(capacity)
   dedup = _choose_dedup(dedup)
-  p = np.asarray(points)
+  p = np.asarray(real_points(points))
   if p.ndim != 2 or p.shape[1] != 3:
     raise ValueError(f"points must be [N, 3], got shape {p.shape}")
   if not np.issubdtype(p.dtype, np.floating):
@@ -424,7 +425,7 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   batch_size = as_int(batch_size, "batch_size", minimum=1)  # no silent truncation of 2.7 to 2
   width = _check_key_range(batch_size, spatial_shape)
   capacity = as_int(capacity, "capacity", minimum=0)
-  p = jnp.asarray(points)
+  p = jnp.asarray(real_points(points))
   if p.ndim != 2 or p.shape[1] != 3:
     raise ValueError(f"points must be [N, 3], got shape {p.shape}")
   n = p.shape[0]
@@ -433,7 +434,7 @@ def voxelize_jit(points, feats=None, *, voxel_size, origin, spatial_shape, capac
   p = p.astype(jnp.promote_types(p.dtype, jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else jnp.float32)
   vs, org = world_frame(voxel_size, origin, p.dtype)  # a concrete voxel_size <= 0 mirrored or dropped every point
   # The voxel index is piecewise constant in the points: stop_gradient keeps NaN-free zero cotangents.
-  idx = jnp.floor((lax.stop_gradient(p) - org) / vs)
+  idx = jnp.floor(voxel_units(lax.stop_gradient(p), org, vs))
   # Extents compared in float32 at least: in float16 an extent of 2049 rounds to 2048 and dropped voxel 2048.
   compare = jnp.promote_types(p.dtype, jnp.float32)
   idx, shape = idx.astype(compare), jnp.asarray(spatial_shape, compare)

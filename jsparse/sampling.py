@@ -53,7 +53,9 @@ def _sum_by_row(g, rows, num_rows: int):
 def _gather_sites(values, rows):
   if values.shape[0] == 0:  # nothing to read (an empty tensor)
     return jnp.zeros((rows.shape[0],) + values.shape[1:], values.dtype)
-  return jnp.where((rows >= 0)[:, None], values[jnp.maximum(rows, 0)], 0).astype(values.dtype)
+  # A row past M would read the clamped last row, a real site's features: it reads zeros as -1 does.
+  read = (rows >= 0) & (rows < values.shape[0])
+  return jnp.where(read[:, None], values[jnp.clip(rows, 0, values.shape[0] - 1)], 0).astype(values.dtype)
 
 
 def _gather_sites_fwd(values, rows):
@@ -74,14 +76,24 @@ def gather_sites(values: jax.Array, rows: ArrayLike) -> jax.Array:
 
   Many points may read one row. The gradient with respect to values sums each row's cotangents in float32
   by sorting the rows and a segmented scan (no scatter-add, so no float atomics on a GPU).
+  Rows >= M or < -1 raise ValueError outside jit; under jit they read zeros (`jsparse.error_checks()` reports them).
   """
   values = jnp.asarray(values)
-  rows = jnp.asarray(rows)
+  given = rows
+  rows = rows if isinstance(rows, jax.Array) else np.asarray(rows)  # not jnp: an int64 2**32 wrapped to row 0
   if values.ndim != 2:
     raise ValueError(f"values must be [M, C], got shape {values.shape}")
   if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
     raise ValueError(f"rows must be integer [N], got {rows.dtype} {rows.shape}")
-  return _gather_sites(values, rows.astype(jnp.int32))
+  m = values.shape[0]
+  message = f"gather_sites: {{rows}} rows are outside [-1, {m}) (-1: a zero row); they read zeros"
+  if not is_traced(given) and rows.size:
+    host = np.asarray(rows)
+    report(np.any((host < -1) | (host >= m)), message, rows=int(np.sum((host < -1) | (host >= m))))
+  rows = int32_values(rows, "rows")  # clipped, not wrapped: a wide row stays outside
+  if is_traced(given):
+    report(jnp.any((rows < -1) | (rows >= m)), message, rows=jnp.sum((rows < -1) | (rows >= m), dtype=jnp.int32))
+  return _gather_sites(values, rows)
 
 
 def lookup_rows(x: SparseTensor, query, ok=None) -> jax.Array:
@@ -192,7 +204,7 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   if mode == "nearest":
     site = jnp.floor(lax.stop_gradient(uc)).astype(jnp.int32)
     rows = lookup_rows(x, jnp.concatenate([b[:, None], site], axis=-1), finite)
-    return gather_sites(x.feats, rows)
+    return _gather_sites(x.feats, rows)  # lookup_rows' rows are in [-1, capacity): no check (a host round trip)
   centred = uc - 0.5  # voxel centres at integers
   base = jnp.floor(lax.stop_gradient(centred))
   frac = centred - base  # carries the gradient with respect to the points
@@ -204,7 +216,7 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   cf = corners.astype(uc.dtype)
   w = jnp.prod(jnp.where(cf[None] > 0, frac[:, None, :], 1 - frac[:, None, :]), axis=-1)  # [P, 8]
   w = jnp.where(rows >= 0, w, 0).astype(x.feats.dtype)
-  vals = gather_sites(x.feats, rows.reshape(-1)).reshape(n, 8, x.num_channels)  # [P, 8, C]; -1 failed at P = 0
+  vals = _gather_sites(x.feats, rows.reshape(-1)).reshape(n, 8, x.num_channels)  # [P, 8, C]; -1 failed at P = 0
   # Elementwise (no TF32 matmul on GPUs), accumulated in float32 for half-precision features.
   blended = jnp.sum(w.astype(jnp.float32)[..., None] * vals.astype(jnp.float32), axis=1)
   return blended.astype(x.feats.dtype)

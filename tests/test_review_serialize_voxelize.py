@@ -176,3 +176,25 @@ def test_grid_sample_matches_map_coordinates_on_the_dense_grid_and_its_feats_gra
   bad = jnp.array([[np.nan, 1, 1], [np.inf, 1, 1], [-np.inf, 1, 1], [1e30, 1, 1]], jnp.float32)
   assert not np.any(np.asarray(grid_sample(x, bad)))
   assert not np.any(np.asarray(jax.jit(jax.grad(lambda p: jnp.sum(grid_sample(x, p))))(bad)))
+
+
+# ---- gather_sites: rows outside [-1, M) -------------------------------------------------------------------
+
+def test_gather_sites_rows_outside_the_values_raise_or_read_zeros():
+  # Rows past M read the clamped last row (a real site's features), and an int64 row 2**32 wrapped to row 0.
+  from jax.experimental import checkify
+
+  import jsparse
+  from jsparse.sampling import gather_sites
+  values = jnp.arange(6.0).reshape(3, 2)
+  for rows in (np.array([0, 3]), np.array([7]), np.array([-5]), np.array([2**32], np.int64)):
+    with pytest.raises(ValueError, match="rows"):
+      gather_sites(values, rows)
+  np.testing.assert_array_equal(np.asarray(gather_sites(values, np.array([2, -1, 0]))), [[4, 5], [0, 0], [0, 1]])
+  read = jax.jit(gather_sites)
+  np.testing.assert_array_equal(np.asarray(read(values, jnp.array([0, 3, 7, -5]))), [[0, 1], [0, 0], [0, 0], [0, 0]])
+  with jsparse.error_checks():
+    err, _ = checkify.checkify(read)(values, jnp.array([1, 3]))
+  assert "rows" in str(err.get())
+  grad = jax.grad(lambda v: jnp.sum(read(v, jnp.array([2, 3, -4]))))(values)  # only row 2 was read
+  np.testing.assert_array_equal(np.asarray(grad), [[0, 0], [0, 0], [1, 1]])

@@ -465,15 +465,18 @@ def voxel_centres(x: SparseTensor, *, voxel_size: ArrayLike = 1.0,
   values).
 
   points = origin + (coords + 0.5) * voxel_size (the module's convention: voxelizing a centre gives its voxel
-  back); padding rows hold 0. The batch id of row i is x.coords[i, 0]. Jit-compatible.
+  back); padding rows hold 0. The batch id of row i is x.coords[i, 0]. Jit-compatible. float32, or float64 under
+  jax_enable_x64 (float32 values near a UTM-like origin, 4e6, are 0.25 apart: coarser than a 0.1 voxel).
   """
   check_sparse_tensor(x)
   ndim = x.spatial_ndim
-  vs, org = world_frame(voxel_size, origin, jnp.float32, ndim)
+  # JAX's default float: float32 made every centre float32 under x64 too, voxels away from its voxel at a far origin.
+  dtype = jnp.result_type(float)
+  vs, org = world_frame(voxel_size, origin, dtype, ndim)
   valid = x.valid_mask()
   # A 2D / 1D tensor's coordinates lead with lifted axes of extent 1: [P, 3] centres with a 2-value voxel_size
   # refused, and grid_sample on that tensor refused the 3-value points.
-  pts = org + (x.coords[:, 4 - ndim:].astype(jnp.float32) + 0.5) * vs
+  pts = org + (x.coords[:, 4 - ndim:].astype(dtype) + 0.5) * vs
   return jnp.where(valid[:, None], pts, 0.0), valid
 
 

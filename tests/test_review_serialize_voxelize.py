@@ -198,3 +198,20 @@ def test_gather_sites_rows_outside_the_values_raise_or_read_zeros():
   assert "rows" in str(err.get())
   grad = jax.grad(lambda v: jnp.sum(read(v, jnp.array([2, 3, -4]))))(values)  # only row 2 was read
   np.testing.assert_array_equal(np.asarray(grad), [[0, 0], [0, 0], [1, 1]])
+
+
+def test_voxel_centres_under_x64_are_float64_and_voxelize_back_to_their_voxels():
+  # Centres were float32 whatever the mode: at a UTM-like origin (4e6, where float32 values are 0.25 apart) a
+  # 0.1 voxel's centre landed voxels away from it, against the module's "voxelizing a centre gives its voxel back".
+  from jsparse.voxelize import voxel_centres
+  with jax.enable_x64(True):
+    origin = np.array([5e5, 4e6, 100.0])
+    points = origin + np.random.default_rng(0).uniform(0, 20, (200, 3))
+    t = voxelize(points, voxel_size=0.1, origin=origin)
+    centres, valid = voxel_centres(t, voxel_size=0.1, origin=origin)
+    assert centres.dtype == jnp.float64
+    back = voxelize(np.asarray(centres)[np.asarray(valid)], voxel_size=0.1, origin=origin,
+                    spatial_shape=t.spatial_shape)
+    np.testing.assert_array_equal(np.asarray(back.coords), np.asarray(t.coords))
+  centres, _ = voxel_centres(t)
+  assert centres.dtype == jnp.float32  # without x64, float32 as before

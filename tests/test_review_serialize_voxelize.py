@@ -215,3 +215,30 @@ def test_voxel_centres_under_x64_are_float64_and_voxelize_back_to_their_voxels()
     np.testing.assert_array_equal(np.asarray(back.coords), np.asarray(t.coords))
   centres, _ = voxel_centres(t)
   assert centres.dtype == jnp.float32  # without x64, float32 as before
+
+
+@settings(max_examples=15, deadline=None)
+@given(size=st.floats(0.01, 3.0), steps=st.lists(st.integers(0, 60), min_size=3, max_size=3))
+def test_float64_lattice_points_quantise_alike_in_every_path(size, steps):
+  # Points on multiples of the voxel size sit on faces up to rounding: the traced voxel_size is broadcast too, and
+  # XLA's reciprocal rewrite moved some of them (e.g. size 0.1) off voxelize's voxel.
+  with jax.enable_x64(True):
+    k = np.arange(64)
+    points = np.stack([(k + s) % 61 * size for s in steps], axis=1)
+    t, rows = voxelize(points, voxel_size=size, origin=0.0, spatial_shape=(61, 61, 61), return_index=True)
+    _, _, rows_j = jax.jit(lambda p, v: voxelize_jit(p, voxel_size=v, origin=0.0, spatial_shape=(61, 61, 61),
+                                                      capacity=t.capacity, return_index=True))(points, size)
+    np.testing.assert_array_equal(np.asarray(rows_j), np.asarray(rows))
+    site = np.floor(np.asarray(points) / size)  # numpy's true division, as voxelize's
+    np.testing.assert_array_equal(np.asarray(t.coords)[np.asarray(rows), 1:], site)
+
+
+def test_serialization_ignores_padding_rows_whatever_they_hold():
+  x = SparseTensor.from_coords(np.array([[0, 3, 2, 1], [1, 0, 0, 0], [0, 7, 7, 7]]), np.ones((3, 1), np.float32),
+                               spatial_shape=(8, 8, 8), batch_size=2, capacity=6)
+  x = x.replace(coords=x.coords.at[3:].set(jnp.array([[5, 2**30, -7, 9], [-3, -1, -1, -1], [0, 0, 0, 0]])))
+  for order, bits in (("morton", None), ("morton", 11), ("hilbert", None), ("hilbert", 11), ("linear", None)):
+    k = np.asarray(jax.jit(lambda x: serialize.serialization_keys(x, order, bits))(x)).reshape(6, -1)
+    assert np.all(k[3:] == 2**31 - 1) and np.all((k[:3] >= 0) & (k[:3] < 2**31 - 1))
+    _, perm = serialize.sort_by(x, order, bits)
+    np.testing.assert_array_equal(np.asarray(perm), [0, 2, 1, 3, 4, 5])  # (batch, key), padding last

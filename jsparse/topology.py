@@ -351,14 +351,15 @@ def _check_child_windows(coarse: SparseTensor, fine: SparseTensor, stride, user)
 
 
 def check_rate(rate, what: str = "rate") -> float:
-  """A dropout rate as a Python float in [0, 1]: Python and numpy reals pass (np.float32(0.5) too), as does a
-  concrete scalar jax array; a traced rate raises TypeError (the rate is static: it decides while tracing
-  whether anything is dropped); bools, strings, NaN and values outside [0, 1] raise ValueError naming `what`."""
+  """A dropout rate as a Python float in [0, 1]: Python and numpy reals pass (np.float32(0.5) too), as do a 0-d
+  numpy array and a concrete scalar jax array; a traced rate raises TypeError (the rate is static: it decides while
+  tracing whether anything is dropped); bools, strings, NaN and values outside [0, 1] raise ValueError naming
+  `what`."""
   if isinstance(rate, jax.core.Tracer):
     raise TypeError(f"{what} must be a static number in [0, 1], got a traced value {rate}: the rate decides "
                     "while tracing whether anything is dropped, so pass it as a Python float (close over it, or "
                     "mark it static with jax.jit's static_argnums / static_argnames)")
-  if isinstance(rate, jax.Array) and rate.shape == () and not jnp.issubdtype(rate.dtype, jnp.bool_):
+  if isinstance(rate, (jax.Array, np.ndarray)) and rate.shape == () and not jnp.issubdtype(rate.dtype, jnp.bool_):
     rate = rate.item()
   if not isinstance(rate, numbers.Real) or isinstance(rate, (bool, np.bool_)) or not 0.0 <= rate <= 1.0:
     raise ValueError(f"{what} must be a number in [0, 1], got {rate!r}")

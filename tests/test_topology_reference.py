@@ -270,3 +270,17 @@ def test_dropout_entries_are_zero_or_scaled_and_padding_zero(dtype):
     assert np.all(np.asarray(out.feats.astype(jnp.float32)) == 0)
   with pytest.raises(ValueError, match="rng"):
     jax.jit(lambda x: jsparse.dropout(x, 0.5))(x)
+
+
+def test_dropout_takes_a_zero_dimensional_numpy_rate():
+  # np.asarray(0.5) (a 0-d array, as np.mean or an array-valued config gives) was refused with "rate must be a number
+  # in [0, 1], got array(0.5)", which reads as if 0.5 were out of range, while jnp.asarray(0.5) passed.
+  x = _tensor(np.random.default_rng(4), (4, 4, 4), 1, 8, jnp.float32, density=0.5)
+  want = jsparse.dropout(x, 0.5, rng=jax.random.key(0))
+  for rate in (np.asarray(0.5), np.asarray(0.5, np.float16)):
+    y = jsparse.dropout(x, rate, rng=jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(y.feats), np.asarray(want.feats))
+  assert jsparse.topology.check_rate(np.asarray(0)) == 0.0
+  for rate in (np.asarray(1.5), np.asarray(True), np.asarray([0.5]), np.asarray("0.5")):
+    with pytest.raises(ValueError, match="rate must be a number in"):
+      jsparse.dropout(x, rate, rng=jax.random.key(0))

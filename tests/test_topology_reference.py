@@ -284,3 +284,32 @@ def test_dropout_takes_a_zero_dimensional_numpy_rate():
   for rate in (np.asarray(1.5), np.asarray(True), np.asarray([0.5]), np.asarray("0.5")):
     with pytest.raises(ValueError, match="rate must be a number in"):
       jsparse.dropout(x, rate, rng=jax.random.key(0))
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), shape=st.sampled_from([(5, 4, 3), (4, 6), (3, 3, 3)]),
+       stride=st.sampled_from([1, 2, 3]), batch_size=st.integers(1, 3), up=st.booleans())
+def test_child_labels_match_numpy(seed, shape, stride, batch_size, up):
+  """child_labels of a coarse tensor built from fine's coordinates // stride (both with garbage padding rows), on the
+  grid rounded up or down, in 3D and 2D: label t of coarse site c is whether c * stride + t is a site of fine."""
+  rng = np.random.default_rng(seed)
+  fine = _tensor(rng, shape, batch_size, 1, jnp.float32)
+  ndim = len(shape)
+  lifted = fine.spatial_shape
+  st3 = (1,) * (3 - ndim) + (stride,) * ndim
+  coarse_shape = tuple(-(-n // s) if up else n // s for n, s in zip(lifted, st3))
+  if min(coarse_shape) == 0:
+    return
+  parents = np.asarray(fine.coords[: int(fine.num)]).copy()
+  parents[:, 1:] //= np.asarray(st3)
+  parents = np.unique(parents[np.all(parents[:, 1:] < np.asarray(coarse_shape), axis=1)], axis=0)
+  coarse = _tensor(rng, coarse_shape[3 - ndim:], batch_size, 1, jnp.float32, sites=parents)
+  labels = np.asarray(jax.jit(jsparse.child_labels, static_argnums=2)(coarse, fine, stride))
+  t = stride**ndim
+  assert labels.shape == (coarse.capacity, t)
+  sites = set(_rows(fine))
+  for row in range(coarse.capacity):
+    for child, off in enumerate(np.ndindex(*st3)):
+      c = np.asarray(coarse.coords[row])
+      want = row < int(coarse.num) and (int(c[0]), *(c[1:] * np.asarray(st3) + off).tolist()) in sites
+      assert labels[row, child] == want, (row, child)

@@ -50,7 +50,9 @@ def _sum_by_row(g, rows, num_rows: int):
 
 
 @jax.custom_vjp
-def _gather_sites(values, rows):
+def gather_rows_in_range(values, rows):
+  """values[rows] for int32 rows already in [-1, M), without gather_sites' checks (callers whose rows are in range by
+  construction: no host round trip); -1, and any row outside, reads zeros. Same gradient as gather_sites."""
   if values.shape[0] == 0:  # nothing to read (an empty tensor)
     return jnp.zeros((rows.shape[0],) + values.shape[1:], values.dtype)
   # A row past M would read the clamped last row, a real site's features: it reads zeros as -1 does.
@@ -58,17 +60,17 @@ def _gather_sites(values, rows):
   return jnp.where(read[:, None], values[jnp.clip(rows, 0, values.shape[0] - 1)], 0).astype(values.dtype)
 
 
-def _gather_sites_fwd(values, rows):
+def _gather_rows_in_range_fwd(values, rows):
   # An empty [M, 0] array carries the row count and dtype (residuals must be arrays).
-  return _gather_sites(values, rows), (rows, jnp.zeros((values.shape[0], 0), values.dtype))
+  return gather_rows_in_range(values, rows), (rows, jnp.zeros((values.shape[0], 0), values.dtype))
 
 
-def _gather_sites_bwd(res, g):
+def _gather_rows_in_range_bwd(res, g):
   rows, like = res
   return _sum_by_row(g, rows, like.shape[0]).astype(like.dtype), None
 
 
-_gather_sites.defvjp(_gather_sites_fwd, _gather_sites_bwd)
+gather_rows_in_range.defvjp(_gather_rows_in_range_fwd, _gather_rows_in_range_bwd)
 
 
 def gather_sites(values: jax.Array, rows: ArrayLike) -> jax.Array:
@@ -93,7 +95,7 @@ def gather_sites(values: jax.Array, rows: ArrayLike) -> jax.Array:
   rows = int32_values(rows, "rows")  # clipped, not wrapped: a wide row stays outside
   if is_traced(given):
     report(jnp.any((rows < -1) | (rows >= m)), message, rows=jnp.sum((rows < -1) | (rows >= m), dtype=jnp.int32))
-  return _gather_sites(values, rows)
+  return gather_rows_in_range(values, rows)
 
 
 def lookup_rows(x: SparseTensor, query, ok=None) -> jax.Array:
@@ -204,7 +206,7 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   if mode == "nearest":
     site = jnp.floor(lax.stop_gradient(uc)).astype(jnp.int32)
     rows = lookup_rows(x, jnp.concatenate([b[:, None], site], axis=-1), finite)
-    return _gather_sites(x.feats, rows)  # lookup_rows' rows are in [-1, capacity): no check (a host round trip)
+    return gather_rows_in_range(x.feats, rows)  # lookup_rows' rows are in [-1, capacity): no check
   centred = uc - 0.5  # voxel centres at integers
   base = jnp.floor(lax.stop_gradient(centred))
   frac = centred - base  # carries the gradient with respect to the points
@@ -216,7 +218,8 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   cf = corners.astype(uc.dtype)
   w = jnp.prod(jnp.where(cf[None] > 0, frac[:, None, :], 1 - frac[:, None, :]), axis=-1)  # [P, 8]
   w = jnp.where(rows >= 0, w, 0).astype(x.feats.dtype)
-  vals = _gather_sites(x.feats, rows.reshape(-1)).reshape(n, 8, x.num_channels)  # [P, 8, C]; -1 failed at P = 0
+  # [P, 8, C]; -1 failed at P = 0
+  vals = gather_rows_in_range(x.feats, rows.reshape(-1)).reshape(n, 8, x.num_channels)
   # Elementwise (no TF32 matmul on GPUs), accumulated in float32 for half-precision features.
   blended = jnp.sum(w.astype(jnp.float32)[..., None] * vals.astype(jnp.float32), axis=1)
   return blended.astype(x.feats.dtype)

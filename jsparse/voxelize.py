@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from jsparse._types import ArrayLike
-from jsparse.sampling import _gather_sites  # devoxelize checks its rows itself
+from jsparse.sampling import gather_rows_in_range  # devoxelize checks its rows itself
 from jsparse.sparse_tensor import (MAX_EXTENT, MAX_KEYS, SparseTensor, as_int, as_spatial_shape, check_capacity,
                                    check_frame_values, check_sparse_tensor, int32_values, key_width, real_points,
                                    report, resolve_capacity, round_capacity, site_keys, voxel_units, wide_divmod,
@@ -510,4 +510,5 @@ def devoxelize(x: SparseTensor, point_rows: ArrayLike) -> jax.Array:
   report(below > 0, "devoxelize: {rows} point_rows are < -1 (rows are in [-1, capacity), -1: no voxel); they read "
          "zeros", rows=below)
   # Masked before the int32 cast, so that a wide traced row cannot wrap onto a valid one; checked above already.
-  return _gather_sites(x.feats, jnp.where((rows >= -1) & (rows < x.capacity), rows, -1).astype(jnp.int32))
+  in_range = (rows >= -1) & (rows < x.capacity)
+  return gather_rows_in_range(x.feats, jnp.where(in_range, rows, -1).astype(jnp.int32))

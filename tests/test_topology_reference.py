@@ -181,7 +181,7 @@ def test_global_pool_and_broadcast_match_numpy(seed, shape, batch_size, dtype):
     rel = 1e-5 if dtype == jnp.float32 else 1e-2
     expected = _rounded(expected, dtype)
     if reduce == "sum" and dtype == jnp.float16:
-      expected = np.where(np.abs(expected) > 65504, np.sign(expected) * np.inf, expected)
+      expected = np.where(np.abs(expected) > 65504, np.copysign(np.inf, expected), expected)
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), expected, rtol=rel, atol=rel, err_msg=reduce)
     np.testing.assert_array_equal(np.asarray(jax.jit(jsparse.global_pool, static_argnums=1)(x, reduce)),
                                   np.asarray(got))

@@ -218,7 +218,7 @@ def grid_sample(x: SparseTensor, points: ArrayLike, mode: str = "trilinear", bat
   cf = corners.astype(uc.dtype)
   w = jnp.prod(jnp.where(cf[None] > 0, frac[:, None, :], 1 - frac[:, None, :]), axis=-1)  # [P, 8]
   w = jnp.where(rows >= 0, w, 0).astype(x.feats.dtype)
-  # [P, 8, C]; -1 failed at P = 0
+  # [P, 8, C], reshaped by n rather than -1, which failed at P = 0.
   vals = gather_rows_in_range(x.feats, rows.reshape(-1)).reshape(n, 8, x.num_channels)
   # Elementwise (no TF32 matmul on GPUs), accumulated in float32 for half-precision features.
   blended = jnp.sum(w.astype(jnp.float32)[..., None] * vals.astype(jnp.float32), axis=1)
